@@ -1,0 +1,29 @@
+# Set-up, demo and tests. `make demo` and `make test` do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; installed first so that no CUDA build is pulled in.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+# Reuse a torch the system Python already has (a GPU machine's build); else install the CPU wheel.
+$(VENV)/.installed: pyproject.toml
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "using the system's torch"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV) && $(BIN)/pip install -q "$(TORCH_CPU)"; \
+	fi
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $@
+
+demo: setup
+	$(BIN)/moestream demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

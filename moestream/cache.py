@@ -1,0 +1,200 @@
+"""Expert cache: which experts stay in memory, under a byte budget, and its counters.
+
+An LRU cache of experts keyed by ``(layer, expert)``. The budget bounds the bytes of
+cached experts; an expert in use by the layer being computed is pinned and never
+evicted, so the cache may exceed its budget by at most the experts in use (a budget
+smaller than one layer's experts still works: each is read, used, then evicted).
+Budget ``None`` means every expert stays resident (the in-memory mode).
+
+The cache is driven from one thread (the compute thread); the store's reader threads
+only fill buffers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .errors import BudgetError
+from .store import ExpertStore, ExpertWeights, Key
+
+GB = 1e9
+
+
+def parse_budget(text: str | float | None) -> int | None:
+    """Parse a ``--cache-budget-gb`` value: a number of GB (10^9 bytes) or ``"all"``.
+
+    Returns the budget in bytes, or ``None`` for ``all`` (every expert resident).
+
+    Raises:
+        BudgetError: for a negative, non-finite or unparsable value.
+    """
+    if text is None or (isinstance(text, str) and text.strip().lower() == "all"):
+        return None
+    try:
+        gb = float(text)
+    except (TypeError, ValueError):
+        raise BudgetError(f"--cache-budget-gb: {text!r} is not a number of GB or 'all'") from None
+    if not (gb >= 0 and gb < float("inf")):
+        raise BudgetError(f"--cache-budget-gb: {text!r} must be a finite number of GB >= 0")
+    return int(gb * GB)
+
+
+@dataclass
+class CacheStats:
+    """Cache counters. ``lookups == hits + misses``; every miss is one expert read."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    preloaded: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class ExpertCache:
+    """LRU cache of experts with a byte budget, fed by an :class:`ExpertStore`.
+
+    Args:
+        store: reads missing experts.
+        budget_bytes: bytes of experts to keep, or ``None`` for every expert.
+        num_experts: layer index -> experts in that layer (sizes the usage counters).
+
+    Attributes:
+        stats: :class:`CacheStats`.
+        usage: layer -> int64 tensor [num_experts] of how many token routings chose
+            each expert (used for distinct-experts-per-layer and usage profiles).
+    """
+
+    def __init__(self, store: ExpertStore, budget_bytes: int | None, num_experts: dict[int, int]):
+        self.store = store
+        self.budget_bytes = budget_bytes
+        self.device = store.device
+        self.stats = CacheStats()
+        self.usage = {layer: torch.zeros(n, dtype=torch.int64) for layer, n in num_experts.items()}
+        self._entries: OrderedDict[Key, ExpertWeights] = OrderedDict()
+        self._pins: dict[Key, int] = {}
+        self.used_bytes = 0
+        self.peak_bytes = 0
+
+    # -- queries -----------------------------------------------------------------------
+    def __contains__(self, key: Key) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys_lru_first(self) -> list[Key]:
+        """Cached keys from least to most recently used."""
+        return list(self._entries)
+
+    def pinned(self) -> set[Key]:
+        return set(self._pins)
+
+    # -- policy ------------------------------------------------------------------------
+    def _pin(self, key: Key) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def _unpin(self, key: Key) -> None:
+        n = self._pins[key] - 1
+        if n:
+            self._pins[key] = n
+        else:
+            del self._pins[key]
+
+    def _insert(self, ew: ExpertWeights) -> None:
+        self._entries[ew.key] = ew
+        self.used_bytes += ew.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def _shrink(self) -> None:
+        """Evict least recently used, unpinned experts until within budget."""
+        if self.budget_bytes is None or self.used_bytes <= self.budget_bytes:
+            return
+        for key in list(self._entries):
+            if self.used_bytes <= self.budget_bytes:
+                break
+            if key in self._pins:
+                continue
+            ew = self._entries.pop(key)
+            self.used_bytes -= ew.nbytes
+            self.stats.evictions += 1
+
+    # -- use ---------------------------------------------------------------------------
+    def fetch(self, layer: int, experts: list[int], counts: list[int] | None = None) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield ``(expert, weights)`` for each of ``experts`` of ``layer``.
+
+        Cached experts come first, while the missing ones are being read; missing experts
+        follow in the order their reads complete. Each yielded expert stays pinned until
+        the caller asks for the next one (or closes the iterator), so callers must not
+        keep its tensors after that. ``counts[i]`` is how many token routings chose
+        ``experts[i]`` (default 1), recorded in :attr:`usage`.
+
+        Raises:
+            ReadError: from the store, naming the expert and file; nothing partially
+                read is cached.
+        """
+        usage = self.usage.get(layer)
+        hits: list[ExpertWeights] = []
+        misses: list[Key] = []
+        for i, e in enumerate(experts):
+            key = (layer, e)
+            if usage is not None:
+                usage[e] += 1 if counts is None else counts[i]
+            self.stats.lookups += 1
+            ew = self._entries.get(key)
+            if ew is None:
+                self.stats.misses += 1
+                misses.append(key)
+            else:
+                self.stats.hits += 1
+                self._entries.move_to_end(key)
+                self._pin(key)
+                hits.append(ew)
+        held = [ew.key for ew in hits]
+        batch = self.store.submit(misses) if misses else None
+        try:
+            for ew in hits:
+                yield ew.key[1], ew
+                self._unpin(ew.key)
+                held.remove(ew.key)
+            if batch is not None:
+                for ew in batch:
+                    self._insert(ew)
+                    self._pin(ew.key)
+                    held.append(ew.key)
+                    self._shrink()
+                    yield ew.key[1], ew
+                    self._unpin(ew.key)
+                    held.remove(ew.key)
+                    self._shrink()
+        finally:
+            if batch is not None:
+                batch.close()
+            for key in held:
+                self._unpin(key)
+            self._shrink()
+
+    def preload(self, keys: list[Key], progress=None) -> None:
+        """Read ``keys`` into the cache (as most recently used), as far as the budget allows.
+
+        ``progress``, if given, is called with each expert's bytes as it arrives.
+        """
+        keys = [k for k in keys if k not in self._entries]
+        with self.store.submit(keys) as batch:
+            for ew in batch:
+                self._insert(ew)
+                self.stats.preloaded += 1
+                self._shrink()
+                if progress is not None:
+                    progress(ew.nbytes)
+
+    def distinct_experts(self) -> dict[int, int]:
+        """Layer -> how many distinct experts the routings so far have used."""
+        return {layer: int((u > 0).sum()) for layer, u in self.usage.items()}

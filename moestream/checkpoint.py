@@ -1,0 +1,387 @@
+"""Checkpoint layer: a Hugging Face model folder, its config and its safetensors shards.
+
+A checkpoint is a folder holding ``config.json``, the weights as ``model.safetensors``
+or as shards listed by ``model.safetensors.index.json``, and tokenizer files. This
+module parses every shard's safetensors header (validating it against the file
+before any read), maps every tensor to ``(shard, byte offset, byte length, dtype,
+shape)`` and reads tensors by positional reads. It never unpickles anything.
+
+The safetensors format: an 8-byte little-endian header length N, N bytes of JSON
+mapping each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
+(offsets relative to the data section that starts at 8 + N), then the data.
+Specification: https://github.com/huggingface/safetensors#format
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError, ConfigError, ReadError
+
+# safetensors dtype name -> (torch dtype or None where this torch lacks it, bytes per element)
+_DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "U16": (getattr(torch, "uint16", None), 2),
+    "U32": (getattr(torch, "uint32", None), 4),
+    "U64": (getattr(torch, "uint64", None), 8),
+    "F8_E4M3": (getattr(torch, "float8_e4m3fn", None), 1),
+    "F8_E5M2": (getattr(torch, "float8_e5m2", None), 1),
+    "F8_E8M0": (getattr(torch, "float8_e8m0fnu", None), 1),
+}
+_TORCH_TO_ST = {v[0]: k for k, v in _DTYPES.items() if v[0] is not None}
+
+# A header larger than this is refused rather than parsed (real ones are well under 10 MB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def dtype_size(st_dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name such as ``"BF16"``."""
+    return _DTYPES[st_dtype][1]
+
+
+def torch_dtype(st_dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name; raises CheckpointError if this torch lacks it."""
+    dt = _DTYPES.get(st_dtype, (None, 0))[0]
+    if dt is None:
+        raise CheckpointError(f"dtype {st_dtype} is not supported by this PyTorch build")
+    return dt
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
+    try:
+        return _TORCH_TO_ST[dtype]
+    except KeyError:
+        raise CheckpointError(f"torch dtype {dtype} has no safetensors name") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes lie: ``nbytes`` bytes at absolute byte ``offset`` of ``file``.
+
+    ``dtype`` is the safetensors dtype name (``"BF16"``), ``shape`` the tensor shape.
+    """
+
+    name: str
+    file: Path
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate one safetensors file's header against the file's size.
+
+    Returns ``(tensors, metadata)``. Checks, before any tensor byte is read: the header
+    length lies inside the file, the JSON is a well-formed object, every dtype is known,
+    every shape is a list of non-negative integers, every byte range equals dtype size
+    times element count, lies inside the data section and overlaps no other.
+
+    Raises:
+        CheckpointError: naming the file and, where one is at fault, the tensor.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: file of {size} bytes is too short to be safetensors")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(
+                    f"{path}: header length {n} runs past the end of the file ({size} bytes); "
+                    "the file is truncated or not safetensors"
+                )
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: header of {n} bytes is larger than {MAX_HEADER_BYTES}")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    data_start = 8 + n
+    data_size = size - data_start
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: __metadata__ is not a JSON object")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where}: entry is not a JSON object")
+        dt = entry.get("dtype")
+        if dt not in _DTYPES:
+            raise CheckpointError(f"{where}: unknown dtype {dt!r}")
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        offs = entry.get("data_offsets")
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        ):
+            raise CheckpointError(f"{where}: data_offsets {offs!r} is not a pair of integers")
+        begin, end = offs
+        if begin < 0 or end < begin:
+            raise CheckpointError(f"{where}: data_offsets {offs} are not ordered")
+        if end > data_size:
+            raise CheckpointError(
+                f"{where}: data_offsets end at {end} but the data section holds {data_size} bytes; "
+                "the file is truncated or the header is corrupt"
+            )
+        expect = math.prod(shape) * _DTYPES[dt][1]
+        if end - begin != expect:
+            raise CheckpointError(
+                f"{where}: holds {end - begin} bytes but dtype {dt} x shape {shape} needs {expect}"
+            )
+        tensors[name] = TensorInfo(name, path, data_start + begin, end - begin, dt, tuple(shape))
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
+    for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap")
+    return tensors, metadata
+
+
+def pread_full(fd: int, offset: int, buffers: list[memoryview], path: Path | str, what: str) -> int:
+    """Fill ``buffers`` (writable byte views, in file order) from ``offset`` of ``fd``.
+
+    Uses ``os.preadv``, which releases the GIL, and retries after partial reads.
+    Returns the bytes read (the buffers' total length).
+
+    Raises:
+        ReadError: on an OS error or end of file before the buffers are full,
+            naming ``what`` (a tensor or expert) and ``path``.
+    """
+    pending = [b for b in buffers if len(b)]
+    total = sum(len(b) for b in pending)
+    pos = offset
+    iov_max = 1024
+    while pending:
+        try:
+            n = os.preadv(fd, pending[:iov_max], pos)
+        except OSError as e:
+            raise ReadError(f"reading {what} from {path} at byte {pos}: {e.strerror or e}") from None
+        if n <= 0:
+            raise ReadError(
+                f"reading {what} from {path}: short read, file ended at byte {pos} "
+                f"with {sum(len(b) for b in pending)} bytes still expected (truncated or replaced?)"
+            )
+        pos += n
+        while n and pending:
+            if n >= len(pending[0]):
+                n -= len(pending[0])
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
+    return total
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte memoryview over a contiguous CPU tensor's storage."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def empty_for(info: TensorInfo) -> tuple[torch.Tensor, memoryview]:
+    """An uninitialised CPU tensor of ``info``'s dtype and shape, and a byte view to read into."""
+    raw = torch.empty(info.nbytes, dtype=torch.uint8)
+    return raw.view(torch_dtype(info.dtype)).view(info.shape), memoryview(raw.numpy())
+
+
+def resolve_model(model: str | os.PathLike) -> Path:
+    """A local checkpoint folder for ``model``: a folder path, or a Hugging Face Hub id.
+
+    A Hub id (``org/name``) is resolved with ``huggingface_hub.snapshot_download``,
+    fetching only config, safetensors, index and tokenizer files (or the local Hub
+    cache when offline).
+
+    Raises:
+        CheckpointError: when ``model`` is neither an existing folder nor a Hub id that
+            can be fetched.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path}: --model must be a checkpoint folder, not a file")
+    text = str(model)
+    if not re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", text):
+        raise CheckpointError(f"{text}: no such folder, and not a Hugging Face Hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(
+            repo_id=text,
+            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"],
+        )
+    except Exception as e:  # huggingface_hub raises many kinds; all mean "cannot fetch"
+        raise CheckpointError(f"{text}: not a local folder, and fetching it from the Hub failed: {e}") from None
+    return Path(local)
+
+
+class Checkpoint:
+    """An opened checkpoint folder: its config and an index of every tensor.
+
+    Attributes:
+        path: the folder.
+        config: the parsed ``config.json`` (a dict, fields as Hugging Face names them).
+        tensors: tensor name -> :class:`TensorInfo`, across all shards.
+        shards: the shard files, in index order.
+
+    Raises (from the constructor):
+        CheckpointError: missing folder, config, shard or tensor; corrupt header or index;
+            pickle-only weights (never loaded).
+        ConfigError: config.json is not valid JSON.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: checkpoint folder does not exist")
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{self.path}: no config.json in the checkpoint folder")
+        try:
+            self.config = json.loads(cfg_path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+        if not isinstance(self.config, dict):
+            raise ConfigError(f"{cfg_path}: not a JSON object")
+        self.shards = self._find_shards()
+        self.tensors: dict[str, TensorInfo] = {}
+        self._index_tensors()
+        self._fds: dict[Path, int] = {}
+        self._fd_lock = threading.Lock()
+
+    # -- discovery ---------------------------------------------------------------------
+    def _find_shards(self) -> list[Path]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                data = json.loads(index.read_text())
+                weight_map = data["weight_map"]
+                assert isinstance(weight_map, dict)
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError):
+                raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object)") from None
+            self._weight_map = weight_map
+            names = []
+            for tensor, shard in weight_map.items():
+                if not isinstance(shard, str) or Path(shard).name != shard:
+                    raise CheckpointError(f"{index}: tensor {tensor!r} maps to {shard!r}, not a file in the folder")
+                if shard not in names:
+                    names.append(shard)
+            shards = [self.path / s for s in names]
+            for s in shards:
+                if not s.is_file():
+                    raise CheckpointError(f"{index}: shard {s.name} is listed but missing from {self.path}")
+            return shards
+        self._weight_map = None
+        shards = sorted(self.path.glob("*.safetensors"))
+        if shards:
+            return shards
+        pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(
+                f"{self.path}: weights are only in pickle files ({', '.join(pickles)}); moestream never "
+                "unpickles weights. Convert the checkpoint to safetensors (for example with "
+                "transformers' save_pretrained(..., safe_serialization=True)) and point --model at that."
+            )
+        raise CheckpointError(f"{self.path}: no *.safetensors weight files")
+
+    def _index_tensors(self) -> None:
+        for shard in self.shards:
+            tensors, _ = read_safetensors_header(shard)
+            for name, info in tensors.items():
+                if name in self.tensors:
+                    raise CheckpointError(
+                        f"{shard}: tensor {name!r} is also in {self.tensors[name].file.name}"
+                    )
+                self.tensors[name] = info
+        if self._weight_map is not None:
+            for name, shard in self._weight_map.items():
+                info = self.tensors.get(name)
+                if info is None or info.file.name != shard:
+                    raise CheckpointError(
+                        f"{self.path / INDEX_FILE}: tensor {name!r} is listed in {shard} but that shard "
+                        "does not hold it"
+                    )
+
+    # -- reading -----------------------------------------------------------------------
+    def fd(self, file: Path) -> int:
+        """A cached read-only file descriptor of a shard (shared by reader threads)."""
+        fd = self._fds.get(file)
+        if fd is None:
+            with self._fd_lock:
+                fd = self._fds.get(file)
+                if fd is None:
+                    try:
+                        fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    except OSError as e:
+                        raise CheckpointError(f"{file}: cannot open: {e.strerror or e}") from None
+                    self._fds[file] = fd
+        return fd
+
+    def info(self, name: str) -> TensorInfo:
+        """The :class:`TensorInfo` of ``name``; raises CheckpointError naming it if absent."""
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint") from None
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """Read one whole tensor into a new CPU tensor of its stored dtype and shape."""
+        info = self.info(name)
+        out, view = empty_for(info)
+        pread_full(self.fd(info.file), info.offset, [view], info.file, f"tensor {name!r}")
+        return out
+
+    def close(self) -> None:
+        """Close every shard file descriptor."""
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data over all shards."""
+        return sum(t.nbytes for t in self.tensors.values())

@@ -1,0 +1,140 @@
+"""The ``moestream`` command line: ``generate``, ``synth`` and ``demo``.
+
+Errors a user can cause are printed as one line naming the file, tensor or field
+(exit status 2); tracebacks are for bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import MoestreamError
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face Hub id")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    p.add_argument(
+        "--cache-budget-gb", default="3",
+        help="expert cache budget in GB (10^9 bytes), or 'all' to keep every expert resident (default 3)",
+    )
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--no-chat-template", action="store_true", help="encode the prompt as is, without the chat template")
+    p.add_argument("--stats-json", type=Path, default=None, help="also write the run's stats to this JSON file")
+    p.add_argument("--prefetch-workers", type=int, default=8, help="parallel expert reads (default 8)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk (default 512)")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto (the checkpoint's), bf16, fp16, fp32")
+    p.add_argument("--quiet", action="store_true", help="print only the generated text, not the stats")
+
+
+def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
+    """Load, generate with streamed output, print stats; returns the GenerationStats."""
+    from .engine import load
+    from .generation import GenerationStats, SamplingParams, generate
+    from .tokenizer import encode_prompt
+
+    if args.max_tokens < 1:
+        raise MoestreamError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.prefetch_workers < 1:
+        raise MoestreamError(f"--prefetch-workers must be at least 1, got {args.prefetch_workers}")
+    if args.prefill_chunk < 1:
+        raise MoestreamError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    try:
+        sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.seed)
+    except ValueError as e:
+        raise MoestreamError(str(e)) from None
+    engine = load(args.model, args.cache_budget_gb, workers=args.prefetch_workers, dtype=args.dtype)
+    try:
+        if engine.unused_tensors:
+            names = engine.unused_tensors
+            print(f"note: {len(names)} checkpoint tensors are not used, such as {names[:3]}", file=err)
+        ids = encode_prompt(engine.tokenizer, args.prompt, chat_template=not args.no_chat_template)
+        if not ids:
+            raise MoestreamError("--prompt encodes to no tokens")
+        stats = GenerationStats()
+        for step in generate(engine, ids, args.max_tokens, sampling, stats, prefill_chunk=args.prefill_chunk):
+            if step.text:
+                out.write(step.text)
+                out.flush()
+        out.write("\n")
+        out.flush()
+        if not args.quiet:
+            print("-" * 60, file=err)
+            print(stats.summary(), file=err)
+        if args.stats_json:
+            args.stats_json.write_text(stats.to_json() + "\n")
+        return stats
+    finally:
+        engine.close()
+
+
+def _add_synth_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, type=Path, help="a published config.json (real shapes)")
+    p.add_argument("--out", required=True, type=Path, help="checkpoint folder to create")
+    p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default all)")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder to copy (default: bundled Qwen3)")
+    p.add_argument("--init", default="spread", choices=["spread", "plain"],
+                   help="spread (default): near-uniform routing like a load-balanced model; plain: all std 0.02")
+    p.add_argument("--shard-gb", type=float, default=5.0, help="shard size in GB (default 5)")
+
+
+def run_synth(args: argparse.Namespace) -> Path:
+    from .engine import progress_bar
+    from .synth import synth, synth_nbytes
+
+    try:
+        cfg = json.loads(args.config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MoestreamError(f"--config {args.config}: cannot read a JSON config ({e})") from None
+    total = synth_nbytes(cfg, args.layers, args.dtype) if args.dtype in ("bf16", "fp16", "fp32") else 0
+    with progress_bar(total, f"writing {args.out.name}") as bar:
+        out = synth(args.config, args.out, args.layers, args.dtype, args.seed, args.tokenizer, args.init,
+                    args.shard_gb, bar.update)
+    print(f"wrote {out} ({total / 1e9:.2f} GB of weights)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="moestream",
+        description="Run Mixture-of-Experts models bigger than memory by streaming their experts from disk.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text, streaming experts through a cache")
+    _add_generate_args(g)
+    s = sub.add_parser("synth", help="write a random-weight checkpoint of a real config's shapes")
+    _add_synth_args(s)
+    d = sub.add_parser("demo", help="build a small model on first run and stream it")
+    d.add_argument("--dir", type=Path, default=None, help="where the demo checkpoint lives (default: user cache)")
+    d.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            run_generate(args)
+        elif args.command == "synth":
+            run_synth(args)
+        elif args.command == "demo":
+            from .demo import run_demo
+
+            run_demo(args.dir, args.max_tokens)
+        return 0
+    except MoestreamError as e:
+        print(f"moestream: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moestream: interrupted", file=sys.stderr)
+        return 130
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    """``python -m moestream.stream_generate``: the ``generate`` command's flags, alone."""
+    return main(["generate", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,31 @@
+"""Errors moestream raises for bad input and failed I/O.
+
+Every error a user can cause (a missing file, a corrupt checkpoint, a budget that
+cannot fit, an unsupported model) is a :class:`MoestreamError` whose message names
+the file, tensor or field involved. The CLI prints these as one line, without a
+traceback; anything else escaping is a bug.
+"""
+
+
+class MoestreamError(Exception):
+    """Base class of every error moestream raises on purpose."""
+
+
+class CheckpointError(MoestreamError):
+    """A checkpoint folder, shard, index or safetensors header is missing or invalid."""
+
+
+class ConfigError(MoestreamError):
+    """A config.json field is missing, malformed or unsupported."""
+
+
+class LayoutError(MoestreamError):
+    """The experts of a checkpoint are not laid out in a form moestream can stream."""
+
+
+class ReadError(MoestreamError):
+    """Reading bytes from a shard failed (an OS error) or returned short (a truncated file)."""
+
+
+class BudgetError(MoestreamError):
+    """A cache budget is malformed or cannot fit in the memory available."""

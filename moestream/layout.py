@@ -1,0 +1,240 @@
+"""Expert layout discovery: find every MoE layer's routed experts from tensor names.
+
+Checkpoints store routed experts in one of three layouts, found by rule rather than
+by a per-model table of names:
+
+* per-expert tensors, what Hugging Face checkpoints hold on disk:
+  ``<layers>.N.<block>.experts.E.{gate_proj,up_proj,down_proj}.weight``
+  (Mixtral's ``w1``/``w3``/``w2`` mean gate/up/down);
+* fused 3-D tensors, what transformers 5 holds in memory:
+  ``<layers>.N.<block>.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
+  ``<layers>.N.<block>.experts.down_proj`` [E, H, I];
+* stacked 3-D tensors, what mlx-lm writes:
+  ``<layers>.N.<block>.switch_mlp.{gate,up,down}_proj.weight`` [E, out, in].
+
+``<layers>`` is ``model.layers``, ``model.language_model.layers`` or
+``language_model.model.layers``. Whatever the layout, each expert becomes the same
+three byte ranges (pieces) ``gate`` [I, H], ``up`` [I, H] and ``down`` [H, I], so the
+compute and the cache see one form and every layout gives bit-identical results.
+Shared experts (``shared_expert``, ``shared_experts``) are not routed: they stay with
+the resident weights.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import TensorInfo, dtype_size
+from .errors import LayoutError
+
+LAYER_PREFIXES = ("model.layers", "model.language_model.layers", "language_model.model.layers")
+_PRE = "(?P<prefix>" + "|".join(re.escape(p) for p in LAYER_PREFIXES) + r")\.(?P<layer>\d+)\.(?P<block>[\w.]+?)"
+_PER_EXPERT = re.compile(_PRE + r"\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<param>\w+)$")
+_FUSED = re.compile(_PRE + r"\.experts\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$")
+_STACKED = re.compile(_PRE + r"\.switch_mlp\.(?P<proj>\w+)\.(?P<param>\w+)$")
+# any name that looks like it holds routed experts; used to report layouts we do not know
+_EXPERTISH = re.compile(r"\.(experts|switch_mlp)\.")
+ROLE_OF_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+ROLES = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor of one expert: ``nbytes`` bytes at absolute ``offset`` of ``file``.
+
+    ``role`` is ``"gate"``, ``"up"`` or ``"down"`` (``"<role>.<param>"`` for a tensor other
+    than the weight, such as a bias); ``dtype`` the safetensors dtype name; ``shape`` the
+    expert's own 2-D shape ([out, in], as ``nn.Linear`` stores it); ``source`` the
+    checkpoint tensor it lies in, for error messages.
+    """
+
+    role: str
+    file: Path
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    source: str
+
+
+@dataclass
+class MoELayerLayout:
+    """The routed experts of one MoE layer.
+
+    ``block`` is the module path of the MoE block (``model.layers.3.mlp``), ``kind``
+    the layout (``"per-expert"``, ``"fused"`` or ``"stacked"``), ``experts[e]`` the
+    pieces of expert ``e`` in role order.
+    """
+
+    layer: int
+    block: str
+    kind: str
+    experts: list[tuple[Piece, ...]]
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts)
+
+
+class ExpertLayout:
+    """Every MoE layer's experts, as byte ranges of the checkpoint's shards.
+
+    Attributes:
+        layers: layer index -> :class:`MoELayerLayout`.
+        expert_tensors: names of the checkpoint tensors that hold routed experts (the
+            rest are resident weights or unused).
+    """
+
+    def __init__(self, layers: dict[int, MoELayerLayout], expert_tensors: set[str]):
+        self.layers = layers
+        self.expert_tensors = expert_tensors
+
+    def pieces(self, layer: int, expert: int) -> tuple[Piece, ...]:
+        """The pieces of one expert, in role order."""
+        return self.layers[layer].experts[expert]
+
+    def expert_nbytes(self, layer: int, expert: int) -> int:
+        """Bytes one expert occupies on disk."""
+        return sum(p.nbytes for p in self.pieces(layer, expert))
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every routed expert of every layer."""
+        return sum(p.nbytes for lay in self.layers.values() for ex in lay.experts for p in ex)
+
+    @property
+    def num_experts(self) -> int:
+        """Total routed experts over all layers."""
+        return sum(lay.num_experts for lay in self.layers.values())
+
+
+def _slice(info: TensorInfo, index: int, rows: slice | None = None) -> tuple[int, int, tuple[int, ...]]:
+    """Byte offset, length and shape of ``info[index]`` (optionally only ``rows`` of it)."""
+    inner = info.shape[1:]
+    per = dtype_size(info.dtype)
+    for d in inner:
+        per *= d
+    offset = info.offset + index * per
+    if rows is None:
+        return offset, per, inner
+    row_bytes = per // inner[0] if inner[0] else 0
+    start, stop = rows.start, rows.stop
+    return offset + start * row_bytes, (stop - start) * row_bytes, (stop - start, *inner[1:])
+
+
+def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
+    """Find the routed experts of every MoE layer in a checkpoint's tensor index.
+
+    Args:
+        tensors: tensor name -> :class:`TensorInfo` (``Checkpoint.tensors``).
+
+    Returns:
+        An :class:`ExpertLayout`; empty when the checkpoint has no routed experts.
+
+    Raises:
+        LayoutError: tensors that look like experts in no known layout, a layer mixing
+            layouts, an expert missing gate, up or down, or experts of one layer whose
+            shapes disagree; the message names what was found.
+    """
+    found: dict[tuple[str, int, str], dict] = {}
+    expert_tensors: set[str] = set()
+    unknown: list[str] = []
+    for name, info in tensors.items():
+        m = _PER_EXPERT.match(name)
+        if m and m["proj"] in ROLE_OF_PROJ:
+            key = (m["prefix"], int(m["layer"]), m["block"])
+            slot = found.setdefault(key, {"kind": "per-expert", "parts": defaultdict(dict)})
+            _check_kind(slot, "per-expert", key, name)
+            role = ROLE_OF_PROJ[m["proj"]] + ("" if m["param"] == "weight" else "." + m["param"])
+            if m["param"] == "weight":
+                _check_rank(info, 2, name)
+            off, n, shape = info.offset, info.nbytes, info.shape
+            slot["parts"][int(m["expert"])][role] = Piece(role, info.file, off, n, info.dtype, shape, name)
+            expert_tensors.add(name)
+            continue
+        m = _FUSED.match(name)
+        if m:
+            key = (m["prefix"], int(m["layer"]), m["block"])
+            slot = found.setdefault(key, {"kind": "fused", "parts": defaultdict(dict)})
+            _check_kind(slot, "fused", key, name)
+            _check_rank(info, 3, name)
+            for e in range(info.shape[0]):
+                if m["proj"] == "down_proj":
+                    off, n, shape = _slice(info, e)
+                    slot["parts"][e]["down"] = Piece("down", info.file, off, n, info.dtype, shape, name)
+                else:
+                    two_i = info.shape[1]
+                    if two_i % 2:
+                        raise LayoutError(f"{name}: gate_up_proj has an odd row count {two_i}; expected [E, 2I, H]")
+                    half = two_i // 2
+                    for role, rows in (("gate", slice(0, half)), ("up", slice(half, two_i))):
+                        off, n, shape = _slice(info, e, rows)
+                        slot["parts"][e][role] = Piece(role, info.file, off, n, info.dtype, shape, name)
+            expert_tensors.add(name)
+            continue
+        m = _STACKED.match(name)
+        if m and m["proj"] in ROLE_OF_PROJ:
+            key = (m["prefix"], int(m["layer"]), m["block"])
+            slot = found.setdefault(key, {"kind": "stacked", "parts": defaultdict(dict)})
+            _check_kind(slot, "stacked", key, name)
+            role = ROLE_OF_PROJ[m["proj"]] + ("" if m["param"] == "weight" else "." + m["param"])
+            if m["param"] == "weight":
+                _check_rank(info, 3, name)
+            for e in range(info.shape[0]):
+                off, n, shape = _slice(info, e)
+                slot["parts"][e][role] = Piece(role, info.file, off, n, info.dtype, shape, name)
+            expert_tensors.add(name)
+            continue
+        if _EXPERTISH.search(name) and any(name.startswith(p + ".") for p in LAYER_PREFIXES):
+            unknown.append(name)
+    if unknown:
+        raise LayoutError(
+            f"unknown expert layout: found {len(unknown)} tensors such as {sorted(unknown)[:3]}; moestream "
+            "reads per-expert '...experts.E.{gate,up,down}_proj.weight', fused '...experts.gate_up_proj' "
+            "[E, 2I, H] with '...experts.down_proj' [E, H, I], and stacked "
+            "'...switch_mlp.{gate,up,down}_proj.weight' [E, out, in]"
+        )
+    layers: dict[int, MoELayerLayout] = {}
+    for (prefix, layer, block), slot in sorted(found.items(), key=lambda kv: kv[0][1]):
+        path = f"{prefix}.{layer}.{block}"
+        if layer in layers:
+            raise LayoutError(f"layer {layer} holds experts under both {layers[layer].block} and {path}")
+        parts = slot["parts"]
+        count = max(parts) + 1
+        missing = [e for e in range(count) if e not in parts]
+        if missing:
+            raise LayoutError(f"{path}: experts {missing[:5]} are missing (found {len(parts)} of {count})")
+        experts = []
+        for e in range(count):
+            roles = parts[e]
+            lacking = [r for r in ROLES if r not in roles]
+            if lacking:
+                raise LayoutError(f"{path}: expert {e} lacks {', '.join(lacking)} (found {', '.join(sorted(roles))})")
+            order = list(ROLES) + sorted(r for r in roles if r not in ROLES)
+            experts.append(tuple(roles[r] for r in order))
+        ref = [(p.role, p.shape, p.dtype) for p in experts[0]]
+        for e, pieces in enumerate(experts):
+            if [(p.role, p.shape, p.dtype) for p in pieces] != ref:
+                raise LayoutError(f"{path}: expert {e} has shapes or dtypes {pieces} unlike expert 0's {ref}")
+        gate, up, down = experts[0][:3]
+        if gate.shape != up.shape or down.shape[::-1] != gate.shape:
+            raise LayoutError(
+                f"{path}: expert shapes gate {gate.shape}, up {up.shape}, down {down.shape} do not form a "
+                "SwiGLU expert (gate and up [I, H], down [H, I])"
+            )
+        layers[layer] = MoELayerLayout(layer, path, slot["kind"], experts)
+    return ExpertLayout(layers, expert_tensors)
+
+
+def _check_kind(slot: dict, kind: str, key: tuple, name: str) -> None:
+    if slot["kind"] != kind:
+        prefix, layer, block = key
+        raise LayoutError(f"{prefix}.{layer}.{block}: mixes {slot['kind']} and {kind} expert tensors ({name})")
+
+
+def _check_rank(info: TensorInfo, rank: int, name: str) -> None:
+    if len(info.shape) != rank:
+        raise LayoutError(f"{name}: expected a {rank}-D tensor, found shape {list(info.shape)}")

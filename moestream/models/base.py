@@ -1,0 +1,172 @@
+"""What every model family shares: config field access, the causal-LM skeleton, and
+loading resident weights by name.
+
+A family module (one file per family, as in mlx-lm) defines ``ModelArgs`` (parsed from
+config.json), ``Model`` (an ``nn.Module`` whose parameter names are the checkpoint's
+tensor names, minus the routed experts), and ``synth_tensors``/``synth_config`` used by
+``moestream synth``. Routed experts are never parameters: the family's MoE blocks are
+:class:`~moestream.models.moe.StreamedMoE` modules that fetch them through the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..checkpoint import Checkpoint, torch_dtype
+from ..errors import CheckpointError, ConfigError
+from .layers import KVCache, RMSNorm, RotaryEmbedding
+from .moe import StreamedMoE
+
+
+def field(cfg: dict, name: str, kind: type | tuple = int, default=...):
+    """``cfg[name]`` checked to be of ``kind``; ``default`` when absent (required if none).
+
+    Raises:
+        ConfigError: naming the field when it is missing or of the wrong type.
+    """
+    if name not in cfg or cfg[name] is None:
+        if default is ...:
+            raise ConfigError(f"config.json: required field {name!r} is missing")
+        return default
+    value = cfg[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ConfigError(f"config.json: field {name!r} = {value!r} is not {' or '.join(k.__name__ for k in kinds)}")
+    return value
+
+
+def positive(cfg: dict, name: str, default=...) -> int:
+    """An integer field that must be at least 1."""
+    value = field(cfg, name, int, default)
+    if value < 1:
+        raise ConfigError(f"config.json: field {name!r} = {value} must be at least 1")
+    return value
+
+
+@dataclass(frozen=True)
+class SynthTensor:
+    """A tensor ``moestream synth`` writes: name, shape, and how to initialize it.
+
+    ``init`` is ``"embed"`` (token embeddings), ``"out"`` (a projection back into the
+    residual stream: attention output, expert and shared-expert down projections),
+    ``"norm"`` (ones), ``"zeros"``, or ``"normal"`` (everything else).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    init: str
+
+
+class CausalLM(nn.Module):
+    """Embedding -> decoder layers -> final norm -> LM head, over one sequence.
+
+    Subclasses build ``self.model.layers``; each layer is called as
+    ``layer(h, cos, sin, kv, index, start)`` and returns the new hidden states.
+    Parameter names follow the Hugging Face checkpoint (``model.embed_tokens.weight``,
+    ``model.layers.N....``, ``model.norm.weight``, ``lm_head.weight``).
+    """
+
+    def __init__(self, vocab: int, hidden: int, eps: float, rope_dim: int, rope_theta: float, tie: bool):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, hidden)
+        self.model.layers = nn.ModuleList()
+        self.model.norm = RMSNorm(hidden, eps)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.tie_word_embeddings = tie
+        with torch.device("cpu"):
+            self.rotary = RotaryEmbedding(rope_dim, rope_theta)
+
+    def moe_blocks(self) -> list[StreamedMoE]:
+        """Every streamed MoE block, in layer order."""
+        return [m for m in self.modules() if isinstance(m, StreamedMoE)]
+
+    def new_kv_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(len(self.model.layers), capacity)
+
+    def forward(self, ids: torch.Tensor, start: int, kv: KVCache, all_logits: bool = False) -> torch.Tensor:
+        """Logits for token ids ``ids`` [T] (int64) at positions ``start..start+T``.
+
+        Appends the chunk to ``kv``. Returns [T, vocab] when ``all_logits``, else [1, vocab]
+        for the last position only (prefill needs no more), in the model's dtype.
+        """
+        h = self.model.embed_tokens(ids)
+        positions = torch.arange(start, start + ids.shape[0], device=ids.device)
+        cos, sin = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, kv, i, start)
+        if not all_logits:
+            h = h[-1:]
+        kv.length = start + ids.shape[0]
+        return self.lm_head(self.model.norm(h))
+
+
+def load_resident(
+    model: nn.Module,
+    checkpoint: Checkpoint,
+    skip: set[str],
+    dtype: torch.dtype,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Fill ``model``'s parameters from the checkpoint tensors of the same names.
+
+    Float tensors are cast to ``dtype``. ``lm_head.weight`` is shared with the embedding
+    when the model ties them. ``skip`` names tensors that are not resident (routed
+    experts). Returns the names of checkpoint tensors the model does not use.
+
+    Raises:
+        CheckpointError: a parameter missing from the checkpoint, or of the wrong shape.
+    """
+    tied = getattr(model, "tie_word_embeddings", False)
+    state = {}
+    wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    for name in wanted:
+        if tied and name == "lm_head.weight" and name not in checkpoint.tensors:
+            continue
+        info = checkpoint.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{checkpoint.path}: tensor {name!r} is missing from the checkpoint")
+        if info.shape != expected[name]:
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(expected[name])}"
+            )
+        t = checkpoint.read_tensor(name)
+        if t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        state[name] = t
+        if progress is not None:
+            progress(info.nbytes)
+    if tied and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied and "lm_head.weight" not in checkpoint.tensors:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.requires_grad_(False)
+    used = set(wanted) | skip
+    return sorted(n for n in checkpoint.tensors if n not in used)
+
+
+def resident_nbytes(model: nn.Module) -> int:
+    """Bytes of the model's resident parameters (shared tensors counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        ptr = p.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += p.untyped_storage().nbytes()
+    return total
+
+
+def checkpoint_dtype(checkpoint: Checkpoint, name: str = "model.embed_tokens.weight") -> torch.dtype:
+    """The dtype the checkpoint stores its embedding in: the compute dtype by default."""
+    info = checkpoint.tensors.get(name)
+    if info is None:
+        raise CheckpointError(f"{checkpoint.path}: tensor {name!r} is missing from the checkpoint")
+    return torch_dtype(info.dtype)

@@ -1,0 +1,210 @@
+"""Layers shared by the model families: RMSNorm, rotary embeddings, attention with a KV
+cache, and the dense SwiGLU MLP.
+
+Activations are 2-D ``[T, hidden]`` tensors for one sequence of ``T`` tokens (one
+sequence at a time; batching is not needed for single-user streaming). The math follows
+the transformers reference implementations named in each docstring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), as transformers' ``Qwen3MoeRMSNorm``.
+
+    Normalizes in float32, casts back to the input dtype, then scales by ``weight`` [dim].
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_theta(cfg: dict) -> float:
+    """``rope_theta`` from a config, in transformers 4 (top level) or 5 (``rope_parameters``) form."""
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ConfigError("config.json: no rope_theta (top level or in rope_parameters)")
+    return float(theta)
+
+
+def rope_scaling_type(cfg: dict) -> str:
+    """The RoPE variant a config asks for (``"default"`` when it names none)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return params.get("rope_type", params.get("type", "default")) or "default"
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021, RoFormer), as transformers' default RoPE.
+
+    Args:
+        dim: rotated dimensions per head.
+        theta: the base (``rope_theta``).
+    """
+
+    def __init__(self, dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each [T, dim] in ``dtype``, for int64 ``positions`` [T]."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [heads, T, dim] by cos/sin [T, dim] (half-split convention, as transformers)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache:
+    """Keys and values of one sequence for every attention layer.
+
+    Each layer holds ``k`` and ``v`` of shape [kv_heads, capacity, head_dim]; capacity
+    grows (doubling) as tokens are appended. ``length`` is the tokens cached so far.
+    """
+
+    def __init__(self, num_layers: int, capacity: int = 256):
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.capacity = capacity
+        self.length = 0
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``, ``v`` [kv_heads, T, head_dim] at positions ``start..start+T``.
+
+        Returns the layer's keys and values for positions ``0..start+T``.
+        """
+        end = start + k.shape[1]
+        entry = self.layers[layer]
+        if entry is None or entry[0].shape[1] < end:
+            cap = max(self.capacity, end)
+            while cap < end:
+                cap *= 2
+            if entry is not None:
+                cap = max(cap, 2 * entry[0].shape[1])
+            nk = k.new_empty(k.shape[0], cap, k.shape[2])
+            nv = v.new_empty(v.shape[0], cap, v.shape[2])
+            if entry is not None and start:
+                nk[:, :start] = entry[0][:, :start]
+                nv[:, :start] = entry[1][:, :start]
+            entry = (nk, nv)
+            self.layers[layer] = entry
+        entry[0][:, start:end] = k
+        entry[1][:, start:end] = v
+        return entry[0][:, :end], entry[1][:, :end]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in filter(None, self.layers))
+
+
+def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:
+    """Boolean mask [t, start+t] (True = attend) for queries at ``start..start+t``.
+
+    Causal, and limited to the last ``window`` positions when ``window`` is set
+    (a query at position i sees keys in (i - window, i], as transformers' sliding
+    window mask). ``None`` when every key may be seen (one query, no window reach).
+    """
+    total = start + t
+    if t == 1 and (window is None or total <= window):
+        return None
+    q = torch.arange(start, total, device=device)[:, None]
+    k = torch.arange(total, device=device)[None, :]
+    mask = k <= q
+    if window is not None:
+        mask &= k > q - window
+    return mask
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional per-head q/k RMSNorm (Qwen3) and KV cache.
+
+    As transformers' ``Qwen3MoeAttention``: q/k/v projections, per-head RMSNorm of q and
+    k (before rotary), rotary embedding, softmax(q k^T / sqrt(head_dim)) v, o projection.
+
+    Args:
+        hidden: model width H; heads / kv_heads / head_dim: attention shape;
+        bias: whether q/k/v/o carry biases; qk_norm_eps: eps of q/k norms, None for none;
+        window: sliding-window length, None for full attention.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        bias: bool = False,
+        qk_norm_eps: float | None = None,
+        window: int | None = None,
+    ):
+        super().__init__()
+        if heads % kv_heads:
+            raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, layer: int, start: int
+    ) -> torch.Tensor:
+        """x [T, H] at positions ``start..start+T`` -> [T, H]; appends this chunk's keys/values to ``kv``."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys, values = kv.update(layer, start, k, v)
+        mask = attention_mask(start, t, self.window, x.device)
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask, scale=self.scale,
+            enable_gqa=self.heads != self.kv_heads,
+        )
+        return self.o_proj(out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP, ``down(silu(gate(x)) * up(x))`` (Shazeer 2020), as transformers' ``Qwen3MoeMLP``."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,117 @@
+"""The streamed MoE block: resident router, routed experts fetched through the expert cache.
+
+For ``T`` tokens routed to ``K`` experts each, every expert the layer needs is computed
+once on the tokens routed to it (cached experts first, missing ones as their reads
+complete), and its weighted output is written into slot ``(t, k)`` of a ``[T, K, H]``
+buffer. The layer's output is then the sum over ``k = 0..K-1`` in routing order. The
+order in which reads finished therefore never reaches the arithmetic, and every cache
+state -- any budget, any number of reader threads -- gives bit-identical results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import ExpertCache
+
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing, as transformers' ``Qwen3MoeTopKRouter``.
+
+    Softmax over ``logits`` [T, E] in float32, the ``top_k`` largest probabilities,
+    renormalized to sum to 1 when ``norm_topk_prob``, cast to the logits' dtype.
+    Returns ``(weights [T, K] in logits.dtype, indices [T, K] int64)``.
+    """
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, idx = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), idx
+
+
+def swiglu_expert(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One SwiGLU expert on ``x`` [n, H]: ``down(silu(gate x) * up x)`` -> [n, H].
+
+    ``w`` holds ``gate`` and ``up`` [I, H] and ``down`` [H, I] (nn.Linear orientation).
+    """
+    return F.linear(F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"])
+
+
+def streamed_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    layer: int,
+    cache: ExpertCache,
+    expert_fn: ExpertFn = swiglu_expert,
+) -> torch.Tensor:
+    """Sum of routed expert outputs for ``x`` [T, H], summed in routing order.
+
+    Args:
+        weights: [T, K] routing weights (x's dtype); idx: [T, K] expert indices.
+        layer: the layer index (the cache key's first half).
+        cache: where experts come from.
+        expert_fn: computes one expert on its tokens.
+
+    Returns:
+        [T, H]: ``sum_k weights[t, k] * expert_{idx[t, k]}(x[t])``, accumulated k = 0..K-1.
+    """
+    t, k = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert
+    sorted_ids = flat[order]
+    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    span = {e: (s, c) for e, s, c in zip(experts.tolist(), starts.tolist(), counts.tolist())}
+    # experts in order of first use in routing order (token-major, rank-minor)
+    first = torch.full((int(experts.max()) + 1,), t * k, dtype=torch.int64)
+    first.scatter_reduce_(0, flat, torch.arange(t * k), reduce="amin")
+    needed = sorted(span, key=lambda e: int(first[e]))
+    slots = x.new_empty(t * k, x.shape[1])
+    flat_w = weights.reshape(-1)
+    for e, ew in cache.fetch(layer, needed, [span[e][1] for e in needed]):
+        s, c = span[e]
+        sl = order[s : s + c]
+        tok = sl // k
+        slots[sl] = expert_fn(x[tok], ew.tensors) * flat_w[sl, None]
+    slots = slots.view(t, k, -1)
+    out = slots[:, 0].clone()
+    for j in range(1, k):
+        out += slots[:, j]
+    return out
+
+
+class StreamedMoE(nn.Module):
+    """A MoE block whose router is resident and whose routed experts stream through the cache.
+
+    Args:
+        hidden: model width H; num_experts: E.
+        layer: layer index; router: maps router logits [T, E] to (weights, indices).
+        cache: the expert cache (set before the first forward; see :meth:`attach`).
+        expert_fn: one expert's computation.
+
+    The router's weight is ``gate.weight`` [E, H], the name transformers uses.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, layer: int, router: Router, expert_fn: ExpertFn = swiglu_expert):
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.layer = layer
+        self.router = router
+        self.expert_fn = expert_fn
+        self.cache: ExpertCache | None = None
+
+    def attach(self, cache: ExpertCache) -> None:
+        self.cache = cache
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        weights, idx = self.router(self.gate(x))
+        return streamed_experts(x, weights, idx, self.layer, self.cache, self.expert_fn)

@@ -1,0 +1,282 @@
+"""Expert store: reads the bytes of whole experts from the shards.
+
+The store turns a list of wanted experts into positional reads: every expert gets one
+buffer of its own (so the cache can free it alone), its pieces are laid out in that
+buffer at aligned offsets, and pieces that are adjacent on disk -- the three tensors of
+one expert, or neighbouring experts of one layer -- are coalesced into one ``preadv``
+that scatters the file range into the experts' buffers. Reads run on a thread pool
+(``os.preadv`` releases the GIL) and are handed back as each expert completes, in
+completion order; the caller decides the order in which results are combined.
+
+Readers are one class behind :class:`Reader`; the store owns the plan and the pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint, pread_full, torch_dtype
+from .errors import ReadError
+from .layout import ExpertLayout
+
+Key = tuple[int, int]  # (layer, expert)
+
+# Offsets of pieces inside an expert's buffer are multiples of this (bytes): keeps every
+# tensor view aligned for vectorized kernels, and identical whatever the read path.
+PIECE_ALIGN = 64
+# Coalesced reads stop growing at this many bytes, so several reads stay in flight.
+MAX_READ_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ExpertWeights:
+    """One expert held in memory: a buffer and named tensor views into it.
+
+    ``tensors`` maps role (``"gate"``, ``"up"``, ``"down"``) to a tensor of the piece's
+    shape and dtype, on ``device``; ``nbytes`` is what the expert costs the cache budget.
+    """
+
+    key: Key
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    buffer: torch.Tensor = field(repr=False)
+
+
+class Reader(ABC):
+    """Fills buffers from a shard: the interface a read path (buffered, O_DIRECT) implements."""
+
+    @abstractmethod
+    def read(self, file: Path, offset: int, buffers: list[memoryview], what: str) -> int:
+        """Fill ``buffers`` in order from byte ``offset`` of ``file``; return bytes read.
+
+        Raises:
+            ReadError: naming ``what`` and ``file`` when the read fails or is short.
+        """
+
+
+class PreadReader(Reader):
+    """Buffered positional reads (``os.preadv``) through the checkpoint's shared descriptors."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+
+    def read(self, file: Path, offset: int, buffers: list[memoryview], what: str) -> int:
+        return pread_full(self.checkpoint.fd(file), offset, buffers, file, what)
+
+
+@dataclass
+class _Job:
+    """One coalesced read: ``length`` bytes at ``offset`` of ``file`` into ``views``."""
+
+    file: Path
+    offset: int
+    length: int
+    views: list[memoryview]
+    keys: list[Key]
+
+
+@dataclass
+class ReadStats:
+    """Counters of the store, in experts, syscalls, bytes and seconds."""
+
+    experts_read: int = 0
+    reads: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # summed over reader threads
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class ExpertStore:
+    """Reads experts of a checkpoint into memory.
+
+    Args:
+        checkpoint: the opened checkpoint (owns the shard files).
+        layout: where each expert's pieces lie (:func:`moestream.layout.discover_experts`).
+        dtype: compute dtype; float pieces stored in another dtype are cast after the read.
+        device: where the expert tensors are handed out (a host buffer is read first).
+        workers: reader threads; reads of one layer's missing experts run in parallel.
+        reader: the read path (default :class:`PreadReader`).
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        layout: ExpertLayout,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        workers: int = 8,
+        reader: Reader | None = None,
+    ):
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self.checkpoint = checkpoint
+        self.layout = layout
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.workers = workers
+        self.reader = reader or PreadReader(checkpoint)
+        self.stats = ReadStats()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moestream-read")
+        self._lock = threading.Lock()
+
+    def expert_nbytes(self, key: Key) -> int:
+        """Bytes one expert occupies on disk."""
+        return self.layout.expert_nbytes(*key)
+
+    def _allocate(self, key: Key) -> tuple[ExpertWeights, list[memoryview]]:
+        pieces = self.layout.pieces(*key)
+        offsets, total = [], 0
+        for p in pieces:
+            offsets.append(total)
+            total += -(-p.nbytes // PIECE_ALIGN) * PIECE_ALIGN
+        buf = torch.empty(total, dtype=torch.uint8)
+        raw = memoryview(buf.numpy())
+        tensors, views = {}, []
+        for p, off in zip(pieces, offsets):
+            tensors[p.role] = buf[off : off + p.nbytes].view(torch_dtype(p.dtype)).view(p.shape)
+            views.append(raw[off : off + p.nbytes])
+        return ExpertWeights(key, tensors, total, buf), views
+
+    def _plan(self, keys: list[Key]) -> tuple[dict[Key, ExpertWeights], list[_Job]]:
+        experts: dict[Key, ExpertWeights] = {}
+        segments = []  # (file, offset, nbytes, priority, key, view)
+        for prio, key in enumerate(keys):
+            ew, views = self._allocate(key)
+            experts[key] = ew
+            for p, v in zip(self.layout.pieces(*key), views):
+                segments.append((p.file, p.offset, p.nbytes, prio, key, v))
+        segments.sort(key=lambda s: (str(s[0]), s[1]))
+        jobs: list[tuple[int, _Job]] = []
+        for file, offset, n, prio, key, view in segments:
+            last = jobs[-1][1] if jobs else None
+            if (
+                last is not None
+                and last.file == file
+                and last.offset + last.length == offset
+                and last.length + n <= MAX_READ_BYTES
+            ):
+                last.length += n
+                last.views.append(view)
+                if key not in last.keys:
+                    last.keys.append(key)
+                jobs[-1] = (min(jobs[-1][0], prio), last)
+            else:
+                jobs.append((prio, _Job(file, offset, n, [view], [key])))
+        jobs.sort(key=lambda j: j[0])  # first-needed experts are read first
+        return experts, [j for _, j in jobs]
+
+    def _run(self, job: _Job) -> None:
+        what = "expert " + ", ".join(f"(layer {l}, expert {e})" for l, e in job.keys[:4])
+        if len(job.keys) > 4:
+            what += f" and {len(job.keys) - 4} more"
+        t0 = time.perf_counter()
+        self.reader.read(job.file, job.offset, job.views, what)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.stats.reads += 1
+            self.stats.bytes_read += job.length
+            self.stats.read_seconds += dt
+
+    def _finish(self, ew: ExpertWeights) -> ExpertWeights:
+        """Cast float pieces to the compute dtype and move them to the device."""
+        tensors = {}
+        for role, t in ew.tensors.items():
+            if t.is_floating_point() and t.dtype != self.dtype:
+                t = t.to(self.dtype)
+            if t.device != self.device:
+                t = t.to(self.device)
+            tensors[role] = t
+        if all(t is ew.tensors[r] for r, t in tensors.items()):
+            return ew
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return ExpertWeights(ew.key, tensors, nbytes, ew.buffer)
+
+    def submit(self, keys: list[Key], max_inflight: int | None = None) -> "ReadBatch":
+        """Start reading ``keys`` (in priority order) and return the batch of reads.
+
+        The first reads are issued before this returns, so the caller can compute on
+        what it already holds while they run; iterate the batch to receive experts.
+        """
+        return ReadBatch(self, keys, max_inflight or 2 * self.workers)
+
+    def read_all(self, keys: list[Key]) -> dict[Key, ExpertWeights]:
+        """Read ``keys`` and return them all (a convenience over :meth:`submit`)."""
+        with self.submit(keys) as batch:
+            return {ew.key: ew for ew in batch}
+
+    def close(self) -> None:
+        """Stop the reader threads."""
+        self._pool.shutdown(wait=True)
+
+
+class ReadBatch:
+    """Reads of a set of experts in flight; iterate it to receive each expert as it completes.
+
+    Experts are yielded in completion order. At most ``max_inflight`` coalesced reads are
+    outstanding, which bounds the memory held by experts read but not yet consumed.
+    Iteration raises :class:`~moestream.errors.ReadError` (naming the expert and file)
+    when a read fails or is short; a partially read expert is never yielded. Closing the
+    batch (or leaving its ``with`` block) cancels reads not yet started and waits for the
+    running ones, so no thread writes into a buffer after it is dropped.
+    """
+
+    def __init__(self, store: ExpertStore, keys: list[Key], max_inflight: int):
+        self._store = store
+        self._experts, self._jobs = store._plan(keys) if keys else ({}, [])
+        self._remaining = {k: 0 for k in keys}
+        for job in self._jobs:
+            for k in job.keys:
+                self._remaining[k] += 1
+        self._limit = max(1, max_inflight)
+        self._pending: dict[Future, _Job] = {}
+        self._next = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._next < len(self._jobs) and len(self._pending) < self._limit:
+            job = self._jobs[self._next]
+            self._pending[self._store._pool.submit(self._store._run, job)] = job
+            self._next += 1
+
+    def __iter__(self) -> Iterator[ExpertWeights]:
+        try:
+            while self._pending:
+                done, _ = wait(self._pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    job = self._pending.pop(fut)
+                    fut.result()  # re-raises the worker's ReadError
+                    self._fill()
+                    for k in job.keys:
+                        self._remaining[k] -= 1
+                        if self._remaining[k] == 0:
+                            with self._store._lock:
+                                self._store.stats.experts_read += 1
+                            yield self._store._finish(self._experts.pop(k))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel reads not yet started; wait for running ones."""
+        self._next = len(self._jobs)
+        for fut in self._pending:
+            fut.cancel()
+        if self._pending:
+            wait(self._pending)
+        self._pending.clear()
+        self._experts.clear()
+
+    def __enter__(self) -> "ReadBatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,119 @@
+"""Builders of tiny checkpoints for the tests: reference models from transformers, and the
+same weights rewritten in other expert layouts or shardings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+)
+
+
+def make_qwen3_moe(path: Path, seed: int = 0, **overrides):
+    """Save a random float32 transformers ``Qwen3MoeForCausalLM`` to ``path``; return the model.
+
+    Norm weights are randomized too (transformers initializes them to 1), so a norm
+    applied wrongly cannot hide.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)  # routers that actually discriminate between experts
+    model.save_pretrained(path)
+    return model
+
+
+def read_all(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                out[k] = st.get_tensor(k)
+    return out
+
+
+def write_checkpoint(src: Path, dst: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> Path:
+    """Write ``tensors`` to ``dst`` in ``shards`` files (with an index when > 1), copying src's other files."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    names = list(tensors)
+    if shards == 1:
+        save_file({k: tensors[k].contiguous() for k in names}, str(dst / "model.safetensors"))
+        return dst
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i * per : (i + 1) * per]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k].contiguous() for k in part}, str(dst / fname))
+        weight_map.update({k: fname for k in part})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def to_layout(tensors: dict[str, torch.Tensor], kind: str, num_experts: int) -> dict[str, torch.Tensor]:
+    """Rewrite per-expert expert tensors as ``fused`` ([E, 2I, H] + [E, H, I]) or ``stacked`` (switch_mlp)."""
+    import re
+
+    pat = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+    out, groups = {}, {}
+    for k, v in tensors.items():
+        m = pat.match(k)
+        if m:
+            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
+        else:
+            out[k] = v
+    for block, projs in groups.items():
+        stack = {p: torch.stack([projs[p][e] for e in range(num_experts)]) for p in ("gate", "up", "down")}
+        if kind == "fused":
+            out[f"{block}.experts.gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+            out[f"{block}.experts.down_proj"] = stack["down"]
+        elif kind == "stacked":
+            for p in ("gate", "up", "down"):
+                out[f"{block}.switch_mlp.{p}_proj.weight"] = stack[p]
+        else:
+            raise ValueError(kind)
+    return out
+
+
+def write_tiny_synth_config(path: Path, **overrides) -> Path:
+    """A tiny qwen3_moe config.json whose vocabulary covers the bundled Qwen3 tokenizer."""
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "eos_token_id": 151645, "max_position_embeddings": 4096,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+    }
+    cfg.update(overrides)
+    path.write_text(json.dumps(cfg))
+    return path

@@ -1,0 +1,217 @@
+"""Bad input gets a clear error naming the file, tensor or field, never a traceback or garbage."""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moestream.checkpoint import Checkpoint, read_safetensors_header, resolve_model
+from moestream.engine import load
+from moestream.errors import BudgetError, CheckpointError, ConfigError, ReadError
+
+from .helpers import make_qwen3_moe, read_all, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    src = tmp_path_factory.mktemp("src")
+    make_qwen3_moe(src)
+    return write_checkpoint(src, tmp_path_factory.mktemp("good"), read_all(src), shards=2)
+
+
+def copy(good, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(good, dst)
+    return dst
+
+
+def raw_header(path):
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def write_raw(path, header, body):
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+
+
+def test_missing_config(good, tmp_path):
+    d = copy(good, tmp_path)
+    (d / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"no config.json in the checkpoint folder"):
+        Checkpoint(d)
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="no such folder, and not a Hugging Face Hub id"):
+        resolve_model(tmp_path / "nowhere" / "deeper")
+
+
+def test_shard_named_in_index_but_absent(good, tmp_path):
+    d = copy(good, tmp_path)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"shard model-00002-of-00002.safetensors is listed but missing"):
+        Checkpoint(d)
+
+
+def test_truncated_shard(good, tmp_path):
+    d = copy(good, tmp_path)
+    shard = d / "model-00001-of-00002.safetensors"
+    os.truncate(shard, shard.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match=r"model-00001-of-00002.safetensors: tensor '.*': data_offsets end at .* truncated"):
+        Checkpoint(d)
+
+
+def test_header_offsets_past_the_file(good, tmp_path):
+    d = copy(good, tmp_path)
+    shard = d / "model-00002-of-00002.safetensors"
+    header, body = raw_header(shard)
+    name = next(k for k in header if k != "__metadata__")
+    b, e = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [b + len(body), e + len(body)]
+    write_raw(shard, header, body)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}': data_offsets end at \d+ but the data section holds"):
+        Checkpoint(d)
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda h, n: h[n].update(dtype="Q7"), "unknown dtype 'Q7'"),
+        (lambda h, n: h[n].update(shape=[-1, 2]), "is not a list of non-negative integers"),
+        (lambda h, n: h[n].update(shape=[3, 3]), "bytes but dtype F32 x shape"),
+        (lambda h, n: h[n].update(data_offsets=[8, 4]), "are not ordered"),
+        (lambda h, n: h[n].update(data_offsets="0-4"), "is not a pair of integers"),
+    ],
+)
+def test_malformed_header_fields(good, tmp_path, mutate, message):
+    d = copy(good, tmp_path)
+    shard = d / "model-00001-of-00002.safetensors"
+    header, body = raw_header(shard)
+    name = sorted(k for k in header if k != "__metadata__")[0]
+    mutate(header, name)
+    write_raw(shard, header, body)
+    with pytest.raises(CheckpointError, match=message) as e:
+        read_safetensors_header(shard)
+    assert str(shard) in str(e.value)
+
+
+def test_overlapping_tensors(good, tmp_path):
+    d = copy(good, tmp_path)
+    shard = d / "model-00001-of-00002.safetensors"
+    header, body = raw_header(shard)
+    a, b = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])[:2]
+    if header[a]["shape"] == header[b]["shape"] and header[a]["dtype"] == header[b]["dtype"]:
+        header[b]["data_offsets"] = header[a]["data_offsets"]
+    else:
+        header[b] = dict(header[a])
+    write_raw(shard, header, body)
+    with pytest.raises(CheckpointError, match="overlap"):
+        read_safetensors_header(shard)
+
+
+def test_header_not_json_and_too_short(tmp_path):
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(struct.pack("<Q", 5) + b"{nope")
+    with pytest.raises(CheckpointError, match="header is not valid JSON"):
+        read_safetensors_header(f)
+    f.write_bytes(b"abc")
+    with pytest.raises(CheckpointError, match="too short to be safetensors"):
+        read_safetensors_header(f)
+    f.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(CheckpointError, match="runs past the end of the file"):
+        read_safetensors_header(f)
+
+
+def test_unsupported_model_type(good, tmp_path):
+    d = copy(good, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llada_moe"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"model_type 'llada_moe' is not supported; moestream streams qwen3_moe"):
+        load(d, tokenizer=False)
+
+
+def test_missing_config_field_is_named(good, tmp_path):
+    d = copy(good, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["moe_intermediate_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="required field 'moe_intermediate_size' is missing"):
+        load(d, tokenizer=False)
+
+
+def test_missing_resident_tensor_is_named(good, tmp_path):
+    d = tmp_path / "m"
+    tensors = read_all(good)
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    write_checkpoint(good, d, tensors)
+    with pytest.raises(CheckpointError, match="'model.layers.1.self_attn.k_norm.weight' is missing"):
+        load(d, tokenizer=False)
+
+
+def test_pickle_weights_are_refused_not_loaded(good, tmp_path):
+    d = tmp_path / "pickled"
+    d.mkdir()
+    shutil.copy(good / "config.json", d)
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(CheckpointError, match="never unpickles weights.*safetensors"):
+        Checkpoint(d)
+
+
+def test_budget_all_that_cannot_fit_is_refused(good, monkeypatch):
+    monkeypatch.setattr("moestream.engine.available_bytes", lambda: 1000)
+    with pytest.raises(BudgetError, match=r"needs [\d.]+ GB for every expert, but only 0.00 GB"):
+        load(good, cache_budget_gb="all", tokenizer=False)
+
+
+def test_shard_truncated_while_running(good, tmp_path):
+    """A shard cut short after load: the read fails naming expert and file; nothing partial is used."""
+    d = copy(good, tmp_path)
+    engine = load(d, cache_budget_gb=0, tokenizer=False)
+    try:
+        with torch.inference_mode():
+            engine.model(torch.arange(5), 0, engine.model.new_kv_cache())
+        for shard in d.glob("*.safetensors"):
+            os.truncate(shard, 200)
+        with pytest.raises(ReadError, match=r"reading expert \(layer \d+, expert \d+\).* from .*safetensors: short read"):
+            with torch.inference_mode():
+                engine.model(torch.arange(5), 0, engine.model.new_kv_cache())
+        assert len(engine.cache) == 0 and not engine.cache.pinned()
+    finally:
+        engine.close()
+
+
+def test_hub_id_goes_through_snapshot_download(monkeypatch, good):
+    calls = []
+
+    def fake(repo_id, allow_patterns):
+        calls.append((repo_id, allow_patterns))
+        return str(good)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake)
+    assert resolve_model("Qwen/Qwen3-30B-A3B") == good
+    assert calls[0][0] == "Qwen/Qwen3-30B-A3B" and "*.safetensors" in calls[0][1]
+    assert not any(p.endswith((".bin", ".pt", ".pth")) for p in calls[0][1])
+
+
+def test_cli_prints_one_line_errors(good, tmp_path):
+    d = copy(good, tmp_path)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    for args, message in [
+        (["generate", "--model", str(d), "--prompt", "hi"], "is listed but missing"),
+        (["generate", "--model", str(good), "--prompt", "hi", "--cache-budget-gb", "lots"], "is not a number of GB"),
+        (["generate", "--model", str(good), "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["synth", "--config", str(tmp_path / "none.json"), "--out", str(tmp_path / "o")], "cannot read a JSON config"),
+    ]:
+        r = subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        lines = [l for l in r.stderr.splitlines() if l.startswith("moestream: error:")]
+        assert len(lines) == 1 and message in lines[0], r.stderr
