@@ -127,7 +127,9 @@ class ExpertCache:
             self.stats.evictions += 1
 
     # -- use ---------------------------------------------------------------------------
-    def fetch(self, layer: int, experts: list[int], counts: list[int] | None = None) -> Iterator[tuple[int, ExpertWeights]]:
+    def fetch(
+        self, layer: int, experts: list[int], counts: list[int] | None = None
+    ) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield ``(expert, weights)`` for each of ``experts`` of ``layer``.
 
         Cached experts come first, while the missing ones are being read; missing experts

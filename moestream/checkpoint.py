@@ -169,7 +169,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
             )
         tensors[name] = TensorInfo(name, path, data_start + begin, end - begin, dt, tuple(shape))
     spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
-    for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap")
     return tensors, metadata
@@ -219,6 +219,43 @@ def empty_for(info: TensorInfo) -> tuple[torch.Tensor, memoryview]:
     """An uninitialised CPU tensor of ``info``'s dtype and shape, and a byte view to read into."""
     raw = torch.empty(info.nbytes, dtype=torch.uint8)
     return raw.view(torch_dtype(info.dtype)).view(info.shape), memoryview(raw.numpy())
+
+
+class FileHandles:
+    """Read-only descriptors of shard files, each opened once and shared by reader threads.
+
+    ``advice``, when given, is a ``posix_fadvise`` advice applied to each file on open
+    (expert reads use ``POSIX_FADV_RANDOM``: no readahead past what is asked for).
+
+    Raises (from :meth:`get`):
+        ReadError: naming the file when it cannot be opened.
+    """
+
+    def __init__(self, advice: int | None = None):
+        self.advice = advice
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, file: Path) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(file)
+                if fd is None:
+                    try:
+                        fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    except OSError as e:
+                        raise ReadError(f"{file}: cannot open: {e.strerror or e}") from None
+                    if self.advice is not None and hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fd, 0, 0, self.advice)
+                    self._fds[file] = fd
+        return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
@@ -283,8 +320,7 @@ class Checkpoint:
         self.shards = self._find_shards()
         self.tensors: dict[str, TensorInfo] = {}
         self._index_tensors()
-        self._fds: dict[Path, int] = {}
-        self._fd_lock = threading.Lock()
+        self._files = FileHandles()
 
     # -- discovery ---------------------------------------------------------------------
     def _find_shards(self) -> list[Path]:
@@ -341,18 +377,8 @@ class Checkpoint:
 
     # -- reading -----------------------------------------------------------------------
     def fd(self, file: Path) -> int:
-        """A cached read-only file descriptor of a shard (shared by reader threads)."""
-        fd = self._fds.get(file)
-        if fd is None:
-            with self._fd_lock:
-                fd = self._fds.get(file)
-                if fd is None:
-                    try:
-                        fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                    except OSError as e:
-                        raise CheckpointError(f"{file}: cannot open: {e.strerror or e}") from None
-                    self._fds[file] = fd
-        return fd
+        """A read-only file descriptor of a shard, opened once (for resident weights)."""
+        return self._files.get(file)
 
     def info(self, name: str) -> TensorInfo:
         """The :class:`TensorInfo` of ``name``; raises CheckpointError naming it if absent."""
@@ -370,10 +396,7 @@ class Checkpoint:
 
     def close(self) -> None:
         """Close every shard file descriptor."""
-        with self._fd_lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self._files.close()
 
     def __enter__(self) -> "Checkpoint":
         return self

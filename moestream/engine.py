@@ -84,7 +84,8 @@ def _check_layout(model: CausalLM, layout: ExpertLayout, where) -> dict[int, int
         gate = lay.experts[0][0]
         if tuple(gate.shape) != (inter, hidden):
             raise LayoutError(
-                f"{where}: {lay.block} experts have gate shape {list(gate.shape)}; the config implies [{inter}, {hidden}]"
+                f"{where}: {lay.block} experts have gate shape {list(gate.shape)}; "
+                f"the config implies [{inter}, {hidden}]"
             )
     return {i: lay.num_experts for i, lay in layout.layers.items()}
 

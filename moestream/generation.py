@@ -118,10 +118,12 @@ class GenerationStats:
             f"decode               {self.decode_tok_s:.2f} tok/s ({self.decode_seconds:.2f} s)",
             f"cache hit rate       {self.cache_hit_rate:.1%} overall, {self.decode_hit_rate:.1%} in decode "
             f"({self.cache_hits}/{self.cache_lookups} lookups)",
-            f"experts read         {self.experts_read} in {self.reads} reads ({self.experts_per_read:.2f} experts/read)",
-            f"read from disk       {self.gb_read:.3f} GB, {self.mb_read_per_decoded_token:.1f} MB per decoded token",
-            f"distinct experts     {self.distinct_experts_per_layer_mean:.1f} of {self.experts_per_layer} per MoE layer "
-            f"(mean; {spread})",
+            f"experts read         {self.experts_read} in {self.reads} reads "
+            f"({self.experts_per_read:.2f} experts/read)",
+            f"read from disk       {self.gb_read:.3f} GB, "
+            f"{self.mb_read_per_decoded_token:.1f} MB per decoded token",
+            f"distinct experts     {self.distinct_experts_per_layer_mean:.1f} of {self.experts_per_layer} "
+            f"per MoE layer (mean; {spread})",
             f"resident weights     {self.resident_weight_gb:.2f} GB",
             f"cache budget         {budget} (peak held {self.cache_peak_gb:.2f} GB)",
             f"peak RSS             {self.peak_rss_gb:.2f} GB",

@@ -22,6 +22,7 @@ the resident weights.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -111,18 +112,17 @@ class ExpertLayout:
         return sum(lay.num_experts for lay in self.layers.values())
 
 
-def _slice(info: TensorInfo, index: int, rows: slice | None = None) -> tuple[int, int, tuple[int, ...]]:
-    """Byte offset, length and shape of ``info[index]`` (optionally only ``rows`` of it)."""
+def _piece(role: str, info: TensorInfo, index: int, rows: slice | None = None) -> Piece:
+    """The piece ``info[index]`` of a 3-D expert tensor (optionally only ``rows`` of it)."""
     inner = info.shape[1:]
-    per = dtype_size(info.dtype)
-    for d in inner:
-        per *= d
-    offset = info.offset + index * per
-    if rows is None:
-        return offset, per, inner
-    row_bytes = per // inner[0] if inner[0] else 0
-    start, stop = rows.start, rows.stop
-    return offset + start * row_bytes, (stop - start) * row_bytes, (stop - start, *inner[1:])
+    per = dtype_size(info.dtype) * math.prod(inner)
+    offset, nbytes, shape = info.offset + index * per, per, inner
+    if rows is not None:
+        row_bytes = per // inner[0] if inner[0] else 0
+        offset += rows.start * row_bytes
+        nbytes = (rows.stop - rows.start) * row_bytes
+        shape = (rows.stop - rows.start, *inner[1:])
+    return Piece(role, info.file, offset, nbytes, info.dtype, shape, info.name)
 
 
 def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
@@ -143,53 +143,35 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
     expert_tensors: set[str] = set()
     unknown: list[str] = []
     for name, info in tensors.items():
-        m = _PER_EXPERT.match(name)
-        if m and m["proj"] in ROLE_OF_PROJ:
-            key = (m["prefix"], int(m["layer"]), m["block"])
-            slot = found.setdefault(key, {"kind": "per-expert", "parts": defaultdict(dict)})
-            _check_kind(slot, "per-expert", key, name)
-            role = ROLE_OF_PROJ[m["proj"]] + ("" if m["param"] == "weight" else "." + m["param"])
+        if (m := _PER_EXPERT.match(name)) and m["proj"] in ROLE_OF_PROJ:
+            parts, role = _slot(found, m, "per-expert", name), _role(m)
             if m["param"] == "weight":
                 _check_rank(info, 2, name)
-            off, n, shape = info.offset, info.nbytes, info.shape
-            slot["parts"][int(m["expert"])][role] = Piece(role, info.file, off, n, info.dtype, shape, name)
-            expert_tensors.add(name)
-            continue
-        m = _FUSED.match(name)
-        if m:
-            key = (m["prefix"], int(m["layer"]), m["block"])
-            slot = found.setdefault(key, {"kind": "fused", "parts": defaultdict(dict)})
-            _check_kind(slot, "fused", key, name)
-            _check_rank(info, 3, name)
-            for e in range(info.shape[0]):
-                if m["proj"] == "down_proj":
-                    off, n, shape = _slice(info, e)
-                    slot["parts"][e]["down"] = Piece("down", info.file, off, n, info.dtype, shape, name)
-                else:
-                    two_i = info.shape[1]
-                    if two_i % 2:
-                        raise LayoutError(f"{name}: gate_up_proj has an odd row count {two_i}; expected [E, 2I, H]")
-                    half = two_i // 2
-                    for role, rows in (("gate", slice(0, half)), ("up", slice(half, two_i))):
-                        off, n, shape = _slice(info, e, rows)
-                        slot["parts"][e][role] = Piece(role, info.file, off, n, info.dtype, shape, name)
-            expert_tensors.add(name)
-            continue
-        m = _STACKED.match(name)
-        if m and m["proj"] in ROLE_OF_PROJ:
-            key = (m["prefix"], int(m["layer"]), m["block"])
-            slot = found.setdefault(key, {"kind": "stacked", "parts": defaultdict(dict)})
-            _check_kind(slot, "stacked", key, name)
-            role = ROLE_OF_PROJ[m["proj"]] + ("" if m["param"] == "weight" else "." + m["param"])
+            piece = Piece(role, info.file, info.offset, info.nbytes, info.dtype, info.shape, name)
+            parts[int(m["expert"])][role] = piece
+        elif (m := _STACKED.match(name)) and m["proj"] in ROLE_OF_PROJ:
+            parts, role = _slot(found, m, "stacked", name), _role(m)
             if m["param"] == "weight":
                 _check_rank(info, 3, name)
             for e in range(info.shape[0]):
-                off, n, shape = _slice(info, e)
-                slot["parts"][e][role] = Piece(role, info.file, off, n, info.dtype, shape, name)
-            expert_tensors.add(name)
+                parts[e][role] = _piece(role, info, e)
+        elif m := _FUSED.match(name):
+            parts = _slot(found, m, "fused", name)
+            _check_rank(info, 3, name)
+            two_i = info.shape[1]
+            if m["proj"] == "gate_up_proj" and two_i % 2:
+                raise LayoutError(f"{name}: gate_up_proj has an odd row count {two_i}; expected [E, 2I, H]")
+            for e in range(info.shape[0]):
+                if m["proj"] == "down_proj":
+                    parts[e]["down"] = _piece("down", info, e)
+                    continue
+                for role, rows in (("gate", slice(0, two_i // 2)), ("up", slice(two_i // 2, two_i))):
+                    parts[e][role] = _piece(role, info, e, rows)
+        else:
+            if _EXPERTISH.search(name) and any(name.startswith(p + ".") for p in LAYER_PREFIXES):
+                unknown.append(name)
             continue
-        if _EXPERTISH.search(name) and any(name.startswith(p + ".") for p in LAYER_PREFIXES):
-            unknown.append(name)
+        expert_tensors.add(name)
     if unknown:
         raise LayoutError(
             f"unknown expert layout: found {len(unknown)} tensors such as {sorted(unknown)[:3]}; moestream "
@@ -229,10 +211,18 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
     return ExpertLayout(layers, expert_tensors)
 
 
-def _check_kind(slot: dict, kind: str, key: tuple, name: str) -> None:
+def _slot(found: dict, m: re.Match, kind: str, name: str) -> dict:
+    """The per-expert parts dict of the MoE block ``m`` names, checking it uses one layout."""
+    key = (m["prefix"], int(m["layer"]), m["block"])
+    slot = found.setdefault(key, {"kind": kind, "parts": defaultdict(dict)})
     if slot["kind"] != kind:
-        prefix, layer, block = key
-        raise LayoutError(f"{prefix}.{layer}.{block}: mixes {slot['kind']} and {kind} expert tensors ({name})")
+        raise LayoutError(f"{key[0]}.{key[1]}.{key[2]}: mixes {slot['kind']} and {kind} expert tensors ({name})")
+    return slot["parts"]
+
+
+def _role(m: re.Match) -> str:
+    """``gate``/``up``/``down`` for a weight, ``<role>.<param>`` for another tensor (a bias)."""
+    return ROLE_OF_PROJ[m["proj"]] + ("" if m["param"] == "weight" else "." + m["param"])
 
 
 def _check_rank(info: TensorInfo, rank: int, name: str) -> None:

@@ -13,6 +13,7 @@ Readers are one class behind :class:`Reader`; the store owns the plan and the po
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -23,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import Checkpoint, pread_full, torch_dtype
-from .errors import ReadError
+from .checkpoint import Checkpoint, FileHandles, pread_full, torch_dtype
 from .layout import ExpertLayout
 
 Key = tuple[int, int]  # (layer, expert)
@@ -61,15 +61,26 @@ class Reader(ABC):
             ReadError: naming ``what`` and ``file`` when the read fails or is short.
         """
 
+    def close(self) -> None:  # noqa: B027 -- a reader may hold nothing to release
+        """Release the reader's files (default: nothing to release)."""
+
 
 class PreadReader(Reader):
-    """Buffered positional reads (``os.preadv``) through the checkpoint's shared descriptors."""
+    """Buffered positional reads (``os.preadv``) through the page cache.
+
+    Shards are opened with ``POSIX_FADV_RANDOM``: expert reads jump around the file, and
+    the kernel's default readahead after each read pulled in about 1.5x the bytes asked
+    for on this machine's disk (measured with ``/proc/<pid>/io``), halving useful speed.
+    """
 
     def __init__(self, checkpoint: Checkpoint):
-        self.checkpoint = checkpoint
+        self._files = FileHandles(getattr(os, "POSIX_FADV_RANDOM", None))
 
     def read(self, file: Path, offset: int, buffers: list[memoryview], what: str) -> int:
-        return pread_full(self.checkpoint.fd(file), offset, buffers, file, what)
+        return pread_full(self._files.get(file), offset, buffers, file, what)
+
+    def close(self) -> None:
+        self._files.close()
 
 
 @dataclass
@@ -176,7 +187,7 @@ class ExpertStore:
         return experts, [j for _, j in jobs]
 
     def _run(self, job: _Job) -> None:
-        what = "expert " + ", ".join(f"(layer {l}, expert {e})" for l, e in job.keys[:4])
+        what = "expert " + ", ".join(f"(layer {layer}, expert {e})" for layer, e in job.keys[:4])
         if len(job.keys) > 4:
             what += f" and {len(job.keys) - 4} more"
         t0 = time.perf_counter()
@@ -215,8 +226,9 @@ class ExpertStore:
             return {ew.key: ew for ew in batch}
 
     def close(self) -> None:
-        """Stop the reader threads."""
+        """Stop the reader threads and release the reader's files."""
         self._pool.shutdown(wait=True)
+        self.reader.close()
 
 
 class ReadBatch:

@@ -184,8 +184,9 @@ def synth(
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     src = Path(tokenizer) if tokenizer else BUNDLED_QWEN3
     copied = 0
+    extra = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
     for f in sorted(src.iterdir()) if src.is_dir() else []:
-        if f.name in TOKENIZER_FILES or f.name in ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja"):
+        if f.name in TOKENIZER_FILES or f.name in extra:
             shutil.copyfile(f, tmp / f.name)
             copied += 1
     if not copied:

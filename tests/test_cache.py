@@ -30,7 +30,7 @@ def make_cache(ckpt, budget_experts, workers=1, reader=None):
     store = ExpertStore(ckpt, layout, torch.float32, workers=workers, reader=reader)
     size = layout.expert_nbytes(0, 0)
     budget = None if budget_experts is None else int(budget_experts * size)
-    return ExpertCache(store, budget, {i: l.num_experts for i, l in layout.layers.items()}), size
+    return ExpertCache(store, budget, {i: lay.num_experts for i, lay in layout.layers.items()}), size
 
 
 def fetch(cache, layer, experts):

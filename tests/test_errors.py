@@ -64,7 +64,8 @@ def test_truncated_shard(good, tmp_path):
     d = copy(good, tmp_path)
     shard = d / "model-00001-of-00002.safetensors"
     os.truncate(shard, shard.stat().st_size - 100)
-    with pytest.raises(CheckpointError, match=r"model-00001-of-00002.safetensors: tensor '.*': data_offsets end at .* truncated"):
+    msg = r"model-00001-of-00002.safetensors: tensor '.*': data_offsets end at .* truncated"
+    with pytest.raises(CheckpointError, match=msg):
         Checkpoint(d)
 
 
@@ -180,7 +181,8 @@ def test_shard_truncated_while_running(good, tmp_path):
             engine.model(torch.arange(5), 0, engine.model.new_kv_cache())
         for shard in d.glob("*.safetensors"):
             os.truncate(shard, 200)
-        with pytest.raises(ReadError, match=r"reading expert \(layer \d+, expert \d+\).* from .*safetensors: short read"):
+        msg = r"reading expert \(layer \d+, expert \d+\).* from .*safetensors: short read"
+        with pytest.raises(ReadError, match=msg):
             with torch.inference_mode():
                 engine.model(torch.arange(5), 0, engine.model.new_kv_cache())
         assert len(engine.cache) == 0 and not engine.cache.pinned()
@@ -213,5 +215,5 @@ def test_cli_prints_one_line_errors(good, tmp_path):
         r = subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True)
         assert r.returncode == 2, r.stderr
         assert "Traceback" not in r.stderr
-        lines = [l for l in r.stderr.splitlines() if l.startswith("moestream: error:")]
+        lines = [line for line in r.stderr.splitlines() if line.startswith("moestream: error:")]
         assert len(lines) == 1 and message in lines[0], r.stderr

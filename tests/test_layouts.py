@@ -1,6 +1,7 @@
 """Expert layout discovery: per-expert, fused and stacked checkpoints give the same logits."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -39,9 +40,10 @@ def test_layouts_found_and_identical(base, tmp_path, kind, prefix):
     path = write_checkpoint(base, tmp_path / kind, tensors, shards=2)
     with Checkpoint(path) as c:
         lay = discover_experts(c.tensors)
-    assert {l.kind for l in lay.layers.values()} == {kind}
-    assert sorted(lay.layers) == [0, 1, 2] and all(l.num_experts == 8 for l in lay.layers.values())
-    assert all(l.block == f"{prefix}.layers.{i}.mlp" for i, l in lay.layers.items())
+    layers = lay.layers
+    assert {x.kind for x in layers.values()} == {kind}
+    assert sorted(layers) == [0, 1, 2] and all(x.num_experts == 8 for x in layers.values())
+    assert all(x.block == f"{prefix}.layers.{i}.mlp" for i, x in layers.items())
     if prefix == "model":  # our qwen3_moe module names its weights under model.layers
         assert torch.equal(logits(path), logits(base))
 
@@ -65,10 +67,9 @@ def test_fused_slices_split_gate_and_up(base, tmp_path):
         lay = discover_experts(c.tensors)
         gate, up, down = lay.pieces(2, 3)
         fused = tensors["model.layers.2.mlp.experts.gate_up_proj"][3]
-        for piece, want in ((gate, fused[:32]), (up, fused[32:]), (down, tensors["model.layers.2.mlp.experts.down_proj"][3])):
+        down_want = tensors["model.layers.2.mlp.experts.down_proj"][3]
+        for piece, want in ((gate, fused[:32]), (up, fused[32:]), (down, down_want)):
             raw = torch.empty(piece.nbytes, dtype=torch.uint8)
-            import os
-
             os.preadv(c.fd(piece.file), [memoryview(raw.numpy())], piece.offset)
             assert torch.equal(raw.view(torch.float32).view(piece.shape), want)
 

@@ -41,7 +41,10 @@ def expert_bytes(path):
         return lay.expert_nbytes(0, 0), lay.layers[0].num_experts
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=4)], ids=["greedy", "sampled"])
+SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0, seed=4)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
 def test_budgets_and_workers_bit_identical(sharded, sampling):
     one, per_layer = expert_bytes(sharded)
     ref_prefill, ref_steps, ref_tokens, ref_stats = run(sharded, "all", 8, sampling)

@@ -68,7 +68,8 @@ def test_synth_init_and_determinism(tmp_path):
 
 
 def test_synth_real_config_layers_and_refusals(tmp_path):
-    cfg = json.loads(write_tiny_synth_config(tmp_path / "c.json", num_hidden_layers=6, mlp_only_layers=[1, 4]).read_text())
+    path = write_tiny_synth_config(tmp_path / "c.json", num_hidden_layers=6, mlp_only_layers=[1, 4])
+    cfg = json.loads(path.read_text())
     out = synth(dict(cfg, vocab_size=300), tmp_path / "m", layers=3)
     meta = json.loads((out / "config.json").read_text())
     assert meta["num_hidden_layers"] == 3 and meta["mlp_only_layers"] == [1]
@@ -129,12 +130,13 @@ def test_generate_cli_streams_and_reports(cli_model, tmp_path):
     # the same flags through the reference system's module name
     stats_file = tmp_path / "module.json"
     cli(["--model", str(cli_model), "--prompt", "Tell me about disks.", "--max-tokens", "12", "--temp", "1",
-         "--seed", "0", "--cache-budget-gb", "0.001", "--stats-json", str(stats_file)], module="moestream.stream_generate")
+         "--seed", "0", "--cache-budget-gb", "0.001", "--stats-json", str(stats_file)],
+        module="moestream.stream_generate")
     assert json.loads(stats_file.read_text())["generated_token_ids"] == streamed["generated_token_ids"]
 
 
 def test_demo_builds_and_proves_identity(tmp_path, monkeypatch, capsys):
-    import moestream.demo as demo
+    from moestream import demo
 
     monkeypatch.setattr(demo, "DEMO_CONFIG", write_tiny_synth_config(tmp_path / "c.json"))
     demo.run_demo(tmp_path / "demo", max_tokens=6)
