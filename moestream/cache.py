@@ -38,8 +38,8 @@ def parse_budget(text: str | float | None) -> int | None:
         gb = float(text)
     except (TypeError, ValueError):
         raise BudgetError(f"--cache-budget-gb: {text!r} is not a number of GB or 'all'") from None
-    if not (gb >= 0 and gb < float("inf")):
-        raise BudgetError(f"--cache-budget-gb: {text!r} must be a finite number of GB >= 0")
+    if not (gb >= 0 and gb < 1e9):  # a billion GB is more than any machine
+        raise BudgetError(f"--cache-budget-gb: {text!r} must be a number of GB between 0 and 1e9")
     return int(gb * GB)
 
 
@@ -160,8 +160,9 @@ class ExpertCache:
                 self._pin(key)
                 hits.append(ew)
         held = [ew.key for ew in hits]
-        batch = self.store.submit(misses) if misses else None
+        batch = None
         try:
+            batch = self.store.submit(misses) if misses else None
             for ew in hits:
                 yield ew.key[1], ew
                 self._unpin(ew.key)

@@ -195,9 +195,13 @@ def pread_full(fd: int, offset: int, buffers: list[memoryview], path: Path | str
         except OSError as e:
             raise ReadError(f"reading {what} from {path} at byte {pos}: {e.strerror or e}") from None
         if n <= 0:
+            try:
+                size = f"the file now holds {os.fstat(fd).st_size} bytes"
+            except OSError:
+                size = "the file size is unknown"
             raise ReadError(
-                f"reading {what} from {path}: short read, file ended at byte {pos} "
-                f"with {sum(len(b) for b in pending)} bytes still expected (truncated or replaced?)"
+                f"reading {what} from {path}: short read, nothing at byte {pos} ({size}; "
+                f"{sum(len(b) for b in pending)} bytes still expected): truncated or replaced?"
             )
         pos += n
         while n and pending:
@@ -285,7 +289,8 @@ def resolve_model(model: str | os.PathLike) -> Path:
             allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"],
         )
     except Exception as e:  # huggingface_hub raises many kinds; all mean "cannot fetch"
-        raise CheckpointError(f"{text}: not a local folder, and fetching it from the Hub failed: {e}") from None
+        reason = " ".join(str(e).split())  # Hub messages span several lines
+        raise CheckpointError(f"{text}: not a local folder, and fetching it from the Hub failed: {reason}") from None
     return Path(local)
 
 

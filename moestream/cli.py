@@ -7,7 +7,6 @@ Errors a user can cause are printed as one line naming the file, tensor or field
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,28 +28,30 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat-template", action="store_true", help="encode the prompt as is, without the chat template")
     p.add_argument("--stats-json", type=Path, default=None, help="also write the run's stats to this JSON file")
     p.add_argument("--prefetch-workers", type=int, default=8, help="parallel expert reads (default 8)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk (default 512)")
-    p.add_argument("--dtype", default="auto", help="compute dtype: auto (the checkpoint's), bf16, fp16, fp32")
     p.add_argument("--quiet", action="store_true", help="print only the generated text, not the stats")
 
 
 def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
-    """Load, generate with streamed output, print stats; returns the GenerationStats."""
+    """Load, generate with streamed output, print stats; returns the GenerationStats.
+
+    Every argument is checked before the model is loaded.
+    """
+    from .cache import parse_budget
     from .engine import load
     from .generation import GenerationStats, SamplingParams, generate
     from .tokenizer import encode_prompt
 
+    if not args.prompt:
+        raise MoestreamError("--prompt is empty")
     if args.max_tokens < 1:
         raise MoestreamError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.prefetch_workers < 1:
         raise MoestreamError(f"--prefetch-workers must be at least 1, got {args.prefetch_workers}")
-    if args.prefill_chunk < 1:
-        raise MoestreamError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
-    try:
-        sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.seed)
-    except ValueError as e:
-        raise MoestreamError(str(e)) from None
-    engine = load(args.model, args.cache_budget_gb, workers=args.prefetch_workers, dtype=args.dtype)
+    if args.stats_json is not None and (args.stats_json.is_dir() or not args.stats_json.parent.is_dir()):
+        raise MoestreamError(f"--stats-json {args.stats_json}: not a file in an existing folder")
+    parse_budget(args.cache_budget_gb)
+    sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.seed)
+    engine = load(args.model, args.cache_budget_gb, workers=args.prefetch_workers)
     try:
         if engine.unused_tensors:
             names = engine.unused_tensors
@@ -59,7 +60,7 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
         if not ids:
             raise MoestreamError("--prompt encodes to no tokens")
         stats = GenerationStats()
-        for step in generate(engine, ids, args.max_tokens, sampling, stats, prefill_chunk=args.prefill_chunk):
+        for step in generate(engine, ids, args.max_tokens, sampling, stats):
             if step.text:
                 out.write(step.text)
                 out.flush()
@@ -69,7 +70,10 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
             print("-" * 60, file=err)
             print(stats.summary(), file=err)
         if args.stats_json:
-            args.stats_json.write_text(stats.to_json() + "\n")
+            try:
+                args.stats_json.write_text(stats.to_json() + "\n")
+            except OSError as e:
+                raise MoestreamError(f"--stats-json {args.stats_json}: cannot write: {e.strerror or e}") from None
         return stats
     finally:
         engine.close()
@@ -80,7 +84,7 @@ def _add_synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="checkpoint folder to create")
     p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default all)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights depend on the seed and tensor name only (default 0)")
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder to copy (default: bundled Qwen3)")
     p.add_argument("--init", default="spread", choices=["spread", "plain"],
                    help="spread (default): near-uniform routing like a load-balanced model; plain: all std 0.02")
@@ -89,17 +93,12 @@ def _add_synth_args(p: argparse.ArgumentParser) -> None:
 
 def run_synth(args: argparse.Namespace) -> Path:
     from .engine import progress_bar
-    from .synth import synth, synth_nbytes
+    from .synth import plan_synth, write_synth
 
-    try:
-        cfg = json.loads(args.config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MoestreamError(f"--config {args.config}: cannot read a JSON config ({e})") from None
-    total = synth_nbytes(cfg, args.layers, args.dtype) if args.dtype in ("bf16", "fp16", "fp32") else 0
-    with progress_bar(total, f"writing {args.out.name}") as bar:
-        out = synth(args.config, args.out, args.layers, args.dtype, args.seed, args.tokenizer, args.init,
-                    args.shard_gb, bar.update)
-    print(f"wrote {out} ({total / 1e9:.2f} GB of weights)")
+    plan = plan_synth(args.config, args.layers, args.dtype, args.seed, args.tokenizer, args.init, args.shard_gb)
+    with progress_bar(plan.nbytes, f"writing {args.out.name}") as bar:
+        out = write_synth(plan, args.out, bar.update)
+    print(f"wrote {out} ({plan.nbytes / 1e9:.2f} GB of weights)")
     return out
 
 
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_synth_args(s)
     d = sub.add_parser("demo", help="build a small model on first run and stream it")
     d.add_argument("--dir", type=Path, default=None, help="where the demo checkpoint lives (default: user cache)")
-    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--max-tokens", type=int, default=48, help="tokens to generate in each demo run (default 48)")
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":

@@ -10,6 +10,7 @@ again with every expert resident to show the tokens are identical.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from pathlib import Path
@@ -46,13 +47,13 @@ def run_demo(folder: Path | None = None, max_tokens: int = 48) -> None:
         file=sys.stderr,
     )
     common = dict(model=str(folder), prompt=PROMPT, max_tokens=max_tokens, temp=1.0, top_p=1.0, top_k=0, seed=0,
-                  no_chat_template=False, stats_json=None, prefetch_workers=8, prefill_chunk=512, dtype="auto",
-                  quiet=False)
+                  no_chat_template=False, stats_json=None, prefetch_workers=8, quiet=False)
     print(f"\n[demo] 1/2 streaming experts through a {budget} GB cache (sampling, temperature 1, seed 0):",
           file=sys.stderr)
     streamed = run_generate(argparse.Namespace(cache_budget_gb=str(budget), **common))
-    print("\n[demo] 2/2 the same run with every expert resident (--cache-budget-gb all):", file=sys.stderr)
-    resident = run_generate(argparse.Namespace(cache_budget_gb="all", **dict(common, quiet=True)))
+    print("\n[demo] 2/2 the same run with every expert resident (--cache-budget-gb all; text not shown again)",
+          file=sys.stderr)
+    resident = run_generate(argparse.Namespace(cache_budget_gb="all", **dict(common, quiet=True)), out=io.StringIO())
     same = streamed.generated_token_ids == resident.generated_token_ids
     print(
         f"\n[demo] tokens identical to the all-resident run: {same}. Streamed: "

@@ -17,9 +17,9 @@ import torch
 
 from .cache import ExpertCache, parse_budget
 from .checkpoint import Checkpoint, resolve_model
-from .errors import BudgetError, CheckpointError, ConfigError, LayoutError
+from .errors import BudgetError, ConfigError, LayoutError
 from .layout import ExpertLayout, discover_experts
-from .memory import available_bytes
+from .memory import available_bytes, reset_peak_rss
 from .models import family_for
 from .models.base import CausalLM, checkpoint_dtype, load_resident, resident_nbytes
 from .store import ExpertStore
@@ -70,6 +70,7 @@ class Engine:
 
 
 def _check_layout(model: CausalLM, layout: ExpertLayout, where) -> dict[int, int]:
+    """Check the checkpoint's experts against the config; return layer -> experts."""
     blocks = {b.layer: b for b in model.moe_blocks()}
     if set(blocks) != set(layout.layers):
         raise LayoutError(
@@ -86,6 +87,12 @@ def _check_layout(model: CausalLM, layout: ExpertLayout, where) -> dict[int, int
             raise LayoutError(
                 f"{where}: {lay.block} experts have gate shape {list(gate.shape)}; "
                 f"the config implies [{inter}, {hidden}]"
+            )
+        roles = tuple(p.role for p in lay.experts[0])
+        if roles != model.expert_roles:
+            raise LayoutError(
+                f"{where}: {lay.block} experts hold {', '.join(roles)}; this family's experts have exactly "
+                f"{', '.join(model.expert_roles)}"
             )
     return {i: lay.num_experts for i, lay in layout.layers.items()}
 
@@ -107,66 +114,90 @@ def load(
             keep every expert resident (preloaded here).
         workers: reader threads for expert reads.
         device: compute device (``"cpu"``).
-        dtype: compute dtype (``"auto"``: the checkpoint's embedding dtype; or bf16, fp16, fp32).
-        tokenizer: also load the checkpoint's tokenizer.
+        dtype: compute dtype (``"auto"``: the checkpoint's embedding dtype; or bf16, fp16,
+            fp32). Another dtype than the checkpoint's changes the output.
+        tokenizer: also load the checkpoint's tokenizer (before the weights, so a missing
+            one fails fast).
         progress: show progress bars (None: only on a terminal).
 
     Raises:
-        CheckpointError, ConfigError, LayoutError, BudgetError: with the file, field or
-            numbers at fault.
+        CheckpointError, ConfigError, LayoutError: naming the file, field or tensor at fault.
+        BudgetError: when resident weights plus the cache budget (or every expert, for
+            ``all``) exceed the memory available to this process (cgroup limits
+            included), checked before any weight is read, with the numbers.
     """
     t0 = time.perf_counter()
+    reset_peak_rss()
     budget = parse_budget(cache_budget_gb)
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     ckpt = Checkpoint(resolve_model(model))
+    store = None
     try:
-        family = family_for(ckpt.config, str(ckpt.path / "config.json"))
-        args = family.ModelArgs.from_config(ckpt.config)
+        cfg_path = ckpt.path / "config.json"
+        family = family_for(ckpt.config, str(cfg_path))
+        try:
+            args = family.ModelArgs.from_config(ckpt.config)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg_path}: {e}") from None
         layout = discover_experts(ckpt.tensors)
         if dtype == "auto":
             compute_dtype = checkpoint_dtype(ckpt)
         elif dtype in _DTYPES:
             compute_dtype = _DTYPES[dtype]
         else:
-            raise ConfigError(f"--dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
+            raise ConfigError(f"dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
         dev = torch.device(device)
         with torch.device("meta"):
             net = family.Model(args)
         num_experts = _check_layout(net, layout, ckpt.path)
-        resident_names = [n for n, _ in net.named_parameters()]
-        total = sum(ckpt.tensors[n].nbytes for n in resident_names if n in ckpt.tensors)
-        with progress_bar(total, "loading resident weights", progress) as bar:
-            unused = load_resident(net, ckpt, layout.expert_tensors, compute_dtype, bar.update)
-        net.to(dev).eval()
         store = ExpertStore(ckpt, layout, compute_dtype, dev, workers)
-        cache = ExpertCache(store, budget, num_experts)
-        for block in net.moe_blocks():
-            block.attach(cache)
-        resident = resident_nbytes(net)
-        if budget is None:
-            need = layout.total_bytes
-            avail = available_bytes()
-            if need > avail:
-                raise BudgetError(
-                    f"--cache-budget-gb all needs {need / GB:.2f} GB for every expert, but only {avail / GB:.2f} GB "
-                    f"of memory is available to this process (resident weights already take {resident / GB:.2f} GB); "
-                    "give a budget in GB instead"
-                )
-            keys = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
-            with progress_bar(need, "preloading every expert", progress) as bar:
-                cache.preload(keys, bar.update)
+        keys = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
+        _check_fit(net, store, keys, budget, compute_dtype)
         tok = None
         if tokenizer:
             from .tokenizer import load_tokenizer
 
             tok = load_tokenizer(ckpt.path)
+        resident_names = [n for n, _ in net.named_parameters()]
+        total = sum(ckpt.tensors[n].nbytes for n in resident_names if n in ckpt.tensors)
+        with progress_bar(total, "loading resident weights", progress) as bar:
+            unused = load_resident(net, ckpt, layout.expert_tensors, compute_dtype, bar.update)
+        net.to(dev).eval()
+        cache = ExpertCache(store, budget, num_experts)
+        for block in net.moe_blocks():
+            block.attach(cache)
+        if budget is None:
+            need = sum(store.cached_nbytes(k) for k in keys)
+            with progress_bar(need, "preloading every expert", progress) as bar:
+                cache.preload(keys, bar.update)
         return Engine(
             checkpoint=ckpt, layout=layout, store=store, cache=cache, model=net, family=family,
-            dtype=compute_dtype, device=dev, resident_bytes=resident,
+            dtype=compute_dtype, device=dev, resident_bytes=resident_nbytes(net),
             load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused,
         )
     except BaseException:
+        if store is not None:
+            store.close()
         ckpt.close()
         raise
 
 
-__all__ = ["Engine", "load", "CheckpointError"]
+def _check_fit(net: CausalLM, store: ExpertStore, keys: list, budget: int | None, dtype: torch.dtype) -> None:
+    """Refuse, before reading weights, a budget that cannot fit in the memory available."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    seen, resident = set(), 0
+    for p in net.parameters():  # on the meta device: shapes only
+        if id(p) not in seen:
+            seen.add(id(p))
+            resident += p.numel() * (itemsize if p.is_floating_point() else p.element_size())
+    experts = sum(store.cached_nbytes(k) for k in keys)
+    cached = experts if budget is None else min(budget, experts)
+    avail = available_bytes()
+    if resident + cached > avail:
+        what = "every expert (--cache-budget-gb all)" if budget is None else f"a {budget / GB:.3g} GB cache budget"
+        raise BudgetError(
+            f"resident weights ({resident / GB:.2f} GB) plus {what} ({cached / GB:.2f} GB) need "
+            f"{(resident + cached) / GB:.2f} GB, but only {avail / GB:.2f} GB of memory is available to this "
+            "process (cgroup limit included); give a smaller --cache-budget-gb"
+        )

@@ -27,5 +27,10 @@ class ReadError(MoestreamError):
     """Reading bytes from a shard failed (an OS error) or returned short (a truncated file)."""
 
 
+class InputError(MoestreamError, ValueError):
+    """A generation request is invalid: an empty prompt, a token outside the vocabulary, a
+    prompt longer than the model's context, out-of-range sampling parameters."""
+
+
 class BudgetError(MoestreamError):
     """A cache budget is malformed or cannot fit in the memory available."""

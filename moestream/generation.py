@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .engine import GB, Engine
+from .errors import InputError
 from .memory import peak_rss_bytes
 
 
@@ -32,12 +33,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise InputError(f"temperature (--temp) must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InputError(f"top_p (--top-p) must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise InputError(f"top_k (--top-k) must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InputError(f"seed (--seed) must be between 0 and 2^63 - 1, got {self.seed}")
 
 
 class Sampler:
@@ -110,7 +113,7 @@ class GenerationStats:
         """The stats block printed after a generation."""
         per_layer = list(self.distinct_experts_per_layer.values())
         spread = f"min {min(per_layer)}, max {max(per_layer)}" if per_layer else "no MoE layers"
-        budget = self.cache_budget_gb if isinstance(self.cache_budget_gb, str) else f"{self.cache_budget_gb:.2f} GB"
+        budget = self.cache_budget_gb if isinstance(self.cache_budget_gb, str) else f"{self.cache_budget_gb:.3g} GB"
         return "\n".join([
             f"prompt tokens        {self.prompt_tokens}",
             f"generated tokens     {self.generated_tokens} ({self.finish_reason})",
@@ -166,20 +169,36 @@ def generate(
 
     The prompt is prefilled layer by layer in chunks of ``prefill_chunk`` tokens (each
     layer's experts are read once per chunk), then tokens are decoded one at a time.
+    The chunk size sets the shapes of the prefill matmuls and so, in bf16, the low bits
+    of the result; the CLI keeps it fixed so that no option but the model's own routing
+    changes the output.
     ``stats``, when given, is filled in as generation proceeds and completed at the end.
     With ``keep_logits`` each :class:`Step` carries the float32 logits [vocab] it was
     sampled from (the first step's are the prefill's last position).
 
+    Generation also stops at the model's context length (``max_position_embeddings``).
+
     Raises:
-        ValueError: for an empty prompt or ``max_tokens`` < 1.
+        InputError: an empty prompt, ``max_tokens`` < 1, a token id outside the
+            vocabulary, or a prompt that fills the model's context.
         ReadError: when an expert read fails (naming the expert and file).
     """
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    stats = stats if stats is not None else GenerationStats()
     model, cache, store = engine.model, engine.cache, engine.store
+    if not prompt_ids:
+        raise InputError("the prompt is empty")
+    if max_tokens < 1:
+        raise InputError(f"max_tokens must be at least 1, got {max_tokens}")
+    bad = [t for t in prompt_ids if not 0 <= t < model.vocab_size]
+    if bad:
+        raise InputError(f"token id {bad[0]} is outside the model's vocabulary (vocab_size {model.vocab_size})")
+    if model.max_context is not None:
+        if len(prompt_ids) >= model.max_context:
+            raise InputError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context holds {model.max_context} "
+                "(max_position_embeddings)"
+            )
+        max_tokens = min(max_tokens, model.max_context - len(prompt_ids))
+    stats = stats if stats is not None else GenerationStats()
     sampler = Sampler(sampling)
     eos = _eos_ids(engine) if stop_at_eos else set()
     decoder = None
@@ -187,7 +206,7 @@ def generate(
         from .tokenizer import StreamDecoder
 
         decoder = StreamDecoder(engine.tokenizer)
-    kv = model.new_kv_cache(len(prompt_ids) + max_tokens)
+    kv = model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256))  # grows as needed
     ids = torch.tensor(prompt_ids, dtype=torch.int64, device=engine.device)
     stats.prompt_tokens = len(prompt_ids)
     start_hits, start_lookups = cache.stats.hits, cache.stats.lookups

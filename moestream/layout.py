@@ -199,8 +199,12 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
             experts.append(tuple(roles[r] for r in order))
         ref = [(p.role, p.shape, p.dtype) for p in experts[0]]
         for e, pieces in enumerate(experts):
-            if [(p.role, p.shape, p.dtype) for p in pieces] != ref:
-                raise LayoutError(f"{path}: expert {e} has shapes or dtypes {pieces} unlike expert 0's {ref}")
+            for p, (role, shape, dt) in zip(pieces, ref):
+                if (p.role, p.shape, p.dtype) != (role, shape, dt):
+                    raise LayoutError(
+                        f"{path}: expert {e} {p.role} is {p.dtype} {list(p.shape)} but expert 0's is "
+                        f"{dt} {list(shape)} ({p.source})"
+                    )
         gate, up, down = experts[0][:3]
         if gate.shape != up.shape or down.shape[::-1] != gate.shape:
             raise LayoutError(

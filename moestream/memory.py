@@ -14,8 +14,30 @@ from pathlib import Path
 _UNLIMITED = 1 << 60  # cgroup v1 writes a huge number for "no limit"
 
 
+def reset_peak_rss() -> bool:
+    """Restart the peak-RSS count from the current RSS (Linux ``/proc/self/clear_refs``).
+
+    Returns False where the kernel does not allow it; :func:`peak_rss_bytes` then reports
+    the peak over the whole process lifetime.
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process, in bytes (``getrusage`` ru_maxrss is KiB on Linux)."""
+    """Peak resident set size of this process in bytes, since the last :func:`reset_peak_rss`.
+
+    Reads ``VmHWM`` from ``/proc/self/status``; falls back to ``getrusage`` (lifetime peak).
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

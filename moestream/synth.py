@@ -26,6 +26,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,6 +90,145 @@ def _header(tensors: list[SynthTensor], st_dtype: str, itemsize: int) -> tuple[b
     return struct.pack("<Q", len(raw)) + raw, ordered
 
 
+@dataclass
+class SynthPlan:
+    """A checked synth job: the config to write, its tensors and sizes, the tokenizer source."""
+
+    config: dict
+    tensors: list[SynthTensor]
+    dtype: str
+    seed: int
+    init: str
+    shard_bytes: int
+    tokenizer: Path
+
+    @property
+    def itemsize(self) -> int:
+        return torch.tensor([], dtype=DTYPES[self.dtype]).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data the checkpoint will hold."""
+        return sum(math.prod(t.shape) for t in self.tensors) * self.itemsize
+
+
+def plan_synth(
+    config: str | Path | dict,
+    layers: int | None = None,
+    dtype: str = "bf16",
+    seed: int = 0,
+    tokenizer: str | Path | None = None,
+    init: str = "spread",
+    shard_gb: float = 5.0,
+) -> SynthPlan:
+    """Check every synth argument (nothing is written) and plan the checkpoint.
+
+    Raises:
+        ConfigError: naming the config path, field or argument at fault.
+    """
+    where = "config" if isinstance(config, dict) else str(config)
+    if isinstance(config, dict):
+        cfg = dict(config)
+    else:
+        try:
+            cfg = json.loads(Path(config).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{config}: cannot read a JSON config ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{config}: not a JSON object")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if init not in ("spread", "plain"):
+        raise ConfigError(f"--init {init!r}: expected spread or plain")
+    if not 0 < shard_gb < 1e6:
+        raise ConfigError(f"--shard-gb {shard_gb}: expected a size in GB above 0")
+    src = Path(tokenizer) if tokenizer else BUNDLED_QWEN3
+    if not (src.is_dir() and any((src / f).is_file() for f in TOKENIZER_FILES)):
+        raise ConfigError(f"--tokenizer {src}: no tokenizer files there ({', '.join(TOKENIZER_FILES)})")
+    family = family_for(cfg, where)
+    if layers is not None:
+        total = cfg.get("num_hidden_layers")
+        if layers < 1 or (isinstance(total, int) and layers > total):
+            raise ConfigError(f"--layers {layers}: must be between 1 and the config's {total} layers")
+        cfg = family.synth_config(cfg, layers)
+    for key in ("torch_dtype", "dtype"):
+        if key in cfg or key == "torch_dtype":
+            cfg[key] = _CONFIG_DTYPE[dtype]
+    try:
+        tensors = family.synth_tensors(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return SynthPlan(cfg, tensors, dtype, seed, init, int(shard_gb * 1e9), src)
+
+
+def write_synth(plan: SynthPlan, out: str | Path, progress: Callable[[int], None] | None = None) -> Path:
+    """Write the planned checkpoint into the new folder ``out``.
+
+    The folder is written as ``out.partial`` and renamed when complete, so an interrupted
+    or failed run never leaves a half checkpoint under ``out`` (the partial folder is
+    removed on failure). ``progress`` is called with the bytes of each tensor written.
+
+    Raises:
+        MoestreamError: ``out`` already exists or cannot be written.
+    """
+    out = Path(out)
+    if out.exists():
+        raise MoestreamError(f"{out}: already exists; remove it or choose another --out")
+    tmp = out.with_name(out.name + ".partial")
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        _write(plan, tmp, progress)
+        tmp.rename(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MoestreamError(f"{out}: cannot write the checkpoint: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write(plan: SynthPlan, folder: Path, progress: Callable[[int], None] | None) -> None:
+    torch_dt, itemsize = DTYPES[plan.dtype], plan.itemsize
+    st_dtype = safetensors_dtype(torch_dt)
+    layers = plan.config["num_hidden_layers"]
+    shards = _plan_shards(plan.tensors, itemsize, plan.shard_bytes)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+
+    def make(t: SynthTensor) -> torch.Tensor:
+        return _tensor(t, init_std(t, plan.init, layers), torch_dt, plan.seed)
+
+    weight_map = {}
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="moestream-synth") as pool:
+        for shard, name in zip(shards, names):
+            head, ordered = _header(shard, st_dtype, itemsize)
+            with open(folder / name, "wb") as f:
+                f.write(head)
+                window = [pool.submit(make, t) for t in ordered[:2]]  # generate ahead while writing
+                for i, t in enumerate(ordered):
+                    data = window.pop(0).result()
+                    if i + 2 < len(ordered):
+                        window.append(pool.submit(make, ordered[i + 2]))
+                    f.write(memoryview(data.contiguous().view(torch.uint8).numpy()))
+                    weight_map[t.name] = name
+                    if progress is not None:
+                        progress(data.numel() * itemsize)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+    extra = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+    for f in sorted(plan.tokenizer.iterdir()):
+        if f.name in TOKENIZER_FILES or f.name in extra:
+            shutil.copyfile(f, folder / f.name)
+
+
 def synth(
     config: str | Path | dict,
     out: str | Path,
@@ -100,12 +240,11 @@ def synth(
     shard_gb: float = 5.0,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
-    """Write a random-weight checkpoint of ``config``'s shapes into the folder ``out``.
+    """Write a random-weight checkpoint of ``config``'s shapes into the new folder ``out``.
 
     Args:
         config: a config.json path (or its parsed dict) of a supported family.
-        out: the folder to create; it is written as ``out.partial`` and renamed when
-            complete, so an interrupted run never leaves a half checkpoint under ``out``.
+        out: the folder to create (see :func:`write_synth`).
         layers: keep only the first ``layers`` decoder layers (default: all).
         dtype: ``bf16``, ``fp16`` or ``fp32``.
         seed: weights are a function of (seed, tensor name) alone.
@@ -119,86 +258,7 @@ def synth(
         The checkpoint folder.
 
     Raises:
-        ConfigError: a bad config, dtype, init or layer count.
-        MoestreamError: ``out`` already exists.
+        ConfigError: a bad config, dtype, init, layer count, shard size or tokenizer folder.
+        MoestreamError: ``out`` already exists or cannot be written.
     """
-    if isinstance(config, dict):
-        cfg = dict(config)
-    else:
-        try:
-            cfg = json.loads(Path(config).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{config}: cannot read a JSON config ({e})") from None
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if init not in ("spread", "plain"):
-        raise ConfigError(f"--init {init!r}: expected spread or plain")
-    family = family_for(cfg, str(config) if not isinstance(config, dict) else "config")
-    if layers is not None:
-        total = cfg.get("num_hidden_layers")
-        if layers < 1 or (isinstance(total, int) and layers > total):
-            raise ConfigError(f"--layers {layers}: must be between 1 and the config's {total} layers")
-        cfg = family.synth_config(cfg, layers)
-    for key in ("torch_dtype", "dtype"):
-        if key in cfg or key == "torch_dtype":
-            cfg[key] = _CONFIG_DTYPE[dtype]
-    tensors = family.synth_tensors(cfg)
-    n_layers = cfg["num_hidden_layers"]
-    torch_dt = DTYPES[dtype]
-    st_dtype, itemsize = safetensors_dtype(torch_dt), torch.tensor([], dtype=torch_dt).element_size()
-
-    out = Path(out)
-    if out.exists():
-        raise MoestreamError(f"{out}: already exists; remove it or choose another --out")
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-
-    shards = _plan_shards(tensors, itemsize, int(shard_gb * 1e9))
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    weight_map = {}
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="moestream-synth") as pool:
-        for shard, name in zip(shards, names):
-            head, ordered = _header(shard, st_dtype, itemsize)
-            with open(tmp / name, "wb") as f:
-                f.write(head)
-                make = lambda t: _tensor(t, init_std(t, init, n_layers), torch_dt, seed)  # noqa: E731
-                window = [pool.submit(make, t) for t in ordered[:2]]
-                for i, t in enumerate(ordered):
-                    data = window.pop(0).result()
-                    if i + 2 < len(ordered):
-                        window.append(pool.submit(make, ordered[i + 2]))
-                    f.write(memoryview(data.contiguous().view(torch.uint8).numpy()))
-                    weight_map[t.name] = name
-                    if progress is not None:
-                        progress(data.numel() * itemsize)
-    if len(shards) > 1:
-        total_size = sum(math.prod(t.shape) * itemsize for t in tensors)
-        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    src = Path(tokenizer) if tokenizer else BUNDLED_QWEN3
-    copied = 0
-    extra = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
-    for f in sorted(src.iterdir()) if src.is_dir() else []:
-        if f.name in TOKENIZER_FILES or f.name in extra:
-            shutil.copyfile(f, tmp / f.name)
-            copied += 1
-    if not copied:
-        shutil.rmtree(tmp)
-        raise ConfigError(f"--tokenizer {src}: no tokenizer files there")
-    tmp.rename(out)
-    return out
-
-
-def synth_nbytes(config: dict, layers: int | None, dtype: str) -> int:
-    """Bytes of tensor data :func:`synth` would write for ``config`` (for planning disk use)."""
-    family = family_for(config)
-    cfg = family.synth_config(config, layers) if layers else config
-    itemsize = torch.tensor([], dtype=DTYPES[dtype]).element_size()
-    return sum(math.prod(t.shape) for t in family.synth_tensors(cfg)) * itemsize
+    return write_synth(plan_synth(config, layers, dtype, seed, tokenizer, init, shard_gb), out, progress)

@@ -40,7 +40,7 @@ def fetch(cache, layer, experts):
 def test_parse_budget():
     assert parse_budget("all") is None and parse_budget("ALL") is None
     assert parse_budget("2") == 2_000_000_000 and parse_budget(0.5) == 500_000_000
-    for bad in ("-1", "nan", "inf", "lots"):
+    for bad in ("-1", "nan", "inf", "1e300", "lots"):
         with pytest.raises(BudgetError, match="cache-budget-gb"):
             parse_budget(bad)
 
@@ -164,3 +164,30 @@ def test_cache_matches_a_reference_lru(ckpt, budget, workers, calls):
     assert s.misses == misses == cache.store.stats.experts_read
     assert cache.store.stats.bytes_read == misses * size
     cache.store.close()
+
+
+def test_memory_of_a_large_layer_stays_bounded(tmp_path, monkeypatch):
+    """Streaming a layer's 64 missing experts at budget 0 keeps only the reads in flight alive."""
+    import weakref
+
+    import moestream.store as store_mod
+
+    make_qwen3_moe(tmp_path, num_hidden_layers=1, num_experts=64, num_experts_per_tok=8)
+    alive = []
+    real = store_mod.host_buffer
+
+    def tracked(nbytes):
+        buf, view = real(nbytes)
+        alive.append(weakref.ref(view.obj))
+        return buf, view
+
+    monkeypatch.setattr(store_mod, "host_buffer", tracked)
+    with Checkpoint(tmp_path) as c:
+        cache, size = make_cache(c, 0, workers=1)
+        monkeypatch.setattr(store_mod, "MAX_READ_BYTES", size)  # one expert per read
+        most = 0
+        for _ in cache.fetch(0, list(range(64))):
+            most = max(most, sum(r() is not None for r in alive))
+        cache.store.close()
+    assert len(alive) == 64
+    assert most <= 2 * 1 + 1  # max_inflight (2 x workers) reads plus the expert in use

@@ -12,7 +12,7 @@ import torch
 
 from moestream.checkpoint import Checkpoint, read_safetensors_header, resolve_model
 from moestream.engine import load
-from moestream.errors import BudgetError, CheckpointError, ConfigError, ReadError
+from moestream.errors import BudgetError, CheckpointError, ConfigError, LayoutError, ReadError
 
 from .helpers import make_qwen3_moe, read_all, write_checkpoint
 
@@ -166,10 +166,16 @@ def test_pickle_weights_are_refused_not_loaded(good, tmp_path):
         Checkpoint(d)
 
 
-def test_budget_all_that_cannot_fit_is_refused(good, monkeypatch):
-    monkeypatch.setattr("moestream.engine.available_bytes", lambda: 1000)
-    with pytest.raises(BudgetError, match=r"needs [\d.]+ GB for every expert, but only 0.00 GB"):
+def test_budgets_that_cannot_fit_are_refused_before_loading(good, monkeypatch):
+    monkeypatch.setattr("moestream.engine.available_bytes", lambda: 100_000)
+    read = []
+    monkeypatch.setattr("moestream.checkpoint.Checkpoint.read_tensor", lambda self, name: read.append(name))
+    with pytest.raises(BudgetError, match=r"plus every expert \(--cache-budget-gb all\) \(0.00 GB\) need 0.00 GB, "
+                                          r"but only 0.00 GB of memory is available"):
         load(good, cache_budget_gb="all", tokenizer=False)
+    with pytest.raises(BudgetError, match=r"resident weights \(0.00 GB\) plus a 1e-05 GB cache budget"):
+        load(good, cache_budget_gb="0.00001", tokenizer=False)
+    assert read == []  # refused before any weight was read
 
 
 def test_shard_truncated_while_running(good, tmp_path):
@@ -217,3 +223,64 @@ def test_cli_prints_one_line_errors(good, tmp_path):
         assert "Traceback" not in r.stderr
         lines = [line for line in r.stderr.splitlines() if line.startswith("moestream: error:")]
         assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_generation_inputs_are_checked(good):
+    from moestream.errors import InputError
+    from moestream.generation import SamplingParams, generate
+
+    engine = load(good, cache_budget_gb=0, tokenizer=False)  # vocab 300, context 512
+    try:
+        with pytest.raises(InputError, match="token id 300 is outside the model's vocabulary"):
+            list(generate(engine, [5, 300], 4))
+        with pytest.raises(InputError, match="the prompt has 512 tokens; the model's context holds 512"):
+            list(generate(engine, [1] * 512, 4))
+        with pytest.raises(InputError, match="the prompt is empty"):
+            list(generate(engine, [], 4))
+        steps = list(generate(engine, [1] * 500, 10**9, stop_at_eos=False))  # no huge KV allocation
+        assert len(steps) == 12  # stopped at the context length
+    finally:
+        engine.close()
+    for bad in (dict(temperature=float("inf")), dict(seed=2**64), dict(seed=-1)):
+        with pytest.raises(InputError):
+            SamplingParams(**bad)
+
+
+def test_config_errors_name_the_file_and_field(good, tmp_path):
+    d = copy(good, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, hidden_act="gelu")))
+    with pytest.raises(ConfigError, match=rf"{d}/config.json: hidden_act 'gelu' is not supported"):
+        load(d, tokenizer=False)
+    (d / "config.json").write_text(json.dumps(dict(cfg, num_attention_heads="four")))
+    with pytest.raises(ConfigError, match=rf"{d}/config.json: field 'num_attention_heads' = 'four' is not int"):
+        load(d, tokenizer=False)
+
+
+def test_experts_with_pieces_the_family_lacks_are_refused(good, tmp_path):
+    tensors = read_all(good)
+    for e in range(8):
+        tensors[f"model.layers.0.mlp.experts.{e}.gate_proj.bias"] = torch.zeros(32)
+    d = write_checkpoint(good, tmp_path / "bias", tensors)
+    with pytest.raises(LayoutError, match=r"model.layers.0.mlp experts hold gate, up, down, gate.bias; this family"):
+        load(d, tokenizer=False)
+
+
+def test_cli_checks_arguments_before_loading(good, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text((good / "config.json").read_text())
+    for args, message in [
+        (["generate", "--model", str(good), "--prompt", "hi", "--stats-json", str(tmp_path / "no" / "s.json")],
+         "--stats-json"),
+        (["generate", "--model", str(good), "--prompt", ""], "--prompt is empty"),
+        (["generate", "--model", str(good), "--prompt", "hi", "--seed", str(10**30), "--temp", "1"], "--seed"),
+        (["generate", "--model", str(good), "--prompt", "hi", "--top-p", "2"], "--top-p"),
+        (["synth", "--config", str(cfg), "--out", str(tmp_path / "o"), "--shard-gb", "nan"], "--shard-gb nan"),
+        (["synth", "--config", str(cfg), "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path)],
+         "no tokenizer files there"),
+        (["synth", "--config", str(cfg), "--out", str(cfg / "x")], "cannot write the checkpoint"),
+    ]:
+        r = subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert message in r.stderr, r.stderr
+    assert not any(tmp_path.glob("o*"))  # nothing half-written

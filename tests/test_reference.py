@@ -53,3 +53,24 @@ def test_greedy_tokens_match_transformers(tmp_path, variant):
     finally:
         engine.close()
     assert got == want
+
+
+def test_tied_head_is_the_embedding_even_if_the_checkpoint_has_lm_head(tmp_path):
+    """transformers ties lm_head to the embedding when tie_word_embeddings is set; so do we."""
+    from .helpers import read_all, write_checkpoint
+
+    ref = make_qwen3_moe(tmp_path / "src", seed=3, tie_word_embeddings=True)
+    tensors = read_all(tmp_path / "src")
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    path = write_checkpoint(tmp_path / "src", tmp_path / "extra-head", tensors)
+    ids = torch.arange(10, 30)
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    engine = load(path, cache_budget_gb="all", tokenizer=False)
+    try:
+        assert "lm_head.weight" in engine.unused_tensors
+        with torch.inference_mode():
+            got = engine.model(ids, 0, engine.model.new_kv_cache(), all_logits=True)
+    finally:
+        engine.close()
+    assert (got - want).abs().max() / want.abs().max() < 1e-5

@@ -30,14 +30,14 @@ def field(cfg: dict, name: str, kind: type | tuple = int, default=...):
     """
     if name not in cfg or cfg[name] is None:
         if default is ...:
-            raise ConfigError(f"config.json: required field {name!r} is missing")
+            raise ConfigError(f"required field {name!r} is missing")
         return default
     value = cfg[name]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if float in kinds and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise ConfigError(f"config.json: field {name!r} = {value!r} is not {' or '.join(k.__name__ for k in kinds)}")
+        raise ConfigError(f"field {name!r} = {value!r} is not {' or '.join(k.__name__ for k in kinds)}")
     return value
 
 
@@ -45,7 +45,7 @@ def positive(cfg: dict, name: str, default=...) -> int:
     """An integer field that must be at least 1."""
     value = field(cfg, name, int, default)
     if value < 1:
-        raise ConfigError(f"config.json: field {name!r} = {value} must be at least 1")
+        raise ConfigError(f"field {name!r} = {value} must be at least 1")
     return value
 
 
@@ -72,8 +72,17 @@ class CausalLM(nn.Module):
     ``model.layers.N....``, ``model.norm.weight``, ``lm_head.weight``).
     """
 
-    def __init__(self, vocab: int, hidden: int, eps: float, rope_dim: int, rope_theta: float, tie: bool):
+    # the pieces each routed expert must have (see moestream.layout); a family with expert
+    # biases or quantization scales lists more
+    expert_roles: tuple[str, ...] = ("gate", "up", "down")
+
+    def __init__(
+        self, vocab: int, hidden: int, eps: float, rope_dim: int, rope_theta: float, tie: bool,
+        max_context: int | None = None,
+    ):
         super().__init__()
+        self.vocab_size = vocab
+        self.max_context = max_context
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(vocab, hidden)
         self.model.layers = nn.ModuleList()
@@ -116,9 +125,10 @@ def load_resident(
 ) -> list[str]:
     """Fill ``model``'s parameters from the checkpoint tensors of the same names.
 
-    Float tensors are cast to ``dtype``. ``lm_head.weight`` is shared with the embedding
-    when the model ties them. ``skip`` names tensors that are not resident (routed
-    experts). Returns the names of checkpoint tensors the model does not use.
+    Float tensors are cast to ``dtype``. When the model ties its LM head to the embedding
+    (``tie_word_embeddings``), the head is the embedding, as in transformers, and an
+    ``lm_head.weight`` in the checkpoint is unused. ``skip`` names tensors that are not
+    resident (routed experts). Returns the names of checkpoint tensors the model does not use.
 
     Raises:
         CheckpointError: a parameter missing from the checkpoint, or of the wrong shape.
@@ -127,9 +137,9 @@ def load_resident(
     state = {}
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     expected = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    if tied:
+        wanted.remove("lm_head.weight")
     for name in wanted:
-        if tied and name == "lm_head.weight" and name not in checkpoint.tensors:
-            continue
         info = checkpoint.tensors.get(name)
         if info is None:
             raise CheckpointError(f"{checkpoint.path}: tensor {name!r} is missing from the checkpoint")
@@ -143,10 +153,10 @@ def load_resident(
         state[name] = t
         if progress is not None:
             progress(info.nbytes)
-    if tied and "lm_head.weight" not in state:
+    if tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    if tied and "lm_head.weight" not in checkpoint.tensors:
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
     used = set(wanted) | skip

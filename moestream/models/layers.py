@@ -40,7 +40,7 @@ def rope_theta(cfg: dict) -> float:
     params = cfg.get("rope_parameters") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
-        raise ConfigError("config.json: no rope_theta (top level or in rope_parameters)")
+        raise ConfigError("no rope_theta (top level or in rope_parameters)")
     return float(theta)
 
 

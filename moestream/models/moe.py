@@ -71,8 +71,8 @@ def streamed_experts(
     starts = torch.cumsum(counts, 0) - counts
     span = {e: (s, c) for e, s, c in zip(experts.tolist(), starts.tolist(), counts.tolist())}
     # experts in order of first use in routing order (token-major, rank-minor)
-    first = torch.full((int(experts.max()) + 1,), t * k, dtype=torch.int64)
-    first.scatter_reduce_(0, flat, torch.arange(t * k), reduce="amin")
+    first = torch.full((int(experts.max()) + 1,), t * k, dtype=torch.int64, device=flat.device)
+    first.scatter_reduce_(0, flat, torch.arange(t * k, device=flat.device), reduce="amin")
     needed = sorted(span, key=lambda e: int(first[e]))
     slots = x.new_empty(t * k, x.shape[1])
     flat_w = weights.reshape(-1)

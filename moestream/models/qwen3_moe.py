@@ -45,6 +45,7 @@ class ModelArgs:
     attention_bias: bool
     sliding_window: int | None
     tie_word_embeddings: bool
+    max_position_embeddings: int | None
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
@@ -57,16 +58,19 @@ class ModelArgs:
             experts = positive(cfg, "num_local_experts")
         top_k = positive(cfg, "num_experts_per_tok")
         if experts < 1 or top_k > experts:
-            raise ConfigError(f"config.json: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
+            raise ConfigError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
+        act = field(cfg, "hidden_act", str, "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported for qwen3_moe (its experts use silu)")
         rope_type = rope_scaling_type(cfg)
         if rope_type != "default":
-            raise ConfigError(f"config.json: rope type {rope_type!r} is not supported for qwen3_moe yet (only default)")
+            raise ConfigError(f"rope type {rope_type!r} is not supported for qwen3_moe yet (only default)")
         window = None
         if field(cfg, "use_sliding_window", bool, False):
             window = positive(cfg, "sliding_window")
         only = field(cfg, "mlp_only_layers", list, [])
         if not all(isinstance(i, int) for i in only):
-            raise ConfigError(f"config.json: mlp_only_layers {only!r} is not a list of layer indices")
+            raise ConfigError(f"mlp_only_layers {only!r} is not a list of layer indices")
         head_dim = field(cfg, "head_dim", int, None) or hidden // heads
         return cls(
             vocab_size=positive(cfg, "vocab_size"),
@@ -87,6 +91,7 @@ class ModelArgs:
             attention_bias=field(cfg, "attention_bias", bool, False),
             sliding_window=window,
             tie_word_embeddings=field(cfg, "tie_word_embeddings", bool, False),
+            max_position_embeddings=field(cfg, "max_position_embeddings", int, None),
         )
 
     def is_moe_layer(self, i: int) -> bool:
@@ -117,7 +122,10 @@ class Model(CausalLM):
     """Qwen3-MoE causal LM with streamed experts."""
 
     def __init__(self, a: ModelArgs):
-        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, a.head_dim, a.rope_theta, a.tie_word_embeddings)
+        super().__init__(
+            a.vocab_size, a.hidden_size, a.rms_norm_eps, a.head_dim, a.rope_theta, a.tie_word_embeddings,
+            max_context=a.max_position_embeddings,
+        )
         self.args = a
         self.model.layers.extend(DecoderLayer(a, i) for i in range(a.num_hidden_layers))
 
