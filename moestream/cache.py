@@ -125,6 +125,7 @@ class ExpertCache:
             ew = self._entries.pop(key)
             self.used_bytes -= ew.nbytes
             self.stats.evictions += 1
+            self.store.release(ew)  # its buffer may serve the next read
 
     # -- use ---------------------------------------------------------------------------
     def fetch(
