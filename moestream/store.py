@@ -123,7 +123,7 @@ class PreadReader(Reader):
     for on this machine's disk (measured with ``/proc/<pid>/io``), halving useful speed.
     """
 
-    def __init__(self, checkpoint: Checkpoint):
+    def __init__(self):
         self._files = FileHandles(getattr(os, "POSIX_FADV_RANDOM", None))
 
     def read(self, file: Path, offset: int, buffers: list[memoryview], what: str) -> int:
@@ -189,7 +189,7 @@ class ExpertStore:
         self.dtype = dtype
         self.device = torch.device(device)
         self.workers = workers
-        self.reader = reader or PreadReader(checkpoint)
+        self.reader = reader or PreadReader()
         self.stats = ReadStats()
         self.pool = BufferPool(max_free=2 * workers)
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moestream-read")

@@ -93,8 +93,8 @@ def test_abandoned_fetch_releases_pins(ckpt):
 class FailingReader(PreadReader):
     """Fails every read that touches a chosen expert: raises, or returns short."""
 
-    def __init__(self, checkpoint, bad, mode):
-        super().__init__(checkpoint)
+    def __init__(self, bad, mode):
+        super().__init__()
         self.bad, self.mode = bad, mode
 
     def read(self, file, offset, buffers, what):
@@ -109,7 +109,7 @@ class FailingReader(PreadReader):
 
 @pytest.mark.parametrize("mode", ["eio", "short"])
 def test_failed_read_caches_nothing_partial(ckpt, mode):
-    cache, _ = make_cache(ckpt, 8, workers=2, reader=FailingReader(ckpt, 6, mode))
+    cache, _ = make_cache(ckpt, 8, workers=2, reader=FailingReader(6, mode))
     with pytest.raises(ReadError, match=r"expert 6\).*model\.safetensors"):
         fetch(cache, 0, [1, 6])
     assert (0, 6) not in cache and not cache.pinned()
