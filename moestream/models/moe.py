@@ -73,7 +73,7 @@ def streamed_experts(
     # experts in order of first use in routing order (token-major, rank-minor)
     first = torch.full((int(experts.max()) + 1,), t * k, dtype=torch.int64, device=flat.device)
     first.scatter_reduce_(0, flat, torch.arange(t * k, device=flat.device), reduce="amin")
-    needed = sorted(span, key=lambda e: int(first[e]))
+    needed = sorted(span, key=first.tolist().__getitem__)
     slots = x.new_empty(t * k, x.shape[1])
     flat_w = weights.reshape(-1)
     for e, ew in cache.fetch(layer, needed, [span[e][1] for e in needed]):
