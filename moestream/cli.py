@@ -13,21 +13,42 @@ from pathlib import Path
 from .errors import MoestreamError
 
 
-def _add_generate_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model, cache and I/O options, shared by every command that loads a model (generate, serve)."""
     p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face Hub id")
-    p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
     p.add_argument(
         "--cache-budget-gb", default="3",
         help="expert cache budget in GB (10^9 bytes), or 'all' to keep every expert resident (default 3)",
     )
+    p.add_argument("--prefetch-workers", type=int, default=8, help="parallel expert reads (default 8)")
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Check the options of :func:`add_engine_args` before any loading. Raises MoestreamError."""
+    from .cache import parse_budget
+
+    if args.prefetch_workers < 1:
+        raise MoestreamError(f"--prefetch-workers must be at least 1, got {args.prefetch_workers}")
+    parse_budget(args.cache_budget_gb)
+
+
+def load_engine(args: argparse.Namespace, tokenizer: bool = True):
+    """``engine.load`` with the options of :func:`add_engine_args`."""
+    from .engine import load
+
+    return load(args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer)
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default 1)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--no-chat-template", action="store_true", help="encode the prompt as is, without the chat template")
     p.add_argument("--stats-json", type=Path, default=None, help="also write the run's stats to this JSON file")
-    p.add_argument("--prefetch-workers", type=int, default=8, help="parallel expert reads (default 8)")
     p.add_argument("--quiet", action="store_true", help="print only the generated text, not the stats")
 
 
@@ -36,8 +57,6 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
 
     Every argument is checked before the model is loaded.
     """
-    from .cache import parse_budget
-    from .engine import load
     from .generation import GenerationStats, SamplingParams, generate
     from .tokenizer import encode_prompt
 
@@ -45,13 +64,11 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
         raise MoestreamError("--prompt is empty")
     if args.max_tokens < 1:
         raise MoestreamError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if args.prefetch_workers < 1:
-        raise MoestreamError(f"--prefetch-workers must be at least 1, got {args.prefetch_workers}")
     if args.stats_json is not None and (args.stats_json.is_dir() or not args.stats_json.parent.is_dir()):
         raise MoestreamError(f"--stats-json {args.stats_json}: not a file in an existing folder")
-    parse_budget(args.cache_budget_gb)
+    check_engine_args(args)
     sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.seed)
-    engine = load(args.model, args.cache_budget_gb, workers=args.prefetch_workers)
+    engine = load_engine(args)
     try:
         if engine.unused_tensors:
             names = engine.unused_tensors

@@ -2,24 +2,39 @@
 
 A family module provides ``MODEL_TYPES``, ``ModelArgs.from_config(cfg)``,
 ``Model(args)`` (a :class:`~moestream.models.base.CausalLM`), and ``synth_config`` /
-``synth_tensors`` for ``moestream synth``. Adding a family means adding its module and
-one line here.
+``synth_tensors`` for ``moestream synth``. Adding a family means adding its module: every
+module of this package that declares ``MODEL_TYPES`` is found by itself.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import pkgutil
+from functools import cache
+from pathlib import Path
 from types import ModuleType
 
 from ..errors import ConfigError
 
-_FAMILIES = {
-    "qwen3_moe": "moestream.models.qwen3_moe",
-}
+
+@cache
+def _families() -> dict[str, str]:
+    """model_type -> module name, read from each module's ``MODEL_TYPES`` without importing it."""
+    out = {}
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if info.ispkg:
+            continue
+        tree = ast.parse((Path(__file__).parent / f"{info.name}.py").read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_TYPES" for t in node.targets):
+                for mt in ast.literal_eval(node.value):
+                    out[mt] = f"{__name__}.{info.name}"
+    return out
 
 
 def supported_model_types() -> list[str]:
-    return sorted(_FAMILIES)
+    return sorted(_families())
 
 
 def family_for(cfg: dict, where: str = "config.json") -> ModuleType:
@@ -31,7 +46,7 @@ def family_for(cfg: dict, where: str = "config.json") -> ModuleType:
     mt = cfg.get("model_type")
     if not isinstance(mt, str):
         raise ConfigError(f"{where}: no model_type field")
-    module = _FAMILIES.get(mt)
+    module = _families().get(mt)
     if module is None:
         raise ConfigError(
             f"{where}: model_type {mt!r} is not supported; moestream streams {', '.join(supported_model_types())}"

@@ -96,12 +96,19 @@ class StreamedMoE(nn.Module):
         layer: layer index; router: maps router logits [T, E] to (weights, indices).
         cache: the expert cache (set before the first forward; see :meth:`attach`).
         expert_fn: one expert's computation.
+        renormalize: whether the family renormalizes its top-k weights (``norm_topk_prob``
+            and the like), so that keeping fewer experts (``--max-active-experts``)
+            renormalizes the kept ones the same way.
 
     The router's weight is ``gate.weight`` [E, H], the name transformers uses.
     """
 
-    def __init__(self, hidden: int, num_experts: int, layer: int, router: Router, expert_fn: ExpertFn = swiglu_expert):
+    def __init__(
+        self, hidden: int, num_experts: int, layer: int, router: Router, expert_fn: ExpertFn = swiglu_expert,
+        renormalize: bool = False,
+    ):
         super().__init__()
+        self.renormalize = renormalize
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.layer = layer
         self.router = router

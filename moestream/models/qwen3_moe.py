@@ -109,7 +109,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.is_moe_layer(i):
             router = partial(softmax_topk, top_k=a.num_experts_per_tok, norm_topk_prob=a.norm_topk_prob)
-            self.mlp = StreamedMoE(a.hidden_size, a.num_experts, i, router)
+            self.mlp = StreamedMoE(a.hidden_size, a.num_experts, i, router, renormalize=a.norm_topk_prob)
         else:
             self.mlp = MLP(a.hidden_size, a.intermediate_size)
 
