@@ -141,15 +141,15 @@ def load(
         except ConfigError as e:
             raise ConfigError(f"{cfg_path}: {e}") from None
         layout = discover_experts(ckpt.tensors)
+        with torch.device("meta"):
+            net = family.Model(args)
         if dtype == "auto":
-            compute_dtype = checkpoint_dtype(ckpt)
+            compute_dtype = checkpoint_dtype(ckpt, net.embed_name)
         elif dtype in _DTYPES:
             compute_dtype = _DTYPES[dtype]
         else:
             raise ConfigError(f"dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
         dev = torch.device(device)
-        with torch.device("meta"):
-            net = family.Model(args)
         num_experts = _check_layout(net, layout, ckpt.path)
         store = ExpertStore(ckpt, layout, compute_dtype, dev, workers)
         keys = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]

@@ -66,10 +66,12 @@ class SynthTensor:
 class CausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm -> LM head, over one sequence.
 
-    Subclasses build ``self.model.layers``; each layer is called as
+    Subclasses fill ``self.decoder.layers``; each layer is called as
     ``layer(h, cos, sin, kv, index, start)`` and returns the new hidden states.
-    Parameter names follow the Hugging Face checkpoint (``model.embed_tokens.weight``,
-    ``model.layers.N....``, ``model.norm.weight``, ``lm_head.weight``).
+    Parameter names follow the Hugging Face checkpoint: the decoder lives at ``prefix``
+    (``model``: ``model.embed_tokens.weight``, ``model.layers.N....``, ``model.norm.weight``;
+    or ``model.language_model`` / ``language_model.model`` for multimodal checkpoints) and
+    the LM head at ``head`` (``lm_head`` or ``language_model.lm_head``).
     """
 
     # the pieces each routed expert must have (see moestream.layout); a family with expert
@@ -78,26 +80,46 @@ class CausalLM(nn.Module):
 
     def __init__(
         self, vocab: int, hidden: int, eps: float, rope_dim: int, rope_theta: float, tie: bool,
-        max_context: int | None = None,
+        max_context: int | None = None, prefix: str = "model", head: str = "lm_head",
     ):
         super().__init__()
         self.vocab_size = vocab
         self.max_context = max_context
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(vocab, hidden)
-        self.model.layers = nn.ModuleList()
-        self.model.norm = RMSNorm(hidden, eps)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.decoder_path, self.head_path = prefix, head
+        decoder = nn.Module()
+        decoder.embed_tokens = nn.Embedding(vocab, hidden)
+        decoder.layers = nn.ModuleList()
+        decoder.norm = RMSNorm(hidden, eps)
+        _set_submodule(self, prefix, decoder)
+        _set_submodule(self, head, nn.Linear(hidden, vocab, bias=False))
         self.tie_word_embeddings = tie
         with torch.device("cpu"):
             self.rotary = RotaryEmbedding(rope_dim, rope_theta)
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The module holding ``embed_tokens``, ``layers`` and ``norm``."""
+        return self.get_submodule(self.decoder_path)
+
+    @property
+    def head(self) -> nn.Linear:
+        """The LM head."""
+        return self.get_submodule(self.head_path)
+
+    @property
+    def embed_name(self) -> str:
+        return f"{self.decoder_path}.embed_tokens.weight"
+
+    @property
+    def head_name(self) -> str:
+        return f"{self.head_path}.weight"
 
     def moe_blocks(self) -> list[StreamedMoE]:
         """Every streamed MoE block, in layer order."""
         return [m for m in self.modules() if isinstance(m, StreamedMoE)]
 
     def new_kv_cache(self, capacity: int = 256) -> KVCache:
-        return KVCache(len(self.model.layers), capacity)
+        return KVCache(len(self.decoder.layers), capacity)
 
     def forward(self, ids: torch.Tensor, start: int, kv: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits for token ids ``ids`` [T] (int64) at positions ``start..start+T``.
@@ -105,15 +127,27 @@ class CausalLM(nn.Module):
         Appends the chunk to ``kv``. Returns [T, vocab] when ``all_logits``, else [1, vocab]
         for the last position only (prefill needs no more), in the model's dtype.
         """
-        h = self.model.embed_tokens(ids)
+        decoder = self.decoder
+        h = decoder.embed_tokens(ids)
         positions = torch.arange(start, start + ids.shape[0], device=ids.device)
         cos, sin = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(decoder.layers):
             h = layer(h, cos, sin, kv, i, start)
         if not all_logits:
             h = h[-1:]
         kv.length = start + ids.shape[0]
-        return self.lm_head(self.model.norm(h))
+        return self.head(decoder.norm(h))
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Place ``module`` at dotted ``path`` under ``root``, making empty parents as needed."""
+    *parents, leaf = path.split(".")
+    node = root
+    for name in parents:
+        if not hasattr(node, name):
+            setattr(node, name, nn.Module())
+        node = getattr(node, name)
+    setattr(node, leaf, module)
 
 
 def load_resident(
@@ -126,8 +160,8 @@ def load_resident(
     """Fill ``model``'s parameters from the checkpoint tensors of the same names.
 
     Float tensors are cast to ``dtype``. When the model ties its LM head to the embedding
-    (``tie_word_embeddings``), the head is the embedding, as in transformers, and an
-    ``lm_head.weight`` in the checkpoint is unused. ``skip`` names tensors that are not
+    (``tie_word_embeddings``), the head is the embedding, as in transformers, and a head
+    weight in the checkpoint is unused. ``skip`` names tensors that are not
     resident (routed experts). Returns the names of checkpoint tensors the model does not use.
 
     Raises:
@@ -137,8 +171,10 @@ def load_resident(
     state = {}
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     expected = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    embed_name = getattr(model, "embed_name", "model.embed_tokens.weight")
+    head_name = getattr(model, "head_name", "lm_head.weight")
     if tied:
-        wanted.remove("lm_head.weight")
+        wanted.remove(head_name)
     for name in wanted:
         info = checkpoint.tensors.get(name)
         if info is None:
@@ -154,10 +190,10 @@ def load_resident(
         if progress is not None:
             progress(info.nbytes)
     if tied:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        state[head_name] = state[embed_name]
     model.load_state_dict(state, strict=True, assign=True)
     if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.head.weight = model.decoder.embed_tokens.weight
     model.requires_grad_(False)
     used = set(wanted) | skip
     return sorted(n for n in checkpoint.tensors if n not in used)

@@ -127,7 +127,7 @@ class Model(CausalLM):
             max_context=a.max_position_embeddings,
         )
         self.args = a
-        self.model.layers.extend(DecoderLayer(a, i) for i in range(a.num_hidden_layers))
+        self.decoder.layers.extend(DecoderLayer(a, i) for i in range(a.num_hidden_layers))
 
     def expert_shape(self) -> tuple[int, int]:
         """(intermediate, hidden) of one routed expert's gate projection."""
