@@ -1,4 +1,4 @@
-"""The ``moestream`` command line: ``generate``, ``synth`` and ``demo``.
+"""The ``moestream`` command line: ``generate``, ``synth``, ``inspect`` and ``demo``.
 
 Errors a user can cause are printed as one line naming the file, tensor or field
 (exit status 2); tracebacks are for bugs.
@@ -129,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_args(g)
     s = sub.add_parser("synth", help="write a random-weight checkpoint of a real config's shapes")
     _add_synth_args(s)
+    i = sub.add_parser("inspect", help="what a checkpoint (or a config at its real size) holds, and whether it streams")
+    src = i.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint folder or Hugging Face Hub id (reads headers only)")
+    src.add_argument("--config", type=Path, help="a bare config.json, sized at its real shape without weights")
+    i.add_argument("--dtype", default="bf16", help="storage assumed for --config: bf16 (default), fp16 or fp32")
+    i.add_argument("--json", action="store_true", help="print JSON instead of text")
     d = sub.add_parser("demo", help="build a small model on first run and stream it")
     d.add_argument("--dir", type=Path, default=None, help="where the demo checkpoint lives (default: user cache)")
     d.add_argument("--max-tokens", type=int, default=48, help="tokens to generate in each demo run (default 48)")
@@ -138,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
             run_generate(args)
         elif args.command == "synth":
             run_synth(args)
+        elif args.command == "inspect":
+            from .inspect import inspect
+
+            report = inspect(args.model, args.config, args.dtype)
+            print(report.to_json() if args.json else report.to_text())
         elif args.command == "demo":
             from .demo import run_demo
 

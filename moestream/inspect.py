@@ -1,0 +1,207 @@
+"""``moestream inspect``: what a checkpoint (or a config, at its real size) holds and whether it streams.
+
+For a checkpoint folder the figures come from its safetensors headers; for a bare
+config.json they come from the tensors the family would hold at the config's real shape
+(the same plan ``moestream synth`` writes), so a 1-trillion-parameter model can be sized
+without its weights. Nothing is read but headers and the config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint, TensorInfo, resolve_model
+from .errors import ConfigError, LayoutError, MoestreamError
+from .layout import discover_experts
+from .models import family_for, supported_model_types
+
+GB = 1e9
+MB = 1e6
+
+# Architectures that route tokens to experts but gain nothing from streaming them.
+_DIFFUSION_MARKERS = ("diffusion", "llada", "dream")
+_DIFFUSION_REASON = (
+    "a diffusion language model: every denoising step runs the whole block of positions through every layer, "
+    "so nearly every expert is touched at every step and no cache can hold back reads; streaming would read "
+    "the whole model per step"
+)
+
+
+@dataclass
+class Inspection:
+    """What ``moestream inspect`` reports. Sizes in bytes; ``can_stream`` with ``reason`` when not.
+
+    ``bytes_per_expert`` is one routed expert's bytes as stored (gate, up and down);
+    ``active_expert_bytes`` the routed-expert bytes one token needs (top-k x MoE layers
+    x bytes per expert), the most a decoded token reads from disk on a cold cache.
+    """
+
+    source: str
+    model_type: str | None
+    family: str | None
+    can_stream: bool
+    reason: str = ""
+    layers: int = 0
+    moe_layers: int = 0
+    experts_per_layer: int = 0
+    top_k: int = 0
+    bytes_per_expert: int = 0
+    expert_bytes: int = 0
+    resident_bytes: int = 0
+    unused_bytes: int = 0
+    active_expert_bytes: int = 0
+    expert_layout: str = ""
+    unused_examples: list[str] = field(default_factory=list)
+
+    def to_text(self) -> str:
+        lines = [f"source:             {self.source}", f"model_type:         {self.model_type}"]
+        if self.family:
+            lines.append(f"family module:      {self.family}")
+        if not self.can_stream:
+            lines.append(f"can stream:         no: {self.reason}")
+            return "\n".join(lines)
+        total = self.expert_bytes + self.resident_bytes
+        lines += [
+            f"decoder layers:     {self.layers} ({self.moe_layers} MoE)",
+            f"experts per layer:  {self.experts_per_layer}, top-k {self.top_k} ({self.expert_layout} layout)",
+            f"bytes per expert:   {self.bytes_per_expert / MB:.2f} MB",
+            f"expert weights:     {self.expert_bytes / GB:.2f} GB ({100 * self.expert_bytes / max(total, 1):.1f}%)",
+            f"resident weights:   {self.resident_bytes / GB:.2f} GB",
+            f"experts per token:  {self.active_expert_bytes / GB:.3f} GB at most (top-k x MoE layers)",
+        ]
+        if self.unused_bytes:
+            lines.append(
+                f"not loaded:         {self.unused_bytes / GB:.2f} GB, such as {', '.join(self.unused_examples)}"
+            )
+        lines.append("can stream:         yes")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def _text_config(cfg: dict) -> dict:
+    inner = cfg.get("text_config")
+    return inner if isinstance(inner, dict) else cfg
+
+
+def _top_k(cfg: dict) -> int:
+    for c in (cfg, _text_config(cfg)):
+        for name in ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token"):
+            value = c.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return 0
+
+
+def _not_streamable(cfg: dict) -> str | None:
+    """Why a config's architecture cannot stream, or None."""
+    names = [cfg.get("model_type") or "", *(cfg.get("architectures") or [])]
+    if any(m in str(n).lower() for n in names for m in _DIFFUSION_MARKERS):
+        return _DIFFUSION_REASON
+    return None
+
+
+def _synth_index(config: Path, dtype: str) -> tuple[dict, dict[str, TensorInfo]]:
+    """The config (as synth would write it) and a header-like index of its tensors at full size."""
+    from .checkpoint import safetensors_dtype
+    from .synth import DTYPES, plan_synth
+
+    plan = plan_synth(config, None, dtype)
+    itemsize = plan.itemsize
+    st_dtype = safetensors_dtype(DTYPES[dtype])
+    index, offset = {}, 0
+    for t in plan.tensors:
+        nbytes = math.prod(t.shape) * itemsize
+        index[t.name] = TensorInfo(t.name, config, offset, nbytes, st_dtype, tuple(t.shape))
+        offset += nbytes
+    return plan.config, index
+
+
+def inspect(model: str | None = None, config: str | Path | None = None, dtype: str = "bf16") -> Inspection:
+    """Inspect a checkpoint (``model``: folder or Hub id) or a bare ``config`` at its real size.
+
+    ``dtype`` (bf16, fp16, fp32) is the storage assumed for a bare config.
+
+    Raises:
+        CheckpointError, ConfigError, LayoutError: a checkpoint or config that cannot be read, naming
+        the file or field. An unsupported or unstreamable architecture is not an error: the
+        result says ``can_stream = False`` and why.
+    """
+    if (model is None) == (config is None):
+        raise MoestreamError("give exactly one of --model or --config")
+    if config is not None:
+        path = Path(config)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read a JSON config ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: not a JSON object")
+        source, ckpt = str(path), None
+    else:
+        ckpt = Checkpoint(resolve_model(model))
+        raw, source = ckpt.config, str(ckpt.path)
+    try:
+        return _inspect(raw, source, ckpt, config, dtype)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+
+
+def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str) -> Inspection:
+    model_type = raw.get("model_type") if isinstance(raw.get("model_type"), str) else None
+    why = _not_streamable(raw)
+    if why:
+        return Inspection(source, model_type, None, False, why)
+    try:
+        family = family_for(raw, source)
+    except ConfigError:
+        reason = (
+            f"model_type {model_type!r} is not supported; moestream streams {', '.join(supported_model_types())}"
+            if model_type else "config.json has no model_type"
+        )
+        return Inspection(source, model_type, None, False, reason)
+    if ckpt is None:
+        cfg, tensors = _synth_index(Path(config), dtype)
+    else:
+        cfg, tensors = raw, ckpt.tensors
+    try:
+        args = family.ModelArgs.from_config(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    with torch.device("meta"):
+        net = family.Model(args)
+    layout = discover_experts(tensors)
+    blocks = net.moe_blocks()
+    if not blocks or not layout.layers:
+        return Inspection(
+            source, model_type, family.__name__, False,
+            "no routed experts: a dense model has nothing to stream (run it whole with a dense runner)",
+        )
+    if len(blocks) != len(layout.layers):
+        raise LayoutError(
+            f"{source}: the config makes {len(blocks)} MoE layers, the checkpoint holds experts for "
+            f"{len(layout.layers)}"
+        )
+    params = {n for n, _ in net.named_parameters(remove_duplicate=False)}
+    if getattr(net, "tie_word_embeddings", False):
+        params.discard(net.head_name)
+    resident = sum(tensors[n].nbytes for n in params if n in tensors)
+    unused = sorted(n for n in tensors if n not in params and n not in layout.expert_tensors)
+    first = next(iter(layout.layers.values()))
+    per_expert = layout.expert_nbytes(first.layer, 0)
+    top_k = _top_k(cfg)
+    active = sum(top_k * layout.expert_nbytes(i, 0) for i in layout.layers)
+    return Inspection(
+        source=source, model_type=model_type, family=family.__name__, can_stream=True,
+        layers=len(net.decoder.layers), moe_layers=len(layout.layers), experts_per_layer=first.num_experts,
+        top_k=top_k, bytes_per_expert=per_expert, expert_bytes=layout.total_bytes, resident_bytes=resident,
+        unused_bytes=sum(tensors[n].nbytes for n in unused), active_expert_bytes=active,
+        expert_layout=first.kind, unused_examples=unused[:3],
+    )
