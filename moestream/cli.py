@@ -1,4 +1,4 @@
-"""The ``moestream`` command line: ``generate``, ``synth``, ``inspect`` and ``demo``.
+"""The ``moestream`` command line: ``generate``, ``serve``, ``synth``, ``inspect`` and ``demo``.
 
 Errors a user can cause are printed as one line naming the file, tensor or field
 (exit status 2); tracebacks are for bugs.
@@ -96,6 +96,41 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
         engine.close()
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="tokens per request, prompt plus generated (default: the model's context length)")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait while one generates; one more gets 429 (default 16)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
+    p.add_argument("--model-name", default=None, help="the model id /v1/models reports (default: the folder name)")
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """Load the model once and serve it until interrupted. Arguments are checked before loading."""
+    from .server import ServerOptions, serve
+
+    check_engine_args(args)
+    if not 0 <= args.port < 65536:
+        raise MoestreamError(f"--port {args.port}: expected 0-65535")
+    if args.max_queue < 0:
+        raise MoestreamError(f"--max-queue must be at least 0, got {args.max_queue}")
+    if args.max_context is not None and args.max_context < 2:
+        raise MoestreamError(f"--max-context must be at least 2 tokens, got {args.max_context}")
+    engine = load_engine(args)
+    try:
+        model_max = engine.model.max_context or 32768
+        if args.max_context is not None and args.max_context > model_max:
+            raise MoestreamError(f"--max-context {args.max_context} exceeds the model's context of {model_max}")
+        name = args.model_name or engine.checkpoint.path.name
+        options = ServerOptions(name, args.max_context or model_max, args.max_queue, args.api_key)
+        serve(engine, options, args.host, args.port)
+    finally:
+        engine.close()
+
+
 def _add_synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, type=Path, help="a published config.json (real shapes)")
     p.add_argument("--out", required=True, type=Path, help="checkpoint folder to create")
@@ -129,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_args(g)
     s = sub.add_parser("synth", help="write a random-weight checkpoint of a real config's shapes")
     _add_synth_args(s)
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for one streamed model")
+    _add_serve_args(v)
     i = sub.add_parser("inspect", help="what a checkpoint (or a config at its real size) holds, and whether it streams")
     src = i.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint folder or Hugging Face Hub id (reads headers only)")
@@ -142,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             run_generate(args)
+        elif args.command == "serve":
+            run_serve(args)
         elif args.command == "synth":
             run_synth(args)
         elif args.command == "inspect":

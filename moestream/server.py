@@ -1,0 +1,677 @@
+"""``moestream serve``: an OpenAI-compatible HTTP server for one streamed model (FastAPI + uvicorn).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(streamed as server-sent events or not), ``GET /health``, ``GET /metrics`` (Prometheus
+text format), ``GET /stats`` (JSON for the chat page) and ``GET /`` (a small chat page).
+
+One model runs one generation at a time. Requests wait in a FIFO of at most
+``max_queue`` entries; one more gets 429 with ``Retry-After``. A generation runs on its
+own thread and hands its tokens to the event loop; a client that disconnects mid-stream
+sets a flag the thread checks at the next token, and the queue moves on only once that
+thread has stopped, so two generations never share the model.
+
+Request and response shapes follow OpenAI's chat and completions APIs (as llama.cpp's
+and vLLM's servers implement them); the text between ``<think>`` and ``</think>`` is
+returned as ``reasoning_content`` (vLLM's field), and Qwen3-style ``<tool_call>`` JSON
+blocks as ``tool_calls``. Errors have OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``; bad input is a 4xx, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import InputError, MoestreamError
+from .generation import GenerationStats, SamplingParams, Step, generate, generation_defaults
+from .textstream import ReasoningSplitter
+from .tokenizer import chat_ids, prompt_opens_thinking, think_token_ids
+
+GB = 1e9
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# ---- request bodies: known fields are type-checked strictly, unknown fields ignored ----
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+# ---- what runs: one generation at a time, on a thread, behind a bounded FIFO ----
+
+@dataclass
+class Job:
+    """One generation: prompt token ids and everything ``generate`` needs."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    logprobs: int | None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+_END = object()
+
+
+class Runner:
+    """Runs :class:`Job`\\ s one at a time; at most ``max_queue`` wait (FIFO), more get 429.
+
+    ``enter()`` waits for the model (raising a 429 :class:`APIError` when the queue is
+    full); ``start()`` then runs the job on a thread and returns a :class:`Run` whose
+    steps the caller consumes. The model is handed to the next job only when the thread
+    has finished, even if its client went away.
+    """
+
+    def __init__(self, engine, max_queue: int, metrics: Metrics):
+        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self._lock: asyncio.Lock | None = None
+        self.waiting = 0
+        self.busy = False
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()  # created inside the server's event loop
+        return self._lock
+
+    async def enter(self) -> None:
+        if self.lock.locked() and self.waiting >= self.max_queue:
+            raise APIError(
+                429, f"the server is busy: {self.waiting} requests are already waiting (--max-queue {self.max_queue})",
+                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
+            )
+        self.waiting += 1
+        self.metrics.queue_depth.set(self.waiting + self.busy)
+        try:
+            await self.lock.acquire()  # asyncio.Lock wakes waiters in FIFO order
+        finally:
+            self.waiting -= 1
+        self.busy = True
+        self.metrics.queue_depth.set(self.waiting + 1)
+
+    def _leave(self) -> None:
+        self.busy = False
+        self.metrics.queue_depth.set(self.waiting)
+        self.lock.release()
+
+    def start(self, job: Job) -> Run:
+        """Run ``job`` on a thread (after :meth:`enter`); the model is released when it ends."""
+        run = Run(asyncio.get_running_loop(), asyncio.Queue(), threading.Event())
+
+        def work():
+            try:
+                for step in generate(self.engine, job.ids, job.max_tokens, job.sampling, job.stats,
+                                     stop=job.stop, logprobs=job.logprobs):
+                    run.loop.call_soon_threadsafe(run.queue.put_nowait, step)
+                    self.metrics.tokens.inc()
+                    self.metrics.tokens_generated += 1
+                    if run.cancelled.is_set():
+                        break  # closes the generator: the client is gone
+            except BaseException as e:  # handed to the request, which answers it
+                run.loop.call_soon_threadsafe(run.queue.put_nowait, e)
+            finally:
+                self.metrics.last_decode_tok_s = job.stats.decode_tok_s or self.metrics.last_decode_tok_s
+                run.loop.call_soon_threadsafe(run.queue.put_nowait, _END)
+                run.loop.call_soon_threadsafe(self._leave)
+
+        threading.Thread(target=work, name="moestream-generate", daemon=True).start()
+        return run
+
+
+@dataclass
+class Run:
+    """A running job's steps, handed from its thread to the event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    cancelled: threading.Event
+
+    async def steps(self) -> AsyncIterator[Step]:
+        """Each :class:`Step` as it is made. Leaving early (a disconnect) cancels the generation."""
+        try:
+            while True:
+                item = await self.queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancelled.set()
+
+
+class Metrics:
+    """Prometheus metrics, in a registry of the server's own."""
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.tokens = Counter("moestream_generated_tokens", "Tokens generated", registry=self.registry)
+        self.requests = Counter("moestream_requests", "HTTP requests answered", ["endpoint", "status"],
+                                registry=self.registry)
+        self.queue_depth = Gauge("moestream_queue_depth", "Requests waiting or running", registry=self.registry)
+        self.last_decode_tok_s = 0.0
+        self.tokens_generated = 0
+        self.engine = engine
+        self.registry.register(self)
+
+    def collect(self):
+        """Engine-wide figures, read at scrape time."""
+        cache, store = self.engine.cache.stats, self.engine.store.stats
+        yield GaugeMetricFamily("moestream_cache_hit_rate", "Expert cache hits / lookups since start",
+                                value=cache.hits / cache.lookups if cache.lookups else 0.0)
+        yield CounterMetricFamily("moestream_disk_read_bytes", "Bytes of experts read from disk",
+                                  value=store.bytes_read)
+        yield CounterMetricFamily("moestream_experts_read", "Experts read from disk", value=store.experts_read)
+        yield GaugeMetricFamily("moestream_decode_tokens_per_second", "Decode speed of the last generation",
+                                value=self.last_decode_tok_s)
+
+    def snapshot(self, runner: Runner) -> dict:
+        cache, store = self.engine.cache.stats, self.engine.store.stats
+        return {
+            "cache_hit_rate": cache.hits / cache.lookups if cache.lookups else 0.0,
+            "gb_read": store.bytes_read / GB,
+            "experts_read": store.experts_read,
+            "decode_tok_s": self.last_decode_tok_s,
+            "tokens_generated": self.tokens_generated,
+            "queue_depth": runner.waiting + runner.busy,
+            "busy": runner.busy,
+        }
+
+
+# ---- text handling: tool calls, logprobs ----
+
+_TOOL_OPEN, _TOOL_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_BLOCK = re.compile(re.escape(_TOOL_OPEN) + r"(.*?)" + re.escape(_TOOL_CLOSE), re.DOTALL)
+
+
+class ToolCallStream:
+    """Holds back answer text from the first ``<tool_call>`` on, and parses the blocks at the end.
+
+    Qwen3's (and Hermes') format: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+    """
+
+    def __init__(self):
+        self.held = ""
+        self.holding = False
+
+    def push(self, text: str) -> str:
+        if self.holding:
+            self.held += text
+            return ""
+        buf = self.held + text
+        i = buf.find(_TOOL_OPEN)
+        if i >= 0:
+            self.holding, self.held = True, buf[i:]
+            return buf[:i]
+        keep = next((k for k in range(min(len(_TOOL_OPEN) - 1, len(buf)), 0, -1) if buf.endswith(_TOOL_OPEN[:k])), 0)
+        self.held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep]
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(text left to show, OpenAI ``tool_calls``). Blocks that are not valid JSON stay text."""
+        calls, rest, last = [], [], 0
+        for m in _TOOL_BLOCK.finditer(self.held):
+            try:
+                obj = json.loads(m[1])
+                name, args = obj["name"], obj.get("arguments", {})
+                if not isinstance(name, str):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                continue
+            rest.append(self.held[last : m.start()])
+            last = m.end()
+            calls.append({
+                "index": len(calls), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)},
+            })
+        rest.append(self.held[last:])
+        text = "".join(rest) if calls else self.held
+        return (text.strip() if calls else text), calls
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def _chat_logprob(tokenizer, step: Step) -> dict:
+    lp = step.logprob
+
+    def entry(tok: int, value: float) -> dict:
+        text = _token_text(tokenizer, tok)
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    return {**entry(step.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+
+# ---- the app ----
+
+@dataclass
+class ServerOptions:
+    """``moestream serve`` settings. ``max_context``: tokens (prompt + generated) per request."""
+
+    model_name: str
+    max_context: int
+    max_queue: int = 16
+    api_key: str | None = None
+
+
+def create_app(engine, options: ServerOptions) -> FastAPI:
+    """The FastAPI app serving ``engine`` (a loaded :class:`~moestream.engine.Engine` with its tokenizer)."""
+    app = FastAPI(title="moestream", docs_url=None, redoc_url=None)
+    metrics = Metrics(engine)
+    runner = Runner(engine, options.max_queue, metrics)
+    tok = engine.tokenizer
+    defaults = generation_defaults(engine.checkpoint.path)
+    think_ids = think_token_ids(tok)
+    from .generation import eos_ids
+
+    end_of_turn = eos_ids(engine)
+    app.state.runner, app.state.metrics = runner, metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}",
+                            code="invalid_json").response()
+        param = ".".join(loc) or None
+        return APIError(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param=param,
+                        code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return APIError(e.status_code, str(e.detail), type=kind).response()
+
+    @app.middleware("http")
+    async def _count_and_auth(request: Request, call_next):
+        path = request.url.path
+        if options.api_key and path.startswith("/v1/"):
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {options.api_key}":
+                resp = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                type="authentication_error", code="invalid_api_key").response()
+                metrics.requests.labels(path, "401").inc()
+                return resp
+        resp = await call_next(request)
+        if path.startswith("/v1/"):
+            metrics.requests.labels(path, str(resp.status_code)).inc()
+        return resp
+
+    def budget(req: _Sampling, prompt_len: int, requested: int | None) -> int:
+        room = options.max_context - prompt_len
+        if room < 1:
+            raise APIError(
+                400, f"the prompt is {prompt_len} tokens; this server's context is {options.max_context} tokens "
+                "(--max-context), which leaves no room to generate", param="messages", code="context_length_exceeded",
+            )
+        if requested is not None and requested > room:
+            raise APIError(
+                400, f"max_tokens {requested} plus the prompt's {prompt_len} tokens exceed the context of "
+                f"{options.max_context} tokens", param="max_tokens", code="context_length_exceeded",
+            )
+        return requested if requested is not None else room
+
+    def sampling(req: _Sampling) -> SamplingParams:
+        if req.n not in (None, 1):
+            raise APIError(400, f"n = {req.n}: this server makes one choice per request (n=1)", param="n")
+        given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
+                                              "presence_penalty", "repetition_penalty")}
+        try:
+            return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
+        except InputError as e:
+            raise APIError(400, str(e)) from None
+
+    def stops(req: _Sampling) -> list[str]:
+        s = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(s) > 16:
+            raise APIError(400, f"stop: at most 16 stop strings, got {len(s)}", param="stop")
+        return [x for x in s if x]
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": options.model_name, "busy": runner.busy, "waiting": runner.waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats():
+        return metrics.snapshot(runner)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return resources.files("moestream").joinpath("data/chat.html").read_text()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": options.model_name, "object": "model", "created": 0, "owned_by": "moestream",
+             "max_context": options.max_context},
+        ]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        messages = [_message_dict(m) for m in req.messages]
+        try:
+            ids = chat_ids(tok, messages, req.tools, req.chat_template_kwargs)
+        except InputError as e:
+            raise APIError(400, str(e), param="messages") from None
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        job = Job(ids, budget(req, len(ids), requested), sampling(req), stops(req),
+                  (req.top_logprobs or 0) if req.logprobs else None)
+        thinking = prompt_opens_thinking(ids, think_ids, end_of_turn)
+        split = think_ids[1] is not None
+        await runner.enter()
+        run = runner.start(job)
+        meta = _Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), options.model_name)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = _chat_events(run, job, meta, tok, thinking, split, bool(req.tools), include_usage)
+            return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _chat_whole(run, job, meta, tok, thinking, split, bool(req.tools))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: one prompt per request", param="prompt")
+            prompt = prompt[0]
+        ids = tok.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise APIError(400, "prompt: empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < engine.model.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
+        job = Job(ids, budget(req, len(ids), req.max_tokens), sampling(req), stops(req), req.logprobs)
+        await runner.enter()
+        run = runner.start(job)
+        meta = _Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), options.model_name)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = _completion_events(run, job, meta, tok, include_usage)
+            return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _completion_whole(run, job, meta, tok)
+
+    return app
+
+
+@dataclass
+class _Meta:
+    id: str
+    created: int
+    model: str
+
+
+def _message_dict(m: Message) -> dict:
+    """A request message as the chat template takes it (text parts joined, tool-call arguments as objects)."""
+    d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+    content = m.content
+    if isinstance(content, list):
+        content = "".join(p.text for p in content)
+    d["content"] = content if content is not None or m.role == "assistant" else ""
+    if m.name is not None:
+        d["name"] = m.name
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        d["reasoning_content"] = m.reasoning_content
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            args = c.function.arguments
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    raise APIError(400, f"tool call {c.function.name!r}: arguments are not JSON",
+                                   param="messages") from None
+            calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+        d["tool_calls"] = calls
+    return d
+
+
+def _usage(job: Job, completion: int) -> dict:
+    return {"prompt_tokens": len(job.ids), "completion_tokens": completion, "total_tokens": len(job.ids) + completion}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _chat_whole(run: Run, job: Job, meta: _Meta, tok, thinking: bool, split: bool, tools: bool) -> dict:
+    splitter = ReasoningSplitter(start_in_reasoning=thinking) if split else None
+    reasoning, answer, logprobs, count, finish = [], [], [], 0, "length"
+    async for step in run.steps():
+        count += 1
+        if step.logprob is not None:
+            logprobs.append(_chat_logprob(tok, step))
+        if splitter is not None:
+            r, a = splitter.push(step.text)
+            reasoning.append(r)
+            answer.append(a)
+        else:
+            answer.append(step.text)
+        finish = step.finish_reason or finish
+    if splitter is not None:
+        r, a = splitter.flush()
+        reasoning.append(r)
+        answer.append(a)
+    content, calls = "".join(answer), []
+    if tools:
+        stream = ToolCallStream()
+        content = stream.push(content)
+        rest, calls = stream.finish()
+        content += rest
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    if "".join(reasoning):
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+        finish = "tool_calls"
+    return {
+        "id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                     "logprobs": {"content": logprobs} if job.logprobs is not None else None}],
+        "usage": _usage(job, count),
+    }
+
+
+async def _chat_events(run: Run, job: Job, meta: _Meta, tok, thinking: bool, split: bool, tools: bool,
+                       include_usage: bool) -> AsyncIterator[str]:
+    base = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model}
+
+    def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish,
+                  "logprobs": {"content": logprobs} if logprobs is not None else None}
+        return _sse({**base, "choices": [choice]})
+
+    splitter = ReasoningSplitter(start_in_reasoning=thinking) if split else None
+    calls_stream = ToolCallStream() if tools else None
+    count, finish = 0, "length"
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        async for step in run.steps():
+            count += 1
+            finish = step.finish_reason or finish
+            r, a = splitter.push(step.text) if splitter is not None else ("", step.text)
+            if calls_stream is not None:
+                a = calls_stream.push(a)
+            lp = [_chat_logprob(tok, step)] if step.logprob is not None else None
+            delta = {}
+            if r:
+                delta["reasoning_content"] = r
+            if a:
+                delta["content"] = a
+            if delta or lp:
+                yield chunk(delta, logprobs=lp)
+        r, a = splitter.flush() if splitter is not None else ("", "")
+        if calls_stream is not None:
+            a = calls_stream.push(a)
+            rest, calls = calls_stream.finish()
+            a += rest
+        else:
+            calls = []
+        delta = {k: v for k, v in (("reasoning_content", r), ("content", a)) if v}
+        if delta:
+            yield chunk(delta)
+        if calls:
+            yield chunk({"tool_calls": calls})
+            finish = "tool_calls"
+        yield chunk({}, finish)
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(job, count)})
+    except MoestreamError as e:  # a failed read mid-stream: tell the client in the stream
+        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+    yield "data: [DONE]\n\n"
+
+
+def _completion_logprobs(tok, steps: list[Step], offset0: int = 0) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = offset0
+    for s in steps:
+        text = _token_text(tok, s.token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(s.logprob.logprob)
+        out["top_logprobs"].append({_token_text(tok, t): v for t, v in s.logprob.top})
+        out["text_offset"].append(offset)
+        offset += len(s.text)
+    return out
+
+
+async def _completion_whole(run: Run, job: Job, meta: _Meta, tok) -> dict:
+    steps = [s async for s in run.steps()]
+    finish = steps[-1].finish_reason if steps and steps[-1].finish_reason else "length"
+    return {
+        "id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+        "choices": [{"index": 0, "text": "".join(s.text for s in steps), "finish_reason": finish,
+                     "logprobs": _completion_logprobs(tok, steps) if job.logprobs is not None else None}],
+        "usage": _usage(job, len(steps)),
+    }
+
+
+async def _completion_events(run: Run, job: Job, meta: _Meta, tok, include_usage: bool) -> AsyncIterator[str]:
+    base = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model}
+    count, finish, offset = 0, "length", 0
+    try:
+        async for step in run.steps():
+            count += 1
+            finish = step.finish_reason or finish
+            lp = _completion_logprobs(tok, [step], offset) if job.logprobs is not None else None
+            offset += len(step.text)
+            if step.text or lp:
+                yield _sse({**base, "choices": [{"index": 0, "text": step.text, "finish_reason": None, "logprobs": lp}]})
+        yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": finish, "logprobs": None}]})
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(job, count)})
+    except MoestreamError as e:
+        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+    yield "data: [DONE]\n\n"
+
+
+def serve(engine, options: ServerOptions, host: str = "127.0.0.1", port: int = 8080) -> None:
+    """Serve ``engine`` until interrupted (uvicorn, one worker)."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine, options), host=host, port=port, log_level="info")
