@@ -510,7 +510,7 @@ def _message_dict(m: Message) -> dict:
     content = m.content
     if isinstance(content, list):
         content = "".join(p.text for p in content)
-    d["content"] = content if content is not None or m.role == "assistant" else ""
+    d["content"] = content or ""  # chat templates (Qwen3's) fail on a null content
     if m.name is not None:
         d["name"] = m.name
     if m.tool_call_id is not None:

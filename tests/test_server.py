@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
 import shutil
@@ -15,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from moestream.cli import main
+from moestream.cli import _add_generate_args, main, run_generate
 from moestream.engine import load
 from moestream.server import ServerOptions, create_app
 from moestream.tokenizer import chat_ids
@@ -74,10 +76,14 @@ def server(engine):
     srv.stop()
 
 
-def _cli_text(ckpt, capsys, *flags) -> str:
-    capsys.readouterr()
-    assert main(["generate", "--model", str(ckpt), "--cache-budget-gb", "0.00005", "--quiet", *flags]) == 0
-    return capsys.readouterr().out[:-1]  # the CLI ends with a newline
+def _cli_text(ckpt, *flags) -> str:
+    """What ``moestream generate`` prints for these flags."""
+    parser = argparse.ArgumentParser()
+    _add_generate_args(parser)
+    args = parser.parse_args(["--model", str(ckpt), "--cache-budget-gb", "0.00005", "--quiet", *flags])
+    out, err = io.StringIO(), io.StringIO()
+    run_generate(args, out=out, err=err)
+    return out.getvalue()[:-1]  # the CLI ends with a newline
 
 
 def test_models_health_and_page(server):
@@ -89,8 +95,8 @@ def test_models_health_and_page(server):
     assert page.status_code == 200 and "/v1/chat/completions" in page.text
 
 
-def test_chat_equals_cli_generate(server, ckpt, engine, capsys):
-    want = _cli_text(ckpt, capsys, "--prompt", PROMPT, "--max-tokens", "12", "--temp", "1", "--seed", "7")
+def test_chat_equals_cli_generate(server, ckpt, engine):
+    want = _cli_text(ckpt, "--prompt", PROMPT, "--max-tokens", "12", "--temp", "1", "--seed", "7")
     c = server.client()
     msgs = [{"role": "user", "content": PROMPT}]
     r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=1, seed=7)
@@ -224,7 +230,7 @@ def test_tool_call_round_trip(server, engine, monkeypatch, stream):
     assert r2.choices[0].message.content == "It is 18 C in Paris."
     assert r2.choices[0].finish_reason == "stop"
     rendered = [dict(m) for m in follow]
-    rendered[1] = {"role": "assistant", "content": None, "tool_calls": [
+    rendered[1] = {"role": "assistant", "content": "", "tool_calls": [
         {"id": calls[0].id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
     text = tok.apply_chat_template(rendered, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert "<tool_response>\n18 C\n</tool_response>" in text and '"city": "Paris"' in text
