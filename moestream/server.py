@@ -661,7 +661,8 @@ async def _completion_events(run: Run, job: Job, meta: _Meta, tok, include_usage
             lp = _completion_logprobs(tok, [step], offset) if job.logprobs is not None else None
             offset += len(step.text)
             if step.text or lp:
-                yield _sse({**base, "choices": [{"index": 0, "text": step.text, "finish_reason": None, "logprobs": lp}]})
+                choice = {"index": 0, "text": step.text, "finish_reason": None, "logprobs": lp}
+                yield _sse({**base, "choices": [choice]})
         yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": finish, "logprobs": None}]})
         if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(job, count)})

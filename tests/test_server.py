@@ -172,7 +172,8 @@ class Scripted(nn.Module):
 
 
 def test_reasoning_content_is_split(server, engine, monkeypatch):
-    monkeypatch.setattr(engine, "model", Scripted(engine.model, engine.tokenizer, "<think>\nweigh it\n</think>\n\nYes."))
+    script = "<think>\nweigh it\n</think>\n\nYes."
+    monkeypatch.setattr(engine, "model", Scripted(engine.model, engine.tokenizer, script))
     c = server.client()
     r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ok?"}], max_tokens=32,
                                   temperature=0)
@@ -213,7 +214,8 @@ def test_tool_call_round_trip(server, engine, monkeypatch, stream):
         content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     else:
         r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=64, temperature=0)
-        calls, finish, content = r.choices[0].message.tool_calls, r.choices[0].finish_reason, r.choices[0].message.content
+        choice = r.choices[0]
+        calls, finish, content = choice.message.tool_calls, choice.finish_reason, choice.message.content
     assert finish == "tool_calls"
     assert not content
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
