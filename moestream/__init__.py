@@ -7,19 +7,32 @@ config) -> :mod:`moestream.layout` (where each expert lies) -> :mod:`moestream.s
 (reads bytes) -> :mod:`moestream.cache` (budget, LRU, stats) -> :mod:`moestream.models`
 (one module per family) -> :mod:`moestream.generation` -> :mod:`moestream.cli`.
 
-``moestream.load`` and ``moestream.Engine`` are imported on first use, so that the
-command line starts without importing PyTorch until it needs it.
+The Python API mirrors the CLI (see :mod:`moestream.api`)::
+
+    engine = moestream.load("Qwen/Qwen3-30B-A3B", cache_budget_gb=3)
+    text = moestream.generate(engine, "Why is the sky blue?", max_tokens=200)
+    for r in moestream.stream_generate(engine, "Why is the sky blue?"):
+        print(r.text, end="")
+
+``moestream.load``, ``moestream.generate``, ``moestream.stream_generate`` and the other
+names in ``__all__`` are imported on first use, so that the command line starts without
+importing PyTorch until it needs it. (``python -m moestream.stream_generate`` is the CLI
+under its reference-system name; the attribute ``moestream.stream_generate`` is the function.)
 """
 
 from .errors import MoestreamError
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "MoestreamError", "load", "__version__"]
+__all__ = ["Engine", "GenerationResponse", "GenerationStats", "MoestreamError", "SamplingParams", "generate",
+           "load", "stream_generate", "__version__"]
+
+_LAZY = {"Engine": "engine", "load": "engine", "generate": "api", "stream_generate": "api",
+         "GenerationResponse": "api", "GenerationStats": "generation", "SamplingParams": "generation"}
 
 
 def __getattr__(name: str):
-    if name in ("Engine", "load"):
-        from . import engine
+    if name in _LAZY:
+        import importlib
 
-        return getattr(engine, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'moestream' has no attribute {name!r}")

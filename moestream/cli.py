@@ -41,51 +41,205 @@ def load_engine(args: argparse.Namespace, tokenizer: bool = True):
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--prompt", default=None, help="the prompt text; '-' reads it from stdin")
+    p.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this file (UTF-8)")
+    p.add_argument("--system", default=None, help="a system message (through the chat template)")
+    p.add_argument("--chat", action="store_true",
+                   help="interactive multi-turn chat in the terminal; the KV cache is kept between turns")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default 1)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off (default 0)")
+    p.add_argument("--temp", type=float, default=None,
+                   help="sampling temperature; 0 = greedy (default: generation_config.json, else 0)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass; 0 or 1 = off (default: generation_config.json, else off)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens; 0 = off (default: generation_config.json, else off)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than min-p x the top token; 0 = off "
+                        "(default: generation_config.json, else off)")
+    p.add_argument("--rep-penalty", type=float, default=None,
+                   help="repetition penalty (CTRL); 1 = off (default: generation_config.json, else off)")
+    p.add_argument("--rep-ctx", type=int, default=256,
+                   help="tokens the repetition penalty looks back at (default 256)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty (default 0)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop before this string (never printed); repeatable")
+    p.add_argument("--no-think", action="store_true",
+                   help="render the chat template with enable_thinking=False (thinking models)")
+    p.add_argument("--multi-think", action="store_true",
+                   help="allow </think> again after the thinking block closed (default: masked)")
+    p.add_argument("--hide-think", action="store_true", help="print only the answer, not the thinking block")
     p.add_argument("--no-chat-template", action="store_true", help="encode the prompt as is, without the chat template")
     p.add_argument("--stats-json", type=Path, default=None, help="also write the run's stats to this JSON file")
     p.add_argument("--quiet", action="store_true", help="print only the generated text, not the stats")
 
 
-def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
-    """Load, generate with streamed output, print stats; returns the GenerationStats.
+def _generate_defaults() -> dict:
+    p = argparse.ArgumentParser(add_help=False)
+    _add_generate_args(p)
+    return {a.dest: a.default for a in p._actions if a.dest != "help"}
 
-    Every argument is checked before the model is loaded.
-    """
-    from .generation import GenerationStats, SamplingParams, generate
-    from .tokenizer import encode_prompt
 
+def _read_prompt(args: argparse.Namespace, inp) -> str | None:
+    """The prompt from --prompt, --prompt - (stdin) or --prompt-file; None in --chat without one."""
+    if args.prompt is not None and args.prompt_file is not None:
+        raise MoestreamError("give --prompt or --prompt-file, not both")
+    if args.prompt == "-":
+        if args.chat:
+            raise MoestreamError("--prompt - reads stdin, which --chat reads the turns from")
+        text = inp.read()
+        if not text.strip():
+            raise MoestreamError("--prompt -: stdin is empty")
+        return text
+    if args.prompt_file is not None:
+        try:
+            text = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
+            raise MoestreamError(f"--prompt-file {args.prompt_file}: cannot read it: {why}") from None
+        if not text.strip():
+            raise MoestreamError(f"--prompt-file {args.prompt_file}: the file is empty")
+        return text
+    if args.prompt is None:
+        if args.chat:
+            return None
+        raise MoestreamError("give --prompt TEXT, --prompt - (stdin), --prompt-file PATH or --chat")
     if not args.prompt:
         raise MoestreamError("--prompt is empty")
+    return args.prompt
+
+
+def _sampling(args: argparse.Namespace, defaults: dict):
+    """SamplingParams from the flags, then ``defaults`` (generation_config.json), then the built-in defaults."""
+    from .generation import resolve_sampling
+
+    try:
+        return resolve_sampling(
+            defaults, args.temp, args.top_p, args.top_k, args.min_p, args.rep_penalty, seed=args.seed,
+            repetition_context=args.rep_ctx, frequency_penalty=args.frequency_penalty,
+            presence_penalty=args.presence_penalty,
+        )
+    except MoestreamError as e:
+        if defaults:
+            raise MoestreamError(f"{e} (flags and generation_config.json together)") from None
+        raise
+
+
+class _Printer:
+    """Writes generated text, the thinking block included or not (--hide-think)."""
+
+    def __init__(self, out, hide_think: bool, starts_in_reasoning: bool):
+        from .textstream import ReasoningSplitter
+
+        self.out = out
+        self.splitter = ReasoningSplitter(starts_in_reasoning) if hide_think else None
+        self.raw: list[str] = []
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+
+    def push(self, text: str) -> None:
+        self.raw.append(text)
+        self._write(self.splitter.push(text).answer if self.splitter else text)
+
+    def end(self) -> str:
+        """Flush; return the whole raw text of the turn."""
+        if self.splitter:
+            self._write(self.splitter.flush().answer)
+        self.out.write("\n")
+        self.out.flush()
+        return "".join(self.raw)
+
+
+def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr, inp=sys.stdin):
+    """Load, generate with streamed output, print stats; returns the GenerationStats (of the last turn in --chat).
+
+    Every argument is checked before the model is loaded. ``inp`` is where ``--prompt -``
+    and the turns of ``--chat`` are read from.
+    """
+    from .generation import GenerationStats, Session, eos_ids, generate, generation_defaults, whole_model_hint
+    from .tokenizer import chat_ids, encode_prompt, next_turn_ids, prompt_opens_thinking, think_token_ids
+
+    args = argparse.Namespace(**{**_generate_defaults(), **vars(args)})
+    prompt = _read_prompt(args, inp)
     if args.max_tokens < 1:
         raise MoestreamError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.stats_json is not None and (args.stats_json.is_dir() or not args.stats_json.parent.is_dir()):
         raise MoestreamError(f"--stats-json {args.stats_json}: not a file in an existing folder")
+    if args.no_chat_template and (args.chat or args.system is not None or args.no_think):
+        raise MoestreamError("--chat, --system and --no-think need the chat template (drop --no-chat-template)")
     check_engine_args(args)
-    sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.seed)
+    _sampling(args, {})  # flags checked before loading
     engine = load_engine(args)
     try:
         if engine.unused_tensors:
             names = engine.unused_tensors
             print(f"note: {len(names)} checkpoint tensors are not used, such as {names[:3]}", file=err)
-        ids = encode_prompt(engine.tokenizer, args.prompt, chat_template=not args.no_chat_template)
-        if not ids:
-            raise MoestreamError("--prompt encodes to no tokens")
-        stats = GenerationStats()
-        for step in generate(engine, ids, args.max_tokens, sampling, stats):
-            if step.text:
-                out.write(step.text)
-                out.flush()
-        out.write("\n")
-        out.flush()
+        defaults = generation_defaults(engine.checkpoint.path)
+        sampling = _sampling(args, defaults)
         if not args.quiet:
-            print("-" * 60, file=err)
-            print(stats.summary(), file=err)
+            flags = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "rep_penalty"}
+            used = {k: v for k, v in defaults.items() if getattr(args, flags[k]) is None}
+            if used:
+                print("sampling defaults from generation_config.json: "
+                      + ", ".join(f"{k} {v:g}" for k, v in used.items()) + " (flags override them)", file=err)
+            hint = whole_model_hint(engine)
+            if hint:
+                print(hint, file=err)
+        tok = engine.tokenizer
+        template_kwargs = {"enable_thinking": False} if args.no_think else {}
+        eos = eos_ids(engine)
+        think_ids = think_token_ids(tok)
+        session = Session() if args.chat else None
+        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+        conversation: list[int] = []
+        stats = GenerationStats()
+        first = True
+        while True:
+            if args.chat:
+                text = prompt if first and prompt is not None else _read_turn(inp, err)
+                if text is None:
+                    break
+                messages.append({"role": "user", "content": text})
+                if first:
+                    ids = chat_ids(tok, messages, chat_template_kwargs=template_kwargs)
+                else:
+                    ids = conversation + next_turn_ids(tok, messages, chat_template_kwargs=template_kwargs)
+            else:
+                ids = encode_prompt(tok, prompt, chat_template=not args.no_chat_template, system=args.system,
+                                    chat_template_kwargs=template_kwargs)
+            first = False
+            if not ids:
+                raise MoestreamError("the prompt encodes to no tokens")
+            stats = GenerationStats()
+            printer = _Printer(out, args.hide_think, prompt_opens_thinking(ids, think_ids, eos))
+            tokens = []
+            for step in generate(engine, ids, args.max_tokens, sampling, stats, stop=args.stop,
+                                 multi_think=args.multi_think, session=session):
+                tokens.append(step.token)
+                printer.push(step.text)
+            reply = printer.end()
+            if args.hide_think and printer.splitter.reasoning and not args.quiet:
+                print("note: the thinking block did not end within --max-tokens (nothing to show with --hide-think)",
+                      file=err)
+            if not args.quiet:
+                if args.chat:
+                    prefilled = stats.prompt_tokens - stats.prompt_cached_tokens
+                    print(f"[{stats.generated_tokens} tokens ({stats.finish_reason}), {prefilled} prefilled, "
+                          f"{stats.decode_tok_s:.2f} tok/s, cache hit rate {stats.cache_hit_rate:.1%}]", file=err)
+                else:
+                    print("-" * 60, file=err)
+                    print(stats.summary(), file=err)
+            if not args.chat:
+                break
+            if tokens and tokens[-1] in eos:
+                tokens = tokens[:-1]
+            conversation = ids + tokens
+            messages.append({"role": "assistant", "content": reply})
         if args.stats_json:
             try:
                 args.stats_json.write_text(stats.to_json() + "\n")
@@ -129,6 +283,21 @@ def run_serve(args: argparse.Namespace) -> None:
         serve(engine, options, args.host, args.port)
     finally:
         engine.close()
+
+def _read_turn(inp, err) -> str | None:
+    """One user turn from ``inp`` (a line); None at the end of input or on /exit, /quit."""
+    while True:
+        if inp.isatty():
+            err.write(">> ")
+            err.flush()
+        line = inp.readline()
+        if not line:
+            return None
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            return None
+        if text:
+            return text
 
 
 def _add_synth_args(p: argparse.ArgumentParser) -> None:

@@ -9,42 +9,111 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from .engine import GB, Engine
-from .errors import InputError
-from .memory import peak_rss_bytes
+from .errors import ConfigError, InputError
+from .memory import available_bytes, peak_rss_bytes
+from .models.layers import KVCache
+from .textstream import StopStrings
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token.
 
-    ``temperature`` 0 means greedy (argmax); ``top_k`` 0 and ``top_p`` 1.0 disable those
-    filters; ``seed`` makes sampling repeatable.
+    Each option has a value that disables it: ``temperature`` 0 means greedy (argmax);
+    ``top_k`` 0, ``top_p`` 0 or 1.0, ``min_p`` 0, ``repetition_penalty`` 1.0 and
+    ``frequency_penalty``/``presence_penalty`` 0 are off. ``seed`` makes sampling repeatable.
+
+    Penalties act first, on the model's float32 logits (and so steer greedy picks too):
+
+    - ``repetition_penalty`` (CTRL, Keskar et al. 2019; as transformers'
+      ``RepetitionPenaltyLogitsProcessor``): each distinct token among the last
+      ``repetition_context`` tokens (prompt included, as mlx-lm and llama.cpp) has its logit
+      divided by the penalty when positive and multiplied by it when negative.
+    - ``frequency_penalty`` and ``presence_penalty`` (OpenAI's definition, range [-2, 2]):
+      ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``,
+      counting the tokens generated so far (not the prompt).
+
+    Then the filters, in transformers' order: temperature, top-k, top-p (nucleus, Holtzman
+    et al. 2019), min-p (Nguyen et al. 2024: drop tokens whose probability is below
+    ``min_p`` times the most likely token's, as transformers' ``MinPLogitsWarper``).
+
+    Raises:
+        InputError: a value out of range (naming the option and its CLI flag).
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context: int = 256
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):
             raise InputError(f"temperature (--temp) must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InputError(f"top_p (--top-p) must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_p <= 1:
+            raise InputError(f"top_p (--top-p) must be in [0, 1] (0 or 1 = off), got {self.top_p}")
         if self.top_k < 0:
             raise InputError(f"top_k (--top-k) must be >= 0, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InputError(f"seed (--seed) must be between 0 and 2^63 - 1, got {self.seed}")
+        if not 0 <= self.min_p <= 1:
+            raise InputError(f"min_p (--min-p) must be in [0, 1] (0 = off), got {self.min_p}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise InputError(
+                f"repetition_penalty (--rep-penalty) must be a finite number > 0 (1 = off), "
+                f"got {self.repetition_penalty}"
+            )
+        if self.repetition_context < 0:
+            raise InputError(f"repetition_context (--rep-ctx) must be >= 0, got {self.repetition_context}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on."""
+        rep = self.repetition_penalty != 1.0 and self.repetition_context > 0
+        return rep or bool(self.frequency_penalty or self.presence_penalty)
+
+
+def apply_penalties(
+    logits: torch.Tensor, context: list[int], generated: list[int], params: SamplingParams
+) -> torch.Tensor:
+    """The logits [vocab] (float32) after the penalties of ``params``; the input is not changed.
+
+    ``context``: every token id before the next one (prompt and generated); the repetition
+    penalty looks at its last ``params.repetition_context``. ``generated``: the ids generated
+    so far, counted by the frequency and presence penalties. See :class:`SamplingParams`.
+    """
+    p = params
+    out = logits
+    if p.repetition_penalty != 1.0 and p.repetition_context > 0 and context:
+        out = out.clone()
+        ids = torch.tensor(sorted(set(context[-p.repetition_context :])), dtype=torch.int64)
+        picked = out[ids]
+        out[ids] = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and generated:
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=out.shape[0]).to(out.dtype)
+        out = out - (counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty)
+    return out
 
 
 class Sampler:
-    """Temperature, top-k and top-p (nucleus, Holtzman et al. 2019) sampling over float32 logits."""
+    """Temperature, top-k, top-p (nucleus, Holtzman et al. 2019) and min-p sampling over float32 logits.
+
+    Penalties are applied before (:func:`apply_penalties`); see :class:`SamplingParams`.
+    """
 
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -64,12 +133,15 @@ class Sampler:
         if p.top_k and p.top_k < logits.shape[0]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
+        if 0 < p.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, descending=True)
             cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
             drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest set reaching top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+        if p.min_p > 0:
+            probs = torch.softmax(logits, dim=-1)
+            logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))  # the top token always stays
         probs = torch.softmax(logits, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
@@ -79,6 +151,7 @@ class GenerationStats:
     """What one generation did. Units: tokens, tokens/s, GB (10^9 bytes), MB (10^6 bytes)."""
 
     prompt_tokens: int = 0
+    prompt_cached_tokens: int = 0  # prompt tokens whose KV cache a Session already held (not prefilled)
     generated_tokens: int = 0
     generated_token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
@@ -105,6 +178,7 @@ class GenerationStats:
     load_seconds: float = 0.0
 
     def to_json(self) -> str:
+        """The stats as a JSON object (per-layer keys as strings)."""
         d = asdict(self)
         d["distinct_experts_per_layer"] = {str(k): v for k, v in self.distinct_experts_per_layer.items()}
         return json.dumps(d, indent=2)
@@ -115,7 +189,8 @@ class GenerationStats:
         spread = f"min {min(per_layer)}, max {max(per_layer)}" if per_layer else "no MoE layers"
         budget = self.cache_budget_gb if isinstance(self.cache_budget_gb, str) else f"{self.cache_budget_gb:.3g} GB"
         return "\n".join([
-            f"prompt tokens        {self.prompt_tokens}",
+            f"prompt tokens        {self.prompt_tokens}"
+            + (f" ({self.prompt_cached_tokens} already in the KV cache)" if self.prompt_cached_tokens else ""),
             f"generated tokens     {self.generated_tokens} ({self.finish_reason})",
             f"prefill              {self.prefill_tok_s:.2f} tok/s ({self.prefill_seconds:.2f} s)",
             f"decode               {self.decode_tok_s:.2f} tok/s ({self.decode_seconds:.2f} s)",
@@ -134,24 +209,148 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probabilities of one step, as OpenAI's ``logprobs``.
+
+    From the distribution after penalties and the ``</think>`` mask and before
+    temperature and the filters (natural log, float). ``logprob``: the chosen token's;
+    ``top``: the ``n`` most likely ``(token id, logprob)`` pairs, most likely first
+    (tokens that cannot be picked, at -inf, are left out). Token ids, not text: decode
+    each with the tokenizer for OpenAI's ``token``/``bytes`` fields.
+    """
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
 class Step:
-    """One generated token: its id, its text piece (may be empty), and the logits it came from."""
+    """One generated token.
+
+    ``token``: its id. ``text``: the text that became final with it (may be empty: the
+    detokenizer holds back incomplete UTF-8, and text that may start a stop string is
+    held until settled; the text of a stop string and of an EOS token is never given).
+    ``logits``: with ``keep_logits``, the model's float32 logits [vocab] it came from,
+    before penalties. ``logprob``: with ``logprobs``, a :class:`TokenLogprob`.
+    ``finish_reason``: None until the last step, then ``"stop"`` (an EOS token or a stop
+    string) or ``"length"`` (``max_tokens`` or the model's context length reached).
+    """
 
     token: int
     text: str
     logits: torch.Tensor | None = None
+    logprob: TokenLogprob | None = None
+    finish_reason: str | None = None
 
 
-def _eos_ids(engine: Engine) -> set[int]:
+@dataclass
+class Session:
+    """A KV cache kept across calls of :func:`generate`: multi-turn chat and prompt caching.
+
+    ``ids`` are the token ids whose keys and values are in ``kv`` (positions
+    ``0..len(ids)``). A call of :func:`generate` with a session prefills only the part of
+    its prompt after the longest prefix it shares with ``ids``; afterwards ``ids`` holds
+    the prompt and every generated token but the last (the last sampled token has not
+    gone through the model). ``kv`` is made on first use.
+    """
+
+    kv: KVCache | None = None
+    ids: list[int] = field(default_factory=list)
+
+
+GENERATION_CONFIG = "generation_config.json"
+_DEFAULT_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+
+
+def generation_defaults(folder: str | Path) -> dict:
+    """Sampling defaults from a checkpoint's ``generation_config.json`` (empty without one).
+
+    Returns the fields present among ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+    ``repetition_penalty`` (``SamplingParams`` names, ``repetition_penalty`` included).
+    An explicit ``"do_sample": false`` makes the default greedy (``temperature`` 0), as in
+    transformers; otherwise the values are taken as given, as vLLM does.
+
+    Raises:
+        ConfigError: naming the file or field, when the file is not a JSON object or a
+            field is not a number.
+    """
+    path = Path(folder) / GENERATION_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read it as JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    out = {}
+    for name, kind in _DEFAULT_FIELDS.items():
+        v = cfg.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+            raise ConfigError(f"{path}: field {name!r} = {v!r} is not {'an integer' if kind is int else 'a number'}")
+        out[name] = kind(v)
+    if cfg.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
+
+
+def _generation_eos(folder: Path) -> list:
+    try:
+        v = json.loads((folder / GENERATION_CONFIG).read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return v if isinstance(v, list) else [v]
+
+
+def eos_ids(engine: Engine) -> set[int]:
+    """End-of-sequence / end-of-turn token ids: config.json's, generation_config.json's and the tokenizer's."""
     ids: set[int] = set()
     cfg_eos = engine.checkpoint.config.get("eos_token_id")
-    for v in cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]:
-        if isinstance(v, int):
+    for v in (cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]) + _generation_eos(engine.checkpoint.path):
+        if isinstance(v, int) and not isinstance(v, bool):
             ids.add(v)
     tok = engine.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
         ids.add(int(tok.eos_token_id))
     return ids
+
+
+
+def whole_model_hint(engine: Engine, comfort: float = 0.8) -> str | None:
+    """A note that ``--cache-budget-gb all`` will be faster, when every expert fits comfortably in memory.
+
+    Shown when the budget is smaller than the experts and the expert bytes not yet held
+    are at most ``comfort`` times the memory still available to this process
+    (:func:`moestream.memory.available_bytes`, cgroup limits included). Returns the
+    note with the numbers (GB = 10^9 bytes), or None.
+    """
+    cache, store = engine.cache, engine.store
+    if cache.budget_bytes is None:
+        return None
+    experts = sum(store.cached_nbytes((i, e)) for i, lay in engine.layout.layers.items()
+                  for e in range(lay.num_experts))
+    if cache.budget_bytes >= experts:
+        return None
+    need = experts - cache.used_bytes
+    avail = available_bytes()
+    if need > comfort * avail:
+        return None
+    return (
+        f"note: the whole model fits in memory (resident weights {engine.resident_bytes / GB:.3g} GB + every "
+        f"expert {experts / GB:.3g} GB; {avail / GB:.3g} GB available): --cache-budget-gb all keeps every expert "
+        f"resident and will be faster than the {cache.budget_bytes / GB:.3g} GB budget"
+    )
+
+
+def _logprob(processed: torch.Tensor, token: int, n: int) -> TokenLogprob:
+    lp = torch.log_softmax(processed, dim=-1)
+    top = torch.topk(lp, min(n, lp.shape[0])) if n else None
+    pairs = [] if top is None else [
+        (int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist()) if v != float("-inf")
+    ]
+    return TokenLogprob(float(lp[token]), pairs)
 
 
 @torch.inference_mode()
@@ -164,30 +363,67 @@ def generate(
     prefill_chunk: int = 512,
     stop_at_eos: bool = True,
     keep_logits: bool = False,
+    *,
+    stop: Sequence[str] = (),
+    logprobs: int | None = None,
+    multi_think: bool = False,
+    session: Session | None = None,
 ) -> Iterator[Step]:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids``, yielding each as it is made.
+
+    The one generation entry point (the CLI, the Python API and a server all use it).
 
     The prompt is prefilled layer by layer in chunks of ``prefill_chunk`` tokens (each
     layer's experts are read once per chunk), then tokens are decoded one at a time.
     The chunk size sets the shapes of the prefill matmuls and so, in bf16, the low bits
     of the result; the CLI keeps it fixed so that no option but the model's own routing
     changes the output.
-    ``stats``, when given, is filled in as generation proceeds and completed at the end.
-    With ``keep_logits`` each :class:`Step` carries the float32 logits [vocab] it was
-    sampled from (the first step's are the prefill's last position).
 
-    Generation also stops at the model's context length (``max_position_embeddings``).
+    Each step: the model's logits -> penalties (:func:`apply_penalties`) -> the
+    ``</think>`` mask -> (log-probabilities) -> :class:`Sampler` (temperature, top-k,
+    top-p, min-p; argmax at temperature 0).
+
+    Args:
+        prompt_ids: the token ids to continue (the whole context: with a ``session``,
+            the shared prefix is not prefilled again).
+        max_tokens: tokens to generate at most; also capped by the model's context
+            length (``max_position_embeddings``).
+        sampling: :class:`SamplingParams`.
+        stats: when given, filled in as generation proceeds and completed at the end.
+        stop_at_eos: end at an end-of-sequence token (:func:`eos_ids`).
+        keep_logits: each :class:`Step` carries the model's float32 logits [vocab] (the
+            first step's are the prefill's last position).
+        stop: stop strings: generation ends before the first one, whose text is never
+            yielded, even when split across tokens (needs the tokenizer).
+        logprobs: when not None, each step carries a :class:`TokenLogprob` with the top
+            ``logprobs`` alternatives (0: the chosen token's only).
+        multi_think: allow ``</think>`` again after it appeared in the current turn
+            (the prompt after its last EOS token, and the generated tokens). By default
+            its logit is masked (-inf) from then on: a reasoning model closes its
+            thinking once. Only where ``</think>`` is one token of the tokenizer.
+        session: a :class:`Session` whose KV cache is reused and updated.
+
+    Yields:
+        :class:`Step` per generated token; the last has ``finish_reason`` ``"stop"`` or
+        ``"length"``.
 
     Raises:
         InputError: an empty prompt, ``max_tokens`` < 1, a token id outside the
-            vocabulary, or a prompt that fills the model's context.
+            vocabulary, a prompt that fills the model's context, stop strings without a
+            tokenizer, ``logprobs`` < 0.
         ReadError: when an expert read fails (naming the expert and file).
     """
     model, cache, store = engine.model, engine.cache, engine.store
+    prompt_ids = list(prompt_ids)
     if not prompt_ids:
         raise InputError("the prompt is empty")
     if max_tokens < 1:
         raise InputError(f"max_tokens must be at least 1, got {max_tokens}")
+    if logprobs is not None and logprobs < 0:
+        raise InputError(f"logprobs must be >= 0, got {logprobs}")
+    stops = [s for s in stop if s]
+    if stops and engine.tokenizer is None:
+        raise InputError("stop strings need the tokenizer (load with tokenizer=True)")
     bad = [t for t in prompt_ids if not 0 <= t < model.vocab_size]
     if bad:
         raise InputError(f"token id {bad[0]} is outside the model's vocabulary (vocab_size {model.vocab_size})")
@@ -200,49 +436,89 @@ def generate(
         max_tokens = min(max_tokens, model.max_context - len(prompt_ids))
     stats = stats if stats is not None else GenerationStats()
     sampler = Sampler(sampling)
-    eos = _eos_ids(engine) if stop_at_eos else set()
+    eos = eos_ids(engine)
+    stop_ids = eos if stop_at_eos else set()
     decoder = None
     if engine.tokenizer is not None:
         from .tokenizer import StreamDecoder
 
         decoder = StreamDecoder(engine.tokenizer)
-    kv = model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256))  # grows as needed
+    stopper = StopStrings(stops)
+    think_end = None
+    think_closed = False
+    if not multi_think and engine.tokenizer is not None:
+        from .tokenizer import current_turn, think_token_ids
+
+        think_end = think_token_ids(engine.tokenizer)[1]
+        think_closed = think_end is not None and think_end in current_turn(prompt_ids, eos)
+    reuse = 0
+    if session is not None:
+        while reuse < min(len(session.ids), len(prompt_ids) - 1) and session.ids[reuse] == prompt_ids[reuse]:
+            reuse += 1
+        if session.kv is None:
+            session.kv = model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256))
+        del session.ids[reuse:]
+        kv = session.kv
+    else:
+        kv = model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256))  # grows as needed
     ids = torch.tensor(prompt_ids, dtype=torch.int64, device=engine.device)
     stats.prompt_tokens = len(prompt_ids)
+    stats.prompt_cached_tokens = reuse
     start_hits, start_lookups = cache.stats.hits, cache.stats.lookups
     start_bytes, start_experts, start_reads = store.stats.bytes_read, store.stats.experts_read, store.stats.reads
     usage_before = {k: v.clone() for k, v in cache.usage.items()}
 
     t0 = time.perf_counter()
     logits = None
-    for s in range(0, len(prompt_ids), prefill_chunk):
+    for s in range(reuse, len(prompt_ids), prefill_chunk):
         logits = model(ids[s : s + prefill_chunk], s, kv)
+        if session is not None:
+            session.ids.extend(prompt_ids[s : s + prefill_chunk])
     stats.prefill_seconds = time.perf_counter() - t0
-    stats.prefill_tok_s = len(prompt_ids) / stats.prefill_seconds if stats.prefill_seconds else 0.0
+    prefilled = len(prompt_ids) - reuse
+    stats.prefill_tok_s = prefilled / stats.prefill_seconds if stats.prefill_seconds else 0.0
     decode_hits0, decode_lookups0, decode_bytes0 = cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
 
     t1 = time.perf_counter()
     pos = len(prompt_ids)
+    context = list(prompt_ids) if sampling.penalized else []
+    generated: list[int] = []
     stats.finish_reason = "length"
     try:
         for n in range(max_tokens):
             last = logits[-1].float()
-            token = sampler(last)
+            processed = apply_penalties(last, context, generated, sampling) if sampling.penalized else last
+            if think_closed:
+                processed = processed.clone() if processed is last else processed
+                processed[think_end] = float("-inf")
+            token = sampler(processed)
+            generated.append(token)
+            if context:
+                context.append(token)
+            if think_end is not None and token == think_end:
+                think_closed = True
             stats.generated_token_ids.append(token)
             stats.generated_tokens = n + 1
-            is_eos = token in eos
+            is_eos = token in stop_ids
             final = is_eos or n + 1 == max_tokens
-            text = ""
+            text, hit = "", False
             if decoder is not None:
-                text = "" if is_eos else decoder.push(token)
-                if final:
-                    text += decoder.flush()
-            if is_eos:
-                stats.finish_reason = "stop"
-            yield Step(token, text, last if keep_logits else None)
-            if final:
+                text, hit = stopper.push("" if is_eos else decoder.push(token))
+                if final and not hit:
+                    more, hit = stopper.push(decoder.flush())
+                    text += more if hit else more + stopper.flush()
+            reason = None
+            if is_eos or hit:
+                stats.finish_reason = reason = "stop"
+            elif final:
+                reason = "length"
+            lp = _logprob(processed, token, logprobs) if logprobs is not None else None
+            yield Step(token, text, last if keep_logits else None, lp, reason)
+            if reason is not None:
                 break
             logits = model(torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv)
+            if session is not None:
+                session.ids.append(token)
             pos += 1
     finally:
         stats.decode_seconds = time.perf_counter() - t1
@@ -268,3 +544,28 @@ def generate(
         stats.cache_peak_gb = cache.peak_bytes / GB
         stats.peak_rss_gb = peak_rss_bytes() / GB
         stats.load_seconds = engine.load_seconds
+
+
+def resolve_sampling(
+    defaults: dict | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    **fixed,
+) -> SamplingParams:
+    """:class:`SamplingParams` from explicit values, then ``defaults`` (:func:`generation_defaults`), then built-ins.
+
+    The five options that a checkpoint's ``generation_config.json`` may set take None for
+    "not given"; ``fixed`` holds the other fields (``seed``, ``repetition_context``,
+    ``frequency_penalty``, ``presence_penalty``) as given.
+
+    Raises:
+        InputError: a value out of range (see :class:`SamplingParams`).
+    """
+    defaults = defaults or {}
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                 repetition_penalty=repetition_penalty)
+    values = {k: v if v is not None else defaults.get(k, getattr(SamplingParams, k)) for k, v in given.items()}
+    return SamplingParams(**values, **fixed)

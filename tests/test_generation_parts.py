@@ -29,7 +29,9 @@ def test_sampling_is_seeded_and_follows_the_distribution():
     assert {Sampler(SamplingParams(temperature=1.0, top_p=0.6, seed=s))(logits) for s in range(300)} == {0, 1}
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2)])
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=-0.1), dict(top_p=1.5), dict(top_k=-2),
+                                 dict(min_p=1.5), dict(repetition_penalty=0), dict(repetition_context=-1),
+                                 dict(frequency_penalty=2.5), dict(presence_penalty=-3)])
 def test_bad_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

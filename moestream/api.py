@@ -1,0 +1,198 @@
+"""The Python API, mirroring ``moestream generate``: :func:`generate` and :func:`stream_generate`.
+
+::
+
+    import moestream
+
+    engine = moestream.load("Qwen/Qwen3-30B-A3B", cache_budget_gb=3)
+    print(moestream.generate(engine, "Why is the sky blue?", max_tokens=200, hide_think=True))
+    for r in moestream.stream_generate(engine, "Tell me a story.", temp=0.7, stop=["THE END"]):
+        print(r.text, end="", flush=True)
+    engine.close()
+
+Keyword names follow the CLI flags (``--rep-penalty`` is ``rep_penalty``); sampling
+defaults come from the checkpoint's ``generation_config.json`` as in the CLI. For a
+server, :func:`moestream.generation.generate` is the token-level entry point underneath.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .engine import GB, Engine
+from .errors import InputError
+from .generation import (
+    GenerationStats,
+    SamplingParams,
+    TokenLogprob,
+    eos_ids,
+    generation_defaults,
+    resolve_sampling,
+)
+from .generation import generate as generate_tokens
+from .memory import peak_rss_bytes
+from .textstream import ReasoningSplitter
+
+
+@dataclass(frozen=True)
+class GenerationResponse:
+    """One generated token of :func:`stream_generate`, with the run's stats so far.
+
+    Attributes:
+        text: the text to show for this token (may be empty); with ``hide_think``, the
+            answer only.
+        reasoning, answer: this token's text split into the thinking block and the answer
+            (tags dropped; see :class:`moestream.textstream.ReasoningSplitter`).
+        token: the token id. logprob: a :class:`~moestream.generation.TokenLogprob` when
+            ``logprobs`` was given.
+        finish_reason: None until the last token, then ``"stop"`` or ``"length"``.
+        prompt_tokens: tokens in the prompt; prompt_tps: prefill speed (tokens/s).
+        generation_tokens: tokens generated so far; generation_tps: decode speed so far
+            (tokens/s, from the second token on).
+        cache_hit_rate: expert-cache hit rate of this run so far (0..1).
+        peak_rss_gb: peak resident set size of the process (GB = 10^9 bytes).
+    """
+
+    text: str
+    reasoning: str
+    answer: str
+    token: int
+    logprob: TokenLogprob | None
+    finish_reason: str | None
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    cache_hit_rate: float
+    peak_rss_gb: float
+
+
+def prompt_ids(
+    engine: Engine,
+    prompt: str | Sequence[int] | Sequence[dict],
+    system: str | None = None,
+    chat_template: bool = True,
+    no_think: bool = False,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> list[int]:
+    """Token ids for ``prompt``: text (through the chat template unless ``chat_template`` is False),
+    a list of chat messages (``{"role", "content"}``), or token ids (used as they are).
+
+    Raises:
+        InputError: an empty prompt, a prompt needing a tokenizer without one, bad messages.
+    """
+    from .tokenizer import chat_ids, encode_prompt
+
+    kwargs = dict(chat_template_kwargs or {})
+    if no_think:
+        kwargs["enable_thinking"] = False
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InputError("the prompt is empty")
+        if engine.tokenizer is None:
+            raise InputError("a text prompt needs the tokenizer (load with tokenizer=True) or give token ids")
+        if tools:
+            return chat_ids(engine.tokenizer, [{"role": "user", "content": prompt}], tools, kwargs)
+        return encode_prompt(engine.tokenizer, prompt, chat_template, system, kwargs)
+    prompt = list(prompt)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        if engine.tokenizer is None:
+            raise InputError("chat messages need the tokenizer (load with tokenizer=True)")
+        messages = ([{"role": "system", "content": system}] if system else []) + prompt
+        return chat_ids(engine.tokenizer, messages, tools, kwargs)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise InputError("the prompt must be a string, a list of chat messages, or a list of token ids")
+    return prompt
+
+
+def stream_generate(
+    engine: Engine,
+    prompt: str | Sequence[int] | Sequence[dict],
+    max_tokens: int = 256,
+    *,
+    system: str | None = None,
+    chat_template: bool = True,
+    no_think: bool = False,
+    multi_think: bool = False,
+    hide_think: bool = False,
+    stop: Sequence[str] = (),
+    temp: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    rep_penalty: float | None = None,
+    rep_ctx: int = 256,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    seed: int | None = None,
+    sampling: SamplingParams | None = None,
+    logprobs: int | None = None,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+    stats: GenerationStats | None = None,
+) -> Iterator[GenerationResponse]:
+    """Generate from ``prompt``, yielding a :class:`GenerationResponse` per token.
+
+    Options as ``moestream generate``'s flags: ``temp``, ``top_p``, ``top_k``, ``min_p``
+    and ``rep_penalty`` default to the checkpoint's ``generation_config.json`` values,
+    else off (greedy); ``sampling`` (a :class:`~moestream.generation.SamplingParams`)
+    replaces all of them. ``stats``, when given, is filled in as in the CLI.
+
+    Raises:
+        InputError: bad options or prompt (see :class:`~moestream.generation.SamplingParams`
+            and :func:`moestream.generation.generate`).
+        ReadError: when an expert read fails.
+    """
+    from .tokenizer import prompt_opens_thinking, think_token_ids
+
+    if sampling is None:
+        sampling = resolve_sampling(
+            generation_defaults(engine.checkpoint.path), temp, top_p, top_k, min_p, rep_penalty, seed=seed,
+            repetition_context=rep_ctx, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        )
+    ids = prompt_ids(engine, prompt, system, chat_template, no_think, tools, chat_template_kwargs)
+    stats = stats if stats is not None else GenerationStats()
+    opens = prompt_opens_thinking(ids, think_token_ids(engine.tokenizer), eos_ids(engine))
+    splitter = ReasoningSplitter(opens)
+    cache = engine.cache.stats
+    hits0, lookups0 = cache.hits, cache.lookups
+    first_at = None
+    for n, step in enumerate(generate_tokens(engine, ids, max_tokens, sampling, stats, stop=stop, logprobs=logprobs,
+                                             multi_think=multi_think), start=1):
+        now = time.perf_counter()
+        first_at = first_at or now
+        split = splitter.push(step.text)
+        if step.finish_reason is not None:
+            end = splitter.flush()
+            split = type(split)(split.reasoning + end.reasoning, split.answer + end.answer)
+        lookups = cache.lookups - lookups0
+        yield GenerationResponse(
+            text=split.answer if hide_think else step.text, reasoning=split.reasoning, answer=split.answer,
+            token=step.token, logprob=step.logprob, finish_reason=step.finish_reason,
+            prompt_tokens=len(ids), prompt_tps=stats.prefill_tok_s, generation_tokens=n,
+            generation_tps=(n - 1) / (now - first_at) if n > 1 and now > first_at else 0.0,
+            cache_hit_rate=(cache.hits - hits0) / lookups if lookups else 0.0,
+            peak_rss_gb=peak_rss_bytes() / GB,
+        )
+
+
+def generate(
+    engine: Engine,
+    prompt: str | Sequence[int] | Sequence[dict],
+    max_tokens: int = 256,
+    *,
+    return_stats: bool = False,
+    **options,
+) -> str | tuple[str, GenerationStats]:
+    """The whole generated text of :func:`stream_generate` (same options); with ``return_stats``,
+    ``(text, GenerationStats)``.
+
+    With ``hide_think`` the text is the answer only; otherwise the raw text, thinking
+    block and tags included.
+    """
+    stats = GenerationStats()
+    text = "".join(r.text for r in stream_generate(engine, prompt, max_tokens, stats=stats, **options))
+    return (text, stats) if return_stats else text
