@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -96,16 +94,24 @@ def assert_streaming_exact(path: Path, n: int = 23, chunk: int = 7, vocab: int =
 
 
 def synth_and_generate(tmp_path: Path, cfg: dict, layers: int = 2) -> dict:
-    """``moestream synth --layers`` of ``cfg`` then ``moestream generate``; returns the stats JSON."""
-    (tmp_path / "c.json").write_text(json.dumps(cfg))
-    out, stats = tmp_path / "m", tmp_path / "stats.json"
-    r = subprocess.run([sys.executable, "-m", "moestream", "synth", "--config", str(tmp_path / "c.json"),
-                        "--out", str(out), "--layers", str(layers)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "moestream", "generate", "--model", str(out), "--prompt", "Hi",
-                        "--no-chat-template", "--max-tokens", "4", "--temp", "1", "--seed", "0",
-                        "--cache-budget-gb", "0", "--stats-json", str(stats)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return json.loads(stats.read_text())
+    """``synth`` of ``cfg`` cut to ``layers`` layers, then 4 sampled tokens streamed at budget 0 and at ``all``.
 
+    Returns the written config; the two runs must give the same tokens.
+    """
+    from moestream.synth import synth
+    from moestream.tokenizer import encode_prompt
+
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    out = synth(tmp_path / "c.json", tmp_path / "m", layers=layers)
+    runs = []
+    for budget in ("0", "all"):
+        engine = load(out, cache_budget_gb=budget, tokenizer=True, workers=2)
+        try:
+            ids = encode_prompt(engine.tokenizer, "Hi", chat_template=False)
+            sampling = SamplingParams(temperature=1.0, seed=0)
+            runs.append([s.token for s in generate(engine, ids, 4, sampling, stop_at_eos=False)])
+            assert engine.cache.stats.misses > 0 or budget == "all"
+        finally:
+            engine.close()
+    assert len(runs[0]) == 4 and runs[0] == runs[1]
+    return json.loads((out / "config.json").read_text())

@@ -72,7 +72,5 @@ def test_synth_real_config_generates(tmp_path, name):
     cfg.update(hidden_size=32, intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16,
                head_dim=8, num_key_value_heads=2, num_attention_heads=4,
                num_attention_heads_per_layer=[4 if h == 48 else 6 for h in cfg["num_attention_heads_per_layer"]])
-    stats = fh.synth_and_generate(tmp_path, cfg)
-    assert stats["generated_tokens"] == 4 and stats["experts_read"] > 0
-    written = json.loads((tmp_path / "m" / "config.json").read_text())
+    written = fh.synth_and_generate(tmp_path, cfg)
     assert "quantization_config" not in written and written["mlp_layer_types"] == ["dense", "sparse"]

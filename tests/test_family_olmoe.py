@@ -47,5 +47,5 @@ def test_synth_olmoe_1b_7b_shape_generates(tmp_path):
                intermediate_size=32, num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=4,
                num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, rms_norm_eps=1e-5, rope_theta=10000.0,
                clip_qkv=None, max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=50279)
-    stats = fh.synth_and_generate(tmp_path, cfg)
-    assert stats["generated_tokens"] == 4 and stats["experts_read"] > 0
+    written = fh.synth_and_generate(tmp_path, cfg)
+    assert written["num_hidden_layers"] == 2
