@@ -11,6 +11,13 @@ by a per-model table of names:
   ``<layers>.N.<block>.experts.down_proj`` [E, H, I];
 * stacked 3-D tensors, what mlx-lm writes:
   ``<layers>.N.<block>.switch_mlp.{gate,up,down}_proj.weight`` [E, out, in].
+* fused 3-D tensors stored for ``x @ W``, what gpt-oss holds (transformers writes it so):
+  ``...experts.gate_up_proj`` [E, H, 2I] (gate and up columns interleaved) and
+  ``...experts.down_proj`` [E, I, H], with ``...experts.gate_up_proj_bias`` [E, 2I] and
+  ``...experts.down_proj_bias`` [E, H]; told from the nn.Linear orientation by the two
+  shapes. Such an expert becomes the pieces ``gate_up`` [H, 2I], ``down`` [I, H],
+  ``down.bias`` [H] and ``gate_up.bias`` [2I]: interleaved columns cannot be cut into two
+  byte ranges, so the family's expert function splits them.
 
 ``<layers>`` is ``model.layers``, ``model.language_model.layers`` or
 ``language_model.model.layers``. Whatever the layout, each expert becomes the same
@@ -36,10 +43,16 @@ _PRE = "(?P<prefix>" + "|".join(re.escape(p) for p in LAYER_PREFIXES) + r")\.(?P
 _PER_EXPERT = re.compile(_PRE + r"\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<param>\w+)$")
 _FUSED = re.compile(_PRE + r"\.experts\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$")
 _STACKED = re.compile(_PRE + r"\.switch_mlp\.(?P<proj>\w+)\.(?P<param>\w+)$")
+# biases of fused experts, as gpt-oss stores them: gate_up_proj_bias [E, 2I], down_proj_bias [E, H]
+_FUSED_BIAS = re.compile(_PRE + r"\.experts\.(?P<proj>gate_up_proj|down_proj)_bias$")
+# resident tensors that live under an experts module: Laguna's router correction bias
+_RESIDENT_UNDER_EXPERTS = re.compile(r"\.experts\.e_score_correction_bias$")
 # any name that looks like it holds routed experts; used to report layouts we do not know
 _EXPERTISH = re.compile(r"\.(experts|switch_mlp)\.")
 ROLE_OF_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 ROLES = ("gate", "up", "down")
+# the roles of a fused expert stored for x @ W (gpt-oss): interleaved gate/up columns, then down
+FUSED_IO_ROLES = ("gate_up", "down")
 
 
 @dataclass(frozen=True)
@@ -155,6 +168,27 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
                 _check_rank(info, 3, name)
             for e in range(info.shape[0]):
                 parts[e][role] = _piece(role, info, e)
+        elif (m := _FUSED.match(name)) and _fused_in_out(name, tensors):
+            # gpt-oss orientation, x @ W: gate_up_proj [E, H, 2I] with gate and up columns
+            # interleaved (one piece, split by the expert function), down_proj [E, I, H]
+            parts = _slot(found, m, "fused", name)
+            _check_rank(info, 3, name)
+            role = "gate_up" if m["proj"] == "gate_up_proj" else "down"
+            for e in range(info.shape[0]):
+                parts[e][role] = _piece(role, info, e)
+        elif m := _FUSED_BIAS.match(name):
+            parts = _slot(found, m, "fused", name)
+            _check_rank(info, 2, name)
+            base = name[: -len("_bias")]
+            split = m["proj"] == "gate_up_proj" and not _fused_in_out(base, tensors)
+            half = info.shape[1] // 2
+            for e in range(info.shape[0]):
+                if not split:
+                    role = ("gate_up" if m["proj"] == "gate_up_proj" else "down") + ".bias"
+                    parts[e][role] = _piece(role, info, e)
+                    continue
+                for role, cols in (("gate.bias", slice(0, half)), ("up.bias", slice(half, 2 * half))):
+                    parts[e][role] = _piece1d(role, info, e, cols)
         elif m := _FUSED.match(name):
             parts = _slot(found, m, "fused", name)
             _check_rank(info, 3, name)
@@ -168,7 +202,11 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
                 for role, rows in (("gate", slice(0, two_i // 2)), ("up", slice(two_i // 2, two_i))):
                     parts[e][role] = _piece(role, info, e, rows)
         else:
-            if _EXPERTISH.search(name) and any(name.startswith(p + ".") for p in LAYER_PREFIXES):
+            if (
+                _EXPERTISH.search(name)
+                and not _RESIDENT_UNDER_EXPERTS.search(name)
+                and any(name.startswith(p + ".") for p in LAYER_PREFIXES)
+            ):
                 unknown.append(name)
             continue
         expert_tensors.add(name)
@@ -176,7 +214,8 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
         raise LayoutError(
             f"unknown expert layout: found {len(unknown)} tensors such as {sorted(unknown)[:3]}; moestream "
             "reads per-expert '...experts.E.{gate,up,down}_proj.weight', fused '...experts.gate_up_proj' "
-            "[E, 2I, H] with '...experts.down_proj' [E, H, I], and stacked "
+            "[E, 2I, H] with '...experts.down_proj' [E, H, I] (or gpt-oss's [E, H, 2I] and [E, I, H], with "
+            "optional '_bias' tensors), and stacked "
             "'...switch_mlp.{gate,up,down}_proj.weight' [E, out, in]"
         )
     layers: dict[int, MoELayerLayout] = {}
@@ -192,10 +231,11 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
         experts = []
         for e in range(count):
             roles = parts[e]
-            lacking = [r for r in ROLES if r not in roles]
+            required = FUSED_IO_ROLES if "gate_up" in roles else ROLES
+            lacking = [r for r in required if r not in roles]
             if lacking:
                 raise LayoutError(f"{path}: expert {e} lacks {', '.join(lacking)} (found {', '.join(sorted(roles))})")
-            order = list(ROLES) + sorted(r for r in roles if r not in ROLES)
+            order = list(required) + sorted(r for r in roles if r not in required)
             experts.append(tuple(roles[r] for r in order))
         ref = [(p.role, p.shape, p.dtype) for p in experts[0]]
         for e, pieces in enumerate(experts):
@@ -205,6 +245,15 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
                         f"{path}: expert {e} {p.role} is {p.dtype} {list(p.shape)} but expert 0's is "
                         f"{dt} {list(shape)} ({p.source})"
                     )
+        if experts[0][0].role == "gate_up":
+            gate_up, down = experts[0][:2]
+            if len(down.shape) != 2 or gate_up.shape != (down.shape[1], 2 * down.shape[0]):
+                raise LayoutError(
+                    f"{path}: expert shapes gate_up {gate_up.shape}, down {down.shape} do not form a fused "
+                    "expert (gate_up [H, 2I], down [I, H])"
+                )
+            layers[layer] = MoELayerLayout(layer, path, slot["kind"], experts)
+            continue
         gate, up, down = experts[0][:3]
         if gate.shape != up.shape or down.shape[::-1] != gate.shape:
             raise LayoutError(
@@ -227,6 +276,39 @@ def _slot(found: dict, m: re.Match, kind: str, name: str) -> dict:
 def _role(m: re.Match) -> str:
     """``gate``/``up``/``down`` for a weight, ``<role>.<param>`` for another tensor (a bias)."""
     return ROLE_OF_PROJ[m["proj"]] + ("" if m["param"] == "weight" else "." + m["param"])
+
+
+def _fused_in_out(name: str, tensors: dict[str, TensorInfo]) -> bool:
+    """Whether the fused pair holding ``name`` is stored for ``x @ W`` (gpt-oss) rather than as nn.Linear.
+
+    Decided by the two shapes: gate_up_proj [E, A, B] and down_proj [E, C, D] are
+    [E, 2I, H] and [E, H, I] (nn.Linear orientation) when B == C and A == 2D, and
+    [E, H, 2I] and [E, I, H] (x @ W) when A == D and B == 2C; both at once only when I = 0.
+
+    Raises:
+        LayoutError: shapes that fit neither orientation.
+    """
+    stem = name.rsplit(".experts.", 1)[0] + ".experts."
+    gate_up, down = tensors.get(stem + "gate_up_proj"), tensors.get(stem + "down_proj")
+    if gate_up is None or down is None or len(gate_up.shape) != 3 or len(down.shape) != 3:
+        return False  # reported as a missing role or a wrong rank elsewhere
+    (_, a, b), (_, c, d) = gate_up.shape, down.shape
+    if b == c and a == 2 * d:
+        return False
+    if a == d and b == 2 * c:
+        return True
+    raise LayoutError(
+        f"{stem}gate_up_proj {list(gate_up.shape)} and {stem}down_proj {list(down.shape)} fit neither "
+        "[E, 2I, H] with [E, H, I] nor [E, H, 2I] with [E, I, H]"
+    )
+
+
+def _piece1d(role: str, info: TensorInfo, index: int, cols: slice) -> Piece:
+    """Elements ``cols`` of row ``index`` of a 2-D per-expert tensor (half of a fused bias)."""
+    size = dtype_size(info.dtype)
+    offset = info.offset + (index * info.shape[1] + cols.start) * size
+    n = cols.stop - cols.start
+    return Piece(role, info.file, offset, n * size, info.dtype, (n,), info.name)
 
 
 def _check_rank(info: TensorInfo, rank: int, name: str) -> None:

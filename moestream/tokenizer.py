@@ -29,7 +29,28 @@ def load_tokenizer(folder: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
     except Exception as e:  # transformers raises many kinds for unreadable tokenizer files
+        declared = _declared_tokenizer_class(folder)
+        if declared is not None:
+            # AutoTokenizer goes by config.json's model_type first: a Mixtral or gpt-oss
+            # checkpoint written by `moestream synth` carries the Qwen3 tokenizer files
+            try:
+                return declared.from_pretrained(str(folder), local_files_only=True)
+            except Exception:
+                pass
         raise CheckpointError(f"{folder}: cannot load the tokenizer: {e}") from None
+
+
+def _declared_tokenizer_class(folder: Path):
+    """The transformers class that ``tokenizer_config.json``'s ``tokenizer_class`` names, or None."""
+    import json
+
+    import transformers
+
+    try:
+        name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
 
 
 def encode_prompt(

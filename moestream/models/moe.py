@@ -55,7 +55,7 @@ def streamed_experts(
     """Sum of routed expert outputs for ``x`` [T, H], summed in routing order.
 
     Args:
-        weights: [T, K] routing weights (x's dtype); idx: [T, K] expert indices.
+        weights: [T, K] routing weights (x's dtype, or float32); idx: [T, K] expert indices.
         layer: the layer index (the cache key's first half).
         cache: where experts come from.
         expert_fn: computes one expert on its tokens.
@@ -80,7 +80,8 @@ def streamed_experts(
         s, c = span[e]
         sl = order[s : s + c]
         tok = sl // k
-        slots[sl] = expert_fn(x[tok], ew.tensors) * flat_w[sl, None]
+        # weights may be float32 (Mixtral's reference scales in float32, then casts)
+        slots[sl] = (expert_fn(x[tok], ew.tensors) * flat_w[sl, None]).to(slots.dtype)
     slots = slots.view(t, k, -1)
     out = slots[:, 0].clone()
     for j in range(1, k):

@@ -1,0 +1,117 @@
+"""Checks every model family runs: against its transformers reference, and streamed against all-resident."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from moestream.engine import load
+from moestream.generation import SamplingParams, generate
+
+
+def save_reference(model_cls, cfg, path: Path, seed: int, extra=None):
+    """Build a float32 transformers model of ``cfg``, randomize what init leaves trivial, save it; return it.
+
+    Norm weights (init 1), routers (so routing discriminates) and every bias (init 0:
+    router, expert, correction biases, sinks) are drawn at random, so a missing or
+    misplaced one cannot hide. ``extra(name, param)`` may redraw more.
+    """
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith(("mlp.gate.weight", "router.weight", "block_sparse_moe.gate.weight")):
+                p.normal_(0.0, 0.5)
+            elif name.endswith(("bias", "sinks")):
+                p.normal_(0.0, 0.3)
+            if extra is not None:
+                extra(name, p)
+    model.save_pretrained(path)
+    return model
+
+
+def assert_logits_match(path: Path, ref, n: int = 40, chunk: int = 16, vocab: int = 300):
+    """Logits over an ``n``-token prompt, whole and in chunks through the KV cache, within 1e-5 of ``ref``."""
+    ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    engine = load(path, cache_budget_gb=0.0001, tokenizer=False, workers=2)
+    try:
+        for size in (n, chunk):
+            kv = engine.model.new_kv_cache()
+            with torch.inference_mode():
+                got = torch.cat([engine.model(ids[s : s + size], s, kv, all_logits=True) for s in range(0, n, size)])
+            rel = (got - want).abs().max() / want.abs().max()
+            assert rel < 1e-5, f"chunk {size}: max relative error {rel:.2e}"
+    finally:
+        engine.close()
+
+
+def assert_greedy_matches(path: Path, ref, prompt_len: int = 12, tokens: int = 32, vocab: int = 300):
+    """32 greedy tokens equal to the reference's greedy decoding."""
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = ref.generate(prompt[None], max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    want = out[0, prompt_len:].tolist()
+    assert len(want) == tokens
+    engine = load(path, cache_budget_gb=0.0001, tokenizer=False)
+    try:
+        got = [s.token for s in generate(engine, prompt.tolist(), tokens, SamplingParams(), stop_at_eos=False)]
+    finally:
+        engine.close()
+    assert got == want
+
+
+def _run(path: Path, budget, prompt: list[int], chunk: int):
+    engine = load(path, cache_budget_gb=budget, workers=3, tokenizer=False)
+    try:
+        kv = engine.model.new_kv_cache()
+        with torch.inference_mode():
+            prefill = torch.cat([engine.model(torch.tensor(prompt[s : s + chunk]), s, kv, all_logits=True)
+                                 for s in range(0, len(prompt), chunk)])
+        sampling = SamplingParams(temperature=1.0, seed=4)
+        steps = list(generate(engine, prompt, 16, sampling, stop_at_eos=False, keep_logits=True, prefill_chunk=chunk))
+        return prefill, [s.logits for s in steps], engine.cache.stats
+    finally:
+        engine.close()
+
+
+def assert_streaming_exact(path: Path, n: int = 23, chunk: int = 7, vocab: int = 300):
+    """Prefill and 16 sampled decode steps at a budget of 0 are torch.equal to budget ``all``."""
+    prompt = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(11)).tolist()
+    ref_prefill, ref_steps, ref_stats = _run(path, "all", prompt, chunk)
+    prefill, steps, stats = _run(path, "0", prompt, chunk)
+    assert ref_stats.misses == 0 and stats.misses > 0
+    assert torch.equal(prefill, ref_prefill)
+    assert len(steps) == len(ref_steps) == 16
+    for i, (a, b) in enumerate(zip(steps, ref_steps)):
+        assert torch.equal(a, b), f"step {i} logits differ"
+
+
+def synth_and_generate(tmp_path: Path, cfg: dict, layers: int = 2) -> dict:
+    """``synth`` of ``cfg`` cut to ``layers`` layers, then 4 sampled tokens streamed at budget 0 and at ``all``.
+
+    Returns the written config; the two runs must give the same tokens.
+    """
+    from moestream.synth import synth
+    from moestream.tokenizer import encode_prompt
+
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    out = synth(tmp_path / "c.json", tmp_path / "m", layers=layers)
+    runs = []
+    for budget in ("0", "all"):
+        engine = load(out, cache_budget_gb=budget, tokenizer=True, workers=2)
+        try:
+            ids = encode_prompt(engine.tokenizer, "Hi", chat_template=False)
+            sampling = SamplingParams(temperature=1.0, seed=0)
+            runs.append([s.token for s in generate(engine, ids, 4, sampling, stop_at_eos=False)])
+            assert engine.cache.stats.misses > 0 or budget == "all"
+        finally:
+            engine.close()
+    assert len(runs[0]) == 4 and runs[0] == runs[1]
+    return json.loads((out / "config.json").read_text())

@@ -1,0 +1,57 @@
+"""Mixtral against transformers' MixtralForCausalLM, streamed exactly, and synth of the real config."""
+
+import json
+
+import pytest
+
+from . import family_helpers as fh
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+            max_position_embeddings=512, sliding_window=9)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    path = tmp_path_factory.mktemp("mixtral")
+    ref = fh.save_reference(MixtralForCausalLM, MixtralConfig(**TINY), path, seed=1)
+    return path, ref
+
+
+def test_checkpoint_is_per_expert_w1_w2_w3(model):
+    from moestream.checkpoint import Checkpoint
+    from moestream.layout import discover_experts
+
+    with Checkpoint(model[0]) as c:
+        assert "model.layers.0.block_sparse_moe.experts.7.w3.weight" in c.tensors
+        lay = discover_experts(c.tensors)
+    assert lay.layers[2].kind == "per-expert" and lay.layers[2].num_experts == 8
+
+
+def test_logits_match_transformers(model):
+    fh.assert_logits_match(*model)  # 40 tokens, window 9
+
+
+def test_greedy_tokens_match_transformers(model):
+    fh.assert_greedy_matches(*model)
+
+
+def test_streaming_bit_identical(model):
+    fh.assert_streaming_exact(model[0])
+
+
+def test_full_attention_when_window_null(tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    ref = fh.save_reference(MixtralForCausalLM, MixtralConfig(**dict(TINY, sliding_window=None)), tmp_path, seed=2)
+    assert json.loads((tmp_path / "config.json").read_text())["sliding_window"] is None
+    fh.assert_logits_match(tmp_path, ref)
+
+
+def test_synth_real_config_generates(tmp_path):
+    cfg = json.load(open("/work/shared/models/configs/Mixtral-8x7B-v0.1.json"))
+    cfg.update(hidden_size=32, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2)
+    written = fh.synth_and_generate(tmp_path, cfg)
+    assert written["num_hidden_layers"] == 2
