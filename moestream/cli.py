@@ -52,11 +52,13 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="print only the generated text, not the stats")
 
 
-def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
+def run_generate(args: argparse.Namespace, out=None, err=None):
     """Load, generate with streamed output, print stats; returns the GenerationStats.
 
-    Every argument is checked before the model is loaded.
+    Every argument is checked before the model is loaded. ``out``/``err`` default to the
+    current ``sys.stdout``/``sys.stderr`` (looked up per call, so in-process callers may redirect them).
     """
+    out, err = out or sys.stdout, err or sys.stderr
     from .generation import GenerationStats, SamplingParams, generate
     from .tokenizer import encode_prompt
 
