@@ -154,12 +154,15 @@ class _Printer:
         return "".join(self.raw)
 
 
-def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr, inp=sys.stdin):
+def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
     """Load, generate with streamed output, print stats; returns the GenerationStats (of the last turn in --chat).
 
     Every argument is checked before the model is loaded. ``inp`` is where ``--prompt -``
-    and the turns of ``--chat`` are read from.
+    and the turns of ``--chat`` are read from. ``out``, ``err`` and ``inp`` default to the
+    current ``sys.stdout``, ``sys.stderr`` and ``sys.stdin`` (looked up per call, so
+    in-process callers may redirect them).
     """
+    out, err, inp = out or sys.stdout, err or sys.stderr, inp or sys.stdin
     from .generation import GenerationStats, Session, eos_ids, generate, generation_defaults, whole_model_hint
     from .tokenizer import chat_ids, encode_prompt, next_turn_ids, prompt_opens_thinking, think_token_ids
 

@@ -163,6 +163,11 @@ def load(
         total = sum(ckpt.tensors[n].nbytes for n in resident_names if n in ckpt.tensors)
         with progress_bar(total, "loading resident weights", progress) as bar:
             unused = load_resident(net, ckpt, layout.expert_tensors, compute_dtype, bar.update)
+        describe = getattr(family, "describe_skipped", None)  # parts a family leaves out on purpose
+        if describe is not None:
+            note, unused = describe(unused)
+            if note:
+                print(f"note: {note}", file=sys.stderr)
         net.to(dev).eval()
         cache = ExpertCache(store, budget, num_experts)
         for block in net.moe_blocks():

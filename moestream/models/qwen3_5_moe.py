@@ -1,0 +1,89 @@
+"""Qwen3.5 and Qwen3.6 MoE (Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B, Qwen3.6-35B-A3B):
+``model_type: qwen3_5_moe``.
+
+Reference: transformers ``models/qwen3_5_moe/modeling_qwen3_5_moe.py`` (torch fallback
+path). The text decoder is Qwen3-Next's hybrid (see :mod:`moestream.models.qwen3_next`)
+with these differences: the config is nested under ``text_config``; the decoder lives at
+``model.language_model`` (LM head ``lm_head``); the DeltaNet input projections are four
+separate tensors (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``); every
+layer is a MoE layer; the top-k routing weights are always renormalized.
+
+The rotary embedding is multimodal (``mrope_section``); for text every position has equal
+temporal, height and width indices, so it is the ordinary partial rotary embedding.
+The vision tower (``model.visual.*``) and the multi-token-prediction layer (``mtp.*``)
+are not loaded; :func:`describe_skipped` names them on load.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .base import SynthTensor
+from .qwen3_next import Model as NextModel
+from .qwen3_next import ModelArgs as NextArgs
+from .qwen3_next import hybrid_synth_tensors, skipped_note
+
+MODEL_TYPES = ("qwen3_5_moe",)
+PREFIX, HEAD = "model.language_model", "lm_head"
+
+
+def text_config(cfg: dict) -> dict:
+    """The ``text_config`` of a Qwen3.5 MoE config. Raises ConfigError when it is missing."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError("field 'text_config' is missing or not an object")
+    return text
+
+
+class ModelArgs(NextArgs):
+    """Qwen3-Next's fields, read from ``text_config``."""
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ModelArgs":
+        """Parse and check a Qwen3.5/3.6 MoE config.json dict. Raises ConfigError naming the bad field."""
+        text = text_config(cfg)
+        try:
+            return cls.parse(
+                text, "qwen3_5_moe", fused_projections=False, norm_topk_prob=True, decoder_sparse_step=1,
+                mlp_only_layers=(),
+                # transformers ties the head by the top-level field of the multimodal config
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            )
+        except ConfigError as e:
+            raise ConfigError(f"text_config: {e}") from None
+
+
+class Model(NextModel):
+    """Qwen3.5/3.6 MoE text decoder (at ``model.language_model``) with streamed experts."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__(a, prefix=PREFIX, head=HEAD)
+
+
+def describe_skipped(unused: list[str]) -> tuple[str | None, list[str]]:
+    """A one-line note naming the vision tower and the multi-token-prediction layer the
+    checkpoint holds (not loaded), and the unused tensor names they do not explain."""
+    parts = {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction layer"}
+    return skipped_note("qwen3_5_moe", unused, parts)
+
+
+def synth_config(cfg: dict, layers: int) -> dict:
+    """``cfg`` with its ``text_config`` cut to the first ``layers`` decoder layers.
+
+    Raises:
+        ConfigError: ``layers`` beyond the config's.
+    """
+    text = dict(text_config(cfg))
+    total = text.get("num_hidden_layers")
+    if isinstance(total, int) and layers > total:
+        raise ConfigError(f"--layers {layers}: must be between 1 and the config's {total} layers")
+    text["num_hidden_layers"] = layers
+    if isinstance(text.get("layer_types"), list):
+        text["layer_types"] = text["layer_types"][:layers]
+    return {**cfg, "text_config": text}
+
+
+def synth_tensors(cfg: dict) -> list[SynthTensor]:
+    """Every text tensor of a Qwen3.5 MoE checkpoint of ``cfg``'s shapes, named as the
+    published checkpoints (``model.language_model.*``, per-expert experts); no vision
+    tower, no MTP layer."""
+    return hybrid_synth_tensors(ModelArgs.from_config(cfg), PREFIX, HEAD)
