@@ -159,7 +159,8 @@ def load_resident(
 ) -> list[str]:
     """Fill ``model``'s parameters from the checkpoint tensors of the same names.
 
-    Float tensors are cast to ``dtype``. When the model ties its LM head to the embedding
+    Float tensors are cast to ``dtype``, except those whose names end with one of the
+    model's ``float32_parameters`` suffixes, kept in float32 (DeepSeek's routers). When the model ties its LM head to the embedding
     (``tie_word_embeddings``), the head is the embedding, as in transformers, and a head
     weight in the checkpoint is unused. ``skip`` names tensors that are not
     resident (routed experts). Returns the names of checkpoint tensors the model does not use.
@@ -168,6 +169,7 @@ def load_resident(
         CheckpointError: a parameter missing from the checkpoint, or of the wrong shape.
     """
     tied = getattr(model, "tie_word_embeddings", False)
+    keep_fp32 = tuple(getattr(model, "float32_parameters", ()))  # name suffixes kept in float32 (routers)
     state = {}
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     expected = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
@@ -184,8 +186,9 @@ def load_resident(
                 f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(expected[name])}"
             )
         t = checkpoint.read_tensor(name)
-        if t.is_floating_point() and t.dtype != dtype:
-            t = t.to(dtype)
+        want = torch.float32 if keep_fp32 and name.endswith(keep_fp32) else dtype
+        if t.is_floating_point() and t.dtype != want:
+            t = t.to(want)
         state[name] = t
         if progress is not None:
             progress(info.nbytes)
