@@ -175,15 +175,19 @@ def load_resident(
     head_name = getattr(model, "head_name", "lm_head.weight")
     if tied:
         wanted.remove(head_name)
+    # a family whose checkpoints name a tensor in more than one way maps a parameter to its tensor
+    rename = getattr(model, "checkpoint_name", None)
+    source = {n: rename(n, checkpoint.tensors) if rename else n for n in wanted}
     for name in wanted:
-        info = checkpoint.tensors.get(name)
+        info = checkpoint.tensors.get(source[name])
         if info is None:
             raise CheckpointError(f"{checkpoint.path}: tensor {name!r} is missing from the checkpoint")
         if info.shape != expected[name]:
             raise CheckpointError(
-                f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(expected[name])}"
+                f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, the config implies "
+                f"{list(expected[name])}"
             )
-        t = checkpoint.read_tensor(name)
+        t = checkpoint.read_tensor(source[name])
         if t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)
         state[name] = t
@@ -195,7 +199,7 @@ def load_resident(
     if tied:
         model.head.weight = model.decoder.embed_tokens.weight
     model.requires_grad_(False)
-    used = set(wanted) | skip
+    used = set(source.values()) | skip
     return sorted(n for n in checkpoint.tensors if n not in used)
 
 
