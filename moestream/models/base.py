@@ -160,10 +160,12 @@ def load_resident(
     """Fill ``model``'s parameters from the checkpoint tensors of the same names.
 
     Float tensors are cast to ``dtype``, except those whose names end with one of the
-    model's ``float32_parameters`` suffixes, kept in float32 (DeepSeek's routers). When the model ties its LM head to the embedding
-    (``tie_word_embeddings``), the head is the embedding, as in transformers, and a head
-    weight in the checkpoint is unused. ``skip`` names tensors that are not
-    resident (routed experts). Returns the names of checkpoint tensors the model does not use.
+    model's ``float32_parameters`` suffixes, kept in float32 (DeepSeek's routers). When
+    the model ties its LM head to the embedding (``tie_word_embeddings``), the head is the
+    embedding, as in transformers, and a head weight in the checkpoint is unused. A model
+    with a ``checkpoint_name(param, tensors)`` method maps a parameter to its tensor's
+    name. ``skip`` names tensors that are not resident (routed experts). Returns the
+    names of checkpoint tensors the model does not use.
 
     Raises:
         CheckpointError: a parameter missing from the checkpoint, or of the wrong shape.
@@ -177,15 +179,19 @@ def load_resident(
     head_name = getattr(model, "head_name", "lm_head.weight")
     if tied:
         wanted.remove(head_name)
+    # a family whose checkpoints name a tensor in more than one way maps a parameter to its tensor
+    rename = getattr(model, "checkpoint_name", None)
+    source = {n: rename(n, checkpoint.tensors) if rename else n for n in wanted}
     for name in wanted:
-        info = checkpoint.tensors.get(name)
+        info = checkpoint.tensors.get(source[name])
         if info is None:
-            raise CheckpointError(f"{checkpoint.path}: tensor {name!r} is missing from the checkpoint")
+            raise CheckpointError(f"{checkpoint.path}: tensor {source[name]!r} is missing from the checkpoint")
         if info.shape != expected[name]:
             raise CheckpointError(
-                f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(expected[name])}"
+                f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, the config implies "
+                f"{list(expected[name])}"
             )
-        t = checkpoint.read_tensor(name)
+        t = checkpoint.read_tensor(source[name])
         want = torch.float32 if keep_fp32 and name.endswith(keep_fp32) else dtype
         if t.is_floating_point() and t.dtype != want:
             t = t.to(want)
@@ -198,7 +204,7 @@ def load_resident(
     if tied:
         model.head.weight = model.decoder.embed_tokens.weight
     model.requires_grad_(False)
-    used = set(wanted) | skip
+    used = set(source.values()) | skip
     return sorted(n for n in checkpoint.tensors if n not in used)
 
 

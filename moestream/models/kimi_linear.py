@@ -1,0 +1,594 @@
+"""Kimi-Linear (``model_type: kimi_linear``) and Kimi K3 (``model_type: kimi_k3``).
+
+Kimi-Linear (reference: transformers ``models/kimi_linear/modeling_kimi_linear.py``, its
+torch path) is a hybrid decoder: most layers use Kimi Delta Attention (linear attention
+with a recurrent state, :mod:`moestream.models.kda`), the others multi-head latent
+attention (MLA) without rotary embeddings; after the first ``first_k_dense_replace``
+dense layers every MLP is a MoE block with a sigmoid router (``e_score_correction_bias``
+used for choosing only, grouped top-k, renormalized and scaled by
+``routed_scaling_factor``), routed SwiGLU experts and shared experts on the same input.
+
+Kimi K3 (``KimiK3ForConditionalGeneration``: a text model under ``text_config`` and a
+vision tower, not loaded) has no transformers class. It is built from its published config
+and public ports of Moonshot's released ``modeling_kimi_linear.py`` (read, not copied):
+
+* latent MoE (``routed_expert_hidden_size``): the router and the shared experts see the
+  full hidden state; the routed experts run in a latent width, between the resident
+  projections ``routed_expert_down_proj`` [L, H] and ``routed_expert_up_proj`` [H, L],
+  with an RMSNorm on the summed latent (``latent_moe_use_norm``);
+* SiTU-GLU activation (``hidden_act: situ``) in every MLP and expert:
+  ``beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta)``, in float32;
+* attention residuals (``attn_res_block_size``): each sublayer's input is a softmax
+  mixture, over depth, of block snapshots of the residual stream and the running sum;
+* MLA with a sigmoid output gate (``mla_use_output_gate``), KDA with a full-rank output
+  gate (``use_full_rank_gate``) and the bounded "safe" forget gate (``gate_lower_bound``).
+
+Checkpoint names: Kimi-Linear under ``model.`` (MoE blocks ``block_sparse_moe``, experts
+``experts.E.w1/w3/w2``; the dense MLP is ``mlp`` on the Hub and ``block_sparse_moe`` as
+transformers 5 saves it, both read), Kimi K3 under ``language_model.model.`` and
+``language_model.lm_head``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from .base import CausalLM, SynthTensor, field, positive
+from .kda import HybridCache, KimiDeltaAttention
+from .layers import RMSNorm, attention_mask
+from .moe import StreamedMoE, streamed_experts, swiglu_expert
+
+MODEL_TYPES = ("kimi_linear", "kimi_k3")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The config fields Kimi-Linear and Kimi K3 use (Hugging Face names; K3's from ``text_config``)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int | None
+    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention"
+    mlp_layer_types: tuple[str, ...]  # "dense" | "sparse"
+    # MLA
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    mla_use_output_gate: bool
+    # KDA
+    linear_num_heads: int
+    linear_head_dim: int
+    linear_conv_kernel_dim: int
+    use_full_rank_gate: bool
+    gate_lower_bound: float | None
+    # MoE
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    moe_renormalize: bool
+    routed_scaling_factor: float
+    num_expert_group: int
+    topk_group: int
+    # activation and K3-only
+    hidden_act: str
+    situ_beta: float
+    situ_linear_beta: float | None
+    routed_expert_hidden_size: int | None
+    latent_moe_use_norm: bool
+    attn_res_block_size: int | None
+    has_vision: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ModelArgs":
+        """Parse and check a config dict (K3: its ``text_config``). Raises ConfigError naming the bad field."""
+        mt = cfg.get("model_type", "kimi_linear")
+        has_vision = False
+        if mt == "kimi_k3":
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError("kimi_k3 config has no text_config object")
+            has_vision = bool(cfg.get("vision_config"))
+            cfg = text
+        layers = positive(cfg, "num_hidden_layers")
+        hidden = positive(cfg, "hidden_size")
+        lin = field(cfg, "linear_attn_config", dict, {})
+        layer_types = field(cfg, "layer_types", list, None)
+        if layer_types is None:
+            if "full_attn_layers" in lin and "kda_layers" in lin:
+                layer_types = [None] * layers
+                for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+                    for n in lin[key]:  # 1-indexed in published configs
+                        if not isinstance(n, int) or not 1 <= n <= layers:
+                            raise ConfigError(f"linear_attn_config.{key} holds {n!r}, not a layer number 1..{layers}")
+                        layer_types[n - 1] = kind
+                if None in layer_types:
+                    raise ConfigError(f"linear_attn_config names no attention kind for layer {layer_types.index(None)}")
+            else:  # transformers' default: full attention every 4th layer
+                layer_types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(layers)]
+        if len(layer_types) != layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
+            raise ConfigError(f"layer_types {layer_types!r} is not {layers} of full_attention / linear_attention")
+        mlp_types = field(cfg, "mlp_layer_types", list, None)
+        if mlp_types is None:
+            dense = field(cfg, "first_k_dense_replace", int, 1)
+            freq = positive(cfg, "moe_layer_freq", 1)
+            mlp_types = ["sparse" if i >= dense and i % freq == 0 else "dense" for i in range(layers)]
+        if len(mlp_types) != layers or not set(mlp_types) <= {"dense", "sparse"}:
+            raise ConfigError(f"mlp_layer_types {mlp_types!r} is not {layers} of dense / sparse")
+        experts = field(cfg, "num_experts", int, None) or positive(cfg, "num_local_experts")
+        top_k = field(cfg, "num_experts_per_token", int, None) or positive(cfg, "num_experts_per_tok")
+        if not 1 <= top_k <= experts:
+            raise ConfigError(f"num_experts_per_token {top_k} must be between 1 and num_experts {experts}")
+        groups = field(cfg, "num_expert_group", int, None) or positive(cfg, "n_group", 1)
+        topk_group = positive(cfg, "topk_group", 1)
+        if experts % groups or topk_group > groups or top_k > topk_group * (experts // groups):
+            raise ConfigError(f"num_expert_group {groups} / topk_group {topk_group} do not fit {experts} experts, "
+                              f"top-{top_k}")
+        router = field(cfg, "moe_router_activation_func", str, "sigmoid")
+        if router != "sigmoid":
+            raise ConfigError(f"moe_router_activation_func {router!r} is not supported (only sigmoid)")
+        act = field(cfg, "hidden_act", str, "silu")
+        if act not in ("silu", "situ"):
+            raise ConfigError(f"hidden_act {act!r} is not supported for Kimi models (silu or situ)")
+        if not field(cfg, "mla_use_nope", bool, True):
+            raise ConfigError("mla_use_nope false (MLA with rotary embeddings) is not supported for Kimi models")
+        shared = field(cfg, "num_shared_experts", int, None)
+        if shared is None:
+            shared = field(cfg, "n_shared_experts", int, 1)
+        renorm = field(cfg, "moe_renormalize", bool, None)
+        if renorm is None:
+            renorm = field(cfg, "norm_topk_prob", bool, True)
+        latent = field(cfg, "routed_expert_hidden_size", int, None)
+        if latent is not None and latent < 1:
+            raise ConfigError(f"routed_expert_hidden_size {latent} must be at least 1")
+        block = field(cfg, "attn_res_block_size", int, None)
+        if block is not None and block < 1:
+            raise ConfigError(f"attn_res_block_size {block} must be at least 1")
+        q_lora = field(cfg, "q_lora_rank", int, None)
+        bound = lin.get("gate_lower_bound")
+        if bound is not None and not isinstance(bound, (int, float)):
+            raise ConfigError(f"linear_attn_config.gate_lower_bound {bound!r} is not a number")
+        return cls(
+            model_type=mt,
+            vocab_size=positive(cfg, "vocab_size"),
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            intermediate_size=positive(cfg, "intermediate_size"),
+            rms_norm_eps=field(cfg, "rms_norm_eps", float, 1e-5),
+            tie_word_embeddings=field(cfg, "tie_word_embeddings", bool, False),
+            max_position_embeddings=field(cfg, "max_position_embeddings", int, None)
+            or field(cfg, "model_max_length", int, None),
+            layer_types=tuple(layer_types),
+            mlp_layer_types=tuple(mlp_types),
+            num_attention_heads=positive(cfg, "num_attention_heads"),
+            q_lora_rank=q_lora,
+            kv_lora_rank=positive(cfg, "kv_lora_rank"),
+            qk_nope_head_dim=positive(cfg, "qk_nope_head_dim"),
+            qk_rope_head_dim=field(cfg, "qk_rope_head_dim", int, 0),
+            v_head_dim=positive(cfg, "v_head_dim"),
+            mla_use_output_gate=field(cfg, "mla_use_output_gate", bool, False),
+            linear_num_heads=positive(lin, "num_heads", positive(cfg, "linear_num_heads", 32)),
+            linear_head_dim=positive(lin, "head_dim", positive(cfg, "linear_head_dim", 128)),
+            linear_conv_kernel_dim=positive(lin, "short_conv_kernel_size", positive(cfg, "linear_conv_kernel_dim", 4)),
+            use_full_rank_gate=field(lin, "use_full_rank_gate", bool, False),
+            gate_lower_bound=None if bound is None else float(bound),
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=positive(cfg, "moe_intermediate_size"),
+            num_shared_experts=shared,
+            moe_renormalize=renorm,
+            # transformers' KimiLinearConfig default when the field is absent
+            routed_scaling_factor=field(cfg, "routed_scaling_factor", float, 2.446),
+            num_expert_group=groups,
+            topk_group=topk_group,
+            hidden_act=act,
+            situ_beta=field(cfg, "activation_situ_beta", float, None) or 1.0,
+            situ_linear_beta=field(cfg, "activation_situ_linear_beta", float, None),
+            routed_expert_hidden_size=latent,
+            latent_moe_use_norm=field(cfg, "latent_moe_use_norm", bool, False),
+            attn_res_block_size=block,
+            has_vision=has_vision,
+        )
+
+    @property
+    def expert_width(self) -> int:
+        """The width routed experts work in: the latent width for a latent MoE, else hidden_size."""
+        return self.routed_expert_hidden_size or self.hidden_size
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU (Kimi K3): ``beta tanh(gate/beta) sigmoid(gate) * linear_beta tanh(up/linear_beta)``.
+
+    Computed in float32 and cast back to ``gate``'s dtype, as Moonshot's ``SituAndMul``;
+    without ``linear_beta`` the up half is used as is.
+    """
+    g, u = gate.float(), up.float()
+    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (a * u).to(gate.dtype)
+
+
+def situ_expert(x: torch.Tensor, w: dict[str, torch.Tensor], beta: float, linear_beta: float | None) -> torch.Tensor:
+    """One SiTU-GLU expert on x [n, L]: ``down(situ(gate x, up x))`` -> [n, L] (nn.Linear orientation)."""
+    return F.linear(situ(F.linear(x, w["gate"]), F.linear(x, w["up"]), beta, linear_beta), w["down"])
+
+
+class GatedMLP(nn.Module):
+    """Dense gated MLP ``down(act(gate x, up x))`` with SwiGLU (``silu``) or SiTU-GLU (``situ``).
+
+    As transformers' ``KimiLinearMLP`` (silu) and Moonshot's ``KimiMLP`` (situ).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, a: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act, self.beta, self.linear_beta = a.hidden_act, a.situ_beta, a.situ_linear_beta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "situ":
+            return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def sigmoid_topk(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, topk_group: int,
+    renormalize: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kimi / DeepSeek-V3 routing (transformers ``KimiLinearTopkRouter``), in float32.
+
+    Router logits ``x W^T`` [T, E]; scores ``sigmoid``; experts are chosen by
+    ``scores + bias`` (the load-balancing ``e_score_correction_bias``) within the
+    ``topk_group`` best of ``groups`` groups (a group's worth: its two best biased
+    scores); the weights are the unbiased scores, divided by their sum (+1e-20) when
+    ``renormalize``, times ``scale``. Returns (weights [T, K] float32, indices [T, K] int64).
+    """
+    scores = torch.sigmoid(F.linear(x.float(), weight.float()))
+    choice = scores + bias.float()
+    if groups > 1:
+        t, e = choice.shape
+        per_group = choice.view(t, groups, e // groups)
+        best = per_group.topk(min(2, e // groups), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
+    idx = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, idx)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, idx
+
+
+class KimiMoE(StreamedMoE):
+    """Kimi MoE block: sigmoid router, streamed routed experts, resident shared experts.
+
+    With ``routed_expert_hidden_size`` (Kimi K3's latent MoE) the routed experts work on
+    ``routed_expert_down_proj(x)`` [T, L], their routing-weighted sum is normalized
+    (``routed_expert_norm``, when ``latent_moe_use_norm``) and projected back by
+    ``routed_expert_up_proj``. Output: routed part + ``shared_experts(x)``, [T, H].
+    """
+
+    def __init__(self, a: ModelArgs, layer: int):
+        router = partial(sigmoid_topk, top_k=a.num_experts_per_tok, groups=a.num_expert_group,
+                         topk_group=a.topk_group, renormalize=a.moe_renormalize, scale=a.routed_scaling_factor)
+        if a.hidden_act == "situ":
+            expert_fn = partial(situ_expert, beta=a.situ_beta, linear_beta=a.situ_linear_beta)
+        else:
+            expert_fn = swiglu_expert
+        super().__init__(a.hidden_size, a.num_experts, layer, router, expert_fn, renormalize=a.moe_renormalize)
+        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts), requires_grad=False)
+        self.latent = a.routed_expert_hidden_size
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(a.hidden_size, self.latent, bias=False)
+            self.routed_expert_up_proj = nn.Linear(self.latent, a.hidden_size, bias=False)
+            self.routed_expert_norm = RMSNorm(self.latent, a.rms_norm_eps) if a.latent_moe_use_norm else None
+        self.shared_experts = (
+            GatedMLP(a.hidden_size, a.moe_intermediate_size * a.num_shared_experts, a)
+            if a.num_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        weights, idx = self.router(x, self.gate.weight, self.gate.e_score_correction_bias)
+        if self.latent:
+            y = streamed_experts(self.routed_expert_down_proj(x), weights, idx, self.layer, self.cache, self.expert_fn)
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        else:
+            y = streamed_experts(x, weights, idx, self.layer, self.cache, self.expert_fn)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention without rotary embeddings (Kimi's NoPE MLA), caching the latent.
+
+    As transformers' ``KimiLinearAttention``: q from ``q_proj`` or the low-rank
+    ``q_b_proj(RMSNorm(q_a_proj x))``; ``kv_a_proj_with_mqa`` gives the latent [T, r]
+    (RMSNorm'd, eps 1e-6 like the q norm) and a shared key part [T, rope] used as is; keys
+    and values come from ``kv_b_proj`` of the latent; softmax(q k^T / sqrt(nope + rope)) v.
+    With ``output_gate`` (Kimi K3) the attention output is multiplied by
+    ``sigmoid(g_proj x)`` before ``o_proj``. The cache holds the latent and the shared key
+    part (``kv.update(layer, start, latent [1, T, r], rope [1, T, rope])``).
+    """
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        h = a.hidden_size
+        self.heads, self.nope, self.rope, self.vdim = (
+            a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim)
+        self.rank = a.kv_lora_rank
+        qdim = self.heads * (self.nope + self.rope)
+        if a.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, qdim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, a.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(a.q_lora_rank, qdim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope + self.vdim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.vdim, h, bias=False)
+        if a.mla_use_output_gate:
+            self.g_proj = nn.Linear(h, self.heads * self.vdim, bias=False)
+        self.scale = (self.nope + self.rope) ** -0.5
+
+    def forward(self, x: torch.Tensor, kv: HybridCache, layer: int, start: int) -> torch.Tensor:
+        """x [T, H] -> [T, H]; appends the chunk's latents to ``kv``."""
+        t = x.shape[0]
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.heads, self.nope + self.rope).transpose(0, 1)
+        latent, shared_key = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        latent, shared_key = kv.update(layer, start, self.kv_a_layernorm(latent)[None], shared_key[None])
+        s = latent.shape[1]
+        kvb = self.kv_b_proj(latent[0]).view(s, self.heads, self.nope + self.vdim).transpose(0, 1)
+        k_nope, v = kvb.split([self.nope, self.vdim], dim=-1)
+        k = torch.cat([k_nope, shared_key.expand(self.heads, s, self.rope)], dim=-1)
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=attention_mask(start, t, None, x.device), scale=self.scale
+        )[0].transpose(0, 1).reshape(t, self.heads * self.vdim)
+        if hasattr(self, "g_proj"):
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+
+def attn_res(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+    """Kimi K3 attention residual: a softmax mixture over depth of ``blocks + [prefix]``, each [T, H].
+
+    Each candidate ``v`` is scored ``<RMSNorm(v), proj.weight>`` (``norm`` with its weight);
+    the result is ``sum softmax(scores) * v``, in float32, cast back to ``prefix``'s dtype.
+    With no blocks it is ``prefix``. (Moonshot's ``_apply_attn_res``, read via public ports.)
+    """
+    if not blocks:
+        return prefix
+    v = torch.stack([*blocks, prefix], dim=1).float()  # [T, n+1, H]
+    k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+    probs = (k @ proj.weight.float().reshape(-1)).softmax(-1)  # [T, n+1]
+    return (probs[:, None, :] @ v)[:, 0].to(prefix.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs, i: int):
+        super().__init__()
+        self.linear = a.layer_types[i] == "linear_attention"
+        if self.linear:
+            self.self_attn = KimiDeltaAttention(
+                a.hidden_size, a.linear_num_heads, a.linear_head_dim, a.linear_conv_kernel_dim, a.rms_norm_eps,
+                full_rank_gate=a.use_full_rank_gate, lower_bound=a.gate_lower_bound,
+                a_log_size=a.linear_head_dim if a.model_type == "kimi_k3" else None,
+            )
+        else:
+            self.self_attn = LatentAttention(a)
+        if a.mlp_layer_types[i] == "sparse":
+            self.block_sparse_moe = KimiMoE(a, i)
+        else:
+            self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.block = a.attn_res_block_size
+        if self.block:
+            for name in ("self_attention_res", "mlp_res"):
+                setattr(self, f"{name}_norm", RMSNorm(a.hidden_size, a.rms_norm_eps))
+                setattr(self, f"{name}_proj", nn.Linear(a.hidden_size, 1, bias=False))
+        self.index = i
+
+    def forward(self, h: torch.Tensor, kv: HybridCache, start: int, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """h [T, H] -> [T, H]. ``blocks``: K3's block snapshots of the residual stream (appended to here)."""
+        i = self.index
+        ffn = self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+        if not self.block:
+            h = h + self.self_attn(self.input_layernorm(h), kv, i, start)
+            return h + ffn(self.post_attention_layernorm(h))
+        # attention residuals (Kimi K3): a new block starts every attn_res_block_size layers
+        x = self.input_layernorm(attn_res(h, blocks, self.self_attention_res_proj, self.self_attention_res_norm))
+        write = i % self.block == 0
+        if write:
+            blocks.append(h)
+        out = self.self_attn(x, kv, i, start)
+        h = out if write else h + out
+        x = self.post_attention_layernorm(attn_res(h, blocks, self.mlp_res_proj, self.mlp_res_norm))
+        return h + ffn(x)
+
+
+class Model(CausalLM):
+    """Kimi-Linear / Kimi K3 causal LM with streamed experts and a :class:`HybridCache`."""
+
+    def __init__(self, a: ModelArgs):
+        k3 = a.model_type == "kimi_k3"
+        super().__init__(
+            a.vocab_size, a.hidden_size, a.rms_norm_eps, 2, 10000.0, a.tie_word_embeddings,  # no rotary: unused
+            max_context=a.max_position_embeddings,
+            prefix="language_model.model" if k3 else "model", head="language_model.lm_head" if k3 else "lm_head",
+        )
+        self.args = a
+        self.decoder.layers.extend(DecoderLayer(a, i) for i in range(a.num_hidden_layers))
+        if a.attn_res_block_size:
+            self.decoder.output_attn_res_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+            self.decoder.output_attn_res_proj = nn.Linear(a.hidden_size, 1, bias=False)
+        if a.has_vision:
+            log.warning("Kimi K3: the vision tower (vision_config) is not loaded; moestream runs the text model only")
+
+    def expert_shape(self) -> tuple[int, int]:
+        """(intermediate, width) of one routed expert's gate projection (width: the latent width for K3)."""
+        return self.args.moe_intermediate_size, self.args.expert_width
+
+    def new_kv_cache(self, capacity: int = 256) -> HybridCache:
+        return HybridCache(len(self.decoder.layers), capacity)
+
+    def checkpoint_name(self, name: str, tensors) -> str:
+        """The checkpoint tensor holding parameter ``name``: a dense MLP saved by transformers 5 is
+        ``block_sparse_moe.*`` (its save reverses its ``block_sparse_moe -> mlp`` load renaming)."""
+        if name not in tensors and ".mlp." in name:
+            alt = name.replace(".mlp.", ".block_sparse_moe.", 1)
+            if alt in tensors:
+                return alt
+        return name
+
+    def forward(self, ids: torch.Tensor, start: int, kv: HybridCache, all_logits: bool = False) -> torch.Tensor:
+        """Logits for token ids ``ids`` [T] (int64) at positions ``start..start+T``.
+
+        Advances ``kv`` (MLA latents; KDA convolution and recurrent states) by the chunk.
+        Returns [T, vocab] when ``all_logits``, else [1, vocab], in the model's dtype.
+        """
+        decoder = self.decoder
+        h = decoder.embed_tokens(ids)
+        blocks: list[torch.Tensor] = []
+        for layer in decoder.layers:
+            h = layer(h, kv, start, blocks)
+        if self.args.attn_res_block_size:
+            h = attn_res(h, blocks, decoder.output_attn_res_proj, decoder.output_attn_res_norm)
+        if not all_logits:
+            h = h[-1:]
+        kv.length = start + ids.shape[0]
+        return self.head(decoder.norm(h))
+
+
+def synth_config(cfg: dict, layers: int) -> dict:
+    """``cfg`` cut to its first ``layers`` decoder layers; K3's experts written unquantized.
+
+    Raises:
+        ConfigError: ``layers`` outside 1..the config's layer count.
+    """
+    out = dict(cfg)
+    text = dict(cfg["text_config"]) if cfg.get("model_type") == "kimi_k3" else out
+    total = text.get("num_hidden_layers")
+    if isinstance(total, int) and not 1 <= layers <= total:
+        raise ConfigError(f"--layers {layers}: must be between 1 and the config's {total} layers")
+    text["num_hidden_layers"] = layers
+    lin = dict(text.get("linear_attn_config") or {})
+    for key in ("full_attn_layers", "kda_layers"):
+        if key in lin:
+            lin[key] = [n for n in lin[key] if n <= layers]
+    if lin:
+        text["linear_attn_config"] = lin
+    for key in ("layer_types", "mlp_layer_types"):
+        if isinstance(text.get(key), list):
+            text[key] = text[key][:layers]
+    text.pop("quantization_config", None)  # synth writes plain float experts
+    if text is not out:
+        out["text_config"] = text
+    return out
+
+
+def synth_tensors(cfg: dict) -> list[SynthTensor]:
+    """Every tensor of a checkpoint of ``cfg``'s shapes, named as the Hub's (per-expert ``w1/w3/w2``)."""
+    cfg = synth_config(cfg, (cfg.get("text_config") or cfg).get("num_hidden_layers", 1))  # drop quantization
+    a = ModelArgs.from_config(cfg)
+    k3 = a.model_type == "kimi_k3"
+    top = "language_model.model." if k3 else "model."
+    h = a.hidden_size
+    out = [SynthTensor(top + "embed_tokens.weight", (a.vocab_size, h), "embed")]
+
+    def linear(name: str, o: int, i: int, init: str = "normal"):
+        out.append(SynthTensor(name + ".weight", (o, i), init))
+
+    def mlp(p: str, inter: int):
+        linear(p + "gate_proj", inter, h)
+        linear(p + "up_proj", inter, h)
+        linear(p + "down_proj", h, inter, "out")
+
+    for i in range(a.num_hidden_layers):
+        p = f"{top}layers.{i}."
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out.append(SynthTensor(p + n + ".weight", (h,), "norm"))
+        if a.attn_res_block_size:
+            for n in ("self_attention_res", "mlp_res"):
+                out.append(SynthTensor(p + n + "_norm.weight", (h,), "norm"))
+                linear(p + n + "_proj", 1, h)
+        s = p + "self_attn."
+        if a.layer_types[i] == "linear_attention":
+            d, dk = a.linear_num_heads * a.linear_head_dim, a.linear_head_dim
+            for n in ("q", "k", "v"):
+                linear(s + n + "_proj", d, h)
+                out.append(SynthTensor(s + n + "_conv1d.weight", (d, 1, a.linear_conv_kernel_dim), "normal"))
+            out.append(SynthTensor(s + "A_log", (dk,) if k3 else (1, 1, a.linear_num_heads, 1), "zeros"))
+            out.append(SynthTensor(s + "dt_bias", (d,), "zeros"))
+            linear(s + "f_a_proj", dk, h)
+            linear(s + "f_b_proj", d, dk)
+            linear(s + "b_proj", a.linear_num_heads, h)
+            if a.use_full_rank_gate:
+                linear(s + "g_proj", d, h)
+            else:
+                linear(s + "g_a_proj", dk, h)
+                linear(s + "g_b_proj", d, dk)
+            out.append(SynthTensor(s + "o_norm.weight", (dk,), "norm"))
+            linear(s + "o_proj", h, d, "out")
+        else:
+            qdim = a.num_attention_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+            if a.q_lora_rank is None:
+                linear(s + "q_proj", qdim, h)
+            else:
+                linear(s + "q_a_proj", a.q_lora_rank, h)
+                out.append(SynthTensor(s + "q_a_layernorm.weight", (a.q_lora_rank,), "norm"))
+                linear(s + "q_b_proj", qdim, a.q_lora_rank)
+            linear(s + "kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_head_dim, h)
+            out.append(SynthTensor(s + "kv_a_layernorm.weight", (a.kv_lora_rank,), "norm"))
+            linear(s + "kv_b_proj", a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+            if a.mla_use_output_gate:
+                linear(s + "g_proj", a.num_attention_heads * a.v_head_dim, h)
+            linear(s + "o_proj", h, a.num_attention_heads * a.v_head_dim, "out")
+        if a.mlp_layer_types[i] == "dense":
+            mlp(p + "mlp.", a.intermediate_size)
+            continue
+        m, w, inter = p + "block_sparse_moe.", a.expert_width, a.moe_intermediate_size
+        linear(m + "gate", a.num_experts, h)
+        out.append(SynthTensor(m + "gate.e_score_correction_bias", (a.num_experts,), "zeros"))
+        if a.num_shared_experts:
+            mlp(m + "shared_experts.", inter * a.num_shared_experts)
+        if a.routed_expert_hidden_size:
+            linear(m + "routed_expert_down_proj", w, h)
+            linear(m + "routed_expert_up_proj", h, w, "out")
+            if a.latent_moe_use_norm:
+                out.append(SynthTensor(m + "routed_expert_norm.weight", (w,), "norm"))
+        for e in range(a.num_experts):
+            x = f"{m}experts.{e}."
+            linear(x + "w1", inter, w)
+            linear(x + "w3", inter, w)
+            linear(x + "w2", w, inter, "out")
+    out.append(SynthTensor(top + "norm.weight", (h,), "norm"))
+    if a.attn_res_block_size:
+        out.append(SynthTensor(top + "output_attn_res_norm.weight", (h,), "norm"))
+        linear(top + "output_attn_res_proj", 1, h)
+    if not a.tie_word_embeddings:
+        linear("language_model.lm_head" if k3 else "lm_head", a.vocab_size, h)
+    return out
+
+
