@@ -163,9 +163,6 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
     in-process callers may redirect them).
     """
     out, err, inp = out or sys.stdout, err or sys.stderr, inp or sys.stdin
-    from .generation import GenerationStats, Session, eos_ids, generate, generation_defaults, whole_model_hint
-    from .tokenizer import chat_ids, encode_prompt, next_turn_ids, prompt_opens_thinking, think_token_ids
-
     args = argparse.Namespace(**{**_generate_defaults(), **vars(args)})
     prompt = _read_prompt(args, inp)
     if args.max_tokens < 1:
@@ -174,6 +171,9 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
         raise MoestreamError(f"--stats-json {args.stats_json}: not a file in an existing folder")
     if args.no_chat_template and (args.chat or args.system is not None or args.no_think):
         raise MoestreamError("--chat, --system and --no-think need the chat template (drop --no-chat-template)")
+    from .generation import GenerationStats, Session, eos_ids, generate, generation_defaults, whole_model_hint
+    from .tokenizer import chat_ids, encode_prompt, next_turn_ids, prompt_opens_thinking, think_token_ids
+
     check_engine_args(args)
     _sampling(args, {})  # flags checked before loading
     engine = load_engine(args)

@@ -123,13 +123,11 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """Pick a token id from ``logits`` [vocab]."""
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """The float32 logits [vocab] sampling draws from: divided by the temperature, with the tokens
+        that top-k, top-p and min-p remove at -inf (temperature > 0 only)."""
         p = self.params
-        logits = logits.float().cpu()
-        if p.temperature == 0:
-            return int(torch.argmax(logits))
-        logits = logits / p.temperature
+        logits = logits.float().cpu() / p.temperature
         if p.top_k and p.top_k < logits.shape[0]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -142,7 +140,13 @@ class Sampler:
         if p.min_p > 0:
             probs = torch.softmax(logits, dim=-1)
             logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))  # the top token always stays
-        probs = torch.softmax(logits, dim=-1)
+        return logits
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """Pick a token id from ``logits`` [vocab]."""
+        if self.params.temperature == 0:
+            return int(torch.argmax(logits.float().cpu()))
+        probs = torch.softmax(self.warp(logits), dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
