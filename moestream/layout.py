@@ -36,10 +36,15 @@ _PRE = "(?P<prefix>" + "|".join(re.escape(p) for p in LAYER_PREFIXES) + r")\.(?P
 _PER_EXPERT = re.compile(_PRE + r"\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<param>\w+)$")
 _FUSED = re.compile(_PRE + r"\.experts\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$")
 _STACKED = re.compile(_PRE + r"\.switch_mlp\.(?P<proj>\w+)\.(?P<param>\w+)$")
+# MXFP4 experts as gpt-oss ships them: ...experts.{gate_up,down}_proj_{blocks,scales,bias} (see moestream.quant)
+_MXFP4 = re.compile(_PRE + r"\.experts\.(?P<proj>gate_up_proj|down_proj)_(?P<param>blocks|scales|bias)$")
 # any name that looks like it holds routed experts; used to report layouts we do not know
 _EXPERTISH = re.compile(r"\.(experts|switch_mlp)\.")
 ROLE_OF_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 ROLES = ("gate", "up", "down")
+# piece dtypes and parameter names that mark quantized experts (moestream.quant checks them against the config)
+QUANT_DTYPES = ("U32", "F8_E4M3")
+QUANT_PARAMS = ("scales", "biases", "weight_scale_inv")
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,12 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
                 _check_rank(info, 3, name)
             for e in range(info.shape[0]):
                 parts[e][role] = _piece(role, info, e)
+        elif m := _MXFP4.match(name):
+            parts = _slot(found, m, "mxfp4", name)
+            role = "gate_up" if m["proj"] == "gate_up_proj" else "down"
+            role += "" if m["param"] == "blocks" else "." + m["param"]
+            for e in range(info.shape[0]):
+                parts[e][role] = _piece(role, info, e)
         elif m := _FUSED.match(name):
             parts = _slot(found, m, "fused", name)
             _check_rank(info, 3, name)
@@ -192,10 +203,11 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
         experts = []
         for e in range(count):
             roles = parts[e]
-            lacking = [r for r in ROLES if r not in roles]
+            required = ("gate_up", "down") if slot["kind"] == "mxfp4" else ROLES
+            lacking = [r for r in required if r not in roles]
             if lacking:
                 raise LayoutError(f"{path}: expert {e} lacks {', '.join(lacking)} (found {', '.join(sorted(roles))})")
-            order = list(ROLES) + sorted(r for r in roles if r not in ROLES)
+            order = list(required) + sorted(r for r in roles if r not in required)
             experts.append(tuple(roles[r] for r in order))
         ref = [(p.role, p.shape, p.dtype) for p in experts[0]]
         for e, pieces in enumerate(experts):
@@ -206,7 +218,9 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
                         f"{dt} {list(shape)} ({p.source})"
                     )
         gate, up, down = experts[0][:3]
-        if gate.shape != up.shape or down.shape[::-1] != gate.shape:
+        if _quantized(experts[0]):
+            pass  # packed shapes: moestream.quant.formats.expert_format checks them against the config
+        elif gate.shape != up.shape or down.shape[::-1] != gate.shape:
             raise LayoutError(
                 f"{path}: expert shapes gate {gate.shape}, up {up.shape}, down {down.shape} do not form a "
                 "SwiGLU expert (gate and up [I, H], down [H, I])"
@@ -227,6 +241,12 @@ def _slot(found: dict, m: re.Match, kind: str, name: str) -> dict:
 def _role(m: re.Match) -> str:
     """``gate``/``up``/``down`` for a weight, ``<role>.<param>`` for another tensor (a bias)."""
     return ROLE_OF_PROJ[m["proj"]] + ("" if m["param"] == "weight" else "." + m["param"])
+
+
+def _quantized(pieces: tuple[Piece, ...]) -> bool:
+    """Whether an expert's pieces are quantized (packed or fp8 weights, scales, mxfp4 blocks)."""
+    return any(p.dtype in QUANT_DTYPES or p.role == "gate_up" or p.role.partition(".")[2] in QUANT_PARAMS
+               for p in pieces)
 
 
 def _check_rank(info: TensorInfo, rank: int, name: str) -> None:

@@ -159,7 +159,7 @@ def load_resident(
 ) -> list[str]:
     """Fill ``model``'s parameters from the checkpoint tensors of the same names.
 
-    Float tensors are cast to ``dtype``. When the model ties its LM head to the embedding
+    Float tensors are cast to ``dtype`` (not fp8 weights nor quantization scales). When the model ties its LM head to the embedding
     (``tie_word_embeddings``), the head is the embedding, as in transformers, and a head
     weight in the checkpoint is unused. ``skip`` names tensors that are not
     resident (routed experts). Returns the names of checkpoint tensors the model does not use.
@@ -184,7 +184,9 @@ def load_resident(
                 f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(expected[name])}"
             )
         t = checkpoint.read_tensor(name)
-        if t.is_floating_point() and t.dtype != dtype:
+        # fp8 codes and quantization parameters (scales, biases) keep their stored dtype (moestream.quant)
+        keep = t.element_size() == 1 or name.endswith((".scales", ".biases", ".weight_scale_inv"))
+        if t.is_floating_point() and t.dtype != dtype and not keep:
             t = t.to(dtype)
         state[name] = t
         if progress is not None:
