@@ -171,7 +171,8 @@ def load(
         resident_names = [n for n, _ in net.named_parameters()]
         total = sum(ckpt.tensors[n].nbytes for n in resident_names if n in ckpt.tensors)
         with progress_bar(total, "loading resident weights", progress) as bar:
-            unused = load_resident(net, ckpt, layout.expert_tensors, compute_dtype, bar.update)
+            skip = layout.expert_tensors | quant.padding_tensors(ckpt.tensors)  # padding: see quant.convert
+            unused = load_resident(net, ckpt, skip, compute_dtype, bar.update)
         net.to(dev).eval()
         cache = ExpertCache(store, budget, num_experts)
         for block in net.moe_blocks():

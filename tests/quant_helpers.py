@@ -205,3 +205,15 @@ def reference_model(src: Path, ref_tensors: dict[str, torch.Tensor]):
     if model.config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+def mlx_dequantize(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int) -> torch.Tensor:
+    """Float32 weight of mlx affine tensors, unpacking the bit stream with numpy (independent of moestream)."""
+    raw = packed.contiguous().view(torch.uint8).numpy()
+    stream = np.unpackbits(raw, axis=-1, bitorder="little")
+    n = stream.shape[-1] // bits
+    codes = np.packbits(stream.reshape(*raw.shape[:-1], n, bits), axis=-1, bitorder="little")[..., 0]
+    group = n // scales.shape[-1]
+    g = codes.reshape(*raw.shape[:-1], -1, group).astype(np.float64)
+    w = g * scales.double().numpy()[..., None] + biases.double().numpy()[..., None]
+    return torch.from_numpy(w.reshape(*raw.shape[:-1], n).astype(np.float32))

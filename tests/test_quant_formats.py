@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from moestream.engine import load
-from moestream.quant import QuantError
 
 from .helpers import make_qwen3_moe
 from .quant_helpers import reference_model, write_fp8, write_mlx, write_mxfp4

@@ -159,10 +159,11 @@ def load_resident(
 ) -> list[str]:
     """Fill ``model``'s parameters from the checkpoint tensors of the same names.
 
-    Float tensors are cast to ``dtype`` (not fp8 weights nor quantization scales). When the model ties its LM head to the embedding
+    Float tensors are cast to ``dtype``. When the model ties its LM head to the embedding
     (``tie_word_embeddings``), the head is the embedding, as in transformers, and a head
     weight in the checkpoint is unused. ``skip`` names tensors that are not
     resident (routed experts). Returns the names of checkpoint tensors the model does not use.
+    fp8 weights and quantization scales (``moestream.quant``) keep their stored dtype.
 
     Raises:
         CheckpointError: a parameter missing from the checkpoint, or of the wrong shape.

@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint import torch_dtype
+from .convert import padding_tensors
 from .formats import ExpertFormat, LinearFormat, QuantConfig, QuantError, Scheme, expert_format
 
 __all__ = ["ExpertFormat", "LinearFormat", "QuantConfig", "QuantError", "Scheme", "expert_format",
-           "expert_formats", "float_dtype", "quantize_model"]
+           "expert_formats", "float_dtype", "padding_tensors", "quantize_model"]
 
 
 def expert_formats(ckpt, layout, shape: tuple[int, int], where) -> dict[int, ExpertFormat]:

@@ -90,15 +90,17 @@ def dequantize(
     return w.reshape(*w.shape[:-2], groups * group_size)
 
 
-def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Affine-quantize ``w`` [..., in] (``in`` a multiple of ``group_size``): (packed uint32, scales, biases).
 
     Min-max per group: ``bias = min``, ``scale = (max - min) / (2^bits - 1)``, ``q =
     round((w - bias) / scale)`` clipped to the code range; computed in float32, scales
     and biases returned in ``w``'s dtype and the codes chosen against those rounded
     values, so ``scale * q + bias`` is the nearest point of the stored grid. Deterministic
-    (same input, same bytes).
+    (same input, same bytes). ``dtype``: of scales and biases (default ``w``'s).
     """
+    dtype = dtype or w.dtype
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits}")
     n = w.shape[-1]
@@ -107,8 +109,8 @@ def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     g = w.float().reshape(*w.shape[:-1], n // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
     top = (1 << bits) - 1
-    scales = ((hi - lo) / top).to(w.dtype)
-    biases = lo.to(w.dtype)
+    scales = ((hi - lo) / top).to(dtype)
+    biases = lo.to(dtype)
     s = scales.float().unsqueeze(-1)
     safe = torch.where(s == 0, torch.ones_like(s), s)
     q = torch.round((g - biases.float().unsqueeze(-1)) / safe).clamp_(0, top)

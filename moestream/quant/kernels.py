@@ -151,5 +151,6 @@ class Prepare:
             for p in self.layout.pieces(*key):
                 if p.role in (role, role + ".scales", role + ".biases"):
                     stored -= -(-p.nbytes // PIECE_ALIGN) * PIECE_ALIGN
-            stored += lf.out_features * lf.in_features // 2 + lf.in_features // lf.scheme.group_size * lf.out_features * 4
+            groups = lf.in_features // lf.scheme.group_size
+            stored += lf.out_features * lf.in_features // 2 + groups * lf.out_features * 4
         return stored

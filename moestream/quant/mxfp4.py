@@ -23,7 +23,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float weight [..., out, in] in ``dtype`` of ``blocks`` [..., out, in/32, 16] and ``scales`` [..., out, in/32].
+    """The float weight [..., out, in] (``dtype``) of ``blocks`` [..., out, in/32, 16] and ``scales`` [..., out, in/32].
 
     Exact: every e2m1 value times a power of two is representable in float32 (and in
     bf16 within its exponent range), computed in float32 then cast.
