@@ -211,6 +211,11 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
             experts.append(tuple(roles[r] for r in order))
         ref = [(p.role, p.shape, p.dtype) for p in experts[0]]
         for e, pieces in enumerate(experts):
+            extra = sorted({r for r, _, _ in ref} - {p.role for p in pieces})
+            if extra:  # e.g. a quantized expert missing its scales
+                own = {p.role: p.source for p in pieces}.get(extra[0].split(".")[0], f"expert {e}")
+                raise LayoutError(f"{path}: tensor {own!r} has no {extra[0].split('.', 1)[-1]} piece, which "
+                                  f"expert 0 has ({next(p.source for p in experts[0] if p.role == extra[0])})")
             for p, (role, shape, dt) in zip(pieces, ref):
                 if (p.role, p.shape, p.dtype) != (role, shape, dt):
                     raise LayoutError(
