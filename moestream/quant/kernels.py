@@ -3,11 +3,13 @@
 ``qlinear(x, tensors, fmt)`` computes ``x @ W^T`` for one linear of an expert (or a
 resident linear) whose weight ``W`` [out, in] is stored quantized. Paths:
 
-* ``int4``: affine weights of at most 4 bits whose groups PyTorch's CPU int4 kernel takes
-  (``torch._weight_int4pack_mm_for_cpu``; group 32, 64, 128 or 256, ``out`` a multiple of
-  32), when the compute dtype is bf16 (the kernel is fast only there). The codes are
-  repacked once per read into the kernel's layout by :func:`prepare` (cached with the
-  expert); mlx's ``w = s q + b`` is the kernel's ``w = (q - 8) s + z`` with ``z = b + 8 s``.
+* ``int4``: affine weights of at most 4 bits (and 8 bits, as two 4-bit halves) whose
+  groups PyTorch's CPU int4 kernel takes (``torch._weight_int4pack_mm_for_cpu``; group 32,
+  64, 128 or 256, ``out`` a multiple of 32), when the compute dtype is bf16 (the kernel is
+  fast only there). The codes are repacked once per read into the kernel's layout by
+  :func:`prepare` (cached with the expert); mlx's ``w = s q + b`` is the kernel's
+  ``w = (q - 8) s + z`` with ``z = b + 8 s``; at 8 bits ``q = 16 hi + lo`` gives two
+  products, ``hi`` with scale ``16 s`` and zero ``b + 128 s``, ``lo`` with ``s`` and ``8 s``.
 * ``int8``: affine 8-bit weights with one group per row (``group_size == in``), through
   ``torch._weight_int8pack_mm`` (per-channel scales) plus the bias term ``b * sum(x)``.
 * ``chunks``: every other case (any bits, fp8, mxfp4, float32 compute): dequantize
@@ -35,7 +37,7 @@ def int4_eligible(lf: LinearFormat, dtype: torch.dtype) -> bool:
     """Whether ``lf`` runs on PyTorch's int4 CPU kernel in compute dtype ``dtype``."""
     s = lf.scheme
     return (
-        s is not None and s.method == "affine" and s.bits <= 4 and s.group_size in INT4_GROUPS
+        s is not None and s.method == "affine" and s.bits in (2, 3, 4, 8) and s.group_size in INT4_GROUPS
         and lf.out_features % 32 == 0 and lf.in_features % s.group_size == 0 and dtype == torch.bfloat16
         and hasattr(torch, "_weight_int4pack_mm_for_cpu")
     )
@@ -57,8 +59,9 @@ def prepare(tensors: dict[str, torch.Tensor], fmt, dtype: torch.dtype) -> dict[s
     """Add kernel-ready forms to an expert's (or linear's) tensors, once per read.
 
     For each int4-eligible linear (see :func:`int4_eligible`), adds ``<role>.int4``
-    (packed codes) and ``<role>.int4sz`` ([in/group, out, 2] scales and zeros in bf16) and
-    drops the mlx pieces. Other linears are unchanged. Returns the new dict.
+    (packed codes) and ``<role>.int4sz`` ([in/group, out, 2] scales and zeros in bf16), at
+    8 bits also ``<role>.int4lo`` and ``<role>.int4lo_sz`` (the low nibbles), and drops the
+    mlx pieces. Other linears are unchanged. Returns the new dict.
     """
     out = dict(tensors)
     for role, lf in fmt.linears.items():
@@ -67,9 +70,20 @@ def prepare(tensors: dict[str, torch.Tensor], fmt, dtype: torch.dtype) -> dict[s
         s = lf.scheme
         codes = affine.unpack(out.pop(role), s.bits, lf.in_features)
         scales, biases = out.pop(role + ".scales").float(), out.pop(role + ".biases").float()
-        out[role + ".int4"] = _int4pack(codes)
-        out[role + ".int4sz"] = torch.stack((scales, biases + 8 * scales), -1).transpose(0, 1).to(dtype).contiguous()
+        if s.bits == 8:
+            out[role + ".int4"] = _int4pack(codes >> 4)
+            out[role + ".int4sz"] = _scale_zero(16 * scales, biases + 128 * scales, dtype)
+            out[role + ".int4lo"] = _int4pack(codes & 15)
+            out[role + ".int4lo_sz"] = _scale_zero(scales, 8 * scales, dtype)
+        else:
+            out[role + ".int4"] = _int4pack(codes)
+            out[role + ".int4sz"] = _scale_zero(scales, biases + 8 * scales, dtype)
     return out
+
+
+def _scale_zero(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[out, groups] scales and zeros as the int4 kernel takes them: [groups, out, 2] in ``dtype``."""
+    return torch.stack((scales, zeros), -1).transpose(0, 1).to(dtype).contiguous()
 
 
 def _rows(lf: LinearFormat) -> int:
@@ -106,7 +120,12 @@ def qlinear(x: torch.Tensor, t: dict[str, torch.Tensor], lf: LinearFormat) -> to
         return F.linear(x, t[role])
     packed = t.get(role + ".int4")
     if packed is not None:
-        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, s.group_size, t[role + ".int4sz"])
+        x = x.contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(x, packed, s.group_size, t[role + ".int4sz"])
+        lo = t.get(role + ".int4lo")
+        if lo is not None:
+            y = y + torch._weight_int4pack_mm_for_cpu(x, lo, s.group_size, t[role + ".int4lo_sz"])
+        return y
     if s is not None and s.method == "affine" and s.bits == 8 and s.group_size == lf.in_features:
         q = t[role].view(torch.uint8).view(lf.out_features, lf.in_features)
         xf = x.float()
@@ -152,5 +171,6 @@ class Prepare:
                 if p.role in (role, role + ".scales", role + ".biases"):
                     stored -= -(-p.nbytes // PIECE_ALIGN) * PIECE_ALIGN
             groups = lf.in_features // lf.scheme.group_size
-            stored += lf.out_features * lf.in_features // 2 + groups * lf.out_features * 4
+            halves = 2 if lf.scheme.bits == 8 else 1
+            stored += halves * (lf.out_features * lf.in_features // 2 + groups * lf.out_features * 4)
         return stored
