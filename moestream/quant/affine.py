@@ -41,16 +41,16 @@ def unpack(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     per, nbytes = _pack_shape(bits)
     mask = (1 << bits) - 1
     if nbytes == 1:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=raw.device)
-        return ((raw.unsqueeze(-1) >> shifts) & mask).reshape(*lead, -1)[..., :in_features]
-    wide = torch.int32 if nbytes <= 3 else torch.int64
-    runs = raw.reshape(*lead, -1, nbytes).to(wide)
-    word = runs[..., 0].clone()
-    for j in range(1, nbytes):
-        word |= runs[..., j] << (8 * j)
-    shifts = torch.arange(0, per * bits, bits, dtype=wide, device=raw.device)
-    codes = (word.unsqueeze(-1) >> shifts) & mask
-    return codes.to(torch.uint8).reshape(*lead, -1)[..., :in_features]
+        word = raw
+    else:  # whole-byte runs of `nbytes` bytes as one integer (little-endian)
+        runs = raw.reshape(*lead, -1, nbytes).to(torch.int32 if nbytes <= 3 else torch.int64)
+        word = runs[..., 0].clone()
+        for j in range(1, nbytes):
+            word |= runs[..., j] << (8 * j)
+    out = torch.empty(*word.shape, per, dtype=torch.uint8, device=raw.device)
+    for i in range(per):  # scalar shifts: vectorized, unlike a broadcast shift tensor (measured 3x slower)
+        out[..., i] = (word >> (i * bits)) & mask
+    return out.reshape(*lead, -1)[..., :in_features]
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -55,6 +55,30 @@ def _int4pack(codes: torch.Tensor) -> torch.Tensor:
     return (v[..., 0] | (v[..., 1] << 4)).contiguous().view(n, k // 2)
 
 
+def _int4pack_mlx4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The int4 kernel layout straight from mlx 4-bit words [n, k/8] (no code tensor in between).
+
+    mlx byte ``j`` of a row holds codes ``2j`` (low nibble) and ``2j+1`` (high); the kernel wants,
+    per 32-row block and column, rows ``i`` and ``i + 16`` in one byte.
+    """
+    raw = packed.contiguous().view(torch.uint8).view(n // 32, 2, 16, k // 2)
+    a, b = raw[:, 0], raw[:, 1]  # rows i and i + 16 of each block: [nb, 16, k/2]
+    even = (a & 0x0F) | (b << 4)  # code 2j of both rows
+    odd = (a >> 4) | (b & 0xF0)  # code 2j+1
+    return torch.stack((even, odd), -1).permute(0, 2, 3, 1).reshape(n, k // 2)
+
+
+def _int4pack_bytes(codes: torch.Tensor, shift: int) -> torch.Tensor:
+    """The int4 kernel layout of nibble ``shift`` (0 low, 4 high) of 8-bit codes [n, k]."""
+    n, k = codes.shape
+    c = codes.view(n // 32, 2, 16, k)
+    if shift:
+        out = (c[:, 0] >> 4) | (c[:, 1] & 0xF0)
+    else:
+        out = (c[:, 0] & 0x0F) | (c[:, 1] << 4)
+    return out.permute(0, 2, 1).reshape(n, k // 2)
+
+
 def prepare(tensors: dict[str, torch.Tensor], fmt, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Add kernel-ready forms to an expert's (or linear's) tensors, once per read.
 
@@ -68,15 +92,18 @@ def prepare(tensors: dict[str, torch.Tensor], fmt, dtype: torch.dtype) -> dict[s
         if not int4_eligible(lf, dtype):
             continue
         s = lf.scheme
-        codes = affine.unpack(out.pop(role), s.bits, lf.in_features)
+        packed = out.pop(role)
+        n, k = lf.out_features, lf.in_features
         scales, biases = out.pop(role + ".scales").float(), out.pop(role + ".biases").float()
         if s.bits == 8:
-            out[role + ".int4"] = _int4pack(codes >> 4)
+            codes = packed.contiguous().view(torch.uint8).view(n, k)
+            out[role + ".int4"] = _int4pack_bytes(codes, 4)
             out[role + ".int4sz"] = _scale_zero(16 * scales, biases + 128 * scales, dtype)
-            out[role + ".int4lo"] = _int4pack(codes & 15)
+            out[role + ".int4lo"] = _int4pack_bytes(codes, 0)
             out[role + ".int4lo_sz"] = _scale_zero(scales, 8 * scales, dtype)
         else:
-            out[role + ".int4"] = _int4pack(codes)
+            fast = s.bits == 4
+            out[role + ".int4"] = _int4pack_mlx4(packed, n, k) if fast else _int4pack(affine.unpack(packed, s.bits, k))
             out[role + ".int4sz"] = _scale_zero(scales, biases + 8 * scales, dtype)
     return out
 
