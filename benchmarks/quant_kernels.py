@@ -80,7 +80,8 @@ def main() -> None:
         prep = median_ms(lambda p=pieces, f=fmt: prepare(p, f, torch.bfloat16), max(10, args.runs // 10), clock)
         path = "int4" if any(k.endswith(".int4") for k in ready) else "chunks"
         miss = compute + (prep if path == "int4" else 0.0)
-        rows.append(dict(clock=args.clock, threads=args.threads, bits=bits, group=args.group_size, path=path, expert_mb=nbytes / 1e6, read_ms=read_ms,
+        rows.append(dict(clock=args.clock, threads=args.threads, bits=bits, group=args.group_size, path=path,
+                         expert_mb=nbytes / 1e6, read_ms=read_ms,
                          compute_ms=compute, prepare_ms=prep if path == "int4" else 0.0, miss_ms=miss,
                          hit=compute <= read_ms, miss_hit=miss <= read_ms))
         r = rows[-1]

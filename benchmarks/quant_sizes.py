@@ -68,7 +68,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     for name, spec in SETTINGS:
         s = sizes(cfg, spec)
-        print(f"| `{name}` | {s['expert_mb']:.2f} | {s['disk_gb']:.2f} | {s['resident_gb']:.2f} | {s['token_gb']:.3f} |")
+        cells = f"{s['expert_mb']:.2f} | {s['disk_gb']:.2f} | {s['resident_gb']:.2f} | {s['token_gb']:.3f}"
+        print(f"| `{name}` | {cells} |")
 
 
 if __name__ == "__main__":

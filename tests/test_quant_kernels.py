@@ -18,7 +18,8 @@ def test_pack_is_the_mlx_bit_stream(bits):
     codes = affine.unpack(packed, bits, 128)
     assert torch.equal(affine.pack(codes, bits).view(torch.int32), packed.view(torch.int32))
     want = mlx_dequantize(packed, scales, biases, bits)
-    assert torch.allclose(affine.dequantize(packed, scales, biases, bits, 32, torch.float32), want, rtol=1e-6, atol=1e-6)
+    got = affine.dequantize(packed, scales, biases, bits, 32, torch.float32)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("bits,group", [(2, 32), (3, 64), (4, 64), (8, 32), (8, 128), (8, 256), (5, 32), (6, 64)])
