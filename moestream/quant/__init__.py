@@ -54,7 +54,11 @@ def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:
 def attach(net, store, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> None:
     """Give each MoE block of ``net`` the expert function of its layer's format, and ``store`` its prepare hook."""
     from .expert import expert_fn_for
+    from .resident import QuantEmbedding
 
+    for m in net.modules():
+        if isinstance(m, QuantEmbedding):
+            m.dtype = dtype
     for block in net.moe_blocks():
         block.expert_fn = expert_fn_for(block.expert_fn, formats.get(block.layer))
     if formats:

@@ -15,7 +15,7 @@ from torch import nn
 from ..checkpoint import torch_dtype
 from . import affine
 from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8
-from .kernels import qlinear
+from .kernels import int4_eligible, prepare, qlinear
 
 _SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",)}
 
@@ -29,7 +29,8 @@ class QuantLinear(nn.Module):
 
     Parameters are the checkpoint's tensors (packed ``weight`` with ``scales`` and
     ``biases``, or fp8 ``weight`` with ``weight_scale_inv``) plus an optional float ``bias``;
-    the product runs through :func:`moestream.quant.kernels.qlinear`.
+    the product runs through :func:`moestream.quant.kernels.qlinear`. Where the int4 kernel
+    fits (bf16), the first call repacks the weight for it and drops the stored form.
     """
 
     def __init__(self, fmt: LinearFormat, shapes: dict[str, tuple[tuple[int, ...], str]], bias: bool):
@@ -39,9 +40,19 @@ class QuantLinear(nn.Module):
             setattr(self, name, _param(shape, dt))
         self.extra = tuple(n for n in shapes if n != "weight")
         self.bias = nn.Parameter(torch.empty(fmt.out_features), requires_grad=False) if bias else None
+        self._ready, self._ready_dtype = None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = {"weight": self.weight, **{f"weight.{n}": getattr(self, n) for n in self.extra}}
+        t = self._ready
+        if t is None or self._ready_dtype != x.dtype:
+            t = {"weight": self.weight, **{f"weight.{n}": getattr(self, n) for n in self.extra}}
+            if int4_eligible(self.fmt, x.dtype):
+                # repack once for PyTorch's int4 kernel (see kernels.prepare); the packed
+                # parameters are then dropped, so memory holds one form
+                t = prepare(t, type("F", (), {"linears": {"weight": self.fmt}})(), x.dtype)
+                for name in ("weight", *self.extra):
+                    self._parameters.pop(name, None)
+                self._ready, self._ready_dtype = t, x.dtype
         y = qlinear(x.reshape(-1, x.shape[-1]), t, self.fmt).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
@@ -52,12 +63,14 @@ class QuantEmbedding(nn.Module):
     def __init__(self, fmt: LinearFormat, shapes: dict[str, tuple[tuple[int, ...], str]]):
         super().__init__()
         self.fmt = fmt
+        self.dtype: torch.dtype | None = None  # the compute dtype (set by moestream.quant.attach)
         for name, (shape, dt) in shapes.items():
             setattr(self, name, _param(shape, dt))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         s = self.fmt.scheme
-        return affine.dequantize(self.weight[ids], self.scales[ids], self.biases[ids], s.bits, s.group_size)
+        w = affine.dequantize(self.weight[ids], self.scales[ids], self.biases[ids], s.bits, s.group_size)
+        return w if self.dtype is None else w.to(self.dtype)
 
 
 def _format(path: str, tensors: dict, qcfg: QuantConfig | None, shape: tuple[int, int], where) -> tuple | None:
