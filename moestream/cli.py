@@ -133,7 +133,7 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 
 def run_convert(args: argparse.Namespace) -> Path:
     from .engine import progress_bar
-    from .quant.convert import ConvertSpec, convert
+    from .quant.convert import ConvertSpec, convert, default_out
 
     expert = args.expert_bits or args.bits
     spec = ConvertSpec(args.group_size, expert, args.expert_down_bits or expert, args.attn_bits or args.bits,
@@ -144,7 +144,7 @@ def run_convert(args: argparse.Namespace) -> Path:
     src = resolve_model(args.model)
     with Checkpoint(src) as ckpt:
         total = ckpt.total_bytes
-    out = args.out if args.out is not None else src.parent / spec.folder_name(src.name)
+    out = args.out if args.out is not None else default_out(args.model, src, spec)
     with progress_bar(total, f"writing {out.name}") as bar:
         out = convert(src, out, spec, args.shard_gb, bar.update)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))

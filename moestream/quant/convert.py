@@ -283,13 +283,21 @@ def _layout_shard(items: list[_Item], pad_start: int) -> tuple[bytes, list[tuple
     return struct.pack("<Q", len(raw)) + raw, pads, k
 
 
+def default_out(model: str | Path, src: Path, spec: ConvertSpec) -> Path:
+    """``<model>-e<bits>g<group>...`` next to a local model folder, or in the working folder for a Hub id."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local.parent / spec.folder_name(local.name)
+    return Path.cwd() / spec.folder_name(str(model).rstrip("/").split("/")[-1])
+
+
 def convert(model: str | Path, out: str | Path | None = None, spec: ConvertSpec | None = None,
             shard_gb: float = 5.0, progress: Callable[[int], None] | None = None) -> Path:
     """Write the quantized checkpoint of ``model`` into the new folder ``out``.
 
     Args:
         model: checkpoint folder or Hub id (bf16, fp16, fp32 or fp8 with block scales).
-        out: the folder to create (default: ``<model folder>-e<bits>g<group>...`` next to it).
+        out: the folder to create (default: :func:`default_out`).
         spec: bit widths and group size (:class:`ConvertSpec`).
         shard_gb: shard size in GB (10^9 bytes).
         progress: called with the input bytes of each tensor or expert converted.
@@ -303,7 +311,7 @@ def convert(model: str | Path, out: str | Path | None = None, spec: ConvertSpec 
     """
     spec = spec or ConvertSpec()
     src = resolve_model(model)
-    out = Path(out) if out is not None else src.parent / spec.folder_name(src.name)
+    out = Path(out) if out is not None else default_out(model, src, spec)
     if out.exists():
         raise MoestreamError(f"{out}: already exists; choose another --out or delete it")
     if shard_gb <= 0:
