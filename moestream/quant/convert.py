@@ -166,9 +166,6 @@ def plan(ckpt: Checkpoint, spec: ConvertSpec, dtype: torch.dtype) -> tuple[list[
     spec.check()
     where = ckpt.path
     qcfg = QuantConfig.from_config(ckpt.config, str(where / "config.json"))
-    if qcfg is not None and qcfg.method != "fp8":
-        raise QuantError(f"{where}: already quantized ({qcfg.method}); convert reads bf16, fp16, fp32 or fp8 "
-                         "checkpoints")
     layout = discover_experts(ckpt.tensors)
     reader = _Reader(ckpt, qcfg)
     st_dtype = safetensors_dtype(dtype)

@@ -21,6 +21,7 @@ quantized tensor the config does not declare -- is a :class:`QuantError` naming 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fnmatch import fnmatch
 
 from ..errors import CheckpointError
 from . import affine
@@ -104,8 +105,9 @@ class QuantConfig:
             if method is None and "bits" in qc:
                 q = qc  # mlx-lm writes the same dict under both names
             elif method is not None:
-                raise QuantError(f"{where}: quantization_config.quant_method {method!r} is not supported "
-                                 "(moestream reads mlx affine, fp8 and mxfp4)")
+                # another method (compressed-tensors, ...): harmless while the tensors are float
+                # (as `moestream synth` writes them); a quantized tensor is refused when met
+                return cls(str(method), None, {})
         if q is None:
             return None
         if not isinstance(q, dict):
@@ -124,7 +126,7 @@ class QuantConfig:
         for name in (module, *aliases):
             if name in self.overrides:
                 return self.overrides[name]
-        if any(module == s or module.startswith(s + ".") or s in module.split(".") for s in self.skip):
+        if any(fnmatch(module, s) or fnmatch(module, s + ".*") or s in module.split(".") for s in self.skip):
             return None
         return self.default
 
@@ -250,7 +252,7 @@ def expert_format(lay, qcfg: QuantConfig | None, shape: tuple[int, int], where) 
         elif w.dtype == "F8_E4M3":
             if qcfg is None or qcfg.method != "fp8":
                 raise QuantError(f"{where}: tensor {what!r} is fp8 but config.json declares no quantization_config "
-                                 "with quant_method 'fp8'")
+                                 f"with quant_method 'fp8' (it declares {qcfg and qcfg.method})")
             scheme = qcfg.default
             si = pieces.get(role + ".weight_scale_inv")
             got = check_fp8(what, scheme, w.shape, si and si.shape, where)
