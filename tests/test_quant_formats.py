@@ -131,3 +131,17 @@ def test_cli_prints_one_line(src, tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--cache-budget-gb", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "switch_mlp.gate_proj.weight" in err[0]
+
+
+@pytest.mark.parametrize("qc", [{"quant_method": "fp8", "weight_block_size": [128, 128]},
+                                {"quant_method": "compressed-tensors", "config_groups": {}}])
+def test_float_tensors_under_a_quantized_config_load_as_float(src, tmp_path, qc):
+    """`moestream synth` keeps a published config's quantization_config but writes float tensors."""
+    import shutil
+
+    shutil.copytree(src, tmp_path / "c")
+    _rewrite(tmp_path / "c", quantization_config=qc)
+    ids = torch.arange(4, 20)
+    got, engine = logits(tmp_path / "c", "0", ids)
+    want, _ = logits(src, "0", ids)
+    assert torch.equal(got, want)
