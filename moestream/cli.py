@@ -1,4 +1,4 @@
-"""The ``moestream`` command line: ``generate``, ``serve``, ``synth``, ``inspect`` and ``demo``.
+"""The ``moestream`` command line: ``generate``, ``serve``, ``synth``, ``convert``, ``inspect`` and ``demo``.
 
 Errors a user can cause are printed as one line naming the file, tensor or field
 (exit status 2); tracebacks are for bugs.
@@ -326,6 +326,39 @@ def run_synth(args: argparse.Namespace) -> Path:
     return out
 
 
+def _add_convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint folder or Hub id (bf16, fp16, fp32 or fp8)")
+    p.add_argument("--out", type=Path, default=None, help="folder to create (default: <model>-e<bits>g<group>...)")
+    p.add_argument("--bits", type=int, default=4, help="bits for every part not given below: 2-6, 8; 16 = float")
+    p.add_argument("--group-size", type=int, default=64, help="weights per scale and bias: 32, 64 or 128 (default 64)")
+    p.add_argument("--expert-bits", type=int, default=None, help="routed experts' gate and up (default --bits)")
+    p.add_argument("--expert-down-bits", type=int, default=None, help="routed experts' down (default --expert-bits)")
+    p.add_argument("--attn-bits", type=int, default=None, help="attention projections (default --bits)")
+    p.add_argument("--other-bits", type=int, default=None, help="embedding, LM head, dense MLPs (default --bits)")
+    p.add_argument("--shard-gb", type=float, default=5.0, help="shard size in GB (default 5)")
+
+
+def run_convert(args: argparse.Namespace) -> Path:
+    from .engine import progress_bar
+    from .quant.convert import ConvertSpec, convert, default_out
+
+    expert = args.expert_bits or args.bits
+    spec = ConvertSpec(args.group_size, expert, args.expert_down_bits or expert, args.attn_bits or args.bits,
+                       args.other_bits or args.bits)
+    spec.check()
+    from .checkpoint import Checkpoint, resolve_model
+
+    src = resolve_model(args.model)
+    with Checkpoint(src) as ckpt:
+        total = ckpt.total_bytes
+    out = args.out if args.out is not None else default_out(args.model, src, spec)
+    with progress_bar(total, f"writing {out.name}") as bar:
+        out = convert(src, out, spec, args.shard_gb, bar.update)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"wrote {out} ({size / 1e9:.2f} GB)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="moestream",
@@ -344,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--config", type=Path, help="a bare config.json, sized at its real shape without weights")
     i.add_argument("--dtype", default="bf16", help="storage assumed for --config: bf16 (default), fp16 or fp32")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
+    c = sub.add_parser("convert", help="write a quantized checkpoint (MLX affine; one read per expert)")
+    _add_convert_args(c)
     d = sub.add_parser("demo", help="build a small model on first run and stream it")
     d.add_argument("--dir", type=Path, default=None, help="where the demo checkpoint lives (default: user cache)")
     d.add_argument("--max-tokens", type=int, default=48, help="tokens to generate in each demo run (default 48)")
@@ -360,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
 
             report = inspect(args.model, args.config, args.dtype)
             print(report.to_json() if args.json else report.to_text())
+        elif args.command == "convert":
+            run_convert(args)
         elif args.command == "demo":
             from .demo import run_demo
 

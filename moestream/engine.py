@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from . import quant
 from .cache import ExpertCache, parse_budget
 from .checkpoint import Checkpoint, resolve_model
 from .errors import BudgetError, ConfigError, LayoutError
@@ -69,8 +70,11 @@ class Engine:
         self.checkpoint.close()
 
 
-def _check_layout(model: CausalLM, layout: ExpertLayout, where) -> dict[int, int]:
-    """Check the checkpoint's experts against the config; return layer -> experts."""
+def _check_layout(model: CausalLM, layout: ExpertLayout, where, quantized: dict | None = None) -> dict[int, int]:
+    """Check the checkpoint's experts against the config; return layer -> experts.
+
+    Layers in ``quantized`` (layer -> ExpertFormat) were checked by ``moestream.quant``.
+    """
     blocks = {b.layer: b for b in model.moe_blocks()}
     if set(blocks) != set(layout.layers):
         raise LayoutError(
@@ -82,6 +86,8 @@ def _check_layout(model: CausalLM, layout: ExpertLayout, where) -> dict[int, int
         want = blocks[i].gate.weight.shape[0]
         if lay.num_experts != want:
             raise LayoutError(f"{where}: {lay.block} holds {lay.num_experts} experts; the config says {want}")
+        if quantized and i in quantized:
+            continue
         gate = lay.experts[0][0]
         if tuple(gate.shape) != (inter, hidden):
             raise LayoutError(
@@ -143,8 +149,10 @@ def load(
         layout = discover_experts(ckpt.tensors)
         with torch.device("meta"):
             net = family.Model(args)
+        formats = quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path)  # quantized experts
+        quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears, on meta
         if dtype == "auto":
-            compute_dtype = checkpoint_dtype(ckpt, net.embed_name)
+            compute_dtype = quant.float_dtype(ckpt, net.embed_name, checkpoint_dtype(ckpt, net.embed_name))
         elif dtype in _DTYPES:
             compute_dtype = _DTYPES[dtype]
         else:
@@ -152,8 +160,9 @@ def load(
         dev = torch.device(device)
         if getattr(net, "unloaded_layers_from", None) is not None:
             layout = _drop_layers_from(layout, net.unloaded_layers_from)
-        num_experts = _check_layout(net, layout, ckpt.path)
+        num_experts = _check_layout(net, layout, ckpt.path, formats)
         store = ExpertStore(ckpt, layout, compute_dtype, dev, workers)
+        quant.attach(net, store, formats, compute_dtype)
         keys = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
         _check_fit(net, store, keys, budget, compute_dtype)
         tok = None
@@ -164,7 +173,8 @@ def load(
         resident_names = [n for n, _ in net.named_parameters()]
         total = sum(ckpt.tensors[n].nbytes for n in resident_names if n in ckpt.tensors)
         with progress_bar(total, "loading resident weights", progress) as bar:
-            unused = load_resident(net, ckpt, layout.expert_tensors, compute_dtype, bar.update)
+            skip = layout.expert_tensors | quant.padding_tensors(ckpt.tensors)  # padding: see quant.convert
+            unused = load_resident(net, ckpt, skip, compute_dtype, bar.update)
         describe = getattr(family, "describe_skipped", None)  # parts a family leaves out on purpose
         if describe is not None:
             note, unused = describe(unused)

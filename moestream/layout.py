@@ -47,12 +47,17 @@ _STACKED = re.compile(_PRE + r"\.switch_mlp\.(?P<proj>\w+)\.(?P<param>\w+)$")
 _FUSED_BIAS = re.compile(_PRE + r"\.experts\.(?P<proj>gate_up_proj|down_proj)_bias$")
 # resident tensors that live under an experts module: Laguna's router correction bias
 _RESIDENT_UNDER_EXPERTS = re.compile(r"\.experts\.e_score_correction_bias$")
+# MXFP4 experts as gpt-oss ships them: ...experts.{gate_up,down}_proj_{blocks,scales,bias} (see moestream.quant)
+_MXFP4 = re.compile(_PRE + r"\.experts\.(?P<proj>gate_up_proj|down_proj)_(?P<param>blocks|scales|bias)$")
 # any name that looks like it holds routed experts; used to report layouts we do not know
 _EXPERTISH = re.compile(r"\.(experts|switch_mlp)\.")
 ROLE_OF_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 ROLES = ("gate", "up", "down")
 # the roles of a fused expert stored for x @ W (gpt-oss): interleaved gate/up columns, then down
 FUSED_IO_ROLES = ("gate_up", "down")
+# piece dtypes and parameter names that mark quantized experts (moestream.quant checks them against the config)
+QUANT_DTYPES = ("U32", "F8_E4M3")
+QUANT_PARAMS = ("scales", "biases", "weight_scale_inv")
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,12 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
                 _check_rank(info, 3, name)
             for e in range(info.shape[0]):
                 parts[e][role] = _piece(role, info, e)
+        elif (m := _MXFP4.match(name)) and (m["param"] != "bias" or name[: -len("bias")] + "blocks" in tensors):
+            parts = _slot(found, m, "mxfp4", name)
+            role = "gate_up" if m["proj"] == "gate_up_proj" else "down"
+            role += "" if m["param"] == "blocks" else "." + m["param"]
+            for e in range(info.shape[0]):
+                parts[e][role] = _piece(role, info, e)
         elif (m := _FUSED.match(name)) and _fused_in_out(name, tensors):
             # gpt-oss orientation, x @ W: gate_up_proj [E, H, 2I] with gate and up columns
             # interleaved (one piece, split by the expert function), down_proj [E, I, H]
@@ -239,27 +250,33 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
             experts.append(tuple(roles[r] for r in order))
         ref = [(p.role, p.shape, p.dtype) for p in experts[0]]
         for e, pieces in enumerate(experts):
+            extra = sorted({r for r, _, _ in ref} - {p.role for p in pieces})
+            if extra:  # e.g. a quantized expert missing its scales
+                own = {p.role: p.source for p in pieces}.get(extra[0].split(".")[0], f"expert {e}")
+                raise LayoutError(f"{path}: tensor {own!r} has no {extra[0].split('.', 1)[-1]} piece, which "
+                                  f"expert 0 has ({next(p.source for p in experts[0] if p.role == extra[0])})")
             for p, (role, shape, dt) in zip(pieces, ref):
                 if (p.role, p.shape, p.dtype) != (role, shape, dt):
                     raise LayoutError(
                         f"{path}: expert {e} {p.role} is {p.dtype} {list(p.shape)} but expert 0's is "
                         f"{dt} {list(shape)} ({p.source})"
                     )
-        if experts[0][0].role == "gate_up":
+        if _quantized(experts[0]):
+            pass  # packed shapes: moestream.quant.formats.expert_format checks them against the config
+        elif experts[0][0].role == "gate_up":
             gate_up, down = experts[0][:2]
             if len(down.shape) != 2 or gate_up.shape != (down.shape[1], 2 * down.shape[0]):
                 raise LayoutError(
                     f"{path}: expert shapes gate_up {gate_up.shape}, down {down.shape} do not form a fused "
                     "expert (gate_up [H, 2I], down [I, H])"
                 )
-            layers[layer] = MoELayerLayout(layer, path, slot["kind"], experts)
-            continue
-        gate, up, down = experts[0][:3]
-        if gate.shape != up.shape or down.shape[::-1] != gate.shape:
-            raise LayoutError(
-                f"{path}: expert shapes gate {gate.shape}, up {up.shape}, down {down.shape} do not form a "
-                "SwiGLU expert (gate and up [I, H], down [H, I])"
-            )
+        else:
+            gate, up, down = experts[0][:3]
+            if gate.shape != up.shape or down.shape[::-1] != gate.shape:
+                raise LayoutError(
+                    f"{path}: expert shapes gate {gate.shape}, up {up.shape}, down {down.shape} do not form a "
+                    "SwiGLU expert (gate and up [I, H], down [H, I])"
+                )
         layers[layer] = MoELayerLayout(layer, path, slot["kind"], experts)
     return ExpertLayout(layers, expert_tensors)
 
@@ -309,6 +326,12 @@ def _piece1d(role: str, info: TensorInfo, index: int, cols: slice) -> Piece:
     offset = info.offset + (index * info.shape[1] + cols.start) * size
     n = cols.stop - cols.start
     return Piece(role, info.file, offset, n * size, info.dtype, (n,), info.name)
+
+
+def _quantized(pieces: tuple[Piece, ...]) -> bool:
+    """Whether an expert's pieces are quantized (packed or fp8 weights, scales, mxfp4 blocks)."""
+    return any(p.dtype in QUANT_DTYPES or p.role.partition(".")[2] in QUANT_PARAMS
+               for p in pieces)
 
 
 def _check_rank(info: TensorInfo, rank: int, name: str) -> None:

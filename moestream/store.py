@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import Checkpoint, FileHandles, pread_full, torch_dtype
-from .layout import ExpertLayout
+from .layout import QUANT_PARAMS, ExpertLayout
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -171,7 +171,14 @@ class ExpertStore:
         device: where the expert tensors are handed out (a host buffer is read first).
         workers: reader threads; reads of one layer's missing experts run in parallel.
         reader: the read path (default :class:`PreadReader`).
+
+    Quantized experts (see :mod:`moestream.quant`): packed integer and fp8 pieces and
+    quantization parameters (scales, biases, ``weight_scale_inv``) keep their stored
+    dtype; ``prepare``, when set, turns a read expert's tensors into kernel-ready ones
+    (``prepare(key, tensors) -> tensors``; ``prepare.nbytes(key, stored)`` gives their bytes).
     """
+
+    prepare = None
 
     def __init__(
         self,
@@ -252,19 +259,19 @@ class ExpertStore:
             self.stats.bytes_read += job.length
             self.stats.read_seconds += dt
 
-    def _converts(self, role_dtype: str) -> bool:
+    def _converts(self, role_dtype: str, role: str = "") -> bool:
         dt = torch_dtype(role_dtype)
-        return dt.is_floating_point and dt != self.dtype
+        return _castable(dt, role) and dt != self.dtype
 
     def cached_nbytes(self, key: Key) -> int:
         """Bytes one expert takes in the cache once read (after any cast to the compute dtype)."""
         total = 0
         for p in self.layout.pieces(*key):
-            if self._converts(p.dtype):
+            if self._converts(p.dtype, p.role):
                 total += math.prod(p.shape) * torch.tensor([], dtype=self.dtype).element_size()
             else:
                 total += -(-p.nbytes // PIECE_ALIGN) * PIECE_ALIGN
-        return total
+        return total if self.prepare is None else self.prepare.nbytes(key, total)
 
     def _finish(self, ew: ExpertWeights) -> ExpertWeights:
         """Cast float pieces to the compute dtype and move them to the device.
@@ -274,13 +281,15 @@ class ExpertStore:
         """
         tensors = {}
         for role, t in ew.tensors.items():
-            if t.is_floating_point() and t.dtype != self.dtype:
+            if _castable(t.dtype, role) and t.dtype != self.dtype:
                 t = t.to(self.dtype)
             if t.device != self.device:
                 t = t.to(self.device)
             tensors[role] = t
-        kept = [r for r, t in tensors.items() if t is ew.tensors[r]]
-        if len(kept) == len(tensors):
+        if self.prepare is not None:
+            tensors = self.prepare(ew.key, tensors)
+        kept = [r for r, t in tensors.items() if t is ew.tensors.get(r)]
+        if len(kept) == len(tensors) == len(ew.tensors):
             return ew
         nbytes = sum(tensors[r].numel() * tensors[r].element_size() for r in tensors if r not in kept)
         if kept:  # some pieces still live in the read buffer
@@ -315,6 +324,11 @@ class ExpertStore:
         """Stop the reader threads and release the reader's files."""
         self._threads.shutdown(wait=True)
         self.reader.close()
+
+
+def _castable(dt: torch.dtype, role: str) -> bool:
+    """Whether a piece is cast to the compute dtype: float weights, not fp8 codes nor quantization parameters."""
+    return dt.is_floating_point and dt.itemsize > 1 and role.partition(".")[2] not in QUANT_PARAMS
 
 
 class ReadBatch:

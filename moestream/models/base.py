@@ -166,6 +166,7 @@ def load_resident(
     with a ``checkpoint_name(param, tensors)`` method maps a parameter to its tensor's
     name. ``skip`` names tensors that are not resident (routed experts). Returns the
     names of checkpoint tensors the model does not use.
+    fp8 weights and quantization scales (``moestream.quant``) keep their stored dtype.
 
     Raises:
         CheckpointError: a parameter missing from the checkpoint, or of the wrong shape.
@@ -193,7 +194,9 @@ def load_resident(
             )
         t = checkpoint.read_tensor(source[name])
         want = torch.float32 if keep_fp32 and name.endswith(keep_fp32) else dtype
-        if t.is_floating_point() and t.dtype != want:
+        # fp8 codes and quantization parameters (scales, biases) keep their stored dtype (moestream.quant)
+        keep = t.element_size() == 1 or name.endswith((".scales", ".biases", ".weight_scale_inv"))
+        if t.is_floating_point() and t.dtype != want and not keep:
             t = t.to(want)
         state[name] = t
         if progress is not None:

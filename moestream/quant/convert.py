@@ -1,0 +1,372 @@
+"""``moestream convert``: write a quantized checkpoint that moestream streams with one read per expert.
+
+Input: a bf16, fp16 or fp32 checkpoint, or an FP8 one with block scales (DeepSeek-V3,
+Kimi K2, Qwen3 FP8), in any expert layout moestream reads. Output: MLX affine
+quantization (:mod:`moestream.quant.affine`), config.json ``quantization`` as mlx-lm
+writes it (default ``{group_size, bits}`` plus per-module overrides), with separate bit
+widths for experts (and their down projections), attention and the other linears; norms
+stay float and routers take 8 bits (as mlx-lm keeps them). Bits 16 keeps a part float.
+
+On-disk layout: experts are per-expert tensors ``<block>.experts.E.{gate,up,down}_proj.
+{weight,scales,biases}``, the nine tensors of one expert adjacent in that order and the
+run starting at a 4 KiB-aligned file offset (the header is padded with spaces, gaps with
+``moestream.pad.N`` tensors, so the files stay valid safetensors): the store reads an expert
+in one ``preadv`` of one contiguous range. Shards hold about ``shard_gb`` GB and never
+split an expert. The writer holds one tensor (or one expert) at a time, and the same
+input gives the same bytes (fixed order, no timestamps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import INDEX_FILE, Checkpoint, pread_full, resolve_model, safetensors_dtype, torch_dtype
+from ..errors import ConfigError, MoestreamError
+from ..layout import discover_experts
+from . import affine, fp8
+from .formats import QuantConfig, QuantError
+
+ALIGN = 4096
+PAD_PREFIX = "moestream.pad."
+ROUTER_BITS = 8
+FLOAT_BITS = 16
+_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+@dataclass(frozen=True)
+class ConvertSpec:
+    """Bit widths per part (16 = keep float) and the group size.
+
+    ``expert_bits``/``expert_down_bits``: routed experts (gate and up / down);
+    ``attn_bits``: attention projections; ``other_bits``: every other linear and the
+    embedding (dense MLPs, shared experts, LM head). Routers take ``ROUTER_BITS``.
+    """
+
+    group_size: int = 64
+    expert_bits: int = 4
+    expert_down_bits: int = 4
+    attn_bits: int = 4
+    other_bits: int = 4
+
+    def check(self) -> None:
+        """Raises ConfigError naming the bad option."""
+        for name in ("expert_bits", "expert_down_bits", "attn_bits", "other_bits"):
+            b = getattr(self, name)
+            if b not in (*affine.BITS, FLOAT_BITS):
+                raise ConfigError(f"--{name.replace('_', '-')} {b}: expected one of {affine.BITS} or 16 (float)")
+        if self.group_size not in (32, 64, 128):
+            raise ConfigError(f"--group-size {self.group_size}: expected 32, 64 or 128")
+
+    def folder_name(self, model: str) -> str:
+        """``<model>-e<expert bits>g<group>``, then ``d<down>``, ``a<attn>``, ``o<other>`` bits where they differ."""
+        name = f"{model}-e{self.expert_bits}g{self.group_size}"
+        if self.expert_down_bits != self.expert_bits:
+            name += f"d{self.expert_down_bits}"
+        if self.attn_bits != self.expert_bits:
+            name += f"a{self.attn_bits}"
+        if self.other_bits != self.expert_bits:
+            name += f"o{self.other_bits}"
+        return name
+
+
+@dataclass
+class _Out:
+    """One output tensor: name, shape, safetensors dtype, and ``make()`` giving its data."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    make: Callable[[], torch.Tensor] | None = None
+    nbytes_in: int = 0  # input bytes it consumes (progress)
+
+    @property
+    def nbytes(self) -> int:
+        from ..checkpoint import dtype_size
+
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+
+@dataclass
+class _Item:
+    """A run of output tensors written together; ``align``: its start is 4 KiB-aligned (one expert)."""
+
+    tensors: list[_Out]
+    align: bool = False
+    make: Callable[[], dict[str, torch.Tensor]] | None = None
+    nbytes_in: int = 0
+    offsets: list[int] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _qshapes(name: str, out_f: int, in_f: int, bits: int, group: int, st_dtype: str) -> list[_Out]:
+    mod = name[: -len(".weight")]
+    if bits == FLOAT_BITS:
+        return [_Out(name, (out_f, in_f), st_dtype)]
+    return [_Out(name, (out_f, in_f * bits // 32), "U32"), _Out(mod + ".scales", (out_f, in_f // group), st_dtype),
+            _Out(mod + ".biases", (out_f, in_f // group), st_dtype)]
+
+
+def _quantize(w: torch.Tensor, name: str, bits: int, group: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    if bits == FLOAT_BITS:
+        return {name: w.to(dtype)}
+    q, s, b = affine.quantize(w, bits, group, dtype)
+    mod = name[: -len(".weight")]
+    return {name: q, mod + ".scales": s, mod + ".biases": b}
+
+
+class _Reader:
+    """Reads input tensors, dequantizing FP8 block-scaled weights to float32."""
+
+    def __init__(self, ckpt: Checkpoint, qcfg: QuantConfig | None):
+        self.ckpt, self.qcfg = ckpt, qcfg
+
+    def piece(self, p) -> torch.Tensor:
+        raw = torch.empty(p.nbytes, dtype=torch.uint8)
+        pread_full(self.ckpt.fd(p.file), p.offset, [memoryview(raw.numpy())], p.file, p.source)
+        return raw.view(torch_dtype(p.dtype)).view(p.shape)
+
+    def fp8(self, w: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
+        if self.qcfg is None or self.qcfg.method != "fp8":
+            raise QuantError(f"{self.ckpt.path}: tensor {name!r} is fp8 but config.json declares no fp8 "
+                             "quantization_config")
+        return fp8.dequantize(w, scale_inv, self.qcfg.default.block, torch.float32)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self.ckpt.read_tensor(name)
+        if t.dtype == getattr(torch, "float8_e4m3fn", None):
+            si = name + "_scale_inv"
+            if si not in self.ckpt.tensors:
+                raise QuantError(f"{self.ckpt.path}: tensor {name!r} is fp8 but {si} is missing")
+            t = self.fp8(t, self.ckpt.read_tensor(si), name)
+        return t
+
+
+def _category(name: str) -> str:
+    if ".self_attn." in name or ".attn." in name or ".attention." in name:
+        return "attn"
+    if name.endswith((".mlp.gate.weight", ".router.weight")):
+        return "router"
+    return "other"
+
+
+def plan(ckpt: Checkpoint, spec: ConvertSpec, dtype: torch.dtype) -> tuple[list[_Item], dict]:
+    """Output items in file order, and config.json's ``quantization`` dict."""
+    spec.check()
+    where = ckpt.path
+    qcfg = QuantConfig.from_config(ckpt.config, str(where / "config.json"))
+    layout = discover_experts(ckpt.tensors)
+    reader = _Reader(ckpt, qcfg)
+    st_dtype = safetensors_dtype(dtype)
+    g = spec.group_size
+    qdict: dict = {"group_size": g, "bits": spec.expert_bits}
+    tied = bool(ckpt.config.get("tie_word_embeddings", False))
+    items: list[_Item] = []
+    for name, info in ckpt.tensors.items():
+        if name in layout.expert_tensors or name.endswith("_scale_inv"):
+            continue
+        if info.dtype in ("U32", "U8") and name.endswith(("_blocks", ".weight")):
+            raise QuantError(f"{where}: tensor {name!r} is {info.dtype}: convert reads float or fp8 checkpoints")
+        bits = FLOAT_BITS
+        linear = name.endswith(".weight") and len(info.shape) == 2 and "norm" not in name
+        if linear:
+            cat = _category(name)
+            bits = {"attn": spec.attn_bits, "router": ROUTER_BITS, "other": spec.other_bits}[cat]
+            if "embed_tokens" in name and tied:
+                bits = FLOAT_BITS
+            if info.shape[1] % g:
+                bits = FLOAT_BITS
+            mod = name[: -len(".weight")]
+            if bits != spec.expert_bits:
+                qdict[mod] = False if bits == FLOAT_BITS else {"group_size": g, "bits": bits}
+        outs = _qshapes(name, *info.shape, bits, g, st_dtype) if linear else [_Out(name, info.shape, st_dtype)]
+        if not linear and not torch_dtype(info.dtype).is_floating_point:
+            outs = [_Out(name, info.shape, info.dtype)]
+
+        def make(name=name, bits=bits, linear=linear):
+            t = reader.tensor(name)
+            if not t.is_floating_point():
+                return {name: t}
+            return _quantize(t.float(), name, bits, g, dtype) if linear else {name: t.to(dtype)}
+
+        items.append(_Item(outs, make=make, nbytes_in=info.nbytes))
+    for _, lay in sorted(layout.layers.items()):
+        if lay.kind == "mxfp4":
+            raise QuantError(f"{where}: {lay.block} experts are mxfp4; convert reads float or fp8 checkpoints")
+        for role, bits in (("gate", spec.expert_bits), ("up", spec.expert_bits), ("down", spec.expert_down_bits)):
+            if bits != spec.expert_bits or bits == FLOAT_BITS:
+                key = f"{lay.block}.switch_mlp.{_PROJ[role]}"  # the module path mlx-lm gives stacked experts
+                qdict[key] = False if bits == FLOAT_BITS else {"group_size": g, "bits": bits}
+        for e in range(lay.num_experts):
+            pieces = {p.role: p for p in lay.experts[e]}
+            outs = []
+            for role in ("gate", "up", "down"):
+                bits = spec.expert_down_bits if role == "down" else spec.expert_bits
+                out_f, in_f = pieces[role].shape
+                if in_f % g and bits != FLOAT_BITS:
+                    raise ConfigError(f"{pieces[role].source}: {in_f} inputs are not a multiple of --group-size {g}")
+                outs += _qshapes(f"{lay.block}.experts.{e}.{_PROJ[role]}.weight", out_f, in_f, bits, g, st_dtype)
+
+            def make(lay=lay, e=e, pieces=pieces):
+                out = {}
+                for role in ("gate", "up", "down"):
+                    w = reader.piece(pieces[role])
+                    if w.dtype == getattr(torch, "float8_e4m3fn", None):
+                        si = pieces.get(role + ".weight_scale_inv")
+                        if si is None:
+                            raise QuantError(f"{where}: tensor {pieces[role].source!r} is fp8 but its "
+                                             "weight_scale_inv is missing")
+                        w = reader.fp8(w, reader.piece(si), pieces[role].source)
+                    bits = spec.expert_down_bits if role == "down" else spec.expert_bits
+                    out.update(_quantize(w.float(), f"{lay.block}.experts.{e}.{_PROJ[role]}.weight", bits, g, dtype))
+                return out
+
+            items.append(_Item(outs, align=True, make=make, nbytes_in=sum(p.nbytes for p in lay.experts[e])))
+    return items, qdict
+
+
+def _shards(items: list[_Item], shard_bytes: int) -> list[list[_Item]]:
+    shards, cur, size = [], [], 0
+    for it in items:
+        if cur and size + it.nbytes > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(it)
+        size += it.nbytes + (ALIGN if it.align else 0)
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def _layout_shard(items: list[_Item], pad_start: int) -> tuple[bytes, list[tuple[str, int]], int]:
+    """The padded header, the padding runs ``(name, bytes)`` in order (as items), and the next pad index.
+
+    Data offsets are assigned so that every aligned item starts at a multiple of ALIGN of
+    the file: the header is padded with spaces to end on an ALIGN boundary.
+    """
+    header: dict = {}
+    pads: list[tuple[str, int]] = []
+    pos, k = 0, pad_start
+    for it in items:
+        gap = (-pos) % ALIGN if it.align else 0
+        if gap:
+            name = f"{PAD_PREFIX}{k}"
+            header[name] = {"dtype": "U8", "shape": [gap], "data_offsets": [pos, pos + gap]}
+            pads.append((name, gap))
+            k += 1
+            pos += gap
+        else:
+            pads.append(("", 0))
+        it.offsets = []
+        for t in it.tensors:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+            it.offsets.append(pos)
+            pos += t.nbytes
+    header["__metadata__"] = {"format": "pt", "writer": "moestream convert"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    total = 8 + len(raw)
+    raw += b" " * ((-total) % ALIGN)
+    return struct.pack("<Q", len(raw)) + raw, pads, k
+
+
+def default_out(model: str | Path, src: Path, spec: ConvertSpec) -> Path:
+    """``<model>-e<bits>g<group>...`` next to a local model folder, or in the working folder for a Hub id."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local.parent / spec.folder_name(local.name)
+    return Path.cwd() / spec.folder_name(str(model).rstrip("/").split("/")[-1])
+
+
+def convert(model: str | Path, out: str | Path | None = None, spec: ConvertSpec | None = None,
+            shard_gb: float = 5.0, progress: Callable[[int], None] | None = None) -> Path:
+    """Write the quantized checkpoint of ``model`` into the new folder ``out``.
+
+    Args:
+        model: checkpoint folder or Hub id (bf16, fp16, fp32 or fp8 with block scales).
+        out: the folder to create (default: :func:`default_out`).
+        spec: bit widths and group size (:class:`ConvertSpec`).
+        shard_gb: shard size in GB (10^9 bytes).
+        progress: called with the input bytes of each tensor or expert converted.
+
+    Returns:
+        The output folder.
+
+    Raises:
+        ConfigError: a bad option; QuantError: an input already quantized or fp8 without
+        its scales; CheckpointError: an unreadable input; MoestreamError: ``out`` exists.
+    """
+    spec = spec or ConvertSpec()
+    src = resolve_model(model)
+    out = Path(out) if out is not None else default_out(model, src, spec)
+    if out.exists():
+        raise MoestreamError(f"{out}: already exists; choose another --out or delete it")
+    if shard_gb <= 0:
+        raise ConfigError(f"--shard-gb {shard_gb} must be positive")
+    with Checkpoint(src) as ckpt:
+        cfg_dtype = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "bfloat16"
+        dtype = {"float16": torch.float16, "float32": torch.float32}.get(cfg_dtype, torch.bfloat16)
+        items, qdict = plan(ckpt, spec, dtype)
+        tmp = out.parent / f".{out.name}.partial"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        try:
+            _write(ckpt, items, qdict, tmp, int(shard_gb * 1e9), progress)
+            tmp.rename(out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out
+
+
+def _write(ckpt: Checkpoint, items: list[_Item], qdict: dict, folder: Path, shard_bytes: int, progress) -> None:
+    shards = _shards(items, shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1
+             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, pad_k, total = {}, 0, 0
+    for shard, fname in zip(shards, names):
+        head, pads, pad_k = _layout_shard(shard, pad_k)
+        with open(folder / fname, "wb") as f:
+            f.write(head)
+            for it, (pad_name, gap) in zip(shard, pads):
+                if gap:
+                    f.write(bytes(gap))
+                    weight_map[pad_name] = fname
+                data = it.make()
+                for t in it.tensors:
+                    x = data[t.name].contiguous()
+                    if tuple(x.shape) != t.shape or safetensors_dtype(x.dtype) != t.dtype:
+                        raise AssertionError(f"{t.name}: planned {t.dtype}{list(t.shape)}, made {x.dtype}")
+                    f.write(memoryview(x.view(torch.uint8).reshape(-1).numpy()))
+                    weight_map[t.name] = fname
+                    total += t.nbytes
+                if progress is not None:
+                    progress(it.nbytes_in)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    cfg = dict(ckpt.config)
+    cfg.pop("quantization_config", None)
+    cfg["quantization"] = qdict
+    cfg["quantization_config"] = qdict  # mlx-lm writes both names
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in sorted(ckpt.path.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_FILE, "config.json"):
+            if not re.search(r"\.(bin|pt|pth|ckpt|pkl)$", f.name):
+                shutil.copyfile(f, folder / f.name)
+
+
+def padding_tensors(tensors: dict) -> set[str]:
+    """Names of the padding tensors ``convert`` writes (not weights)."""
+    return {n for n in tensors if n.startswith(PAD_PREFIX)}

@@ -1,0 +1,67 @@
+"""Expert functions on quantized pieces, chosen by the pieces' format.
+
+A family computes one expert with its float expert function (``swiglu_expert`` for
+Qwen3-MoE, DeepSeek, Mixtral, ...). :func:`expert_fn_for` returns the function a MoE block
+uses for a layer whose experts are stored in :class:`~moestream.quant.formats.ExpertFormat`:
+
+* SwiGLU experts get :class:`QuantizedSwiGLU`: ``down(silu(gate x) * up x)`` with every
+  projection through :func:`~moestream.quant.kernels.qlinear` (no dequantized expert is
+  held; for gpt-oss-style interleaved ``gate_up``, gate is the even outputs, up the odd ones).
+* Any other family's expert function gets :class:`DequantizedExpert`: the expert's
+  weights dequantized into the compute dtype for the call, then the float function.
+  Correct for every family; a family with a non-SwiGLU expert can add its own fast form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..models.moe import swiglu_expert
+from .formats import ExpertFormat
+from .kernels import dequantize_linear, qlinear
+
+
+class QuantizedSwiGLU:
+    """``down(silu(gate x) * up x)`` on quantized pieces: ``x`` [n, H] -> [n, H] in x.dtype.
+
+    Math as :func:`moestream.models.moe.swiglu_expert` (transformers ``Qwen3MoeExperts``).
+    """
+
+    def __init__(self, fmt: ExpertFormat):
+        self.fmt = fmt
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        lin = self.fmt.linears
+        if self.fmt.fused_gate_up:
+            gu = qlinear(x, w, lin["gate_up"])
+            gate, up = gu[:, 0::2], gu[:, 1::2]
+        else:
+            gate, up = qlinear(x, w, lin["gate"]), qlinear(x, w, lin["up"])
+        return qlinear(F.silu(gate) * up, w, lin["down"])
+
+
+class DequantizedExpert:
+    """A family's float expert function applied to the expert's weights dequantized to x.dtype."""
+
+    def __init__(self, fmt: ExpertFormat, float_fn):
+        self.fmt, self.float_fn = fmt, float_fn
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        lin = self.fmt.linears
+        dense = {r: t for r, t in w.items() if r.split(".")[0] not in lin}
+        for role, lf in lin.items():
+            dense[role] = dequantize_linear(w, lf, x.dtype)
+        if self.fmt.fused_gate_up:
+            gu = dense.pop("gate_up")
+            dense["gate"], dense["up"] = gu[0::2], gu[1::2]
+        return self.float_fn(x, dense)
+
+
+def expert_fn_for(float_fn, fmt: ExpertFormat | None):
+    """The expert function for experts stored as ``fmt`` (``float_fn`` itself when None)."""
+    if fmt is None:
+        return float_fn
+    if float_fn is swiglu_expert:
+        return QuantizedSwiGLU(fmt)
+    return DequantizedExpert(fmt, float_fn)

@@ -1,0 +1,289 @@
+"""Which quantization a checkpoint uses, per linear, and checks of its tensors against it.
+
+Three published formats are read as they are, never dequantized on disk:
+
+* ``affine`` -- MLX affine quantization (:mod:`moestream.quant.affine`): config.json
+  ``quantization: {group_size, bits}`` plus per-module overrides (a module path mapped to
+  ``{group_size, bits}``, or ``false`` for a module left in float); tensors ``weight``
+  (uint32), ``scales`` and ``biases``.
+* ``fp8`` -- FP8 e4m3 with block scales (:mod:`moestream.quant.fp8`): config.json
+  ``quantization_config: {quant_method: "fp8", weight_block_size: [bn, bk]}``; tensors
+  ``weight`` (F8_E4M3) and ``weight_scale_inv``.
+* ``mxfp4`` -- MXFP4 (:mod:`moestream.quant.mxfp4`): ``quantization_config: {quant_method:
+  "mxfp4"}``; tensors ``<name>_blocks`` and ``<name>_scales`` (gpt-oss experts).
+
+A tensor is taken as quantized by what the checkpoint holds (a uint32 weight with
+scales, an fp8 weight, blocks); the config says how, and every disagreement -- a
+missing scale tensor, a shape that does not match the config's group size or bits, a
+quantized tensor the config does not declare -- is a :class:`QuantError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatch
+
+from ..errors import CheckpointError
+from . import affine
+
+
+class QuantError(CheckpointError):
+    """A checkpoint's quantization metadata disagrees with its tensors (names the tensor)."""
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one linear is quantized.
+
+    ``method``: ``"affine"``, ``"fp8"`` or ``"mxfp4"``; ``bits``: bits per weight code
+    (affine 2-8; fp8 8; mxfp4 4); ``group_size``: values sharing one scale along the input
+    dimension (affine group, fp8 block width, mxfp4 32); ``block``: fp8 (rows, cols).
+    """
+
+    method: str
+    bits: int
+    group_size: int
+    block: tuple[int, int] | None = None
+
+    @property
+    def tag(self) -> str:
+        if self.method == "affine":
+            return f"affine {self.bits}-bit, group {self.group_size}"
+        if self.method == "fp8":
+            return f"fp8 e4m3, blocks {self.block[0]}x{self.block[1]}"
+        return "mxfp4"
+
+
+def _affine_scheme(entry: dict, where: str) -> Scheme:
+    bits, gs = entry.get("bits"), entry.get("group_size")
+    mode = entry.get("mode", "affine")
+    if mode != "affine":
+        raise QuantError(f"{where}: quantization mode {mode!r} is not supported (moestream reads mlx 'affine')")
+    if bits not in affine.BITS:
+        raise QuantError(f"{where}: quantization bits {bits!r} must be one of {affine.BITS}")
+    if not isinstance(gs, int) or isinstance(gs, bool) or gs < 1 or gs % 32:
+        raise QuantError(f"{where}: quantization group_size {gs!r} must be a positive multiple of 32")
+    return Scheme("affine", bits, gs)
+
+
+class QuantConfig:
+    """The quantization a config.json declares, looked up per module path.
+
+    Build with :meth:`from_config`; None when the config declares none.
+    """
+
+    def __init__(self, method: str, default: Scheme | None, overrides: dict[str, Scheme | None],
+                 skip: tuple[str, ...] = ()):
+        self.method = method
+        self.default = default
+        self.overrides = overrides
+        self.skip = skip
+
+    @classmethod
+    def from_config(cls, cfg: dict, where: str = "config.json") -> "QuantConfig | None":
+        """Parse ``quantization`` (mlx) or ``quantization_config`` (fp8, mxfp4, or mlx's copy).
+
+        Raises:
+            QuantError: an unsupported method or a malformed field, naming it.
+        """
+        q = cfg.get("quantization")
+        if q is None and isinstance(cfg.get("quantization_config"), dict):
+            qc = cfg["quantization_config"]
+            method = qc.get("quant_method")
+            if method == "fp8":
+                blk = qc.get("weight_block_size")
+                if not (isinstance(blk, list) and len(blk) == 2 and all(isinstance(b, int) and b > 0 for b in blk)):
+                    raise QuantError(f"{where}: quantization_config.weight_block_size {blk!r} is not [rows, cols]")
+                fmt = qc.get("fmt", "e4m3")
+                if fmt != "e4m3":
+                    raise QuantError(f"{where}: quantization_config.fmt {fmt!r}: only e4m3 is supported")
+                skip = tuple(qc.get("modules_to_not_convert") or ())
+                return cls("fp8", Scheme("fp8", 8, blk[1], (blk[0], blk[1])), {}, skip)
+            if method == "mxfp4":
+                skip = tuple(qc.get("modules_to_not_convert") or ())
+                return cls("mxfp4", Scheme("mxfp4", 4, 32), {}, skip)
+            if method is None and "bits" in qc:
+                q = qc  # mlx-lm writes the same dict under both names
+            elif method is not None:
+                # another method (compressed-tensors, ...): harmless while the tensors are float
+                # (as `moestream synth` writes them); a quantized tensor is refused when met
+                return cls(str(method), None, {})
+        if q is None:
+            return None
+        if not isinstance(q, dict):
+            raise QuantError(f"{where}: quantization is not an object")
+        default = _affine_scheme(q, f"{where}: quantization")
+        overrides: dict[str, Scheme | None] = {}
+        for k, v in q.items():
+            if isinstance(v, dict):
+                overrides[k] = _affine_scheme(v, f"{where}: quantization[{k!r}]")
+            elif v is False:
+                overrides[k] = None
+        return cls("affine", default, overrides)
+
+    def scheme(self, module: str, *aliases: str) -> Scheme | None:
+        """The scheme of the linear at ``module`` (or the first of ``aliases`` with an override)."""
+        for name in (module, *aliases):
+            if name in self.overrides:
+                return self.overrides[name]
+        if any(fnmatch(module, s) or fnmatch(module, s + ".*") or s in module.split(".") for s in self.skip):
+            return None
+        return self.default
+
+
+@dataclass(frozen=True)
+class LinearFormat:
+    """One quantized (or float) linear of an expert: its role and logical shape [out, in]."""
+
+    role: str
+    scheme: Scheme | None
+    out_features: int
+    in_features: int
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """How one MoE layer's experts are stored: a :class:`LinearFormat` per weight role.
+
+    ``fused_gate_up``: gate and up are one interleaved ``gate_up`` linear [2I, H] (gpt-oss).
+    """
+
+    linears: dict[str, LinearFormat]
+    fused_gate_up: bool = False
+
+    @property
+    def tag(self) -> str:
+        tags = sorted({lf.scheme.tag for lf in self.linears.values() if lf.scheme is not None})
+        return "; ".join(tags) or "float"
+
+
+def check_affine(name: str, scheme: Scheme, shape: tuple[int, ...], scales: tuple[int, ...] | None,
+                 biases: tuple[int, ...] | None, in_features: int | None, where: str) -> tuple[int, int]:
+    """Check an affine weight's shapes against ``scheme``; return its logical [out, in].
+
+    ``in_features`` (from the model config) is checked when given. Raises QuantError naming ``name``.
+    """
+    if scales is None:
+        raise QuantError(f"{where}: tensor {name!r} is quantized (uint32) but {name[:-len('weight')]}scales "
+                         "is missing")
+    if biases is None:
+        raise QuantError(f"{where}: tensor {name!r} is affine-quantized but {name[:-len('weight')]}biases "
+                         "is missing")
+    inn = shape[-1] * 32 // scheme.bits
+    if shape[-1] * 32 % scheme.bits or shape[:-1] != scales[:-1] or scales != biases:
+        raise QuantError(f"{where}: tensor {name!r} {list(shape)} with scales {list(scales)} and biases "
+                         f"{list(biases)} is not {scheme.tag}")
+    if scales[-1] * scheme.group_size != inn:
+        raise QuantError(
+            f"{where}: tensor {name!r} holds {inn} inputs at {scheme.bits} bits but its scales have "
+            f"{scales[-1]} groups; the config's group_size {scheme.group_size} implies {inn // scheme.group_size} "
+            f"(wrong group_size or bits in config.json?)"
+        )
+    if in_features is not None and inn != in_features:
+        raise QuantError(f"{where}: tensor {name!r} unpacks to {inn} inputs at {scheme.bits} bits; the model "
+                         f"config implies {in_features} (wrong bits in config.json?)")
+    return shape[-2], inn
+
+
+def check_fp8(name: str, scheme: Scheme, shape: tuple[int, ...], scale_inv: tuple[int, ...] | None,
+              where: str) -> tuple[int, int]:
+    """Check an fp8 weight's block-scale shape; return [out, in]. Raises QuantError naming ``name``."""
+    if scale_inv is None:
+        raise QuantError(f"{where}: tensor {name!r} is fp8 but {name}_scale_inv is missing")
+    from .fp8 import block_scales_shape
+
+    want = block_scales_shape(shape[-2:], scheme.block)
+    if tuple(scale_inv[-2:]) != want:
+        raise QuantError(f"{where}: tensor {name}_scale_inv has shape {list(scale_inv)}; a {list(shape)} weight "
+                         f"in {scheme.block[0]}x{scheme.block[1]} blocks needs {list(want)}")
+    return shape[-2], shape[-1]
+
+
+def check_mxfp4(name: str, shape: tuple[int, ...], scales: tuple[int, ...] | None, where: str) -> tuple[int, int]:
+    """Check MXFP4 blocks [out, in/32, 16] against scales [out, in/32]; return [out, in]."""
+    if scales is None:
+        raise QuantError(f"{where}: tensor {name!r} is mxfp4 but {name[: -len('blocks')]}scales is missing")
+    if len(shape) < 3 or shape[-1] != 16 or tuple(scales) != tuple(shape[:-1]):
+        raise QuantError(f"{where}: tensor {name!r} {list(shape)} with scales {list(scales)} is not mxfp4 "
+                         "blocks [out, in/32, 16] and scales [out, in/32]")
+    return shape[-3], shape[-2] * 32
+
+
+def expert_format(lay, qcfg: QuantConfig | None, shape: tuple[int, int], where) -> ExpertFormat | None:
+    """The :class:`ExpertFormat` of one MoE layer's experts, or None when they are plain float.
+
+    Args:
+        lay: a :class:`~moestream.layout.MoELayerLayout`.
+        qcfg: the checkpoint's :class:`QuantConfig` (None if its config declares none).
+        shape: (intermediate, hidden) of one expert from the model config.
+
+    Raises:
+        QuantError: naming the tensor whose pieces disagree with the config or the model shape.
+    """
+    pieces = {p.role: p for p in lay.experts[0]}
+    inter, hidden = shape
+    fused = "gate_up" in pieces
+    weights = ("gate_up", "down") if fused else ("gate", "up", "down")
+    logical = {"gate": (inter, hidden), "up": (inter, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    quantized = any(
+        p.dtype in ("U32", "F8_E4M3") or "." in r and r.split(".", 1)[1] in ("scales", "weight_scale_inv", "blocks")
+        for r, p in pieces.items()
+    )
+    if not quantized:
+        return None
+    linears = {}
+    for role in weights:
+        w = pieces[role]
+        name = w.source
+        proj = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj", "gate_up": "gate_up_proj"}[role]
+        module = f"{lay.block}.{'switch_mlp' if lay.kind == 'stacked' else 'experts'}.{proj}"
+        if lay.kind == "per-expert":
+            module = name.rsplit(".", 1)[0]
+        alias = f"{lay.block}.switch_mlp.{proj}"
+        what = f"{name} (layer {lay.layer}, expert 0)" if lay.kind != "per-expert" else name
+        out_in = logical[role]
+        if w.dtype == "U32":
+            scheme = qcfg.scheme(module, alias) if qcfg and qcfg.method == "affine" else None
+            if scheme is None:
+                raise QuantError(f"{where}: tensor {what!r} is packed uint32 but config.json declares no mlx affine "
+                                 "quantization for it ('quantization': {group_size, bits})")
+            sc, bi = pieces.get(role + ".scales"), pieces.get(role + ".biases")
+            got = check_affine(what, scheme, w.shape, sc and sc.shape, bi and bi.shape, out_in[1], where)
+        elif w.dtype == "F8_E4M3":
+            if qcfg is None or qcfg.method != "fp8":
+                raise QuantError(f"{where}: tensor {what!r} is fp8 but config.json declares no quantization_config "
+                                 f"with quant_method 'fp8' (it declares {qcfg and qcfg.method})")
+            scheme = qcfg.default
+            si = pieces.get(role + ".weight_scale_inv")
+            got = check_fp8(what, scheme, w.shape, si and si.shape, where)
+        elif w.dtype == "U8" and len(w.shape) == 3:
+            if qcfg is None or qcfg.method != "mxfp4":
+                raise QuantError(f"{where}: tensor {what!r} holds mxfp4 blocks but config.json declares no "
+                                 "quantization_config with quant_method 'mxfp4'")
+            scheme = qcfg.default
+            sc = pieces.get(role + ".scales")
+            got = check_mxfp4(what, w.shape, sc and sc.shape, where)
+        else:
+            scheme, got = None, tuple(w.shape)
+            if qcfg is not None and qcfg.method == "affine" and qcfg.scheme(module, alias) is not None:
+                if role + ".scales" not in pieces:
+                    raise QuantError(f"{where}: config.json quantizes {module} but tensor {what!r} is "
+                                     f"{w.dtype} and its scales are missing")
+        if tuple(got) != out_in:
+            raise QuantError(f"{where}: tensor {what!r} is [{got[0]}, {got[1]}] once unpacked; the model config "
+                             f"implies {list(out_in)}")
+        linears[role] = LinearFormat(role, scheme, *out_in)
+    return ExpertFormat(linears, fused)
+
+
+def expert_nbytes_per_param(bits: int, group_size: int, scale_bytes: int = 2) -> float:
+    """Bytes per weight of affine ``bits``/``group_size`` storage with float scales and biases."""
+    return bits / 8 + 2 * scale_bytes / group_size
+
+
+def is_quant_param(role: str) -> bool:
+    """Whether an expert piece ``role`` holds quantization parameters kept in their stored dtype."""
+    return "." in role and role.split(".", 1)[1] in ("scales", "biases", "weight_scale_inv")
+
+
+__all__ = ["QuantError", "Scheme", "QuantConfig", "LinearFormat", "ExpertFormat", "expert_format"]

@@ -1,0 +1,33 @@
+"""FP8 (e4m3) weights with block scales, as DeepSeek-V3, Kimi K2 and Qwen3 FP8 releases ship them.
+
+Definition (config ``quantization_config: {quant_method: "fp8", weight_block_size: [bn, bk]}``,
+DeepSeek-V3's ``weight_dequant``, transformers ``integrations/finegrained_fp8.py``): a
+linear's ``weight`` [out, in] is stored as ``float8_e4m3fn`` and ``weight_scale_inv``
+[ceil(out / bn), ceil(in / bk)] (float32) holds one scale per block; the float weight is
+
+    w[o, i] = float(weight[o, i]) * weight_scale_inv[o // bn, i // bk].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def block_scales_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """The ``weight_scale_inv`` shape of a weight of ``shape`` [out, in] with blocks ``block``."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight [out, in] in ``dtype`` of an fp8 one and its block scales (product in float32)."""
+    out, inn = weight.shape[-2:]
+    s = scale_inv.float().repeat_interleave(block[0], -2)[..., :out, :]
+    s = s.repeat_interleave(block[1], -1)[..., :inn]
+    return (weight.float() * s).to(dtype)
+
+
+def dequantize_rows(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], r0: int, r1: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``r0:r1`` of :func:`dequantize` (``r0`` a multiple of the block height)."""
+    return dequantize(weight[r0:r1], scale_inv[r0 // block[0] : -(-r1 // block[0])], block, dtype)

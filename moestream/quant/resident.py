@@ -1,0 +1,130 @@
+"""Quantized resident weights: linears (attention, routers, dense MLPs, LM head) and
+embeddings that a checkpoint stores quantized stay quantized in memory.
+
+:func:`quantize_resident` swaps each such ``nn.Linear`` / ``nn.Embedding`` of a model (on
+the meta device, before loading) for a :class:`QuantLinear` / :class:`QuantEmbedding`
+whose parameters carry the checkpoint's own names and dtypes (``weight``, ``scales``,
+``biases``; or ``weight``, ``weight_scale_inv``), so ``load_resident`` fills them by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..checkpoint import torch_dtype
+from . import affine
+from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8
+from .kernels import int4_eligible, prepare, qlinear
+
+_SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",)}
+
+
+def _param(shape, st_dtype: str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch_dtype(st_dtype)), requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """A linear whose weight [out, in] is stored quantized: ``x`` [..., in] -> [..., out] in x.dtype.
+
+    Parameters are the checkpoint's tensors (packed ``weight`` with ``scales`` and
+    ``biases``, or fp8 ``weight`` with ``weight_scale_inv``) plus an optional float ``bias``;
+    the product runs through :func:`moestream.quant.kernels.qlinear`. Where the int4 kernel
+    fits (bf16), the first call repacks the weight for it and drops the stored form.
+    """
+
+    def __init__(self, fmt: LinearFormat, shapes: dict[str, tuple[tuple[int, ...], str]], bias: bool):
+        super().__init__()
+        self.fmt = LinearFormat("weight", fmt.scheme, fmt.out_features, fmt.in_features)
+        for name, (shape, dt) in shapes.items():
+            setattr(self, name, _param(shape, dt))
+        self.extra = tuple(n for n in shapes if n != "weight")
+        self.bias = nn.Parameter(torch.empty(fmt.out_features), requires_grad=False) if bias else None
+        self._ready, self._ready_dtype = None, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self._ready
+        if t is None or self._ready_dtype != x.dtype:
+            t = {"weight": self.weight, **{f"weight.{n}": getattr(self, n) for n in self.extra}}
+            if int4_eligible(self.fmt, x.dtype):
+                # repack once for PyTorch's int4 kernel (see kernels.prepare); the packed
+                # parameters are then dropped, so memory holds one form
+                t = prepare(t, type("F", (), {"linears": {"weight": self.fmt}})(), x.dtype)
+                for name in ("weight", *self.extra):
+                    self._parameters.pop(name, None)
+                self._ready, self._ready_dtype = t, x.dtype
+        y = qlinear(x.reshape(-1, x.shape[-1]), t, self.fmt).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+class QuantEmbedding(nn.Module):
+    """An mlx affine-quantized embedding: ids [T] -> [T, H], rows dequantized on lookup (in the scales' dtype)."""
+
+    def __init__(self, fmt: LinearFormat, shapes: dict[str, tuple[tuple[int, ...], str]]):
+        super().__init__()
+        self.fmt = fmt
+        self.dtype: torch.dtype | None = None  # the compute dtype (set by moestream.quant.attach)
+        for name, (shape, dt) in shapes.items():
+            setattr(self, name, _param(shape, dt))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        s = self.fmt.scheme
+        w = affine.dequantize(self.weight[ids], self.scales[ids], self.biases[ids], s.bits, s.group_size)
+        return w if self.dtype is None else w.to(self.dtype)
+
+
+def _format(path: str, tensors: dict, qcfg: QuantConfig | None, shape: tuple[int, int], where) -> tuple | None:
+    """(LinearFormat, {param: (shape, dtype)}) for module ``path`` if the checkpoint stores it quantized."""
+    w = tensors.get(path + ".weight")
+    if w is None:
+        return None
+    name = f"{path}.weight"
+    if w.dtype == "U32" or path + ".scales" in tensors:
+        scheme = qcfg.scheme(path) if qcfg is not None and qcfg.method == "affine" else None
+        if scheme is None:
+            raise QuantError(f"{where}: tensor {name!r} is quantized but config.json declares no mlx affine "
+                             "quantization for it")
+        sc, bi = tensors.get(path + ".scales"), tensors.get(path + ".biases")
+        check_affine(name, scheme, w.shape, sc and sc.shape, bi and bi.shape, shape[1], where)
+    elif w.dtype == "F8_E4M3":
+        if qcfg is None or qcfg.method != "fp8":
+            raise QuantError(f"{where}: tensor {name!r} is fp8 but config.json declares no fp8 quantization_config")
+        scheme = qcfg.default
+        si = tensors.get(path + ".weight_scale_inv")
+        check_fp8(name, scheme, w.shape, si and si.shape, where)
+    else:
+        return None
+    shapes = {"weight": (w.shape, w.dtype)}
+    for suffix in _SUFFIXES[scheme.method]:
+        info = tensors[f"{path}.{suffix}"]
+        shapes[suffix] = (info.shape, info.dtype)
+    return LinearFormat("weight", scheme, shape[0], shape[1]), shapes
+
+
+def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None, where) -> list[str]:
+    """Swap the model's linears and embeddings that ``tensors`` (a checkpoint index) stores quantized.
+
+    Run on the meta-device model before loading. Returns the module paths swapped.
+
+    Raises:
+        QuantError: a quantized tensor the config does not declare, metadata that disagrees
+            with the tensors (naming the tensor), or a quantized embedding tied to the LM head.
+    """
+    swapped = []
+    for path, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear):
+            got = _format(path, tensors, qcfg, (mod.out_features, mod.in_features), where)
+            if got is not None:
+                model.set_submodule(path, QuantLinear(*got, bias=mod.bias is not None))
+                swapped.append(path)
+        elif isinstance(mod, nn.Embedding):
+            got = _format(path, tensors, qcfg, (mod.num_embeddings, mod.embedding_dim), where)
+            if got is not None:
+                if got[0].scheme.method != "affine":
+                    raise QuantError(f"{where}: tensor {path}.weight: only affine-quantized embeddings are supported")
+                if getattr(model, "tie_word_embeddings", False):
+                    raise QuantError(f"{where}: tensor {path}.weight is quantized and tied to the LM head; "
+                                     "tied quantized embeddings are not supported yet")
+                model.set_submodule(path, QuantEmbedding(*got))
+                swapped.append(path)
+    return swapped
