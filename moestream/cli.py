@@ -18,25 +18,50 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face Hub id")
     p.add_argument(
         "--cache-budget-gb", default="3",
-        help="expert cache budget in GB (10^9 bytes), or 'all' to keep every expert resident (default 3)",
+        help="expert cache budget in GB (10^9 bytes), or 'all' to keep every expert resident, or 'auto' to size it "
+        "from the memory available (cgroup limits included) less resident weights, KV cache and a reserve (default 3)",
     )
     p.add_argument("--prefetch-workers", type=int, default=8, help="parallel expert reads (default 8)")
+    # -- I/O (the "Cache and I/O" issue's read half) --
+    p.add_argument(
+        "--use-page-cache", action=argparse.BooleanOptionalAction, default=None,
+        help="read experts through the OS page cache; --no-page-cache bypasses it (O_DIRECT into huge-page "
+        "buffers). Default: only when the checkpoint is under 0.6 of the memory available",
+    )
+    p.add_argument(
+        "--prefetch-ahead", type=int, default=0,
+        help="while layer L computes, read the experts layers L+1..L+N will likely need (default 0: off)",
+    )
+    p.add_argument("--wire-memory", action="store_true",
+                   help="lock the resident weights and the expert cache in RAM (mlock; needs RLIMIT_MEMLOCK)")
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
     """Check the options of :func:`add_engine_args` before any loading. Raises MoestreamError."""
     from .cache import parse_budget
+    from .io_setup import is_auto
 
     if args.prefetch_workers < 1:
         raise MoestreamError(f"--prefetch-workers must be at least 1, got {args.prefetch_workers}")
-    parse_budget(args.cache_budget_gb)
+    if getattr(args, "prefetch_ahead", 0) < 0:
+        raise MoestreamError(f"--prefetch-ahead must be at least 0, got {args.prefetch_ahead}")
+    if not is_auto(args.cache_budget_gb):
+        parse_budget(args.cache_budget_gb)
 
 
 def load_engine(args: argparse.Namespace, tokenizer: bool = True):
     """``engine.load`` with the options of :func:`add_engine_args`."""
     from .engine import load
 
-    return load(args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer)
+    context = None
+    if getattr(args, "max_tokens", None) and getattr(args, "prompt", None):
+        # at most one token per prompt byte (byte-level BPE), plus the chat template's tokens
+        context = args.max_tokens + len(args.prompt.encode("utf-8")) + 64
+    return load(
+        args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer,
+        use_page_cache=getattr(args, "use_page_cache", None), prefetch_ahead=getattr(args, "prefetch_ahead", 0),
+        wire_memory=getattr(args, "wire_memory", False), context_tokens=context,
+    )
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -73,6 +98,10 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
         if engine.unused_tensors:
             names = engine.unused_tensors
             print(f"note: {len(names)} checkpoint tensors are not used, such as {names[:3]}", file=err)
+        if engine.io is not None and not args.quiet:
+            if engine.io.auto is not None:
+                print(engine.io.auto.describe(), file=err)
+            print(engine.io.describe(), file=err)
         ids = encode_prompt(engine.tokenizer, args.prompt, chat_template=not args.no_chat_template)
         if not ids:
             raise MoestreamError("--prompt encodes to no tokens")
