@@ -23,10 +23,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prefetch-workers", type=int, default=8, help="parallel expert reads (default 8)")
     # -- I/O (the "Cache and I/O" issue's read half) --
-    p.add_argument(
-        "--use-page-cache", action=argparse.BooleanOptionalAction, default=None,
-        help="read experts through the OS page cache; --no-page-cache bypasses it (O_DIRECT into huge-page "
-        "buffers). Default: only when the checkpoint is under 0.6 of the memory available",
+    pc = p.add_mutually_exclusive_group()
+    pc.add_argument(
+        "--use-page-cache", dest="use_page_cache", action="store_const", const=True, default=None,
+        help="read experts through the OS page cache (default: only when the checkpoint is under 0.6 of the "
+        "memory available)",
+    )
+    pc.add_argument(
+        "--no-page-cache", dest="use_page_cache", action="store_const", const=False,
+        help="bypass the page cache: O_DIRECT reads into huge-page buffers (posix_fadvise DONTNEED where refused)",
     )
     p.add_argument(
         "--prefetch-ahead", type=int, default=0,

@@ -76,6 +76,7 @@ class Prefetcher:
         self._following = {b.layer: order[i + 1 : i + 1 + ahead] for i, b in enumerate(order)}
         self._planned: list[Key] = []
         self._staged: dict[Key, ReadBatch] = {}
+        self._claimed: dict[Key, ReadBatch] = {}  # claimed by the layer fetching now, not yet taken
         self._dropping: list[ReadBatch] = []
         self._cache = None
 
@@ -122,25 +123,29 @@ class Prefetcher:
         return key in self._staged
 
     def take(self, keys: list[Key]) -> Iterator[ExpertWeights]:
-        """Hand over the read-ahead experts ``keys`` (each :meth:`pending`), waiting for any
-        still in flight; they leave the staging area (the caller caches them).
+        """Hand over the read-ahead experts ``keys`` (claimed in :meth:`retire`), waiting for
+        any still in flight; they leave the staging area (the caller caches them).
 
         Raises:
             ReadError: when the read ahead failed, naming the expert and file.
         """
         for key in keys:
-            batch = self._staged.pop(key)
-            self.stats.outstanding -= 1
-            self.stats.hits += 1
+            batch = self._claimed.pop(key)
             if not batch.done():
                 self.stats.late += 1
-            for ew in batch:
-                self.stats.saved_bytes += self.store.expert_nbytes(key)
-                yield ew
+            yield from batch
 
     def retire(self, layer: int, claimed: list[Key]) -> None:
-        """``layer`` is fetching now: experts read ahead for it and not ``claimed`` are wasted."""
-        waste = [k for k in self._staged if k[0] == layer and k not in claimed]
+        """``layer`` is fetching now and uses the read-ahead experts ``claimed`` (hits, handed
+        over by :meth:`take`); those read ahead for it and not claimed are wasted."""
+        self._dropping.extend(self._claimed.values())  # from a fetch abandoned before taking them
+        self._claimed.clear()
+        for key in claimed:
+            self._claimed[key] = self._staged.pop(key)
+            self.stats.outstanding -= 1
+            self.stats.hits += 1
+            self.stats.saved_bytes += self.store.expert_nbytes(key)
+        waste = [k for k in self._staged if k[0] == layer]
         for key in waste:
             self._dropping.append(self._staged.pop(key))
             self.stats.outstanding -= 1
@@ -171,7 +176,8 @@ class Prefetcher:
 
     def close(self) -> None:
         """Cancel or wait for every read ahead and free its buffers."""
-        for batch in [*self._staged.values(), *self._dropping]:
+        for batch in [*self._staged.values(), *self._claimed.values(), *self._dropping]:
             batch.close()
         self._staged.clear()
+        self._claimed.clear()
         self._dropping.clear()
