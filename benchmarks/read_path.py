@@ -136,9 +136,11 @@ def main() -> int:
         cmd = [str(BIN / "moestream"), "generate", "--model", str(a.model), "--prompt", PROMPT, "--max-tokens",
                str(a.tokens), "--temp", "1", "--seed", "0", "--cache-budget-gb", a.budget, "--stats-json",
                str(stats_path), *flags]
+        before = disk_best(shards, int(a.disk_gb * 1e9 / 3), 16 << 20, seed=len(out["runs"]) + 1)
         drop_caches()
         load = load_avg()
         rc, peak = cgroup_run(cmd, a.cap, f"cache-io-bench-{os.getpid()}")
+        after = disk_best(shards, int(a.disk_gb * 1e9 / 3), 16 << 20, seed=len(out["runs"]) + 11)
         if rc != 0:
             print(f"{label}: exit status {rc}", file=sys.stderr)
             return 1
@@ -148,21 +150,24 @@ def main() -> int:
         s["load_before"] = load
         s["load_after"] = load_avg()
         s["command"] = " ".join(cmd)
+        s["disk_around_gb_s"] = (before, after)  # the disk's O_DIRECT figure just before and after this run
         out["runs"][label] = s
 
     print()
     print(f"disk best O_DIRECT: {best:.2f} GB/s ({', '.join(f'{k} MiB {v:.2f}' for k, v in disk.items())})")
-    print("| run | decode tok/s | MB read / token | read GB/s while reading | of disk best | decode hit rate "
-          "(cache / prefetch) | GB read (demand / ahead) | prefetch wasted GB | distinct experts / layer "
-          "| peak RSS GB | cap peak GB | load before / after |")
-    print("| --- " * 12 + "|")
+    print("| run | decode tok/s | MB read / token | read GB/s while reading | of disk best | hit rate: decode "
+          "(all tokens: cache / prefetch) | GB read (demand / ahead) | prefetch wasted GB | distinct experts / layer "
+          "| peak RSS GB | cap peak GB | load before / after | disk GB/s before / after |")
+    print("| --- " * 13 + "|")
     for label, s in out["runs"].items():
         print(f"| {label} | {s['decode_tok_s']:.3f} | {s['mb_read_per_decoded_token']:.0f} | "
-              f"{s['read_gb_per_s']:.2f} | {s['read_gb_per_s'] / best:.0%} | {s['decode_hit_rate']:.1%} ({s['cache_hit_rate_cache']:.1%} / "
+              f"{s['read_gb_per_s']:.2f} | {s['read_gb_per_s'] / best:.0%} | {s['decode_hit_rate']:.1%} "
+              f"({s['cache_hit_rate_cache']:.1%} / "
               f"{s['cache_hit_rate_prefetch']:.1%}) | {s['gb_read_critical']:.2f} / {s['gb_read_prefetch']:.2f} | "
               f"{s['prefetch_wasted_gb']:.2f} | {s['distinct_experts_per_layer_mean']:.1f} of "
               f"{s['experts_per_layer']} | {s['peak_rss_gb']:.2f} | {s['cap_peak_gb']:.2f} | "
-              f"{s['load_before']} / {s['load_after']} |")
+              f"{s['load_before']} / {s['load_after']} | {s['disk_around_gb_s'][0]:.2f} / "
+              f"{s['disk_around_gb_s'][1]:.2f} |")
     o = out["runs"]["O_DIRECT"]
     verdict = "hit" if o["read_gb_per_s"] >= 0.85 * best else "miss"
     print(f"\nverdict: {verdict}: {o['read_gb_per_s']:.2f} GB/s while reading = {o['read_gb_per_s'] / best:.0%} "

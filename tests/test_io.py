@@ -21,7 +21,7 @@ from moestream.store import PreadReader
 
 from .helpers import make_qwen3_moe, read_all, write_checkpoint, write_tiny_synth_config
 
-TOKENS = 12
+TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def run(path, budget, workers=2, **io):
     """Prefill logits (every position), each step's logits, the tokens, and the engine's counters."""
     engine = load(path, cache_budget_gb=budget, workers=workers, tokenizer=False, **io)
     try:
-        prompt = torch.randint(0, 300, (19,), generator=torch.Generator().manual_seed(3)).tolist()
+        prompt = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(3)).tolist()
         kv = engine.model.new_kv_cache()
         with torch.inference_mode():
             prefill = engine.model(torch.tensor(prompt), 0, kv, all_logits=True)
