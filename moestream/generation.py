@@ -120,6 +120,8 @@ class GenerationStats:
     read_busy_seconds: float = 0.0
     read_gb_per_s: float = 0.0
     read_path: str = ""
+    direct_read_seconds: float = 0.0  # O_DIRECT: time in reads and in bounce-buffer copies, summed over threads
+    direct_copy_seconds: float = 0.0
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -157,7 +159,9 @@ class GenerationStats:
             f"read on demand       {self.gb_read_critical:.3f} GB (critical path); "
             f"{self.gb_read_prefetch:.3f} GB read ahead",
             f"read speed           {self.read_gb_per_s:.2f} GB/s while reading ({self.read_busy_seconds:.2f} s busy)"
-            + (f"; {self.read_path}" if self.read_path else ""),
+            + (f"; {self.read_path}" if self.read_path else "")
+            + (f" ({self.direct_read_seconds:.2f} s in reads, {self.direct_copy_seconds:.2f} s in copies, "
+               "summed over threads)" if self.direct_read_seconds else ""),
         ]
         if self.prefetch_issued or self.prefetch_status:
             lines.append(
@@ -314,6 +318,8 @@ def _io_snapshot(engine: Engine) -> dict:
     return dict(
         prefetch_hits=cs.prefetch_hits, pinned_hits=cs.pinned_hits, prefetch_bytes=rs.prefetch_bytes,
         busy=rs.busy_seconds, bytes=rs.bytes_read, pf=None if pf is None else pf.stats.as_dict(),
+        direct=getattr(engine.store.reader, "direct_seconds", 0.0),
+        copy=getattr(engine.store.reader, "copy_seconds", 0.0),
     )
 
 
@@ -333,6 +339,8 @@ def _fill_io_stats(stats: GenerationStats, engine: Engine, io0: dict) -> None:
     stats.gb_read_critical = (read - ahead) / GB
     stats.read_busy_seconds = rs.busy_seconds - io0["busy"]
     stats.read_gb_per_s = read / GB / stats.read_busy_seconds if stats.read_busy_seconds else 0.0
+    stats.direct_read_seconds = getattr(engine.store.reader, "direct_seconds", 0.0) - io0["direct"]
+    stats.direct_copy_seconds = getattr(engine.store.reader, "copy_seconds", 0.0) - io0["copy"]
     io = engine.io
     if io is not None:
         stats.read_path = "page cache" if io.use_page_cache else "O_DIRECT"
