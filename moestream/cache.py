@@ -52,6 +52,11 @@ class CacheStats:
     misses: int = 0
     evictions: int = 0
     preloaded: int = 0
+    # hits split by where the expert came from (both are subsets of ``hits``; the rest are
+    # plain cache hits): read ahead by the prefetcher (``--prefetch-ahead``), or held by a
+    # pin of the cache policy (which increments ``pinned_hits``)
+    prefetch_hits: int = 0
+    pinned_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -82,6 +87,7 @@ class ExpertCache:
         self._pins: dict[Key, int] = {}
         self.used_bytes = 0
         self.peak_bytes = 0
+        self.prefetcher = None  # a moestream.prefetch.Prefetcher (--prefetch-ahead), set by engine.load
 
     # -- queries -----------------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
@@ -146,12 +152,18 @@ class ExpertCache:
         usage = self.usage.get(layer)
         hits: list[ExpertWeights] = []
         misses: list[Key] = []
+        pf, prefetched = self.prefetcher, []
         for i, e in enumerate(experts):
             key = (layer, e)
             if usage is not None:
                 usage[e] += 1 if counts is None else counts[i]
             self.stats.lookups += 1
             ew = self._entries.get(key)
+            if ew is None and pf is not None and pf.pending(key):  # read ahead: no read on the critical path
+                self.stats.hits += 1
+                self.stats.prefetch_hits += 1
+                prefetched.append(key)
+                continue
             if ew is None:
                 self.stats.misses += 1
                 misses.append(key)
@@ -164,10 +176,22 @@ class ExpertCache:
         batch = None
         try:
             batch = self.store.submit(misses) if misses else None
+            if pf is not None:
+                pf.retire(layer, prefetched)
+                pf.issue()  # reads ahead for the next layers queue behind this layer's misses
             for ew in hits:
                 yield ew.key[1], ew
                 self._unpin(ew.key)
                 held.remove(ew.key)
+            for ew in pf.take(prefetched) if prefetched else ():  # as for misses, below
+                self._insert(ew)
+                self._pin(ew.key)
+                held.append(ew.key)
+                self._shrink()
+                yield ew.key[1], ew
+                self._unpin(ew.key)
+                held.remove(ew.key)
+                self._shrink()
             if batch is not None:
                 for ew in batch:
                     self._insert(ew)

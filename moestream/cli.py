@@ -18,25 +18,54 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face Hub id")
     p.add_argument(
         "--cache-budget-gb", default="3",
-        help="expert cache budget in GB (10^9 bytes), or 'all' to keep every expert resident (default 3)",
+        help="expert cache budget in GB (10^9 bytes), or 'all' to keep every expert resident, or 'auto' to size it "
+        "from the memory available (cgroup limits included) less resident weights, KV cache and a reserve (default 3)",
     )
     p.add_argument("--prefetch-workers", type=int, default=8, help="parallel expert reads (default 8)")
+    # -- I/O (the "Cache and I/O" issue's read half) --
+    pc = p.add_mutually_exclusive_group()
+    pc.add_argument(
+        "--use-page-cache", dest="use_page_cache", action="store_const", const=True, default=None,
+        help="read experts through the OS page cache (default: only when the checkpoint is under 0.6 of the "
+        "memory available)",
+    )
+    pc.add_argument(
+        "--no-page-cache", dest="use_page_cache", action="store_const", const=False,
+        help="bypass the page cache: O_DIRECT reads into huge-page buffers (posix_fadvise DONTNEED where refused)",
+    )
+    p.add_argument(
+        "--prefetch-ahead", type=int, default=0,
+        help="while layer L computes, read the experts layers L+1..L+N will likely need (default 0: off)",
+    )
+    p.add_argument("--wire-memory", action="store_true",
+                   help="lock the resident weights and the expert cache in RAM (mlock; needs RLIMIT_MEMLOCK)")
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
     """Check the options of :func:`add_engine_args` before any loading. Raises MoestreamError."""
     from .cache import parse_budget
+    from .io_setup import is_auto
 
     if args.prefetch_workers < 1:
         raise MoestreamError(f"--prefetch-workers must be at least 1, got {args.prefetch_workers}")
-    parse_budget(args.cache_budget_gb)
+    if getattr(args, "prefetch_ahead", 0) < 0:
+        raise MoestreamError(f"--prefetch-ahead must be at least 0, got {args.prefetch_ahead}")
+    if not is_auto(args.cache_budget_gb):
+        parse_budget(args.cache_budget_gb)
 
 
-def load_engine(args: argparse.Namespace, tokenizer: bool = True):
-    """``engine.load`` with the options of :func:`add_engine_args`."""
+def load_engine(args: argparse.Namespace, tokenizer: bool = True, context: int | None = None):
+    """``engine.load`` with the options of :func:`add_engine_args`.
+
+    ``context``: tokens of context to leave room for (KV cache) when sizing ``--cache-budget-gb auto``.
+    """
     from .engine import load
 
-    return load(args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer)
+    return load(
+        args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer,
+        use_page_cache=getattr(args, "use_page_cache", None), prefetch_ahead=getattr(args, "prefetch_ahead", 0),
+        wire_memory=getattr(args, "wire_memory", False), context_tokens=context,
+    )
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -176,13 +205,20 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
 
     check_engine_args(args)
     _sampling(args, {})  # flags checked before loading
-    engine = load_engine(args)
+    # room for the KV cache under --cache-budget-gb auto: at most one token per prompt byte
+    # (byte-level BPE) plus the chat template's tokens; a --chat session may grow past it
+    context = args.max_tokens + len((prompt or "").encode("utf-8")) + 64
+    engine = load_engine(args, context=context)
     try:
         if engine.unused_tensors:
             names = engine.unused_tensors
             print(f"note: {len(names)} checkpoint tensors are not used, such as {names[:3]}", file=err)
         defaults = generation_defaults(engine.checkpoint.path)
         sampling = _sampling(args, defaults)
+        if engine.io is not None and not args.quiet:
+            if engine.io.auto is not None:
+                print(engine.io.auto.describe(), file=err)
+            print(engine.io.describe(), file=err)
         if not args.quiet:
             flags = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "rep_penalty"}
@@ -276,7 +312,7 @@ def run_serve(args: argparse.Namespace) -> None:
         raise MoestreamError(f"--max-queue must be at least 0, got {args.max_queue}")
     if args.max_context is not None and args.max_context < 2:
         raise MoestreamError(f"--max-context must be at least 2 tokens, got {args.max_context}")
-    engine = load_engine(args)
+    engine = load_engine(args, context=args.max_context)
     try:
         model_max = engine.model.max_context or 32768
         if args.max_context is not None and args.max_context > model_max:

@@ -19,6 +19,7 @@ from . import quant
 from .cache import ExpertCache, parse_budget
 from .checkpoint import Checkpoint, resolve_model
 from .errors import BudgetError, ConfigError, LayoutError
+from .io_setup import IOSettings, is_auto, plan_io
 from .layout import ExpertLayout, discover_experts
 from .memory import available_bytes, reset_peak_rss
 from .models import family_for
@@ -63,9 +64,12 @@ class Engine:
     load_seconds: float = 0.0
     tokenizer: object = None
     unused_tensors: list[str] = field(default_factory=list)
+    io: IOSettings | None = None  # the read path, prefetch, wiring and auto budget in use
 
     def close(self) -> None:
         """Stop reader threads and close shard files."""
+        if self.io is not None and self.io.prefetcher is not None:
+            self.io.prefetcher.close()
         self.store.close()
         self.checkpoint.close()
 
@@ -111,6 +115,10 @@ def load(
     dtype: str = "auto",
     tokenizer: bool = True,
     progress: bool | None = None,
+    use_page_cache: bool | None = None,
+    prefetch_ahead: int = 0,
+    wire_memory: bool = False,
+    context_tokens: int | None = None,
 ) -> Engine:
     """Open a checkpoint and make it ready to generate.
 
@@ -125,6 +133,19 @@ def load(
         tokenizer: also load the checkpoint's tokenizer (before the weights, so a missing
             one fails fast).
         progress: show progress bars (None: only on a terminal).
+        use_page_cache: read experts through the OS page cache (True), or bypass it with
+            ``O_DIRECT`` into huge-page buffers (False; ``posix_fadvise(DONTNEED)`` after
+            each read where ``O_DIRECT`` is refused); None: only when the checkpoint is
+            under 0.6 of the memory available.
+        prefetch_ahead: while layer L computes, read the experts layers L+1..L+N will
+            likely need (0: off); see :mod:`moestream.prefetch`.
+        wire_memory: lock the resident weights and the cached experts in RAM (mlock).
+        context_tokens: tokens of context the KV cache must hold, for the ``auto``
+            budget (default 4096, or the model's context if smaller).
+
+        ``cache_budget_gb="auto"`` sizes the cache from the memory available (cgroup
+        limits included) less resident weights, the KV cache and a runtime reserve
+        (:meth:`moestream.io_setup.IOSettings.size_budget`; the numbers are in ``engine.io.auto``).
 
     Raises:
         CheckpointError, ConfigError, LayoutError: naming the file, field or tensor at fault.
@@ -134,9 +155,12 @@ def load(
     """
     t0 = time.perf_counter()
     reset_peak_rss()
-    budget = parse_budget(cache_budget_gb)
+    auto = is_auto(cache_budget_gb)
+    budget = None if auto else parse_budget(cache_budget_gb)
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    if prefetch_ahead < 0:
+        raise ValueError(f"prefetch_ahead must be at least 0, got {prefetch_ahead}")
     ckpt = Checkpoint(resolve_model(model))
     store = None
     try:
@@ -161,9 +185,11 @@ def load(
         if getattr(net, "unloaded_layers_from", None) is not None:
             layout = _drop_layers_from(layout, net.unloaded_layers_from)
         num_experts = _check_layout(net, layout, ckpt.path, formats)
-        store = ExpertStore(ckpt, layout, compute_dtype, dev, workers)
+        io = plan_io(ckpt, workers, use_page_cache, prefetch_ahead, wire_memory)
+        store = ExpertStore(ckpt, layout, compute_dtype, dev, workers, reader=io.reader)
         quant.attach(net, store, formats, compute_dtype)
         keys = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
+        budget = io.size_budget(net, store, keys, budget, compute_dtype, auto, context_tokens)
         _check_fit(net, store, keys, budget, compute_dtype)
         tok = None
         if tokenizer:
@@ -184,6 +210,7 @@ def load(
         cache = ExpertCache(store, budget, num_experts)
         for block in net.moe_blocks():
             block.attach(cache)
+        io.start(ckpt, net, store, cache)
         if budget is None:
             need = sum(store.cached_nbytes(k) for k in keys)
             with progress_bar(need, "preloading every expert", progress) as bar:
@@ -191,7 +218,7 @@ def load(
         return Engine(
             checkpoint=ckpt, layout=layout, store=store, cache=cache, model=net, family=family,
             dtype=compute_dtype, device=dev, resident_bytes=resident_nbytes(net),
-            load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused,
+            load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused, io=io,
         )
     except BaseException:
         if store is not None:

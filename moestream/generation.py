@@ -180,6 +180,25 @@ class GenerationStats:
     cache_peak_gb: float = 0.0
     peak_rss_gb: float = 0.0
     load_seconds: float = 0.0
+    # -- I/O: hits split by source (rates over cache_lookups; they add up to cache_hit_rate),
+    # bytes read on the critical path vs by prefetch, read bandwidth while reading
+    cache_hit_rate_cache: float = 0.0
+    cache_hit_rate_prefetch: float = 0.0
+    cache_hit_rate_pinned: float = 0.0
+    prefetch_hits: int = 0
+    pinned_hits: int = 0
+    gb_read_critical: float = 0.0
+    gb_read_prefetch: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_late: int = 0
+    prefetch_wasted: int = 0
+    prefetch_wasted_gb: float = 0.0
+    prefetch_status: str = ""
+    read_busy_seconds: float = 0.0
+    read_gb_per_s: float = 0.0
+    read_path: str = ""
+    direct_read_seconds: float = 0.0  # O_DIRECT: time in reads and in bounce-buffer copies, summed over threads
+    direct_copy_seconds: float = 0.0
 
     def to_json(self) -> str:
         """The stats as a JSON object (per-layer keys as strings)."""
@@ -209,7 +228,27 @@ class GenerationStats:
             f"resident weights     {self.resident_weight_gb:.2f} GB",
             f"cache budget         {budget} (peak held {self.cache_peak_gb:.2f} GB)",
             f"peak RSS             {self.peak_rss_gb:.2f} GB",
-        ])
+        ] + self._io_lines())
+
+    def _io_lines(self) -> list[str]:
+        """The I/O lines of the summary: hit sources, critical-path vs prefetch bytes, read speed."""
+        lines = [
+            f"hits by source       cache {self.cache_hit_rate_cache:.1%}, prefetch {self.cache_hit_rate_prefetch:.1%}, "
+            f"pinned {self.cache_hit_rate_pinned:.1%} of lookups",
+            f"read on demand       {self.gb_read_critical:.3f} GB (critical path); "
+            f"{self.gb_read_prefetch:.3f} GB read ahead",
+            f"read speed           {self.read_gb_per_s:.2f} GB/s while reading ({self.read_busy_seconds:.2f} s busy)"
+            + (f"; {self.read_path}" if self.read_path else "")
+            + (f" ({self.direct_read_seconds:.2f} s in reads, {self.direct_copy_seconds:.2f} s in copies, "
+               "summed over threads)" if self.direct_read_seconds else ""),
+        ]
+        if self.prefetch_issued or self.prefetch_status:
+            lines.append(
+                f"prefetch             {self.prefetch_issued} experts read ahead, {self.prefetch_hits} used "
+                f"({self.prefetch_late} still in flight), {self.prefetch_wasted} wasted "
+                f"({self.prefetch_wasted_gb:.3f} GB)" + (f"; {self.prefetch_status}" if self.prefetch_status else "")
+            )
+        return lines
 
 
 @dataclass(frozen=True)
@@ -471,6 +510,7 @@ def generate(
     start_hits, start_lookups = cache.stats.hits, cache.stats.lookups
     start_bytes, start_experts, start_reads = store.stats.bytes_read, store.stats.experts_read, store.stats.reads
     usage_before = {k: v.clone() for k, v in cache.usage.items()}
+    io0 = _io_snapshot(engine)
 
     t0 = time.perf_counter()
     logits = None
@@ -548,6 +588,7 @@ def generate(
         stats.cache_peak_gb = cache.peak_bytes / GB
         stats.peak_rss_gb = peak_rss_bytes() / GB
         stats.load_seconds = engine.load_seconds
+        _fill_io_stats(stats, engine, io0)
 
 
 def resolve_sampling(
@@ -573,3 +614,45 @@ def resolve_sampling(
                  repetition_penalty=repetition_penalty)
     values = {k: v if v is not None else defaults.get(k, getattr(SamplingParams, k)) for k, v in given.items()}
     return SamplingParams(**values, **fixed)
+
+
+def _io_snapshot(engine: Engine) -> dict:
+    """The I/O counters at the start of a generation (the stats are differences)."""
+    cs, rs = engine.cache.stats, engine.store.stats
+    pf = engine.io.prefetcher if engine.io is not None else None
+    return dict(
+        prefetch_hits=cs.prefetch_hits, pinned_hits=cs.pinned_hits, prefetch_bytes=rs.prefetch_bytes,
+        busy=rs.busy_seconds, bytes=rs.bytes_read, pf=None if pf is None else pf.stats.as_dict(),
+        direct=getattr(engine.store.reader, "direct_seconds", 0.0),
+        copy=getattr(engine.store.reader, "copy_seconds", 0.0),
+    )
+
+
+def _fill_io_stats(stats: GenerationStats, engine: Engine, io0: dict) -> None:
+    cs, rs = engine.cache.stats, engine.store.stats
+    lookups = stats.cache_lookups
+    stats.prefetch_hits = cs.prefetch_hits - io0["prefetch_hits"]
+    stats.pinned_hits = cs.pinned_hits - io0["pinned_hits"]
+    plain = stats.cache_hits - stats.prefetch_hits - stats.pinned_hits
+    if lookups:
+        stats.cache_hit_rate_cache = plain / lookups
+        stats.cache_hit_rate_prefetch = stats.prefetch_hits / lookups
+        stats.cache_hit_rate_pinned = stats.pinned_hits / lookups
+    read = rs.bytes_read - io0["bytes"]
+    ahead = rs.prefetch_bytes - io0["prefetch_bytes"]
+    stats.gb_read_prefetch = ahead / GB
+    stats.gb_read_critical = (read - ahead) / GB
+    stats.read_busy_seconds = rs.busy_seconds - io0["busy"]
+    stats.read_gb_per_s = read / GB / stats.read_busy_seconds if stats.read_busy_seconds else 0.0
+    stats.direct_read_seconds = getattr(engine.store.reader, "direct_seconds", 0.0) - io0["direct"]
+    stats.direct_copy_seconds = getattr(engine.store.reader, "copy_seconds", 0.0) - io0["copy"]
+    io = engine.io
+    if io is not None:
+        stats.read_path = "page cache" if io.use_page_cache else "O_DIRECT"
+        if io.prefetcher is not None:
+            now, then = io.prefetcher.stats.as_dict(), io0["pf"] or {}
+            stats.prefetch_issued = now["issued"] - then.get("issued", 0)
+            stats.prefetch_late = now["late"] - then.get("late", 0)
+            stats.prefetch_wasted = now["wasted"] - then.get("wasted", 0)
+            stats.prefetch_wasted_gb = (now["wasted_bytes"] - then.get("wasted_bytes", 0)) / GB
+            stats.prefetch_status = now["disabled"] or "on"

@@ -24,11 +24,15 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .checkpoint import Checkpoint, FileHandles, pread_full, torch_dtype
 from .layout import QUANT_PARAMS, ExpertLayout
+
+if TYPE_CHECKING:
+    from .memory import WiredMemory
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -156,6 +160,13 @@ class ReadStats:
     reads: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0  # summed over reader threads
+    # -- the I/O issue's counters: prefetch reads (subsets of the totals above) and the
+    # wall time during which at least one read was in flight (bytes_read / busy_seconds
+    # is the read bandwidth while reading)
+    prefetch_experts: int = 0
+    prefetch_reads: int = 0
+    prefetch_bytes: int = 0
+    busy_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -201,6 +212,9 @@ class ExpertStore:
         self.pool = BufferPool(max_free=2 * workers)
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moestream-read")
         self._lock = threading.Lock()
+        self._active = 0  # reads in flight, for busy_seconds
+        self._busy_since = 0.0
+        self.wired: "WiredMemory | None" = None  # set by --wire-memory: experts handed out are mlocked
 
     def expert_nbytes(self, key: Key) -> int:
         """Bytes one expert occupies on disk."""
@@ -247,17 +261,31 @@ class ExpertStore:
         jobs.sort(key=lambda j: j[0])
         return [j for _, j in jobs]
 
-    def _run(self, job: _Job, views: list[memoryview]) -> None:
+    def _run(self, job: _Job, views: list[memoryview], prefetch: bool = False) -> None:
         what = "expert " + ", ".join(f"(layer {layer}, expert {e})" for layer, e in job.keys[:4])
         if len(job.keys) > 4:
             what += f" and {len(job.keys) - 4} more"
+        with self._lock:
+            self._active += 1
+            if self._active == 1:
+                self._busy_since = time.perf_counter()
         t0 = time.perf_counter()
-        self.reader.read(job.file, job.offset, views, what)
-        dt = time.perf_counter() - t0
+        try:
+            self.reader.read(job.file, job.offset, views, what)
+        finally:
+            t1 = time.perf_counter()
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self.stats.busy_seconds += t1 - self._busy_since
+        dt = t1 - t0
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes_read += job.length
             self.stats.read_seconds += dt
+            if prefetch:
+                self.stats.prefetch_reads += 1
+                self.stats.prefetch_bytes += job.length
 
     def _converts(self, role_dtype: str, role: str = "") -> bool:
         dt = torch_dtype(role_dtype)
@@ -289,6 +317,8 @@ class ExpertStore:
         if self.prepare is not None:
             tensors = self.prepare(ew.key, tensors)
         kept = [r for r, t in tensors.items() if t is ew.tensors.get(r)]
+        if self.wired is not None:
+            self.wired.lock_expert(ew.key, [t for r, t in tensors.items() if r not in kept], ew.mapping)
         if len(kept) == len(tensors) == len(ew.tensors):
             return ew
         nbytes = sum(tensors[r].numel() * tensors[r].element_size() for r in tensors if r not in kept)
@@ -304,16 +334,19 @@ class ExpertStore:
         reference fails loudly instead of reading another expert's bytes.
         """
         mapping, ew.mapping, ew.tensors = ew.mapping, None, {}
+        if self.wired is not None:
+            self.wired.unlock_expert(ew.key)
         if mapping is not None:
             self.pool.put(mapping)
 
-    def submit(self, keys: list[Key], max_inflight: int | None = None) -> "ReadBatch":
+    def submit(self, keys: list[Key], max_inflight: int | None = None, prefetch: bool = False) -> "ReadBatch":
         """Start reading ``keys`` (in priority order) and return the batch of reads.
 
         The first reads are issued before this returns, so the caller can compute on
         what it already holds while they run; iterate the batch to receive experts.
+        ``prefetch`` counts the reads as prefetch reads (off the critical path).
         """
-        return ReadBatch(self, keys, max_inflight or 2 * self.workers)
+        return ReadBatch(self, keys, max_inflight or 2 * self.workers, prefetch)
 
     def read_all(self, keys: list[Key]) -> dict[Key, ExpertWeights]:
         """Read ``keys`` and return them all (a convenience over :meth:`submit`)."""
@@ -344,8 +377,9 @@ class ReadBatch:
     running ones, so no thread writes into a buffer after it is dropped.
     """
 
-    def __init__(self, store: ExpertStore, keys: list[Key], max_inflight: int):
+    def __init__(self, store: ExpertStore, keys: list[Key], max_inflight: int, prefetch: bool = False):
         self._store = store
+        self.prefetch = prefetch
         self._jobs = deque(store._plan(keys)) if keys else deque()
         self._remaining = {k: 0 for k in keys}
         for job in self._jobs:
@@ -364,7 +398,7 @@ class ReadBatch:
                 if key not in self._open:
                     self._open[key] = self._store._allocate(key)
                 views.append(self._open[key][1][i])
-            self._pending[self._store._threads.submit(self._store._run, job, views)] = job
+            self._pending[self._store._threads.submit(self._store._run, job, views, self.prefetch)] = job
 
     def __iter__(self) -> Iterator[ExpertWeights]:
         try:
@@ -379,10 +413,16 @@ class ReadBatch:
                         if self._remaining[k] == 0:
                             with self._store._lock:
                                 self._store.stats.experts_read += 1
+                                if self.prefetch:
+                                    self._store.stats.prefetch_experts += 1
                             ew, _ = self._open.pop(k)
                             yield self._store._finish(ew)
         finally:
             self.close()
+
+    def done(self) -> bool:
+        """True when every read of the batch has finished (iterating it then does not block)."""
+        return not self._jobs and all(f.done() for f in self._pending)
 
     def close(self) -> None:
         """Cancel reads not yet started; wait for running ones."""

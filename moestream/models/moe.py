@@ -122,6 +122,9 @@ class StreamedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, idx = self.router(self.gate(x))
+        pf = getattr(self.cache, "prefetcher", None)
+        if pf is not None:  # --prefetch-ahead: read the next layers' likely experts while this one computes
+            pf.plan(self.layer, x)
         return streamed_experts(x, weights, idx, self.layer, self.cache, self.expert_fn)
 
 
