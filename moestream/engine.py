@@ -22,6 +22,7 @@ from .layout import ExpertLayout, discover_experts
 from .memory import available_bytes, reset_peak_rss
 from .models import family_for
 from .models.base import CausalLM, checkpoint_dtype, load_resident, resident_nbytes
+from .policies import POLICIES, make_policy
 from .store import ExpertStore
 
 GB = 1e9
@@ -62,11 +63,16 @@ class Engine:
     load_seconds: float = 0.0
     tokenizer: object = None
     unused_tensors: list[str] = field(default_factory=list)
+    usage: object = None  # moestream.usage.UsageState: the usage profile to save, the trace to close
 
     def close(self) -> None:
-        """Stop reader threads and close shard files."""
-        self.store.close()
-        self.checkpoint.close()
+        """Save the usage profile (when learning), close the trace, stop reader threads, close shard files."""
+        try:
+            if self.usage is not None:
+                self.usage.close(self.cache)
+        finally:
+            self.store.close()
+            self.checkpoint.close()
 
 
 def _check_layout(model: CausalLM, layout: ExpertLayout, where) -> dict[int, int]:
@@ -105,6 +111,13 @@ def load(
     dtype: str = "auto",
     tokenizer: bool = True,
     progress: bool | None = None,
+    max_active_experts: int = 0,
+    hotlist: bool = True,
+    pin_file: str | os.PathLike | None = None,
+    usage_file: str | os.PathLike | None = None,
+    learn_experts: bool = True,
+    trace: str | os.PathLike | None = None,
+    cache_policy: str = "lru",
 ) -> Engine:
     """Open a checkpoint and make it ready to generate.
 
@@ -119,6 +132,22 @@ def load(
         tokenizer: also load the checkpoint's tokenizer (before the weights, so a missing
             one fails fast).
         progress: show progress bars (None: only on a terminal).
+        max_active_experts: keep at most this many routed experts per token, the
+            highest-weight ones, renormalized as the family does (0: the model's own
+            routing). Below the model's top-k this changes the output (a warning says so).
+        hotlist: preload and pin the experts of ``hot_experts.json`` in the model folder.
+        pin_file: a ``{"pin": [[layer, expert], ...]}`` file of experts to preload and pin.
+        usage_file: the usage profile to read and update (default: one per model in the
+            user cache folder, :func:`moestream.usage.default_profile_path`).
+        learn_experts: count which experts the traffic uses, save the profile on
+            :meth:`Engine.close`, and pin the hottest ones from it at start.
+        trace: write the routing trace (JSON lines) to this file.
+        cache_policy: eviction policy, ``lru`` (default), ``lfu`` or ``layer``
+            (:mod:`moestream.policies`).
+        None of these but ``max_active_experts`` changes the output. Pins take at most the
+        budget (pin file) or half of it (hot list and usage profile, after the pin file);
+        a bad profile, hot list or pin file is ignored with a warning naming it
+        (:mod:`moestream.usage`).
 
     Raises:
         CheckpointError, ConfigError, LayoutError: naming the file, field or tensor at fault.
@@ -131,6 +160,10 @@ def load(
     budget = parse_budget(cache_budget_gb)
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    if cache_policy not in POLICIES:
+        raise ConfigError(f"cache policy {cache_policy!r}: expected one of {', '.join(POLICIES)}")
+    if not isinstance(max_active_experts, int) or max_active_experts < 0:
+        raise ConfigError(f"max_active_experts must be an integer >= 0, got {max_active_experts!r}")
     ckpt = Checkpoint(resolve_model(model))
     store = None
     try:
@@ -164,17 +197,24 @@ def load(
         with progress_bar(total, "loading resident weights", progress) as bar:
             unused = load_resident(net, ckpt, layout.expert_tensors, compute_dtype, bar.update)
         net.to(dev).eval()
-        cache = ExpertCache(store, budget, num_experts)
+        from .usage import setup_cache_policy
+
+        policy = make_policy(cache_policy, half_life=sum(num_experts.values()))
+        cache = ExpertCache(store, budget, num_experts, policy=policy)
         for block in net.moe_blocks():
             block.attach(cache)
         if budget is None:
             need = sum(store.cached_nbytes(k) for k in keys)
             with progress_bar(need, "preloading every expert", progress) as bar:
                 cache.preload(keys, bar.update)
+        usage_state = setup_cache_policy(
+            ckpt, net, cache, num_experts, max_active_experts=max_active_experts, hotlist=hotlist,
+            pin_file=pin_file, usage_file=usage_file, learn_experts=learn_experts, trace=trace,
+        )
         return Engine(
             checkpoint=ckpt, layout=layout, store=store, cache=cache, model=net, family=family,
             dtype=compute_dtype, device=dev, resident_bytes=resident_nbytes(net),
-            load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused,
+            load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused, usage=usage_state,
         )
     except BaseException:
         if store is not None:
