@@ -190,13 +190,13 @@ def run_cache_sim(traces: list[Path], budgets_gb: list[float], policies: list[st
             for _path, header, _records, sizes, reqs, decode in loaded:
                 hl = half_life or sum(int(v) for v in header.get("num_experts", {}).values()) or 1024
                 one = max(sizes.values()) if sizes else 1
-                held = budget // one
+                held = min(budget // one, sum(int(v) for v in header.get("num_experts", {}).values()))
                 r = simulate_policy(p, reqs, lambda k, s=sizes, o=one: s.get(k[0], o), budget, decode, hl)
                 agg.lookups += r.lookups
                 agg.hits += r.hits
                 agg.decode_lookups += r.decode_lookups
                 agg.decode_hits += r.decode_hits
             row.append(f"{agg.hit_rate:.1%} ({agg.decode_hit_rate:.1%})")
-        share = f" ({budget / total:.0%} of experts)" if total else ""
+        share = "" if not total else " (all)" if budget >= total else f" ({budget / total:.0%} of experts)"
         lines.append(f"| {gb:g} | {held}{share} | " + " | ".join(row) + " |")
     return "\n".join(lines)

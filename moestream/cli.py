@@ -21,6 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="expert cache budget in GB (10^9 bytes), or 'all' to keep every expert resident (default 3)",
     )
     p.add_argument("--prefetch-workers", type=int, default=8, help="parallel expert reads (default 8)")
+    from .policy_cli import add_cache_policy_args
+
+    add_cache_policy_args(p)
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -30,13 +33,18 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if args.prefetch_workers < 1:
         raise MoestreamError(f"--prefetch-workers must be at least 1, got {args.prefetch_workers}")
     parse_budget(args.cache_budget_gb)
+    from .policy_cli import check_cache_policy_args
+
+    check_cache_policy_args(args)
 
 
 def load_engine(args: argparse.Namespace, tokenizer: bool = True):
     """``engine.load`` with the options of :func:`add_engine_args`."""
     from .engine import load
+    from .policy_cli import cache_policy_kwargs
 
-    return load(args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer)
+    return load(args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer,
+                **cache_policy_kwargs(args))
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -132,9 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="build a small model on first run and stream it")
     d.add_argument("--dir", type=Path, default=None, help="where the demo checkpoint lives (default: user cache)")
     d.add_argument("--max-tokens", type=int, default=48, help="tokens to generate in each demo run (default 48)")
+    from .policy_cli import add_commands, run_command
+
+    add_commands(sub, add_engine_args)
     args = parser.parse_args(argv)
     try:
-        if args.command == "generate":
+        if run_command(args):
+            pass
+        elif args.command == "generate":
             run_generate(args)
         elif args.command == "synth":
             run_synth(args)
