@@ -1,6 +1,7 @@
 """Expert cache: which experts stay in memory, under a byte budget, and its counters.
 
-An LRU cache of experts keyed by ``(layer, expert)``. The budget bounds the bytes of
+A cache of experts keyed by ``(layer, expert)``, evicting in the order of an
+:class:`~moestream.policies.EvictionPolicy` (LRU by default). The budget bounds the bytes of
 cached experts; an expert in use by the layer being computed is pinned and never
 evicted, so the cache may exceed its budget by at most the experts in use (a budget
 smaller than one layer's experts still works: each is read, used, then evicted).

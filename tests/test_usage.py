@@ -211,3 +211,10 @@ def test_cli_hotlist_and_cache_sim(tmp_path, capsys):
     rows = [line for line in table.splitlines() if line.startswith("| ") and "%" in line]
     assert len(rows) == 3 and rows[-1].startswith("| 1 | 16 (all) |")
     assert main(["cache-sim", "--trace", str(tmp_path / "c.json"), "--budgets", "1"]) == 2  # not a trace
+    # a run that learns, then a hot list made from its profile
+    assert main(["generate", "--model", str(m), "--prompt", "hello there", "--max-tokens", "2", "--quiet",
+                 "--cache-budget-gb", "0"]) == 0
+    capsys.readouterr()
+    assert main(["hotlist", "--model", str(m), "--out", str(out), "--cache-budget-gb", "0"]) == 0
+    assert "from usage profile" in capsys.readouterr().out
+    assert json.loads(out.read_text())["pin"]
