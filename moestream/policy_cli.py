@@ -83,8 +83,9 @@ def add_commands(sub, add_engine_args) -> None:
                    help="LFU decay half-life in lookups (default: the model's routed experts, as the engine)")
 
 
-def run_command(args: argparse.Namespace, out=sys.stdout) -> bool:
-    """Run ``hotlist`` or ``cache-sim``; False for other commands."""
+def run_command(args: argparse.Namespace, out=None) -> bool:
+    """Run ``hotlist`` or ``cache-sim`` (printing to ``out``, default stdout); False for other commands."""
+    out = out or sys.stdout
     if args.command == "cache-sim":
         from .cachesim import run_cache_sim
 
@@ -106,7 +107,7 @@ def run_command(args: argparse.Namespace, out=sys.stdout) -> bool:
     return False
 
 
-def run_hotlist(args: argparse.Namespace, out=sys.stdout) -> list:
+def run_hotlist(args: argparse.Namespace, out=None) -> list:
     """Make a hot list: from the model's usage profile, or by sampling the built-in prompts.
 
     Returns the keys written, hottest first.
@@ -119,6 +120,7 @@ def run_hotlist(args: argparse.Namespace, out=sys.stdout) -> list:
     from .tokenizer import encode_prompt
     from .usage import default_profile_path, ranked, read_profile, warn, write_keys
 
+    out = out or sys.stdout
     check_engine_args(args)
     if args.out.is_dir() or not args.out.parent.is_dir():
         raise MoestreamError(f"--out {args.out}: not a file in an existing folder")

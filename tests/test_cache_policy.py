@@ -102,7 +102,7 @@ request_lists = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(reqs=request_lists, extra=st.integers(0, 10))
 def test_belady_is_never_worse(reqs, extra):
     """Belady's MIN is optimal: no online policy gets more hits, at any budget holding a request."""
