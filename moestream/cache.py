@@ -1,6 +1,7 @@
 """Expert cache: which experts stay in memory, under a byte budget, and its counters.
 
-An LRU cache of experts keyed by ``(layer, expert)``. The budget bounds the bytes of
+A cache of experts keyed by ``(layer, expert)``, evicting in the order of an
+:class:`~moestream.policies.EvictionPolicy` (LRU by default). The budget bounds the bytes of
 cached experts; an expert in use by the layer being computed is pinned and never
 evicted, so the cache may exceed its budget by at most the experts in use (a budget
 smaller than one layer's experts still works: each is read, used, then evicted).
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import BudgetError
+from .policies import EvictionPolicy, LRUPolicy
 from .store import ExpertStore, ExpertWeights, Key
 
 GB = 1e9
@@ -70,6 +72,11 @@ class ExpertCache:
         store: reads missing experts.
         budget_bytes: bytes of experts to keep, or ``None`` for every expert.
         num_experts: layer index -> experts in that layer (sizes the usage counters).
+        policy: the eviction policy (default :class:`~moestream.policies.LRUPolicy`); it
+            orders the experts that are neither in use nor pinned.
+
+    Experts pinned with :meth:`pin` (a hot list, a usage profile, a pin file) are never
+    evicted; their bytes count against the budget.
 
     Attributes:
         stats: :class:`CacheStats`.
@@ -77,8 +84,16 @@ class ExpertCache:
             each expert (used for distinct-experts-per-layer and usage profiles).
     """
 
-    def __init__(self, store: ExpertStore, budget_bytes: int | None, num_experts: dict[int, int]):
+    def __init__(
+        self, store: ExpertStore, budget_bytes: int | None, num_experts: dict[int, int],
+        policy: EvictionPolicy | None = None,
+    ):
         self.store = store
+        self.policy = policy if policy is not None else LRUPolicy()
+        self.pinned_keys: set[Key] = set()  # pinned for good: never evicted
+        self.pinned_bytes = 0
+        self._protect: set[Key] = set()  # the experts of the fetch under way: evicted last
+        self.trace = None  # a moestream.usage.TraceWriter, fed by the MoE blocks
         self.budget_bytes = budget_bytes
         self.device = store.device
         self.stats = CacheStats()
@@ -97,8 +112,9 @@ class ExpertCache:
         return len(self._entries)
 
     def keys_lru_first(self) -> list[Key]:
-        """Cached keys from least to most recently used."""
-        return list(self._entries)
+        """Cached keys the policy may evict, first to be evicted first (LRU: least to most
+        recently used). Pinned experts are not listed."""
+        return self.policy.order()
 
     def pinned(self) -> set[Key]:
         return set(self._pins)
@@ -115,19 +131,25 @@ class ExpertCache:
             del self._pins[key]
 
     def _insert(self, ew: ExpertWeights) -> None:
+        if ew.key not in self.pinned_keys:
+            self.policy.admit(ew.key)
         self._entries[ew.key] = ew
         self.used_bytes += ew.nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     def _shrink(self) -> None:
-        """Evict least recently used, unpinned experts until within budget."""
+        """Evict the policy's victims until within budget: experts neither in use nor pinned,
+        those of the fetch under way last."""
         if self.budget_bytes is None or self.used_bytes <= self.budget_bytes:
             return
-        for key in list(self._entries):
-            if self.used_bytes <= self.budget_bytes:
+        busy = self._pins.__contains__
+        while self.used_bytes > self.budget_bytes:
+            key = self.policy.victim(lambda k: k in self._pins or k in self._protect)
+            if key is None:
+                key = self.policy.victim(busy)
+            if key is None:
                 break
-            if key in self._pins:
-                continue
+            self.policy.remove(key)
             ew = self._entries.pop(key)
             self.used_bytes -= ew.nbytes
             self.stats.evictions += 1
@@ -169,9 +191,17 @@ class ExpertCache:
                 misses.append(key)
             else:
                 self.stats.hits += 1
+                if key in self.pinned_keys:
+                    self.stats.pinned_hits += 1
                 self._entries.move_to_end(key)
                 self._pin(key)
                 hits.append(ew)
+        # the policy sees hits, then read-ahead experts, then misses, each in request order,
+        # whatever order reads finish in
+        for key in [ew.key for ew in hits] + prefetched + misses:
+            if key not in self.pinned_keys:
+                self.policy.record(key)
+        self._protect = {(layer, e) for e in experts}
         held = [ew.key for ew in hits]
         batch = None
         try:
@@ -208,6 +238,7 @@ class ExpertCache:
             for key in held:
                 self._unpin(key)
             self._shrink()
+            self._protect = set()
 
     def preload(self, keys: list[Key], progress=None) -> None:
         """Read ``keys`` into the cache (as most recently used), as far as the budget allows.
@@ -222,6 +253,51 @@ class ExpertCache:
                 self._shrink()
                 if progress is not None:
                     progress(ew.nbytes)
+
+    def pin(self, keys: list[Key], limit_bytes: int | None = None, progress=None) -> int:
+        """Read ``keys`` (hottest first) into the cache and pin them: they are never evicted.
+
+        Pinning stops at the first expert that would take the pinned bytes over
+        ``limit_bytes`` (at most the budget; default the budget). Pinned bytes count
+        against the budget. With budget ``None`` (every expert resident) nothing needs
+        pinning and 0 is returned. ``progress`` is called with each expert's bytes.
+
+        Returns:
+            how many experts are newly pinned.
+
+        Raises:
+            ReadError: from the store; what was read before stays pinned.
+        """
+        if self.budget_bytes is None:
+            return 0
+        limit = self.budget_bytes if limit_bytes is None else min(limit_bytes, self.budget_bytes)
+        total, chosen = self.pinned_bytes, []
+        for key in dict.fromkeys(keys):
+            if key in self.pinned_keys:
+                continue
+            n = self._entries[key].nbytes if key in self._entries else self.store.cached_nbytes(key)
+            if total + n > limit:
+                break
+            chosen.append(key)
+            total += n
+        to_read = []
+        for key in chosen:
+            if key in self._entries:  # already cached: the policy lets go of it
+                self.policy.remove(key)
+                self.pinned_keys.add(key)
+                self.pinned_bytes += self._entries[key].nbytes
+            else:
+                to_read.append(key)
+        with self.store.submit(to_read) as batch:
+            for ew in batch:
+                self.pinned_keys.add(ew.key)
+                self._insert(ew)
+                self.pinned_bytes += ew.nbytes
+                self.stats.preloaded += 1
+                self._shrink()
+                if progress is not None:
+                    progress(ew.nbytes)
+        return len(chosen)
 
     def distinct_experts(self) -> dict[int, int]:
         """Layer -> how many distinct experts the routings so far have used."""

@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--wire-memory", action="store_true",
                    help="lock the resident weights and the expert cache in RAM (mlock; needs RLIMIT_MEMLOCK)")
+    from .policy_cli import add_cache_policy_args
+
+    add_cache_policy_args(p)
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -52,6 +55,9 @@ def check_engine_args(args: argparse.Namespace) -> None:
         raise MoestreamError(f"--prefetch-ahead must be at least 0, got {args.prefetch_ahead}")
     if not is_auto(args.cache_budget_gb):
         parse_budget(args.cache_budget_gb)
+    from .policy_cli import check_cache_policy_args
+
+    check_cache_policy_args(args)
 
 
 def load_engine(args: argparse.Namespace, tokenizer: bool = True, context: int | None = None):
@@ -60,11 +66,12 @@ def load_engine(args: argparse.Namespace, tokenizer: bool = True, context: int |
     ``context``: tokens of context to leave room for (KV cache) when sizing ``--cache-budget-gb auto``.
     """
     from .engine import load
+    from .policy_cli import cache_policy_kwargs
 
     return load(
         args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer,
         use_page_cache=getattr(args, "use_page_cache", None), prefetch_ahead=getattr(args, "prefetch_ahead", 0),
-        wire_memory=getattr(args, "wire_memory", False), context_tokens=context,
+        wire_memory=getattr(args, "wire_memory", False), context_tokens=context, **cache_policy_kwargs(args),
     )
 
 
@@ -418,9 +425,14 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="build a small model on first run and stream it")
     d.add_argument("--dir", type=Path, default=None, help="where the demo checkpoint lives (default: user cache)")
     d.add_argument("--max-tokens", type=int, default=48, help="tokens to generate in each demo run (default 48)")
+    from .policy_cli import add_commands, run_command
+
+    add_commands(sub, add_engine_args)
     args = parser.parse_args(argv)
     try:
-        if args.command == "generate":
+        if run_command(args):
+            pass
+        elif args.command == "generate":
             run_generate(args)
         elif args.command == "serve":
             run_serve(args)

@@ -24,6 +24,7 @@ from .layout import ExpertLayout, discover_experts
 from .memory import available_bytes, reset_peak_rss
 from .models import family_for
 from .models.base import CausalLM, checkpoint_dtype, load_resident, resident_nbytes
+from .policies import POLICIES, make_policy
 from .store import ExpertStore
 
 GB = 1e9
@@ -65,13 +66,18 @@ class Engine:
     tokenizer: object = None
     unused_tensors: list[str] = field(default_factory=list)
     io: IOSettings | None = None  # the read path, prefetch, wiring and auto budget in use
+    usage: object = None  # moestream.usage.UsageState: the usage profile to save, the trace to close
 
     def close(self) -> None:
-        """Stop reader threads and close shard files."""
-        if self.io is not None and self.io.prefetcher is not None:
-            self.io.prefetcher.close()
-        self.store.close()
-        self.checkpoint.close()
+        """Save the usage profile (when learning), close the trace, stop prefetch and reader threads, close shards."""
+        try:
+            if self.usage is not None:
+                self.usage.close(self.cache)
+        finally:
+            if self.io is not None and self.io.prefetcher is not None:
+                self.io.prefetcher.close()
+            self.store.close()
+            self.checkpoint.close()
 
 
 def _check_layout(model: CausalLM, layout: ExpertLayout, where, quantized: dict | None = None) -> dict[int, int]:
@@ -119,6 +125,13 @@ def load(
     prefetch_ahead: int = 0,
     wire_memory: bool = False,
     context_tokens: int | None = None,
+    max_active_experts: int = 0,
+    hotlist: bool = True,
+    pin_file: str | os.PathLike | None = None,
+    usage_file: str | os.PathLike | None = None,
+    learn_experts: bool = True,
+    trace: str | os.PathLike | None = None,
+    cache_policy: str = "lru",
 ) -> Engine:
     """Open a checkpoint and make it ready to generate.
 
@@ -146,6 +159,22 @@ def load(
         ``cache_budget_gb="auto"`` sizes the cache from the memory available (cgroup
         limits included) less resident weights, the KV cache and a runtime reserve
         (:meth:`moestream.io_setup.IOSettings.size_budget`; the numbers are in ``engine.io.auto``).
+        max_active_experts: keep at most this many routed experts per token, the
+            highest-weight ones, renormalized as the family does (0: the model's own
+            routing). Below the model's top-k this changes the output (a warning says so).
+        hotlist: preload and pin the experts of ``hot_experts.json`` in the model folder.
+        pin_file: a ``{"pin": [[layer, expert], ...]}`` file of experts to preload and pin.
+        usage_file: the usage profile to read and update (default: one per model in the
+            user cache folder, :func:`moestream.usage.default_profile_path`).
+        learn_experts: count which experts the traffic uses, save the profile on
+            :meth:`Engine.close`, and pin the hottest ones from it at start.
+        trace: write the routing trace (JSON lines) to this file.
+        cache_policy: eviction policy, ``lru`` (default), ``lfu`` or ``layer``
+            (:mod:`moestream.policies`).
+        None of these but ``max_active_experts`` changes the output. Pins take at most the
+        budget (pin file) or half of it (hot list and usage profile, after the pin file);
+        a bad profile, hot list or pin file is ignored with a warning naming it
+        (:mod:`moestream.usage`).
 
     Raises:
         CheckpointError, ConfigError, LayoutError: naming the file, field or tensor at fault.
@@ -161,6 +190,10 @@ def load(
         raise ValueError(f"workers must be at least 1, got {workers}")
     if prefetch_ahead < 0:
         raise ValueError(f"prefetch_ahead must be at least 0, got {prefetch_ahead}")
+    if cache_policy not in POLICIES:
+        raise ConfigError(f"cache policy {cache_policy!r}: expected one of {', '.join(POLICIES)}")
+    if not isinstance(max_active_experts, int) or max_active_experts < 0:
+        raise ConfigError(f"max_active_experts must be an integer >= 0, got {max_active_experts!r}")
     ckpt = Checkpoint(resolve_model(model))
     store = None
     try:
@@ -207,7 +240,10 @@ def load(
             if note:
                 print(f"note: {note}", file=sys.stderr)
         net.to(dev).eval()
-        cache = ExpertCache(store, budget, num_experts)
+        from .usage import setup_cache_policy
+
+        policy = make_policy(cache_policy, half_life=sum(num_experts.values()))
+        cache = ExpertCache(store, budget, num_experts, policy=policy)
         for block in net.moe_blocks():
             block.attach(cache)
         io.start(ckpt, net, store, cache)
@@ -215,10 +251,14 @@ def load(
             need = sum(store.cached_nbytes(k) for k in keys)
             with progress_bar(need, "preloading every expert", progress) as bar:
                 cache.preload(keys, bar.update)
+        usage_state = setup_cache_policy(
+            ckpt, net, cache, num_experts, max_active_experts=max_active_experts, hotlist=hotlist,
+            pin_file=pin_file, usage_file=usage_file, learn_experts=learn_experts, trace=trace,
+        )
         return Engine(
             checkpoint=ckpt, layout=layout, store=store, cache=cache, model=net, family=family,
             dtype=compute_dtype, device=dev, resident_bytes=resident_nbytes(net),
-            load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused, io=io,
+            load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused, io=io, usage=usage_state,
         )
     except BaseException:
         if store is not None:

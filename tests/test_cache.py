@@ -1,6 +1,6 @@
 """The expert cache: budget bound, LRU order, pins, counters, failed reads."""
 
-from collections import OrderedDict
+import itertools
 
 import pytest
 import torch
@@ -128,14 +128,18 @@ def test_failed_read_caches_nothing_partial(ckpt, mode):
     ),
 )
 def test_cache_matches_a_reference_lru(ckpt, budget, workers, calls):
-    """Against a plain LRU model: same contents and order, budget bound, counters adding up."""
+    """Against a plain LRU model: same contents and order, budget bound, counters adding up.
+
+    A layer's lookups are stamped hits first, then misses, each in request order (not in
+    the order reads complete)."""
     cache, size = make_cache(ckpt, budget, workers)
-    ref: OrderedDict = OrderedDict()
+    ref: dict = {}  # key -> stamp of its last lookup
+    stamps, clock = {}, itertools.count()
     limit = budget * size
     lookups = misses = 0
 
     def shrink(pinned):
-        for k in list(ref):
+        for k in sorted(ref, key=stamps.__getitem__):
             if len(ref) * size <= limit:
                 break
             if k not in pinned:
@@ -143,8 +147,8 @@ def test_cache_matches_a_reference_lru(ckpt, budget, workers, calls):
 
     for layer, experts in calls:
         hits = [e for e in experts if (layer, e) in ref]
-        for e in hits:
-            ref.move_to_end((layer, e))
+        for e in hits + [e for e in experts if e not in hits]:
+            stamps[(layer, e)] = next(clock)
         pinned = {(layer, e) for e in hits}
         lookups += len(experts)
         misses += len(experts) - len(hits)
@@ -157,7 +161,7 @@ def test_cache_matches_a_reference_lru(ckpt, budget, workers, calls):
             assert cache.used_bytes <= limit + len(pinned) * size
             pinned.discard(key)
             shrink(pinned)
-        assert cache.keys_lru_first() == list(ref)
+        assert cache.keys_lru_first() == sorted(ref, key=stamps.__getitem__)
         assert cache.used_bytes <= limit
     s = cache.stats
     assert s.lookups == lookups == s.hits + s.misses

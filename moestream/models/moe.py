@@ -89,6 +89,32 @@ def streamed_experts(
     return out
 
 
+def keep_top_experts(
+    weights: torch.Tensor, idx: torch.Tensor, k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep each token's ``k`` highest-weight routed experts (``--max-active-experts``).
+
+    Args:
+        weights: [T, K] routing weights; idx: [T, K] expert indices (K > k >= 1).
+        k: experts to keep per token.
+        renormalize: whether the family renormalizes its top-k weights; if so the kept
+            weights are rescaled (in float32) to sum to what the full top-k's weights
+            summed (which also keeps any routed scaling factor); if not they are kept as
+            they are, as the family would weigh them.
+
+    Returns:
+        ``(weights [T, k] in weights.dtype, idx [T, k] int64)``, the kept slots in their
+        routing order. This changes the model's output: it is an approximation the user
+        opts into.
+    """
+    pos = torch.topk(weights.float(), k, dim=-1).indices.sort(dim=-1).values  # routing order kept
+    kept_w, kept_i = torch.gather(weights, 1, pos), torch.gather(idx, 1, pos)
+    if renormalize:
+        w = kept_w.float()
+        kept_w = (w * (weights.float().sum(-1, keepdim=True) / w.sum(-1, keepdim=True))).to(weights.dtype)
+    return kept_w, kept_i
+
+
 class StreamedMoE(nn.Module):
     """A MoE block whose router is resident and whose routed experts stream through the cache.
 
@@ -100,6 +126,9 @@ class StreamedMoE(nn.Module):
         renormalize: whether the family renormalizes its top-k weights (``norm_topk_prob``
             and the like), so that keeping fewer experts (``--max-active-experts``)
             renormalizes the kept ones the same way.
+
+    Attribute ``max_active`` (default 0: the model's own routing, exact) keeps at most that
+    many experts per token (:func:`keep_top_experts`); set by ``engine.load``.
 
     The router's weight is ``gate.weight`` [E, H], the name transformers uses.
     """
@@ -115,6 +144,7 @@ class StreamedMoE(nn.Module):
         self.router = router
         self.expert_fn = expert_fn
         self.cache: ExpertCache | None = None
+        self.max_active = 0
 
     def attach(self, cache: ExpertCache) -> None:
         self.cache = cache
@@ -122,6 +152,11 @@ class StreamedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, idx = self.router(self.gate(x))
+        if 0 < self.max_active < idx.shape[1]:
+            weights, idx = keep_top_experts(weights, idx, self.max_active, self.renormalize)
+        trace = getattr(self.cache, "trace", None)
+        if trace is not None:
+            trace.route(self.layer, idx)
         pf = getattr(self.cache, "prefetcher", None)
         if pf is not None:  # --prefetch-ahead: read the next layers' likely experts while this one computes
             pf.plan(self.layer, x)

@@ -1,0 +1,153 @@
+"""Command-line options and commands of expert usage and cache policy.
+
+Options (in every command that loads a model, through ``cli.add_engine_args``):
+``--max-active-experts``, ``--no-hotlist``, ``--pin-file``, ``--usage-file``,
+``--no-learn-experts``, ``--trace``, ``--cache-policy``. Commands: ``moestream hotlist``
+(make a hot list) and ``moestream cache-sim`` (replay routing traces under each policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import MoestreamError
+from .policies import POLICIES
+
+# varied built-in prompts for `moestream hotlist`: code, maths, prose, facts, dialogue, other languages
+HOTLIST_PROMPTS = [
+    "Write a Python function that merges two sorted lists, and explain its complexity.",
+    "Solve for x: 3x + 7 = 22. Then explain each step to a twelve-year-old.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Summarize the causes and consequences of the French Revolution in five bullet points.",
+    "Traduis en français : The weather is lovely today, let's walk by the river.",
+    "You are a helpful assistant. A user asks: how do I fix a flat bicycle tyre?",
+    "用三句话解释光合作用。",
+    "List ten creative names for a coffee shop run by robots, with a one-line pitch each.",
+]
+
+
+def add_cache_policy_args(p: argparse.ArgumentParser) -> None:
+    """The expert-usage and cache-policy options of ``engine.load``."""
+    p.add_argument("--max-active-experts", type=int, default=0, metavar="K",
+                   help="keep each token's K highest-weight routed experts, renormalized as the model does "
+                        "(0 = the model's own routing, default). Changes the output.")
+    p.add_argument("--no-hotlist", action="store_true", help="ignore hot_experts.json in the model folder")
+    p.add_argument("--pin-file", type=Path, default=None,
+                   help='preload and pin the experts of this {"pin": [[layer, expert], ...]} file')
+    p.add_argument("--usage-file", type=Path, default=None,
+                   help="usage profile to read and update (default: one per model in ~/.cache/moestream/usage)")
+    p.add_argument("--no-learn-experts", action="store_true",
+                   help="neither count expert usage into a profile nor pin hot experts from it")
+    p.add_argument("--trace", type=Path, default=None, help="write the routing trace (JSON lines) to this file")
+    p.add_argument("--cache-policy", default="lru", choices=POLICIES, help="eviction policy (default lru)")
+
+
+def check_cache_policy_args(args: argparse.Namespace) -> None:
+    """Check the options of :func:`add_cache_policy_args` before loading. Raises MoestreamError."""
+    if getattr(args, "max_active_experts", 0) < 0:
+        raise MoestreamError(f"--max-active-experts must be >= 0, got {args.max_active_experts}")
+    trace = getattr(args, "trace", None)
+    if trace is not None and (trace.is_dir() or not trace.parent.is_dir()):
+        raise MoestreamError(f"--trace {trace}: not a file in an existing folder")
+
+
+def cache_policy_kwargs(args: argparse.Namespace) -> dict:
+    """``engine.load`` keyword arguments from the parsed options."""
+    return dict(
+        max_active_experts=getattr(args, "max_active_experts", 0),
+        hotlist=not getattr(args, "no_hotlist", False),
+        pin_file=getattr(args, "pin_file", None),
+        usage_file=getattr(args, "usage_file", None),
+        learn_experts=not getattr(args, "no_learn_experts", False),
+        trace=getattr(args, "trace", None),
+        cache_policy=getattr(args, "cache_policy", "lru"),
+    )
+
+
+def add_commands(sub, add_engine_args) -> None:
+    """Register ``hotlist`` and ``cache-sim`` on the CLI's subparsers."""
+    h = sub.add_parser("hotlist", help="make a hot list (hot_experts.json) from a usage profile or built-in prompts")
+    add_engine_args(h)
+    h.add_argument("--out", required=True, type=Path, help="hot list to write (e.g. MODEL/hot_experts.json)")
+    h.add_argument("--from-prompts", action="store_true",
+                   help="run the built-in prompts even when a usage profile exists")
+    h.add_argument("--max-tokens", type=int, default=64, help="tokens sampled per built-in prompt (default 64)")
+    c = sub.add_parser("cache-sim", help="replay routing traces under LRU, LFU-decay, layer and Belady's MIN")
+    c.add_argument("--trace", required=True, type=Path, nargs="+", help="traces written with --trace")
+    c.add_argument("--budgets", required=True, help="cache budgets in GB, comma-separated (e.g. 0.5,1,2)")
+    c.add_argument("--policies", default=",".join([*POLICIES, "belady"]),
+                   help="comma-separated, from lru, lfu, layer, belady (default all)")
+    c.add_argument("--half-life", type=float, default=None,
+                   help="LFU decay half-life in lookups (default: the model's routed experts, as the engine)")
+
+
+def run_command(args: argparse.Namespace, out=None) -> bool:
+    """Run ``hotlist`` or ``cache-sim`` (printing to ``out``, default stdout); False for other commands."""
+    out = out or sys.stdout
+    if args.command == "cache-sim":
+        from .cachesim import run_cache_sim
+
+        try:
+            budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+        except ValueError:
+            raise MoestreamError(f"--budgets {args.budgets!r}: not comma-separated numbers of GB") from None
+        if not budgets or any(not 0 <= b < 1e9 for b in budgets):
+            raise MoestreamError(f"--budgets {args.budgets!r}: give numbers of GB >= 0")
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        bad = [p for p in policies if p not in (*POLICIES, "belady")]
+        if bad or not policies:
+            raise MoestreamError(f"--policies: {bad or policies} not among {', '.join([*POLICIES, 'belady'])}")
+        print(run_cache_sim(args.trace, budgets, policies, args.half_life), file=out)
+        return True
+    if args.command == "hotlist":
+        run_hotlist(args, out)
+        return True
+    return False
+
+
+def run_hotlist(args: argparse.Namespace, out=None) -> list:
+    """Make a hot list: from the model's usage profile, or by sampling the built-in prompts.
+
+    Returns the keys written, hottest first.
+    """
+    import torch
+
+    from .cli import check_engine_args
+    from .engine import load
+    from .generation import SamplingParams, generate
+    from .tokenizer import encode_prompt
+    from .usage import default_profile_path, ranked, read_profile, warn, write_keys
+
+    out = out or sys.stdout
+    check_engine_args(args)
+    if args.out.is_dir() or not args.out.parent.is_dir():
+        raise MoestreamError(f"--out {args.out}: not a file in an existing folder")
+    kwargs = cache_policy_kwargs(args)
+    kwargs.update(learn_experts=False, hotlist=False, pin_file=None)
+    engine = load(args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=True, **kwargs)
+    try:
+        model_id = engine.usage.model_id
+        num_experts = engine.usage.num_experts
+        path = args.usage_file or default_profile_path(engine.checkpoint.path, model_id)
+        counts, source = None, ""
+        if not args.from_prompts and Path(path).exists():
+            counts, problem = read_profile(Path(path), model_id, num_experts)
+            if counts is None:
+                warn(f"usage profile {path} {problem}; running the built-in prompts instead")
+            else:
+                source = f"usage profile {path}"
+        if counts is None:
+            for i, prompt in enumerate(HOTLIST_PROMPTS):
+                ids = encode_prompt(engine.tokenizer, prompt, chat_template=True)
+                for _ in generate(engine, ids, args.max_tokens, SamplingParams(temperature=1.0, seed=i)):
+                    pass
+            counts = {layer: u.to(torch.float64).tolist() for layer, u in engine.cache.usage.items()}
+            source = f"{len(HOTLIST_PROMPTS)} built-in prompts x {args.max_tokens} tokens (sampled)"
+        keys = ranked(counts)
+        write_keys(args.out, keys, model_id)
+        print(f"wrote {args.out}: {len(keys)} experts, hottest first, from {source}", file=out)
+        return keys
+    finally:
+        engine.close()
