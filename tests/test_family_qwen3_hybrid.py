@@ -217,3 +217,15 @@ def test_real_configs_parse(config):
     assert a.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
     assert a.fused_projections == (cfg["model_type"] == "qwen3_next")
     assert all(a.is_moe_layer(i) for i in range(a.num_hidden_layers))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 9, 130])
+def test_depthwise_causal_conv_is_conv1d(dtype, t):
+    from moestream.models.hybrid import depthwise_causal_conv
+
+    g = torch.Generator().manual_seed(t)
+    window = torch.randn(96, 3 + t, generator=g).to(dtype)
+    weight = (torch.randn(96, 4, generator=g) * 0.5).to(dtype)
+    want = torch.nn.functional.conv1d(window[None], weight[:, None], groups=96)[0]
+    assert torch.equal(depthwise_causal_conv(window, weight), want)
