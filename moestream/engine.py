@@ -120,6 +120,10 @@ def load(
             one fails fast).
         progress: show progress bars (None: only on a terminal).
 
+    A family that leaves checkpoint parts out on purpose (a vision tower, an MTP layer)
+    names them in one note on stderr (its ``describe_skipped``); they are not listed in
+    ``Engine.unused_tensors``.
+
     Raises:
         CheckpointError, ConfigError, LayoutError: naming the file, field or tensor at fault.
         BudgetError: when resident weights plus the cache budget (or every expert, for
