@@ -110,7 +110,7 @@ def test_logits_match_transformers_whole_and_chunked(family, capsys):
             assert all(lay.block.startswith("model.language_model.layers.") for lay in engine.layout.layers.values())
         assert sorted(engine.layout.layers) == ([0, 1, 2, 3] if name == "qwen3_5_moe" else [0, 1, 3])  # 2 is dense
         assert not any("shared_expert" in t for t in engine.layout.expert_tensors)  # the shared expert is resident
-        for chunk in (PROMPT, 30, 7):
+        for chunk in (PROMPT, 30, 1):  # 1: the recurrent (decode) form after the first token
             kv = engine.model.new_kv_cache(16)  # small: the KV cache grows
             with torch.inference_mode():
                 got = torch.cat([engine.model(ids[s : s + chunk], s, kv, all_logits=True)
