@@ -176,6 +176,10 @@ def load(
         a bad profile, hot list or pin file is ignored with a warning naming it
         (:mod:`moestream.usage`).
 
+    A family that leaves checkpoint parts out on purpose (a vision tower, an MTP layer)
+    names them in one note on stderr (its ``describe_skipped``); they are not listed in
+    ``Engine.unused_tensors``.
+
     Raises:
         CheckpointError, ConfigError, LayoutError: naming the file, field or tensor at fault.
         BudgetError: when resident weights plus the cache budget (or every expert, for

@@ -228,6 +228,15 @@ def _write(plan: SynthPlan, folder: Path, progress: Callable[[int], None] | None
     for f in sorted(plan.tokenizer.iterdir()):
         if f.name in TOKENIZER_FILES or f.name in extra:
             shutil.copyfile(f, folder / f.name)
+    if not (folder / "tokenizer.json").is_file():
+        # AutoTokenizer picks the tokenizer class by model_type for some families (qwen3_5_moe ->
+        # Qwen3_5Tokenizer), and such a class reads only tokenizer.json: write it from vocab and merges
+        from transformers import AutoTokenizer
+
+        backend = getattr(AutoTokenizer.from_pretrained(str(plan.tokenizer), local_files_only=True),
+                          "backend_tokenizer", None)
+        if backend is not None:
+            backend.save(str(folder / "tokenizer.json"))
 
 
 def synth(

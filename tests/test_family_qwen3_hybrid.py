@@ -12,7 +12,7 @@ from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 
-from .helpers import read_all, write_checkpoint
+from .helpers import read_all, to_layout, write_checkpoint
 
 CONFIGS = Path("/work/shared/models/configs")
 # shapes shared by both tiny models: 2 DeltaNet layers, 2 gated attention layers, 8 experts top-2, shared expert
@@ -110,7 +110,7 @@ def test_logits_match_transformers_whole_and_chunked(family, capsys):
             assert all(lay.block.startswith("model.language_model.layers.") for lay in engine.layout.layers.values())
         assert sorted(engine.layout.layers) == ([0, 1, 2, 3] if name == "qwen3_5_moe" else [0, 1, 3])  # 2 is dense
         assert not any("shared_expert" in t for t in engine.layout.expert_tensors)  # the shared expert is resident
-        for chunk in (PROMPT, 30, 7):
+        for chunk in (PROMPT, 30, 1):  # 1: the recurrent (decode) form after the first token
             kv = engine.model.new_kv_cache(16)  # small: the KV cache grows
             with torch.inference_mode():
                 got = torch.cat([engine.model(ids[s : s + chunk], s, kv, all_logits=True)
@@ -140,24 +140,28 @@ def test_greedy_tokens_match_transformers(family):
     assert got == want
 
 
-def test_streaming_at_a_tiny_budget_is_bit_identical(family):
+def test_streaming_at_a_tiny_budget_is_bit_identical(family, tmp_path):
+    """Budget all (per-expert tensors, as saved) against a budget of 1.5 experts, also with the experts fused."""
     name, _, path = family
     with Checkpoint(path) as c:
         one = discover_experts(c.tensors).expert_nbytes(0, 0)
+    fused = write_checkpoint(path, tmp_path / "fused", to_layout(read_all(path), "fused", 8))
     prompt = torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(5)).tolist()
     runs = []
-    for budget in ("all", str(one * 1.5 / 1e9)):
-        engine = load(path, cache_budget_gb=budget, tokenizer=False, workers=3)
+    for where, budget in ((path, "all"), (path, str(one * 1.5 / 1e9)), (fused, str(one * 1.5 / 1e9))):
+        engine = load(where, cache_budget_gb=budget, tokenizer=False, workers=3)
         try:
             steps = list(generate(engine, prompt, 12, SamplingParams(temperature=1.0, seed=7), stop_at_eos=False,
                                   keep_logits=True, prefill_chunk=40))
             runs.append((steps, engine.cache.stats.misses))
         finally:
             engine.close()
-    (ref, ref_misses), (got, misses) = runs
-    assert ref_misses == 0 and misses > 0
-    assert [s.token for s in got] == [s.token for s in ref]
-    assert all(torch.equal(a.logits, b.logits) for a, b in zip(got, ref))
+    (ref, ref_misses), *streamed = runs
+    assert ref_misses == 0
+    for got, misses in streamed:
+        assert misses > 0
+        assert [s.token for s in got] == [s.token for s in ref]
+        assert all(torch.equal(a.logits, b.logits) for a, b in zip(got, ref))
 
 
 def _scaled_down(cfg: dict) -> dict:
@@ -193,7 +197,9 @@ def test_synth_of_a_scaled_down_real_config_generates(tmp_path, config, capsys):
                 "--temp", "1", "--seed", "0", "--cache-budget-gb", budget, "--stats-json", str(tmp_path / "s.json")]
         assert main(args) == 0
         assert "checkpoint tensors are not used" not in capsys.readouterr().err
-        out.append(json.loads((tmp_path / "s.json").read_text())["generated_token_ids"])
+        stats = json.loads((tmp_path / "s.json").read_text())
+        assert stats["prompt_tokens"] > 10  # the prompt went through the chat template of a working tokenizer
+        out.append(stats["generated_token_ids"])
     assert len(out[0]) == 6 and out[0] == out[1]
     engine = load(tmp_path / "m", cache_budget_gb=0, tokenizer=False)
     try:
@@ -217,3 +223,15 @@ def test_real_configs_parse(config):
     assert a.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
     assert a.fused_projections == (cfg["model_type"] == "qwen3_next")
     assert all(a.is_moe_layer(i) for i in range(a.num_hidden_layers))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 9, 130])
+def test_depthwise_causal_conv_is_conv1d(dtype, t):
+    from moestream.models.hybrid import depthwise_causal_conv
+
+    g = torch.Generator().manual_seed(t)
+    window = torch.randn(96, 3 + t, generator=g).to(dtype)
+    weight = (torch.randn(96, 4, generator=g) * 0.5).to(dtype)
+    want = torch.nn.functional.conv1d(window[None], weight[:, None], groups=96)[0]
+    assert torch.equal(depthwise_causal_conv(window, weight), want)
