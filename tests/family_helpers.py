@@ -30,6 +30,9 @@ def save_reference(model_cls, cfg, path: Path, seed: int, extra=None):
                 p.normal_(0.0, 0.3)
             if extra is not None:
                 extra(name, p)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer in MiniMax-M2
+                b.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return model
 

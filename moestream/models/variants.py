@@ -160,6 +160,8 @@ class VariantAttention(nn.Module):
         sinks: one learned sink logit per head joins the softmax and is dropped (gpt-oss).
         gate: ``"per-head"`` or ``"per-element"``: the output is multiplied by
             softplus(g_proj(x)) before o_proj (Laguna); None for no gate.
+        norm_after_rope: apply the per-head q/k norm after rotary instead of before (HunYuan).
+        norm_names: the checkpoint's names of the q and k norms (HunYuan: query_layernorm, key_layernorm).
 
     Parameter names follow transformers (``q_proj`` ... ``o_proj``, ``q_norm``,
     ``k_norm``, ``sinks``, ``g_proj``). With sinks the softmax is computed as transformers'
@@ -169,7 +171,7 @@ class VariantAttention(nn.Module):
     def __init__(
         self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False, window: int | None = None,
         qk_norm: str | None = None, norm_eps: float = 1e-6, clip_qkv: float | None = None, sinks: bool = False,
-        gate: str | None = None,
+        gate: str | None = None, norm_after_rope: bool = False, norm_names: tuple[str, str] = ("q_norm", "k_norm"),
     ):
         super().__init__()
         if heads % kv_heads:
@@ -179,13 +181,17 @@ class VariantAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
-        self.qk_norm = qk_norm
+        self.qk_norm, self.norm_after_rope = qk_norm, norm_after_rope
+        self.norm_names = norm_names
         if qk_norm == "head":
-            self.q_norm, self.k_norm = RMSNorm(head_dim, norm_eps), RMSNorm(head_dim, norm_eps)
+            q_norm, k_norm = RMSNorm(head_dim, norm_eps), RMSNorm(head_dim, norm_eps)
         elif qk_norm == "full":
-            self.q_norm, self.k_norm = RMSNorm(heads * head_dim, norm_eps), RMSNorm(kv_heads * head_dim, norm_eps)
+            q_norm, k_norm = RMSNorm(heads * head_dim, norm_eps), RMSNorm(kv_heads * head_dim, norm_eps)
         elif qk_norm is not None:
             raise ValueError(f"qk_norm {qk_norm!r}")
+        if qk_norm is not None:
+            setattr(self, norm_names[0], q_norm)
+            setattr(self, norm_names[1], k_norm)
         self.clip_qkv = clip_qkv
         self.sinks = nn.Parameter(torch.zeros(heads), requires_grad=False) if sinks else None
         self.gate = gate
@@ -199,18 +205,22 @@ class VariantAttention(nn.Module):
         """x [T, H] at positions ``start..start+T`` -> [T, H]; appends this chunk's keys/values to ``kv``."""
         t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm is not None:
+            q_norm, k_norm = getattr(self, self.norm_names[0]), getattr(self, self.norm_names[1])
         if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q_norm(q), k_norm(k)
         if self.clip_qkv is not None:
             c = self.clip_qkv
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)
         v = v.view(t, self.kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm == "head" and not self.norm_after_rope:
+            q, k = q_norm(q), k_norm(k)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        if self.qk_norm == "head" and self.norm_after_rope:  # HunYuan normalizes the rotated q and k
+            q, k = q_norm(q), k_norm(k)
         keys, values = kv.update(layer, start, k, v)
         mask = attention_mask(start, t, self.window, x.device)
         if self.sinks is None:
