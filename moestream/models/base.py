@@ -159,11 +159,12 @@ def load_resident(
 ) -> list[str]:
     """Fill ``model``'s parameters from the checkpoint tensors of the same names.
 
-    Float tensors are cast to ``dtype``, except those whose names end with one of the
-    model's ``float32_parameters`` suffixes, kept in float32 (DeepSeek's routers). When the model ties its LM head to the embedding
+    Float tensors are cast to ``dtype``. When the model ties its LM head to the embedding
     (``tie_word_embeddings``), the head is the embedding, as in transformers, and a head
     weight in the checkpoint is unused. ``skip`` names tensors that are not
     resident (routed experts). Returns the names of checkpoint tensors the model does not use.
+    Tensors whose names end with one of the model's ``float32_parameters`` suffixes are kept
+    in float32 instead (DeepSeek's routers, as transformers' ``_keep_in_fp32_modules``).
 
     Raises:
         CheckpointError: a parameter missing from the checkpoint, or of the wrong shape.

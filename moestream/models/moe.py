@@ -80,7 +80,8 @@ def streamed_experts(
         s, c = span[e]
         sl = order[s : s + c]
         tok = sl // k
-        slots[sl] = expert_fn(x[tok], ew.tensors) * flat_w[sl, None]
+        # float32 routing weights (DeepSeek) multiply in float32 and round once, as transformers
+        slots[sl] = (expert_fn(x[tok], ew.tensors) * flat_w[sl, None]).to(slots.dtype)
     slots = slots.view(t, k, -1)
     out = slots[:, 0].clone()
     for j in range(1, k):
