@@ -88,6 +88,18 @@ class MLAttention(nn.Module):
         """KV cache bytes one token takes in this layer: ``(kv_lora_rank + qk_rope_head_dim) * itemsize``."""
         return (self.rank + self.rope_dim) * itemsize
 
+    def key_mask(
+        self, x: torch.Tensor, q_resid: torch.Tensor | None, cos, sin, kv: KVCache, layer: int, start: int,
+        causal: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The keys each query attends: boolean [T, start+T] (True = attend), or None for all.
+
+        Here the causal mask; a subclass may narrow it (DeepSeek-V3.2's sparse attention
+        indexer). ``q_resid`` is ``q_a_layernorm(q_a_proj(x))`` [T, q_lora_rank] (None without
+        ``q_lora_rank``).
+        """
+        return causal
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, kv: KVCache, layer: int, start: int
     ) -> torch.Tensor:
@@ -98,7 +110,8 @@ class MLAttention(nn.Module):
         [1, T, qk_rope_head_dim] to ``kv`` at ``layer`` (as its k and v).
         """
         t = x.shape[0]
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_resid = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
         q = q.view(t, self.heads, self.nope + self.rope_dim).transpose(0, 1)  # [heads, T, qk]
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
@@ -114,7 +127,7 @@ class MLAttention(nn.Module):
         if self.rope_dim:
             scores = scores + torch.matmul(q_rot, k_rots.T)
         scores = scores * self.scale
-        mask = attention_mask(start, t, None, x.device)
+        mask = self.key_mask(x, q_resid, cos, sin, kv, layer, start, attention_mask(start, t, None, x.device))
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
