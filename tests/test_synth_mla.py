@@ -36,10 +36,11 @@ def scaled(name):
         pytest.skip(f"{path} is not here")
     cfg = json.loads(path.read_text())
     # the real field layout (rope_scaling yarn, quantization_config, MTP layers), small widths, 16 experts
-    return dict(cfg, **SMALL_MLA, n_routed_experts=16, num_experts_per_tok=4, vocab_size=2000)
+    small = dict(SMALL_MLA, index_n_heads=4, index_head_dim=16, index_topk=16) if "index_topk" in cfg else SMALL_MLA
+    return dict(cfg, **small, n_routed_experts=16, num_experts_per_tok=4, vocab_size=2000)
 
 
-@pytest.mark.parametrize("name", ["DeepSeek-V3.json", "Kimi-K2-Instruct.json", "glm4_moe"])
+@pytest.mark.parametrize("name", ["DeepSeek-V3.json", "Kimi-K2-Instruct.json", "DeepSeek-V3.2.json", "glm4_moe"])
 def test_synth_is_the_transformers_model(tmp_path, name):
     import transformers
 
@@ -48,7 +49,8 @@ def test_synth_is_the_transformers_model(tmp_path, name):
     meta = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in meta and meta["num_hidden_layers"] == 4
     assert meta.get("num_nextn_predict_layers", 0) == 0
-    cls = transformers.Glm4MoeForCausalLM if name == "glm4_moe" else transformers.DeepseekV3ForCausalLM
+    cls = {"glm4_moe": transformers.Glm4MoeForCausalLM, "DeepSeek-V3.2.json": transformers.DeepseekV32ForCausalLM}.get(
+        name, transformers.DeepseekV3ForCausalLM)
     if meta["model_type"] == "kimi_k2":  # transformers knows Kimi K2 as the DeepSeek-V3 architecture
         (out / "config.json").write_text(json.dumps(dict(meta, model_type="deepseek_v3")))
     ref = cls.from_pretrained(out).eval()  # reads the published rope_scaling form itself
