@@ -261,6 +261,12 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
             first = False
             if not ids:
                 raise MoestreamError("the prompt encodes to no tokens")
+            if max(ids) >= engine.model.vocab_size:  # e.g. the bundled Qwen3 tokenizer on a smaller vocabulary
+                raise MoestreamError(
+                    f"the prompt encodes to token id {max(ids)}, outside the model's vocab_size "
+                    f"{engine.model.vocab_size}: the tokenizer does not fit the model (try --no-chat-template, or "
+                    "another tokenizer)"
+                )
             stats = GenerationStats()
             printer = _Printer(out, args.hide_think, prompt_opens_thinking(ids, think_ids, eos))
             tokens = []

@@ -29,15 +29,23 @@ def load_tokenizer(folder: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
     except Exception as e:  # transformers raises many kinds for unreadable tokenizer files
-        declared = _declared_tokenizer_class(folder)
-        if declared is not None:
-            # AutoTokenizer goes by config.json's model_type first: a Mixtral or gpt-oss
-            # checkpoint written by `moestream synth` carries the Qwen3 tokenizer files
-            try:
-                return declared.from_pretrained(str(folder), local_files_only=True)
-            except Exception:
-                pass
-        raise CheckpointError(f"{folder}: cannot load the tokenizer: {e}") from None
+        error = e
+    declared = _declared_tokenizer_class(folder)
+    if declared is not None:
+        # AutoTokenizer goes by config.json's model_type first: a Mixtral or gpt-oss
+        # checkpoint written by `moestream synth` carries the Qwen3 tokenizer files
+        try:
+            return declared.from_pretrained(str(folder), local_files_only=True)
+        except Exception:
+            pass
+    try:  # a model_type transformers does not know (kimi_k2): let the tokenizer files name the class
+        from transformers import PretrainedConfig
+
+        return AutoTokenizer.from_pretrained(
+            str(folder), trust_remote_code=False, local_files_only=True, config=PretrainedConfig()
+        )
+    except Exception:
+        raise CheckpointError(f"{folder}: cannot load the tokenizer: {error}") from None
 
 
 def _declared_tokenizer_class(folder: Path):

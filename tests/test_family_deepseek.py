@@ -31,6 +31,10 @@ FAMILIES = {
     # plain q_proj (q_lora_rank null), greedy top-k, default rope
     "deepseek_v2-lite": ("DeepseekV2", dict(MLA, q_lora_rank=None, topk_method="greedy", n_shared_experts=1,
                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # DeepSeek-V3.2: V3 with sparse attention; index_topk 8 < the prompts, so the indexer chooses (16 index heads:
+    # a key scores exactly 0, a tie whose top-k order is arbitrary, only if all 16 heads give it relu 0)
+    "deepseek_v32": ("DeepseekV32", dict(MLA, n_group=4, topk_group=2, norm_topk_prob=True, rope_parameters=YARN,
+                                         index_n_heads=16, index_head_dim=16, index_topk=8)),
     # partial rotary, attention bias, qk norm, sigmoid + bias with 4 groups of 2
     "glm4_moe": ("Glm4Moe", dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -100,7 +104,8 @@ def test_logits_match_transformers(family):
         want = ref(ids[None]).logits[0]
     engine = load(path, cache_budget_gb=0.0001, tokenizer=False, workers=2)
     try:
-        assert type(engine.model).__module__.endswith("glm4_moe" if name == "glm4_moe" else "deepseek")
+        module = {"glm4_moe": "glm4_moe", "deepseek_v32": "deepseek_v32"}.get(name, "deepseek")
+        assert type(engine.model).__module__ == "moestream.models." + module
         # whole prompt at once, and in chunks with the KV cache, both against the reference
         for chunk in (40, 16, 7):
             kv = engine.model.new_kv_cache()
@@ -112,7 +117,9 @@ def test_logits_match_transformers(family):
             a = ref.config
             latent, k_rot = kv.layers[0]
             assert latent.shape[-1] == a.kv_lora_rank and k_rot.shape[-1] == a.qk_rope_head_dim
-            assert engine.model.kv_bytes_per_token(4) == a.num_hidden_layers * (a.kv_lora_rank + a.qk_rope_head_dim) * 4
+            index = getattr(a, "index_head_dim", 0)  # V3.2 caches its indexer's keys too
+            per_layer = (a.kv_lora_rank + a.qk_rope_head_dim + index) * 4
+            assert engine.model.kv_bytes_per_token(4) == a.num_hidden_layers * per_layer
     finally:
         engine.close()
 

@@ -109,3 +109,20 @@ def test_rope_parameters_reads_the_published_form():
     p = rope_parameters(real)
     assert p["rope_type"] == "yarn" and p["rope_theta"] == 10000.0 and p["factor"] == 40
     assert rope_parameters({"rope_theta": 5.0})["rope_type"] == "default"
+
+
+def test_heads_in_blocks_give_the_same_result(monkeypatch):
+    """Long prefill chunks score a few heads at a time; the result does not depend on the block."""
+    from moestream.models import mla
+
+    cfg = tiny_config()
+    attn, _ = reference(cfg, seed=2)
+    m, rotary = ours(cfg, attn)
+    x = torch.randn(30, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    cos, sin = rotary(torch.arange(30), torch.float32)
+    outs = []
+    for limit in (mla.SCORE_ELEMENTS, 30 * 30 * 3, 1):  # all 4 heads at once, 3 then 1, one at a time
+        monkeypatch.setattr(mla, "SCORE_ELEMENTS", limit)
+        with torch.inference_mode():
+            outs.append(m(x, cos, sin, KVCache(1), 0, 0))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -250,9 +250,10 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a checkpoint of ``cfg``'s shapes, with per-expert experts as on the Hub."""
-    a = ModelArgs.from_config(cfg)
+def synth_tensors(cfg: dict, a: ModelArgs | None = None) -> list[SynthTensor]:
+    """Every tensor of a checkpoint of ``cfg``'s shapes (parsed as ``a`` if given), with per-expert experts
+    as on the Hub."""
+    a = a or ModelArgs.from_config(cfg)
     h = a.hidden_size
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
     out = [SynthTensor("model.embed_tokens.weight", (a.vocab_size, h), "embed")]

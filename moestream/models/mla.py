@@ -29,6 +29,7 @@ from .layers import KVCache, RMSNorm, apply_rotary, attention_mask
 from .rope import apply_rotary_interleaved
 
 ROPE_STYLES = ("interleaved", "half", None)
+SCORE_ELEMENTS = 1 << 24  # attention scores held at once per layer (float32: 64 MiB)
 
 
 class MLAttention(nn.Module):
@@ -84,9 +85,34 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(heads * v_head_dim, hidden, bias=bias)
         self.scale = qk**-0.5 if scale is None else scale
 
+    def _attend(self, q_nope, q_rot, w, latents, k_rots, mask, dtype) -> torch.Tensor:
+        """Absorbed attention of a block of heads: q_nope [h, T, nope], q_rot [h, T, rope], w [h, nope+v, rank]
+        (``kv_b_proj`` rows), latents [S, rank], k_rots [S, rope], mask [T, S] or None -> [h, T, v]."""
+        # q_nope . (W_uk c) = (q_nope W_uk) . c: scores are taken against the latent itself
+        scores = torch.matmul(torch.matmul(q_nope, w[:, : self.nope]), latents.T)  # [h, T, S]
+        if self.rope_dim:
+            scores = scores + torch.matmul(q_rot, k_rots.T)
+        scores = scores * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+        return torch.matmul(torch.matmul(probs, latents), w[:, self.nope :].transpose(1, 2))
+
     def cache_bytes_per_token(self, itemsize: int) -> int:
         """KV cache bytes one token takes in this layer: ``(kv_lora_rank + qk_rope_head_dim) * itemsize``."""
         return (self.rank + self.rope_dim) * itemsize
+
+    def key_mask(
+        self, x: torch.Tensor, q_resid: torch.Tensor | None, cos, sin, kv: KVCache, layer: int, start: int,
+        causal: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The keys each query attends: boolean [T, start+T] (True = attend), or None for all.
+
+        Here the causal mask; a subclass may narrow it (DeepSeek-V3.2's sparse attention
+        indexer). ``q_resid`` is ``q_a_layernorm(q_a_proj(x))`` [T, q_lora_rank] (None without
+        ``q_lora_rank``).
+        """
+        return causal
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, kv: KVCache, layer: int, start: int
@@ -98,7 +124,8 @@ class MLAttention(nn.Module):
         [1, T, qk_rope_head_dim] to ``kv`` at ``layer`` (as its k and v).
         """
         t = x.shape[0]
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_resid = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
         q = q.view(t, self.heads, self.nope + self.rope_dim).transpose(0, 1)  # [heads, T, qk]
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
@@ -109,14 +136,9 @@ class MLAttention(nn.Module):
         latents, k_rots = kv.update(layer, start, latent[None], k_rot[None].contiguous())
         latents, k_rots = latents[0], k_rots[0]  # [S, rank], [S, rope]
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
-        # absorbed: q_nope . (W_uk c) = (q_nope W_uk) . c, so scores are taken against the latent
-        scores = torch.matmul(torch.matmul(q_nope, w[:, : self.nope]), latents.T)  # [heads, T, S]
-        if self.rope_dim:
-            scores = scores + torch.matmul(q_rot, k_rots.T)
-        scores = scores * self.scale
-        mask = attention_mask(start, t, None, x.device)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-        out = torch.matmul(torch.matmul(probs, latents), w[:, self.nope :].transpose(1, 2))  # [heads, T, v]
+        mask = self.key_mask(x, q_resid, cos, sin, kv, layer, start, attention_mask(start, t, None, x.device))
+        # heads in blocks, so the [heads, T, S] scores stay under SCORE_ELEMENTS (long prefill chunks)
+        step = max(1, SCORE_ELEMENTS // max(1, t * latents.shape[0]))
+        out = torch.cat([self._attend(q_nope[h : h + step], q_rot[h : h + step], w[h : h + step], latents, k_rots,
+                                      mask, x.dtype) for h in range(0, self.heads, step)])
         return self.o_proj(out.transpose(0, 1).reshape(t, self.heads * self.v_dim))

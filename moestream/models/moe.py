@@ -80,7 +80,8 @@ def streamed_experts(
         s, c = span[e]
         sl = order[s : s + c]
         tok = sl // k
-        # weights may be float32 (Mixtral's reference scales in float32, then casts)
+        # float32 routing weights (DeepSeek; Mixtral's reference scales in float32) multiply in float32
+        # and round once, as transformers
         slots[sl] = (expert_fn(x[tok], ew.tensors) * flat_w[sl, None]).to(slots.dtype)
     slots = slots.view(t, k, -1)
     out = slots[:, 0].clone()
