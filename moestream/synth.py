@@ -193,7 +193,7 @@ def write_synth(plan: SynthPlan, out: str | Path, progress: Callable[[int], None
 def _write(plan: SynthPlan, folder: Path, progress: Callable[[int], None] | None) -> None:
     torch_dt, itemsize = DTYPES[plan.dtype], plan.itemsize
     st_dtype = safetensors_dtype(torch_dt)
-    layers = plan.config["num_hidden_layers"]
+    layers = plan.config.get("num_hidden_layers") or plan.config.get("text_config", {}).get("num_hidden_layers", 1)
     shards = _plan_shards(plan.tensors, itemsize, plan.shard_bytes)
     names = (
         ["model.safetensors"]

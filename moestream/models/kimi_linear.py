@@ -308,6 +308,7 @@ class KimiMoE(StreamedMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, idx = self.router(x, self.gate.weight, self.gate.e_score_correction_bias)
+        weights = weights.to(x.dtype)  # the reference scales each expert's output in float32, then casts
         if self.latent:
             y = streamed_experts(self.routed_expert_down_proj(x), weights, idx, self.layer, self.cache, self.expert_fn)
             if self.routed_expert_norm is not None:
