@@ -115,8 +115,9 @@ def test_kimi_linear_greedy_tokens_match_transformers(kimi_linear):
     assert got == want
 
 
-def run(path, budget, workers=2, chunk=512, sampling=SamplingParams()):
+def run(path, budget, workers=2, chunk=512, sampling=None):
     """Prefill logits in chunks, each decode step's logits and the tokens."""
+    sampling = sampling or SamplingParams()
     engine = load(path, cache_budget_gb=budget, workers=workers, tokenizer=False)
     try:
         first = prefill(engine, PROMPT[:40], chunk)
@@ -196,7 +197,7 @@ def naive_k3(w, c, ids):
     MLA as softmax attention over full keys, the MoE as a masked sum over all experts.
     """
     p = "language_model.model."
-    eps, h_dim = c["rms_norm_eps"], c["hidden_size"]
+    eps = c["rms_norm_eps"]
     lin = c["linear_attn_config"]
     nh, dk = lin["num_heads"], lin["head_dim"]
 
@@ -250,7 +251,7 @@ def naive_k3(w, c, ids):
                 out.append(o.reshape(-1))
             attn = torch.stack(out) @ w[s + "o_proj.weight"].T
         else:
-            nope, rope, vd, heads = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["num_attention_heads"]
+            nope, rope, heads = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["num_attention_heads"]
             qq = (rms(x @ w[s + "q_a_proj.weight"].T, w[s + "q_a_layernorm.weight"], 1e-6)
                   @ w[s + "q_b_proj.weight"].T).view(n, heads, nope + rope)
             ckv = x @ w[s + "kv_a_proj_with_mqa.weight"].T
