@@ -76,6 +76,11 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr):
         ids = encode_prompt(engine.tokenizer, args.prompt, chat_template=not args.no_chat_template)
         if not ids:
             raise MoestreamError("--prompt encodes to no tokens")
+        if max(ids) >= engine.model.vocab_size:  # e.g. the bundled Qwen3 tokenizer on a synth of a smaller vocabulary
+            raise MoestreamError(
+                f"--prompt encodes to token id {max(ids)}, outside the model's vocab_size {engine.model.vocab_size}: "
+                "the tokenizer does not fit the model (try --no-chat-template, or another tokenizer)"
+            )
         stats = GenerationStats()
         for step in generate(engine, ids, args.max_tokens, sampling, stats):
             if step.text:

@@ -150,6 +150,8 @@ def load(
         else:
             raise ConfigError(f"dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
         dev = torch.device(device)
+        if getattr(net, "unloaded_layers_from", None) is not None:
+            layout = _drop_layers_from(layout, net.unloaded_layers_from)
         num_experts = _check_layout(net, layout, ckpt.path)
         store = ExpertStore(ckpt, layout, compute_dtype, dev, workers)
         keys = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
@@ -181,6 +183,14 @@ def load(
             store.close()
         ckpt.close()
         raise
+
+
+def _drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:
+    """The layout without layers ``first`` and beyond (DeepSeek's multi-token-prediction layers, which the
+    model does not run); their tensors are then reported as unused."""
+    keep = {i: lay for i, lay in layout.layers.items() if i < first}
+    dropped = {p.source for i, lay in layout.layers.items() if i >= first for ex in lay.experts for p in ex}
+    return ExpertLayout(keep, layout.expert_tensors - dropped)
 
 
 def _check_fit(net: CausalLM, store: ExpertStore, keys: list, budget: int | None, dtype: torch.dtype) -> None:

@@ -29,7 +29,15 @@ def load_tokenizer(folder: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
     except Exception as e:  # transformers raises many kinds for unreadable tokenizer files
-        raise CheckpointError(f"{folder}: cannot load the tokenizer: {e}") from None
+        error = e
+    try:  # a model_type transformers does not know (kimi_k2): let the tokenizer files name the class
+        from transformers import PretrainedConfig
+
+        return AutoTokenizer.from_pretrained(
+            str(folder), trust_remote_code=False, local_files_only=True, config=PretrainedConfig()
+        )
+    except Exception:
+        raise CheckpointError(f"{folder}: cannot load the tokenizer: {error}") from None
 
 
 def encode_prompt(tokenizer, prompt: str, chat_template: bool = True, system: str | None = None) -> list[int]:

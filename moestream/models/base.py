@@ -163,11 +163,14 @@ def load_resident(
     (``tie_word_embeddings``), the head is the embedding, as in transformers, and a head
     weight in the checkpoint is unused. ``skip`` names tensors that are not
     resident (routed experts). Returns the names of checkpoint tensors the model does not use.
+    Tensors whose names end with one of the model's ``float32_parameters`` suffixes are kept
+    in float32 instead (DeepSeek's routers, as transformers' ``_keep_in_fp32_modules``).
 
     Raises:
         CheckpointError: a parameter missing from the checkpoint, or of the wrong shape.
     """
     tied = getattr(model, "tie_word_embeddings", False)
+    keep_fp32 = tuple(getattr(model, "float32_parameters", ()))  # name suffixes kept in float32 (routers)
     state = {}
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     expected = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
@@ -188,8 +191,9 @@ def load_resident(
                 f"{list(expected[name])}"
             )
         t = checkpoint.read_tensor(source[name])
-        if t.is_floating_point() and t.dtype != dtype:
-            t = t.to(dtype)
+        want = torch.float32 if keep_fp32 and name.endswith(keep_fp32) else dtype
+        if t.is_floating_point() and t.dtype != want:
+            t = t.to(want)
         state[name] = t
         if progress is not None:
             progress(info.nbytes)

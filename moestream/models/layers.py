@@ -118,7 +118,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in filter(None, self.layers))
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in filter(None, self.layers))
 
 
 def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:

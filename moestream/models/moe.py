@@ -80,7 +80,8 @@ def streamed_experts(
         s, c = span[e]
         sl = order[s : s + c]
         tok = sl // k
-        slots[sl] = expert_fn(x[tok], ew.tensors) * flat_w[sl, None]
+        # float32 routing weights (DeepSeek) multiply in float32 and round once, as transformers
+        slots[sl] = (expert_fn(x[tok], ew.tensors) * flat_w[sl, None]).to(slots.dtype)
     slots = slots.view(t, k, -1)
     out = slots[:, 0].clone()
     for j in range(1, k):
@@ -122,3 +123,78 @@ class StreamedMoE(nn.Module):
         """x [T, H] -> [T, H]."""
         weights, idx = self.router(self.gate(x))
         return streamed_experts(x, weights, idx, self.layer, self.cache, self.expert_fn)
+
+
+def _group_mask(choice: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
+    """Boolean [T, E]: the experts of the ``topk_group`` best of ``n_group`` equal groups.
+
+    A group's score is its best expert's (``"max"``, DeepSeek-V2) or the sum of its best
+    two (``"top2_sum"``, DeepSeek-V3).
+    """
+    t, e = choice.shape
+    grouped = choice.view(t, n_group, e // n_group)
+    scores = grouped.max(dim=-1).values if group_score == "max" else grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    chosen = torch.topk(scores, topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, chosen, True)
+    return mask[:, :, None].expand(t, n_group, e // n_group).reshape(t, e)
+
+
+def sigmoid_group_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid routing with a selection bias and group-limited top-k (DeepSeek-V3's ``noaux_tc``).
+
+    As transformers' ``DeepseekV3TopkRouter`` (also GLM-4.5's ``Glm4MoeTopkRouter``):
+    scores = sigmoid(``logits`` [T, E]) in float32; experts are *chosen* by
+    ``scores + bias`` (``e_score_correction_bias`` [E], auxiliary-loss-free balancing,
+    arXiv 2412.19437), within the ``topk_group`` groups of ``n_group`` whose best two
+    biased scores sum highest; the *weights* are the unbiased scores of the chosen experts,
+    divided by their sum (+1e-20) when ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+    Returns ``(weights [T, K] float32, indices [T, K] int64)``, in descending order of the
+    biased score.
+    """
+    scores = logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if topk_group < n_group:
+        choice = choice.masked_fill(~_group_mask(choice, n_group, topk_group, "top2_sum"), float("-inf"))
+    idx = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, idx)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, idx
+
+
+def softmax_group_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing with DeepSeek-V2's ``group_limited_greedy`` top-k (``greedy`` when ``topk_group >= n_group``).
+
+    As transformers' ``DeepseekV2TopkRouter``: softmax over ``logits`` [T, E] in float32;
+    experts outside the ``topk_group`` groups (of ``n_group``) whose best expert scores
+    highest are zeroed; the top-k scores, times ``routed_scaling_factor``, are the weights
+    (not renormalized). Returns ``(weights [T, K] float32, indices [T, K] int64)``, largest first.
+    """
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if topk_group < n_group:
+        scores = scores.masked_fill(~_group_mask(scores, n_group, topk_group, "max"), 0.0)
+    weights, idx = torch.topk(scores, top_k, dim=-1)
+    return weights * routed_scaling_factor, idx
+
+
+class Float32Router(nn.Linear):
+    """A router whose logits are computed in float32 (input and weight upcast), as
+    transformers' DeepSeek and GLM-4.5 routers; [T, H] -> [T, E] float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
