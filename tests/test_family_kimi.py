@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 from moestream.models.kimi_linear import synth_tensors
+from moestream.synth import synth
 
 PROMPT = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(0))  # longer than a KDA chunk (64)
 
@@ -120,8 +121,8 @@ def run(path, budget, workers=2, chunk=512, sampling=None):
     sampling = sampling or SamplingParams()
     engine = load(path, cache_budget_gb=budget, workers=workers, tokenizer=False)
     try:
-        first = prefill(engine, PROMPT[:40], chunk)
-        steps = list(generate(engine, PROMPT[:40].tolist(), 12, sampling, stop_at_eos=False, keep_logits=True,
+        first = prefill(engine, PROMPT[:24], chunk)
+        steps = list(generate(engine, PROMPT[:24].tolist(), 8, sampling, stop_at_eos=False, keep_logits=True,
                               prefill_chunk=chunk))
         return first, [s.logits for s in steps], [s.token for s in steps], engine.cache.stats
     finally:
@@ -130,7 +131,7 @@ def run(path, budget, workers=2, chunk=512, sampling=None):
 
 def assert_same(a, b):
     assert torch.equal(a[0], b[0])
-    assert len(a[1]) == len(b[1]) == 12 and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    assert len(a[1]) == len(b[1]) == 8 and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
     assert a[2] == b[2]
 
 
@@ -296,12 +297,12 @@ def test_k3_matches_straightforward_implementation(k3, caplog):
         for chunk in (70, 9):
             assert rel_err(prefill(engine, ids, chunk), want) < 1e-5, chunk
         # decode: each step's logits against the straightforward run over the longer sequence
-        steps = list(generate(engine, ids[:20].tolist(), 4, SamplingParams(), stop_at_eos=False, keep_logits=True))
-        seq = torch.tensor(ids[:20].tolist() + [s.token for s in steps[:-1]])
+        steps = list(generate(engine, ids[:12].tolist(), 4, SamplingParams(), stop_at_eos=False, keep_logits=True))
+        seq = torch.tensor(ids[:12].tolist() + [s.token for s in steps[:-1]])
         with torch.no_grad():
             full = naive_k3(tensors, cfg["text_config"], seq)
         for j, s in enumerate(steps):
-            assert rel_err(s.logits, full[19 + j]) < 1e-5, j
+            assert rel_err(s.logits, full[11 + j]) < 1e-5, j
     finally:
         engine.close()
 
@@ -315,7 +316,7 @@ def test_k3_streaming_is_exact(k3):
 
 
 def test_k3_real_config_scaled_down_synth_generate(tmp_path):
-    """The published Kimi K3 config, narrowed, through ``moestream synth`` then ``moestream generate``."""
+    """The published Kimi K3 config, narrowed, through synth (as ``moestream synth``), then ``moestream generate``."""
     real = json.loads((Path(__file__).parent / "configs" / "Kimi-K3.json").read_text())  # as published
     text = real["text_config"]
     lin = dict(text["linear_attn_config"], num_heads=2, head_dim=16)
@@ -323,12 +324,7 @@ def test_k3_real_config_scaled_down_synth_generate(tmp_path):
                                routed_expert_hidden_size=32, num_experts=16, num_experts_per_token=4,
                                num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16,
                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, linear_attn_config=lin)
-    cfg = tmp_path / "k3.json"
-    cfg.write_text(json.dumps(real))
-    out = tmp_path / "m"
-    r = subprocess.run([sys.executable, "-m", "moestream", "synth", "--config", str(cfg), "--out", str(out),
-                        "--layers", "4"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    out = synth(real, tmp_path / "m", layers=4)
     meta = json.loads((out / "config.json").read_text())["text_config"]
     assert meta["num_hidden_layers"] == 4 and meta["linear_attn_config"]["full_attn_layers"] == [4]
     assert "quantization_config" not in meta
