@@ -193,8 +193,8 @@ def write_synth(plan: SynthPlan, out: str | Path, progress: Callable[[int], None
 def _write(plan: SynthPlan, folder: Path, progress: Callable[[int], None] | None) -> None:
     torch_dt, itemsize = DTYPES[plan.dtype], plan.itemsize
     st_dtype = safetensors_dtype(torch_dt)
-    # multimodal configs (Qwen3.5 MoE) nest the decoder's fields under text_config
-    layers = plan.config.get("num_hidden_layers") or plan.config.get("text_config", {})["num_hidden_layers"]
+    # multimodal configs (Qwen3.5 MoE, Kimi K3) nest the decoder's fields under text_config
+    layers = plan.config.get("num_hidden_layers") or plan.config.get("text_config", {}).get("num_hidden_layers", 1)
     shards = _plan_shards(plan.tensors, itemsize, plan.shard_bytes)
     names = (
         ["model.safetensors"]

@@ -206,10 +206,10 @@ class KimiDeltaAttention(nn.Module):
         out = F.conv1d(full[None].to(w.dtype), w, groups=w.shape[0])[0]
         return F.silu(out).to(x.dtype).t(), full[:, -(self.kernel - 1):].clone()
 
-    def forward(self, x: torch.Tensor, cache: HybridCache, layer: int, start: int) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; advances the layer's state in ``cache`` by T tokens."""
+    def forward(self, x: torch.Tensor, kv: HybridCache, layer: int, start: int) -> torch.Tensor:
+        """x [T, hidden] at positions ``start..start+T`` -> [T, hidden]; advances the layer's state in ``kv``."""
         t, h, dk = x.shape[0], self.heads, self.head_dim
-        conv_state, state = cache.linear_state(layer, start)
+        conv_state, state = kv.linear_state(layer, start)
         mixed, conv_state = self._conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), conv_state)
         q, k, v = (z.reshape(t, h, dk).float() for z in mixed.split(h * dk, dim=-1))
         q, k = l2norm(q) * dk**-0.5, l2norm(k)
@@ -220,7 +220,7 @@ class KimiDeltaAttention(nn.Module):
             state = x.new_zeros(h, dk, dk, dtype=torch.float32)
         core = kda_recurrent if t == 1 else kda_chunked
         o, state = core(q, k, v, g, beta, state)
-        cache.set_linear_state(layer, conv_state, state, start + t)
+        kv.set_linear_state(layer, conv_state, state, start + t)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         # gated RMSNorm over each head, strictly in float32 (transformers KimiLinearRMSNormGated)
         o = o.to(x.dtype).float()

@@ -42,8 +42,9 @@ from torch import nn
 from ..errors import ConfigError
 from .base import CausalLM, SynthTensor, field, positive
 from .kda import HybridCache, KimiDeltaAttention
-from .layers import RMSNorm, attention_mask
-from .moe import StreamedMoE, streamed_experts, swiglu_expert
+from .layers import RMSNorm
+from .mla import MLAttention
+from .moe import Float32Router, StreamedMoE, sigmoid_group_topk, streamed_experts, swiglu_expert
 
 MODEL_TYPES = ("kimi_linear", "kimi_k3")
 
@@ -250,35 +251,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def sigmoid_topk(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, topk_group: int,
-    renormalize: bool, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kimi / DeepSeek-V3 routing (transformers ``KimiLinearTopkRouter``), in float32.
-
-    Router logits ``x W^T`` [T, E]; scores ``sigmoid``; experts are chosen by
-    ``scores + bias`` (the load-balancing ``e_score_correction_bias``) within the
-    ``topk_group`` best of ``groups`` groups (a group's worth: its two best biased
-    scores); the weights are the unbiased scores, divided by their sum (+1e-20) when
-    ``renormalize``, times ``scale``. Returns (weights [T, K] float32, indices [T, K] int64).
-    """
-    scores = torch.sigmoid(F.linear(x.float(), weight.float()))
-    choice = scores + bias.float()
-    if groups > 1:
-        t, e = choice.shape
-        per_group = choice.view(t, groups, e // groups)
-        best = per_group.topk(min(2, e // groups), dim=-1).values.sum(-1)
-        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(topk_group, dim=-1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
-    idx = choice.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, idx)
-    if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scale, idx
-
-
 class KimiMoE(StreamedMoE):
     """Kimi MoE block: sigmoid router, streamed routed experts, resident shared experts.
+
+    Routing is transformers' ``KimiLinearTopkRouter`` (= DeepSeek-V3's, :func:`sigmoid_group_topk`):
+    float32 logits, sigmoid scores, experts chosen by ``scores + e_score_correction_bias``
+    within the best groups, weights renormalized (``moe_renormalize``) and scaled by
+    ``routed_scaling_factor``.
 
     With ``routed_expert_hidden_size`` (Kimi K3's latent MoE) the routed experts work on
     ``routed_expert_down_proj(x)`` [T, L], their routing-weighted sum is normalized
@@ -287,13 +266,15 @@ class KimiMoE(StreamedMoE):
     """
 
     def __init__(self, a: ModelArgs, layer: int):
-        router = partial(sigmoid_topk, top_k=a.num_experts_per_tok, groups=a.num_expert_group,
-                         topk_group=a.topk_group, renormalize=a.moe_renormalize, scale=a.routed_scaling_factor)
+        router = partial(sigmoid_group_topk, top_k=a.num_experts_per_tok, n_group=a.num_expert_group,
+                         topk_group=a.topk_group, norm_topk_prob=a.moe_renormalize,
+                         routed_scaling_factor=a.routed_scaling_factor)
         if a.hidden_act == "situ":
             expert_fn = partial(situ_expert, beta=a.situ_beta, linear_beta=a.situ_linear_beta)
         else:
             expert_fn = swiglu_expert
         super().__init__(a.hidden_size, a.num_experts, layer, router, expert_fn, renormalize=a.moe_renormalize)
+        self.gate = Float32Router(a.hidden_size, a.num_experts, bias=False)
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts), requires_grad=False)
         self.latent = a.routed_expert_hidden_size
         if self.latent:
@@ -307,7 +288,7 @@ class KimiMoE(StreamedMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        weights, idx = self.router(x, self.gate.weight, self.gate.e_score_correction_bias)
+        weights, idx = self.router(self.gate(x), bias=self.gate.e_score_correction_bias)  # float32 weights
         if self.latent:
             y = streamed_experts(self.routed_expert_down_proj(x), weights, idx, self.layer, self.cache, self.expert_fn)
             if self.routed_expert_norm is not None:
@@ -316,58 +297,6 @@ class KimiMoE(StreamedMoE):
         else:
             y = streamed_experts(x, weights, idx, self.layer, self.cache, self.expert_fn)
         return y if self.shared_experts is None else y + self.shared_experts(x)
-
-
-class LatentAttention(nn.Module):
-    """Multi-head latent attention without rotary embeddings (Kimi's NoPE MLA), caching the latent.
-
-    As transformers' ``KimiLinearAttention``: q from ``q_proj`` or the low-rank
-    ``q_b_proj(RMSNorm(q_a_proj x))``; ``kv_a_proj_with_mqa`` gives the latent [T, r]
-    (RMSNorm'd, eps 1e-6 like the q norm) and a shared key part [T, rope] used as is; keys
-    and values come from ``kv_b_proj`` of the latent; softmax(q k^T / sqrt(nope + rope)) v.
-    With ``output_gate`` (Kimi K3) the attention output is multiplied by
-    ``sigmoid(g_proj x)`` before ``o_proj``. The cache holds the latent and the shared key
-    part (``kv.update(layer, start, latent [1, T, r], rope [1, T, rope])``).
-    """
-
-    def __init__(self, a: ModelArgs):
-        super().__init__()
-        h = a.hidden_size
-        self.heads, self.nope, self.rope, self.vdim = (
-            a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim)
-        self.rank = a.kv_lora_rank
-        qdim = self.heads * (self.nope + self.rope)
-        if a.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, qdim, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(h, a.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(a.q_lora_rank, qdim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.rope, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope + self.vdim), bias=False)
-        self.o_proj = nn.Linear(self.heads * self.vdim, h, bias=False)
-        if a.mla_use_output_gate:
-            self.g_proj = nn.Linear(h, self.heads * self.vdim, bias=False)
-        self.scale = (self.nope + self.rope) ** -0.5
-
-    def forward(self, x: torch.Tensor, kv: HybridCache, layer: int, start: int) -> torch.Tensor:
-        """x [T, H] -> [T, H]; appends the chunk's latents to ``kv``."""
-        t = x.shape[0]
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(t, self.heads, self.nope + self.rope).transpose(0, 1)
-        latent, shared_key = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        latent, shared_key = kv.update(layer, start, self.kv_a_layernorm(latent)[None], shared_key[None])
-        s = latent.shape[1]
-        kvb = self.kv_b_proj(latent[0]).view(s, self.heads, self.nope + self.vdim).transpose(0, 1)
-        k_nope, v = kvb.split([self.nope, self.vdim], dim=-1)
-        k = torch.cat([k_nope, shared_key.expand(self.heads, s, self.rope)], dim=-1)
-        out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=attention_mask(start, t, None, x.device), scale=self.scale
-        )[0].transpose(0, 1).reshape(t, self.heads * self.vdim)
-        if hasattr(self, "g_proj"):
-            out = out * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(out)
 
 
 def attn_res(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
@@ -395,8 +324,11 @@ class DecoderLayer(nn.Module):
                 full_rank_gate=a.use_full_rank_gate, lower_bound=a.gate_lower_bound,
                 a_log_size=a.linear_head_dim if a.model_type == "kimi_k3" else None,
             )
-        else:
-            self.self_attn = LatentAttention(a)
+        else:  # MLA without rotary embeddings (mla_use_nope): the rope dims are a plain shared key part
+            self.self_attn = MLAttention(
+                a.hidden_size, a.num_attention_heads, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
+                a.v_head_dim, a.q_lora_rank, rope=None, output_gate=a.mla_use_output_gate,
+            )
         if a.mlp_layer_types[i] == "sparse":
             self.block_sparse_moe = KimiMoE(a, i)
         else:
@@ -414,15 +346,17 @@ class DecoderLayer(nn.Module):
         """h [T, H] -> [T, H]. ``blocks``: K3's block snapshots of the residual stream (appended to here)."""
         i = self.index
         ffn = self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+        attend = partial(self.self_attn, kv=kv, layer=i, start=start) if self.linear else partial(
+            self.self_attn, cos=None, sin=None, kv=kv, layer=i, start=start)
         if not self.block:
-            h = h + self.self_attn(self.input_layernorm(h), kv, i, start)
+            h = h + attend(self.input_layernorm(h))
             return h + ffn(self.post_attention_layernorm(h))
         # attention residuals (Kimi K3): a new block starts every attn_res_block_size layers
         x = self.input_layernorm(attn_res(h, blocks, self.self_attention_res_proj, self.self_attention_res_norm))
         write = i % self.block == 0
         if write:
             blocks.append(h)
-        out = self.self_attn(x, kv, i, start)
+        out = attend(x)
         h = out if write else h + out
         x = self.post_attention_layernorm(attn_res(h, blocks, self.mlp_res_proj, self.mlp_res_norm))
         return h + ffn(x)
@@ -430,6 +364,9 @@ class DecoderLayer(nn.Module):
 
 class Model(CausalLM):
     """Kimi-Linear / Kimi K3 causal LM with streamed experts and a :class:`HybridCache`."""
+
+    # kept in float32, as transformers' _keep_in_fp32_modules_strict for Kimi-Linear
+    float32_parameters = (".gate.weight", ".gate.e_score_correction_bias", ".dt_bias")
 
     def __init__(self, a: ModelArgs):
         k3 = a.model_type == "kimi_k3"

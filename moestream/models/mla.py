@@ -51,6 +51,8 @@ class MLAttention(nn.Module):
             (transformers' rotate-half layout), or None for no rotation (the rope dims
             are still part of the key, as in Kimi-Linear).
         norm_eps: eps of ``q_a_layernorm`` and ``kv_a_layernorm`` (transformers: 1e-6).
+        output_gate: multiply the attention output by ``sigmoid(g_proj x)`` (``g_proj``
+            [heads * v_head_dim, H]) before ``o_proj``: Kimi K3's ``mla_use_output_gate``.
 
     Raises:
         ConfigError: a non-positive dimension or an unknown rope style.
@@ -59,7 +61,7 @@ class MLAttention(nn.Module):
     def __init__(
         self, hidden: int, heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
         v_head_dim: int, q_lora_rank: int | None = None, bias: bool = False, scale: float | None = None,
-        rope: str | None = "interleaved", norm_eps: float = 1e-6,
+        rope: str | None = "interleaved", norm_eps: float = 1e-6, output_gate: bool = False,
     ):
         super().__init__()
         if rope not in ROPE_STYLES:
@@ -83,6 +85,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * v_head_dim, hidden, bias=bias)
+        if output_gate:
+            self.g_proj = nn.Linear(hidden, heads * v_head_dim, bias=False)
+        self.output_gate = output_gate
         self.scale = qk**-0.5 if scale is None else scale
 
     def _attend(self, q_nope, q_rot, w, latents, k_rots, mask, dtype) -> torch.Tensor:
@@ -141,4 +146,7 @@ class MLAttention(nn.Module):
         step = max(1, SCORE_ELEMENTS // max(1, t * latents.shape[0]))
         out = torch.cat([self._attend(q_nope[h : h + step], q_rot[h : h + step], w[h : h + step], latents, k_rots,
                                       mask, x.dtype) for h in range(0, self.heads, step)])
-        return self.o_proj(out.transpose(0, 1).reshape(t, self.heads * self.v_dim))
+        out = out.transpose(0, 1).reshape(t, self.heads * self.v_dim)
+        if self.output_gate:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
