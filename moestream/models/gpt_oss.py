@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import ConfigError
 from .base import CausalLM, SynthTensor, field, positive
 from .layers import RMSNorm
-from .moe import StreamedMoE, streamed_experts
+from .moe import StreamedMoE
 from .variants import DecoderLayer, Rope, VariantAttention, optional_positive
 
 MODEL_TYPES = ("gpt_oss",)
@@ -144,7 +144,7 @@ class GptOssMoE(StreamedMoE):
         expert_fn = partial(clamped_swiglu_expert, alpha=a.swiglu_alpha, limit=a.swiglu_limit)
         super().__init__(a.hidden_size, a.num_local_experts, layer, partial(topk_softmax, top_k=a.num_experts_per_tok),
                          expert_fn, renormalize=True)
-        self.route = self.router
+        self.topk = self.router
         del self.gate
         self.router = nn.Linear(a.hidden_size, a.num_local_experts, bias=True)
 
@@ -152,10 +152,9 @@ class GptOssMoE(StreamedMoE):
     def gate(self) -> nn.Linear:
         return self.router
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
-        weights, idx = self.route(F.linear(x, self.router.weight, self.router.bias))
-        return streamed_experts(x, weights, idx, self.layer, self.cache, self.expert_fn)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits with bias, top-k, softmax over the k."""
+        return self.topk(F.linear(x, self.router.weight, self.router.bias))
 
 
 class Model(CausalLM):

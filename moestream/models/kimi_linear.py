@@ -44,7 +44,7 @@ from .base import CausalLM, SynthTensor, field, positive
 from .kda import HybridCache, KimiDeltaAttention
 from .layers import RMSNorm
 from .mla import MLAttention
-from .moe import Float32Router, StreamedMoE, sigmoid_group_topk, streamed_experts, swiglu_expert
+from .moe import Float32Router, StreamedMoE, sigmoid_group_topk, swiglu_expert
 
 MODEL_TYPES = ("kimi_linear", "kimi_k3")
 
@@ -286,16 +286,19 @@ class KimiMoE(StreamedMoE):
             if a.num_shared_experts else None
         )
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 weights, experts chosen with the correction bias."""
+        return self.router(self.gate(x), bias=self.gate.e_score_correction_bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        weights, idx = self.router(self.gate(x), bias=self.gate.e_score_correction_bias)  # float32 weights
         if self.latent:
-            y = streamed_experts(self.routed_expert_down_proj(x), weights, idx, self.layer, self.cache, self.expert_fn)
+            y = self.routed(x, self.routed_expert_down_proj(x))
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
         else:
-            y = streamed_experts(x, weights, idx, self.layer, self.cache, self.expert_fn)
+            y = self.routed(x)
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import ConfigError
 from .base import CausalLM, SynthTensor, field, positive
 from .layers import MLP, RMSNorm
-from .moe import StreamedMoE, streamed_experts
+from .moe import StreamedMoE
 from .variants import DecoderLayer, PerTypeRope, Rope, VariantAttention
 
 MODEL_TYPES = ("laguna",)
@@ -171,9 +171,7 @@ class LagunaMoE(StreamedMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: shared expert plus scaled routed experts, in the reference's order."""
         shared = self.shared_expert(x)
-        weights, idx = self.router(self.gate(x))
-        routed = streamed_experts(x, weights, idx, self.layer, self.cache, self.expert_fn)
-        return routed * self.scaling + shared
+        return self.routed(x) * self.scaling + shared
 
 
 class Model(CausalLM):

@@ -150,9 +150,27 @@ class StreamedMoE(nn.Module):
     def attach(self, cache: ExpertCache) -> None:
         self.cache = cache
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing of ``x`` [T, H]: ``(weights [T, K], indices [T, K] int64)``.
+
+        A family whose router is not ``router(gate(x))`` (a bias, another name) overrides
+        this; the prefetcher predicts the next layers' experts with it too.
+        """
+        return self.router(self.gate(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        weights, idx = self.router(self.gate(x))
+        return self.routed(x)
+
+    def routed(self, x: torch.Tensor, expert_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum for tokens ``x`` [T, H], in routing order.
+
+        Routes ``x`` (:meth:`route`), keeps the ``--max-active-experts`` best, records the
+        trace, lets the prefetcher plan the next layers, then runs the experts on
+        ``expert_input`` (default ``x``; Kimi K3's latent experts take a projection of it).
+        Families that add shared experts or scale the sum call this from their ``forward``.
+        """
+        weights, idx = self.route(x)
         if 0 < self.max_active < idx.shape[1]:
             weights, idx = keep_top_experts(weights, idx, self.max_active, self.renormalize)
         trace = getattr(self.cache, "trace", None)
@@ -161,7 +179,8 @@ class StreamedMoE(nn.Module):
         pf = getattr(self.cache, "prefetcher", None)
         if pf is not None:  # --prefetch-ahead: read the next layers' likely experts while this one computes
             pf.plan(self.layer, x)
-        return streamed_experts(x, weights, idx, self.layer, self.cache, self.expert_fn)
+        inp = x if expert_input is None else expert_input
+        return streamed_experts(inp, weights, idx, self.layer, self.cache, self.expert_fn)
 
 
 def _group_mask(choice: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
