@@ -39,7 +39,7 @@ def parse_budget(text: str | float | None) -> int | None:
     try:
         gb = float(text)
     except (TypeError, ValueError):
-        raise BudgetError(f"--cache-budget-gb: {text!r} is not a number of GB or 'all'") from None
+        raise BudgetError(f"--cache-budget-gb: {text!r} is not a number of GB, 'all' or 'auto'") from None
     if not (gb >= 0 and gb < 1e9):  # a billion GB is more than any machine
         raise BudgetError(f"--cache-budget-gb: {text!r} must be a number of GB between 0 and 1e9")
     return int(gb * GB)

@@ -7,6 +7,7 @@ did (speed, cache hit rate, bytes read, distinct experts per layer, memory).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -158,6 +159,7 @@ class GenerationStats:
     prompt_cached_tokens: int = 0  # prompt tokens whose KV cache a Session already held (not prefilled)
     generated_tokens: int = 0
     generated_token_ids: list[int] = field(default_factory=list)
+    logits_sha256: str = ""  # SHA-256 over every step's float32 logits, in order: equal runs, equal digests
     finish_reason: str = ""
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -529,8 +531,13 @@ def generate(
     generated: list[int] = []
     stats.finish_reason = "length"
     try:
+        digest = hashlib.sha256()
         for n in range(max_tokens):
             last = logits[-1].float()
+            # a fingerprint of every step's logits, bit for bit: equal digests prove two runs
+            # (budgets, worker counts, read paths) computed the same numbers, not only the same tokens
+            digest.update(last.contiguous().view(torch.int32).cpu().numpy().tobytes())
+            stats.logits_sha256 = digest.hexdigest()
             processed = apply_penalties(last, context, generated, sampling) if sampling.penalized else last
             if think_closed:
                 processed = processed.clone() if processed is last else processed

@@ -72,3 +72,26 @@ def test_chunked_prefill_streams_exactly(sharded):
     b = run(sharded, "0", 4, SamplingParams(), chunk=5)
     assert torch.equal(a[0], b[0])
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def test_logits_digest_tells_bit_identical_runs_apart(sharded):
+    """``GenerationStats.logits_sha256`` is equal across budgets and changes with any logit (max-active-experts)."""
+    from moestream.generation import GenerationStats
+
+    def digest(budget, **options):
+        engine = load(sharded, cache_budget_gb=budget, workers=2, tokenizer=False, learn_experts=False, **options)
+        try:
+            prompt = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+            stats = GenerationStats()
+            steps = list(generate(engine, prompt, 6, SamplingParams(), stats, stop_at_eos=False, keep_logits=True))
+            import hashlib
+
+            want = hashlib.sha256(b"".join(s.logits.view(torch.int32).numpy().tobytes() for s in steps)).hexdigest()
+            assert stats.logits_sha256 == want
+            return stats.logits_sha256
+        finally:
+            engine.close()
+
+    full = digest("all")
+    assert digest("0") == full
+    assert digest("0", max_active_experts=3) != full

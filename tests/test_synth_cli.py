@@ -141,6 +141,6 @@ def test_demo_builds_and_proves_identity(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(demo, "DEMO_CONFIG", write_tiny_synth_config(tmp_path / "c.json"))
     demo.run_demo(tmp_path / "demo", max_tokens=6)
     err = capsys.readouterr().err
-    assert "first run" in err and "tokens identical to the all-resident run: True" in err
+    assert "first run" in err and "logits of every step bit-identical to the all-resident run: True" in err
     demo.run_demo(tmp_path / "demo", max_tokens=6)  # second run reuses the checkpoint
     assert "first run" not in capsys.readouterr().err
