@@ -177,6 +177,10 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         raise ConfigError(f"{source}: {e}") from None
     with torch.device("meta"):
         net = family.Model(args)
+    if ckpt is not None:
+        from . import quant
+
+        quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears: their scales are resident too
     layout = discover_experts(tensors)
     blocks = net.moe_blocks()
     if not blocks or not layout.layers:
@@ -193,7 +197,12 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
     if getattr(net, "tie_word_embeddings", False):
         params.discard(net.head_name)
     resident = sum(tensors[n].nbytes for n in params if n in tensors)
-    unused = sorted(n for n in tensors if n not in params and n not in layout.expert_tensors)
+    padding = set()
+    if ckpt is not None:
+        from . import quant
+
+        padding = quant.padding_tensors(tensors)  # alignment filler that `moestream convert` writes
+    unused = sorted(n for n in tensors if n not in params and n not in layout.expert_tensors and n not in padding)
     first = next(iter(layout.layers.values()))
     per_expert = layout.expert_nbytes(first.layer, 0)
     top_k = _top_k(cfg)

@@ -64,3 +64,20 @@ def test_cli_json_and_bad_config(tmp_path, capsys):
     bad.write_text("{not json")
     assert main(["inspect", "--config", str(bad)]) == 2
     assert "bad.json: cannot read a JSON config" in capsys.readouterr().err
+
+
+def test_converted_checkpoint_counts_its_scales_as_resident(tmp_path):
+    """After ``moestream convert``, quantized resident linears (weights, scales, biases) are resident, not unused."""
+    from moestream.engine import load
+
+    make_qwen3_moe(tmp_path / "f", seed=4)
+    out = tmp_path / "q"
+    assert main(["convert", "--model", str(tmp_path / "f"), "--out", str(out), "--bits", "4", "--group-size", "32",
+                 "--attn-bits", "8"]) == 0
+    r = inspect(str(out))
+    assert r.can_stream and r.unused_bytes == 0, r.unused_examples
+    engine = load(out, cache_budget_gb=0.0001, tokenizer=False, learn_experts=False)
+    try:
+        assert r.resident_bytes == engine.resident_bytes
+    finally:
+        engine.close()
