@@ -389,8 +389,11 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 
 def run_convert(args: argparse.Namespace) -> Path:
     from .engine import progress_bar
+    from .quant.affine import BITS
     from .quant.convert import ConvertSpec, convert, default_out
 
+    if args.bits not in (*BITS, 16):
+        raise MoestreamError(f"--bits {args.bits}: expected one of {BITS} or 16 (float)")
     expert = args.expert_bits or args.bits
     spec = ConvertSpec(args.group_size, expert, args.expert_down_bits or expert, args.attn_bits or args.bits,
                        args.other_bits or args.bits)

@@ -164,3 +164,12 @@ def test_bf16_int4_path_streams_exactly(builds, bits):
     ref = logits(builds[bits, 32], ids)
     rms = ((out["all"].float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
     assert rms < 0.05, f"bf16 int4 path against float32 chunked path: RMS {rms:.3f}"
+
+
+def test_bad_bits_names_the_flag_the_user_gave(tmp_path, capsys):
+    from moestream.cli import main
+
+    assert main(["convert", "--model", str(tmp_path), "--bits", "7", "--out", str(tmp_path / "o")]) == 2
+    assert "--bits 7: expected one of" in capsys.readouterr().err
+    assert main(["convert", "--model", str(tmp_path), "--expert-bits", "7", "--out", str(tmp_path / "o")]) == 2
+    assert "--expert-bits 7: expected one of" in capsys.readouterr().err
