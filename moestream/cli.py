@@ -439,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     add_commands(sub, add_engine_args)
     args = parser.parse_args(argv)
     try:
-        if run_command(args):
-            pass
+        if args.command in ("hotlist", "cache-sim"):
+            run_command(args)
         elif args.command == "generate":
             run_generate(args)
         elif args.command == "serve":

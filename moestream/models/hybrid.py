@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .base import SynthTensor
-from .layers import MLP, KVCache, apply_rotary, attention_mask
+from .layers import MLP, HybridCache, KVCache, apply_rotary, attention_mask
 from .moe import StreamedMoE
 
 # the chunk length of the chunked Gated DeltaNet form, as the reference's default
@@ -63,32 +63,6 @@ class GatedRMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
         return (h * F.silu(z.float())).to(dtype)
-
-
-class HybridCache(KVCache):
-    """The per-layer cache of a hybrid model: keys and values for full-attention layers
-    (as :class:`KVCache`), a short-convolution window and a recurrent state for Gated
-    DeltaNet layers.
-
-    Attributes:
-        conv: per layer, the last ``kernel - 1`` inputs of the causal convolution,
-            [conv_dim, kernel - 1] in the model's dtype (None before the first token).
-        recurrent: per layer, the DeltaNet state [value_heads, key_head_dim,
-            value_head_dim] in float32, as the reference keeps it (None before the first token).
-
-    The linear-attention state summarizes every token so far and cannot be rewound: a
-    chunk must start where the cache ends (``start == length``).
-    """
-
-    def __init__(self, num_layers: int, capacity: int = 256):
-        super().__init__(num_layers, capacity)
-        self.conv: list[torch.Tensor | None] = [None] * num_layers
-        self.recurrent: list[torch.Tensor | None] = [None] * num_layers
-
-    @property
-    def nbytes(self) -> int:
-        states = [t for t in self.conv + self.recurrent if t is not None]
-        return super().nbytes + sum(t.numel() * t.element_size() for t in states)
 
 
 class GatedAttention(nn.Module):

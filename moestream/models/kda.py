@@ -26,48 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import InputError
-from .layers import KVCache
+from .layers import HybridCache
 
 CHUNK = 64  # the reference's chunk_size for prefill
-
-
-class HybridCache(KVCache):
-    """Decode state of one sequence for a hybrid model.
-
-    Attention layers use the inherited :meth:`KVCache.update` (tensors [n, capacity, d]
-    growing by doubling). Linear-attention layers keep ``conv[layer]`` [C, kernel-1] (the
-    last inputs of the short convolution, in the model dtype) and ``recurrent[layer]``
-    [H, Dk, Dv] (float32), plus the number of tokens they have consumed: a recurrent
-    state cannot be rewound, so a linear layer accepts only the next position.
-    """
-
-    def __init__(self, num_layers: int, capacity: int = 256):
-        super().__init__(num_layers, capacity)
-        self.conv: list[torch.Tensor | None] = [None] * num_layers
-        self.recurrent: list[torch.Tensor | None] = [None] * num_layers
-        self.consumed = [0] * num_layers
-
-    def linear_state(self, layer: int, start: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(conv, recurrent) state of a linear layer before position ``start`` (None, None at 0).
-
-        Raises:
-            InputError: ``start`` is not the next position of that layer's state.
-        """
-        if start != self.consumed[layer]:
-            raise InputError(
-                f"layer {layer} is a linear-attention layer holding the state after {self.consumed[layer]} tokens; "
-                f"it cannot continue at position {start} (a recurrent state cannot be rewound)"
-            )
-        return self.conv[layer], self.recurrent[layer]
-
-    def set_linear_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor, end: int) -> None:
-        self.conv[layer], self.recurrent[layer], self.consumed[layer] = conv, recurrent, end
-
-    @property
-    def nbytes(self) -> int:
-        states = [t for t in self.conv + self.recurrent if t is not None]
-        return super().nbytes + sum(t.numel() * t.element_size() for t in states)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

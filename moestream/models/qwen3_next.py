@@ -8,7 +8,7 @@ MoE block of softmax top-k routed experts (renormalized when ``norm_topk_prob``)
 resident shared expert behind a sigmoid gate. Norms are zero-centred (``1 + weight``).
 Layers in ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid use a dense MLP.
 
-The cache (:class:`~moestream.models.hybrid.HybridCache`) holds keys and values for the
+The cache (:class:`~moestream.models.layers.HybridCache`) holds keys and values for the
 attention layers and the convolution window and recurrent state for the DeltaNet layers.
 Checkpoints may carry a multi-token-prediction layer (``mtp.*``); it is not loaded.
 """
