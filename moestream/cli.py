@@ -233,7 +233,7 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
             if used:
                 print("sampling defaults from generation_config.json: "
                       + ", ".join(f"{k} {v:g}" for k, v in used.items()) + " (flags override them)", file=err)
-            hint = whole_model_hint(engine)
+            hint = whole_model_hint(engine) if getattr(args, "whole_model_hint", True) else None
             if hint:
                 print(hint, file=err)
         tok = engine.tokenizer

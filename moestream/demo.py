@@ -47,7 +47,8 @@ def run_demo(folder: Path | None = None, max_tokens: int = 48) -> None:
         file=sys.stderr,
     )
     common = dict(model=str(folder), prompt=PROMPT, max_tokens=max_tokens, temp=1.0, top_p=1.0, top_k=0, seed=0,
-                  no_chat_template=False, stats_json=None, prefetch_workers=8, quiet=False)
+                  no_chat_template=False, stats_json=None, prefetch_workers=8, quiet=False,
+                  whole_model_hint=False)  # streaming a model that fits is the demo's point
     print(f"\n[demo] 1/2 streaming experts through a {budget} GB cache (sampling, temperature 1, seed 0):",
           file=sys.stderr)
     streamed = run_generate(argparse.Namespace(cache_budget_gb=str(budget), **common))

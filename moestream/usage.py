@@ -321,6 +321,9 @@ def setup_cache_policy(
                 f"highest-weight routed experts of {top_k if isinstance(top_k, int) else 'its top-k'}; "
                 "the output changes (it is not the model's own routing)"
             )
+        elif max_active_experts > top_k:
+            warn(f"--max-active-experts {max_active_experts} is above the model's top-k {top_k} "
+                 "(num_experts_per_tok in config.json): it has no effect")
     from .models.moe import StreamedMoE
 
     router = next((n + ".gate.weight" for n, m in model.named_modules() if isinstance(m, StreamedMoE)), None)

@@ -172,6 +172,8 @@ def test_max_active_experts(model, capsys):
     capsys.readouterr()
     same_k = run(model, "all", tokens=3, max_active_experts=4, learn_experts=False)  # = top-k: exact, no warning
     assert same(same_k, ref) and "--max-active-experts" not in capsys.readouterr().err
+    above = run(model, "all", tokens=3, max_active_experts=9, learn_experts=False)  # > top-k: exact, says no effect
+    assert same(above, ref) and "above the model's top-k 4" in capsys.readouterr().err
 
 
 def test_trace_replays_to_the_cache_hits(model, tmp_path):
