@@ -241,6 +241,10 @@ def test_packing_round_trips_and_spec_vectors():
             assert words.shape == (5, -(-n // tq.codes_per_word(levels)))
             assert torch.equal(tq.unpack_codes(words, levels, n), torch.from_numpy(codes))
             assert torch.equal(tq.pack_codes(torch.from_numpy(codes), levels), words)
+            cb = torch.randn(levels).half()
+            scales = torch.rand(5, 1).half()
+            deq = tq.dequantize_rows(words[:, :], scales.expand(5, n).contiguous(), cb, n)  # group of 1
+            assert torch.equal(deq, torch.from_numpy(cb.float().numpy()[codes]) * scales.float())
             if levels == 8:  # 3-bit: 10 codes in the low 30 bits, the top two 0
                 assert int((words.view(torch.int32).to(torch.int64) & 0xFFFFFFFF).max()) < 2**30
     bits = tq.unpack_signs(pack(np.array([[1, 0, 0, 1] * 9]), 2), 36)

@@ -411,30 +411,76 @@ def _rows(inn: int) -> int:
     return max(1, CHUNK_ELEMS // inn)
 
 
-def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, inn: int) -> torch.Tensor:
+# codes decoded per table lookup: a word splits into keys of this many codes (2^15 .. 2^16 keys)
+_LUT_CODES = {2: 16, 4: 8, 8: 5, 16: 4, TRIT: 10}
+
+
+def code_table(codebook: torch.Tensor) -> torch.Tensor:
+    """Float32 [keys, k]: the codebook values of every run of k codes one key of a word holds.
+
+    Bit-packed: key = k codes of ``bits`` bits (LSB-first); ternary: key = 10 base-3 digits.
+    Decoding a word is then a few row lookups instead of one per code.
+    """
+    levels = codebook.shape[0]
+    k = _LUT_CODES[levels]
+    keys = torch.arange(levels**k, dtype=torch.int64)
+    if levels == TRIT:
+        digits = torch.stack([(keys // 3**j) % 3 for j in range(k)], -1)
+    else:
+        bits = LEVEL_BITS[levels]
+        digits = torch.stack([(keys >> (j * bits)) & (levels - 1) for j in range(k)], -1)
+    return codebook.float()[digits].contiguous()
+
+
+_TABLES: dict[bytes, torch.Tensor] = {}
+
+
+def shared_table(codebook: torch.Tensor) -> torch.Tensor:
+    """:func:`code_table` of ``codebook``, built once per distinct codebook (builds share a few codebooks)."""
+    key = codebook.detach().cpu().float().numpy().tobytes()
+    t = _TABLES.get(key)
+    if t is None:
+        t = _TABLES[key] = code_table(codebook.detach().cpu())
+    return t.to(codebook.device)
+
+
+def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, inn: int,
+                    table: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 rotated-domain weight rows ``codebook[idx] * scale`` [r, in].
 
-    ``packed``: words [r, words]; ``scales``: [r, groups]; ``codebook``: [levels].
+    ``packed``: words [r, words]; ``scales``: [r, groups]; ``codebook``: [levels];
+    ``table``: :func:`code_table` of the codebook (built here when not given).
     """
-    codes = unpack_codes(packed, codebook.shape[0], inn)
+    levels = codebook.shape[0]
+    if table is None:
+        table = shared_table(codebook)
+    k = table.shape[1]
+    w = _words(packed)
+    if levels == TRIT:
+        keys = torch.stack((w % 3**k, w // 3**k), -1)
+    else:
+        kb = k * LEVEL_BITS[levels]
+        keys = torch.stack([(w >> (j * kb)) & ((1 << kb) - 1) for j in range(codes_per_word(levels) // k)], -1)
+    # index_select: plain advanced indexing measured far slower on this CPU build (PyTorch 2.13)
+    vals = table.index_select(0, keys.reshape(-1)).view(*w.shape[:-1], -1)[..., :inn]
     g = inn // scales.shape[-1]
-    # index_select: plain advanced indexing measured 2000x slower here on small tensors (PyTorch 2.13 CPU)
-    w = codebook.float().index_select(0, codes.reshape(-1)).view(codes.shape)
-    return (w.view(*w.shape[:-1], -1, g) * scales.float().unsqueeze(-1)).reshape(w.shape)
+    return (vals.reshape(*vals.shape[:-1], -1, g) * scales.float().unsqueeze(-1)).reshape(vals.shape)
 
 
-def rotated_matmul(xr: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor
-                   ) -> torch.Tensor:
+def rotated_matmul(xr: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor,
+                   table: torch.Tensor | None = None) -> torch.Tensor:
     """``xr`` [n, in] (float32, rotated) times the dequantized rotated weight, transposed: [n, out] float32.
 
     Dequantized a few rows at a time (``CHUNK_ELEMS``), so no whole weight is held.
     """
     inn, out = xr.shape[-1], packed.shape[0]
+    if table is None:
+        table = shared_table(codebook)
     y = xr.new_empty(xr.shape[0], out)
     step = _rows(inn)
     for r0 in range(0, out, step):
         r1 = min(r0 + step, out)
-        y[:, r0:r1] = xr @ dequantize_rows(packed[r0:r1], scales[r0:r1], codebook, inn).t()
+        y[:, r0:r1] = xr @ dequantize_rows(packed[r0:r1], scales[r0:r1], codebook, inn, table).t()
     return y
 
 
