@@ -455,10 +455,11 @@ def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, codebook: torch.
     if table is None:
         table = shared_table(codebook)
     k = table.shape[1]
-    w = _words(packed)
     if levels == TRIT:
+        w = _words(packed)
         keys = torch.stack((w % 3**k, w // 3**k), -1)
-    else:
+    else:  # int32 words: every key is masked after the shift, so the sign bit never leaks into one
+        w = packed.contiguous().view(torch.int32)
         kb = k * LEVEL_BITS[levels]
         keys = torch.stack([(w >> (j * kb)) & ((1 << kb) - 1) for j in range(codes_per_word(levels) // k)], -1)
     # index_select: plain advanced indexing measured far slower on this CPU build (PyTorch 2.13)
@@ -716,7 +717,7 @@ def set_fast(model: nn.Module, fast: bool) -> int:
 def _kind(path: str) -> str:
     parts = path.split(".")
     if "switch_mlp" in parts or "experts" in parts:
-        return "experts"
+        return "expert down" if parts[-1] == "down_proj" else "experts"
     if any(p.startswith(("shared_expert", "routed_expert_")) for p in parts):
         return "shared experts"
     if any(p in ("self_attn", "attention", "linear_attn") for p in parts):
@@ -744,7 +745,7 @@ def describe(tensors: dict, cfg: TurboQuantConfig) -> str:
         label = "ternary" if levels == TRIT else f"{LEVEL_BITS.get(levels, '?')}-bit"
         kinds.setdefault(_kind(path), set()).add(f"{label} g{inn // groups}")
         qjl += path + ".qjl_packed" in tensors
-    order = ("attention", "experts", "shared experts", "dense mlp", "lm_head", "other")
+    order = ("attention", "experts", "expert down", "shared experts", "dense mlp", "lm_head", "other")
     parts = [f"{k} {', '.join(sorted(kinds[k]))}" for k in order if k in kinds]
     rot = "off" if cfg.rotation == "none" else "blockwise Hadamard"
     text = f"turboquant: {'; '.join(parts)}; rotation {rot}"
