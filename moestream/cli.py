@@ -39,6 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--wire-memory", action="store_true",
                    help="lock the resident weights and the expert cache in RAM (mlock; needs RLIMIT_MEMLOCK)")
+    p.add_argument("--fast", action="store_true",
+                   help="turboquant builds: skip the QJL residual correction (faster; changes the output)")
     from .policy_cli import add_cache_policy_args
 
     add_cache_policy_args(p)
@@ -72,6 +74,7 @@ def load_engine(args: argparse.Namespace, tokenizer: bool = True, context: int |
         args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer,
         use_page_cache=getattr(args, "use_page_cache", None), prefetch_ahead=getattr(args, "prefetch_ahead", 0),
         wire_memory=getattr(args, "wire_memory", False), context_tokens=context, **cache_policy_kwargs(args),
+        fast=getattr(args, "fast", False),
     )
 
 

@@ -132,6 +132,7 @@ def load(
     learn_experts: bool = True,
     trace: str | os.PathLike | None = None,
     cache_policy: str = "lru",
+    fast: bool = False,
 ) -> Engine:
     """Open a checkpoint and make it ready to generate.
 
@@ -171,7 +172,9 @@ def load(
         trace: write the routing trace (JSON lines) to this file.
         cache_policy: eviction policy, ``lru`` (default), ``lfu`` or ``layer``
             (:mod:`moestream.policies`).
-        None of these but ``max_active_experts`` changes the output. Pins take at most the
+        fast: skip the QJL residual correction of turboquant linears (``--fast``; changes the
+            output, with a note; :mod:`moestream.quant.turboquant`).
+        None of these but ``max_active_experts`` and ``fast`` changes the output. Pins take at most the
         budget (pin file) or half of it (hot list and usage profile, after the pin file);
         a bad profile, hot list or pin file is ignored with a warning naming it
         (:mod:`moestream.usage`).
@@ -225,6 +228,12 @@ def load(
         io = plan_io(ckpt, workers, use_page_cache, prefetch_ahead, wire_memory)
         store = ExpertStore(ckpt, layout, compute_dtype, dev, workers, reader=io.reader)
         quant.attach(net, store, formats, compute_dtype)
+        if fast:
+            from .quant.turboquant import set_fast
+
+            n = set_fast(net, True)
+            print(f"note: --fast: the QJL residual correction of {n} linears is off; this changes the output"
+                  if n else "note: --fast has no effect: this checkpoint stores no QJL residuals", file=sys.stderr)
         keys = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
         budget = io.size_budget(net, store, keys, budget, compute_dtype, auto, context_tokens)
         _check_fit(net, store, keys, budget, compute_dtype)

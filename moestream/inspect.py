@@ -56,6 +56,7 @@ class Inspection:
     unused_bytes: int = 0
     active_expert_bytes: int = 0
     expert_layout: str = ""
+    quantization: str = ""  # format, bits per layer kind and group size of a quantized checkpoint
     unused_examples: list[str] = field(default_factory=list)
 
     def to_text(self) -> str:
@@ -70,6 +71,7 @@ class Inspection:
             f"decoder layers:     {self.layers} ({self.moe_layers} MoE)",
             f"experts per layer:  {self.experts_per_layer}, top-k {self.top_k} ({self.expert_layout} layout)",
             f"bytes per expert:   {self.bytes_per_expert / MB:.2f} MB",
+            *([f"quantization:       {self.quantization}"] if self.quantization else []),
             f"expert weights:     {self.expert_bytes / GB:.2f} GB ({100 * self.expert_bytes / max(total, 1):.1f}%)",
             f"resident weights:   {self.resident_bytes / GB:.2f} GB",
             f"experts per token:  {self.active_expert_bytes / GB:.3f} GB at most (top-k x MoE layers)",
@@ -197,11 +199,12 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
     if getattr(net, "tie_word_embeddings", False):
         params.discard(net.head_name)
     resident = sum(tensors[n].nbytes for n in params if n in tensors)
-    padding = set()
+    padding, quantization = set(), ""
     if ckpt is not None:
         from . import quant
 
         padding = quant.padding_tensors(tensors)  # alignment filler that `moestream convert` writes
+        quantization = quant.describe(ckpt, ckpt.path)
     unused = sorted(n for n in tensors if n not in params and n not in layout.expert_tensors and n not in padding)
     first = next(iter(layout.layers.values()))
     per_expert = layout.expert_nbytes(first.layer, 0)
@@ -212,5 +215,5 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         layers=len(net.decoder.layers), moe_layers=len(layout.layers), experts_per_layer=first.num_experts,
         top_k=top_k, bytes_per_expert=per_expert, expert_bytes=layout.total_bytes, resident_bytes=resident,
         unused_bytes=sum(tensors[n].nbytes for n in unused), active_expert_bytes=active,
-        expert_layout=first.kind, unused_examples=unused[:3],
+        expert_layout=first.kind, unused_examples=unused[:3], quantization=quantization,
     )

@@ -46,7 +46,9 @@ _STACKED = re.compile(_PRE + r"\.switch_mlp\.(?P<proj>\w+)\.(?P<param>\w+)$")
 # biases of fused experts, as gpt-oss stores them: gate_up_proj_bias [E, 2I], down_proj_bias [E, H]
 _FUSED_BIAS = re.compile(_PRE + r"\.experts\.(?P<proj>gate_up_proj|down_proj)_bias$")
 # resident tensors that live under an experts module: Laguna's router correction bias
-_RESIDENT_UNDER_EXPERTS = re.compile(r"\.experts\.e_score_correction_bias$")
+_RESIDENT_UNDER_EXPERTS = re.compile(r"\.experts\.e_score_correction_bias$|\.switch_mlp\.\w+\.(codebook|signs)$")
+# per-projection tensors of stacked experts shared by every expert (turboquant): resident, not pieces
+SHARED_PARAMS = ("codebook", "signs")
 # MXFP4 experts as gpt-oss ships them: ...experts.{gate_up,down}_proj_{blocks,scales,bias} (see moestream.quant)
 _MXFP4 = re.compile(_PRE + r"\.experts\.(?P<proj>gate_up_proj|down_proj)_(?P<param>blocks|scales|bias)$")
 # any name that looks like it holds routed experts; used to report layouts we do not know
@@ -167,7 +169,7 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
                 _check_rank(info, 2, name)
             piece = Piece(role, info.file, info.offset, info.nbytes, info.dtype, info.shape, name)
             parts[int(m["expert"])][role] = piece
-        elif (m := _STACKED.match(name)) and m["proj"] in ROLE_OF_PROJ:
+        elif (m := _STACKED.match(name)) and m["proj"] in ROLE_OF_PROJ and m["param"] not in SHARED_PARAMS:
             parts, role = _slot(found, m, "stacked", name), _role(m)
             if m["param"] == "weight":
                 _check_rank(info, 3, name)

@@ -27,6 +27,11 @@ def expert_formats(ckpt, layout, shape: tuple[int, int], where) -> dict[int, Exp
     qcfg = QuantConfig.from_config(ckpt.config, str(where))
     out = {}
     for i, lay in layout.layers.items():
+        if qcfg is not None and qcfg.method == "turboquant":
+            from . import turboquant
+
+            out[i] = turboquant.expert_format(lay, ckpt.tensors, qcfg, shape, where)
+            continue
         fmt = expert_format(lay, qcfg, shape, where)
         if fmt is not None:
             out[i] = fmt
@@ -37,7 +42,29 @@ def quantize_model(net, ckpt, where) -> list[str]:
     """Swap the resident modules ``ckpt`` stores quantized (see :func:`.resident.quantize_resident`)."""
     from .resident import quantize_resident
 
-    return quantize_resident(net, ckpt.tensors, QuantConfig.from_config(ckpt.config, str(where)), where)
+    qcfg = QuantConfig.from_config(ckpt.config, str(where))
+    swapped = []
+    if qcfg is not None and qcfg.method == "turboquant":  # codebook linears first; affine extras below
+        from .turboquant import quantize_resident as tq_resident
+
+        swapped = tq_resident(net, ckpt.tensors, qcfg, where)
+    return swapped + quantize_resident(net, ckpt.tensors, qcfg, where)
+
+
+def describe(ckpt, where) -> str:
+    """The quantization of a checkpoint in one line for ``moestream inspect`` ("" when it declares none)."""
+    qcfg = QuantConfig.from_config(ckpt.config, str(where))
+    if qcfg is None:
+        return ""
+    if qcfg.method == "turboquant":
+        from .turboquant import describe as tq_describe
+
+        return tq_describe(ckpt.tensors, qcfg)
+    if qcfg.default is None:
+        return qcfg.method
+    text = qcfg.default.tag if qcfg.method != "affine" else f"mlx {qcfg.default.tag}"
+    n = sum(1 for s in qcfg.overrides.values() if s is not None)
+    return text + (f"; {n} per-module overrides" if n else "")
 
 
 def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:
@@ -59,8 +86,12 @@ def attach(net, store, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> 
     for m in net.modules():
         if isinstance(m, QuantEmbedding):
             m.dtype = dtype
+    from .turboquant import TQExpertFormat, attach_experts
+
     for block in net.moe_blocks():
-        block.expert_fn = expert_fn_for(block.expert_fn, formats.get(block.layer))
+        if not isinstance(formats.get(block.layer), TQExpertFormat):
+            block.expert_fn = expert_fn_for(block.expert_fn, formats.get(block.layer))
+    attach_experts(net, formats)
     if formats:
         from .kernels import Prepare
 

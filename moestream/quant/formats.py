@@ -58,7 +58,8 @@ def _affine_scheme(entry: dict, where: str) -> Scheme:
     bits, gs = entry.get("bits"), entry.get("group_size")
     mode = entry.get("mode", "affine")
     if mode != "affine":
-        raise QuantError(f"{where}: quantization mode {mode!r} is not supported (moestream reads mlx 'affine')")
+        raise QuantError(f"{where}: quantization mode {mode!r} is not supported "
+                         "(moestream reads mlx 'affine' and 'turboquant')")
     if bits not in affine.BITS:
         raise QuantError(f"{where}: quantization bits {bits!r} must be one of {affine.BITS}")
     if not isinstance(gs, int) or isinstance(gs, bool) or gs < 1 or gs % 32:
@@ -112,6 +113,10 @@ class QuantConfig:
             return None
         if not isinstance(q, dict):
             raise QuantError(f"{where}: quantization is not an object")
+        if q.get("mode") == "turboquant":  # turboquant-mlx tq* builds (moestream.quant.turboquant)
+            from .turboquant import TurboQuantConfig
+
+            return TurboQuantConfig(q, where)
         default = _affine_scheme(q, f"{where}: quantization")
         overrides: dict[str, Scheme | None] = {}
         for k, v in q.items():

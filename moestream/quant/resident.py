@@ -80,7 +80,8 @@ def _format(path: str, tensors: dict, qcfg: QuantConfig | None, shape: tuple[int
         return None
     name = f"{path}.weight"
     if w.dtype == "U32" or path + ".scales" in tensors:
-        scheme = qcfg.scheme(path) if qcfg is not None and qcfg.method == "affine" else None
+        # affine, or a turboquant build's affine extras
+        scheme = qcfg.scheme(path) if qcfg is not None and qcfg.method in ("affine", "turboquant") else None
         if scheme is None:
             raise QuantError(f"{where}: tensor {name!r} is quantized but config.json declares no mlx affine "
                              "quantization for it")
