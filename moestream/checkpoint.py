@@ -324,8 +324,13 @@ class Checkpoint:
             raise ConfigError(f"{cfg_path}: not a JSON object")
         self.shards = self._find_shards()
         self.tensors: dict[str, TensorInfo] = {}
+        self.metadata: dict[str, dict] = {}  # shard file name -> its safetensors __metadata__
+        self.derived: dict = {}  # tensor name -> fn(checkpoint) computing it (moestream.mlx_format)
         self._index_tensors()
         self._files = FileHandles()
+        from .mlx_format import adapt  # mlx-lm names and layouts -> Hugging Face names, by rule
+
+        self.source_format = adapt(self)  # an MLXFormat, or None for a Hugging Face checkpoint
 
     # -- discovery ---------------------------------------------------------------------
     def _find_shards(self) -> list[Path]:
@@ -364,7 +369,7 @@ class Checkpoint:
 
     def _index_tensors(self) -> None:
         for shard in self.shards:
-            tensors, _ = read_safetensors_header(shard)
+            tensors, self.metadata[shard.name] = read_safetensors_header(shard)
             for name, info in tensors.items():
                 if name in self.tensors:
                     raise CheckpointError(
@@ -393,10 +398,20 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint") from None
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        """Read one whole tensor into a new CPU tensor of its stored dtype and shape."""
-        info = self.info(name)
+        """Read one whole tensor into a new CPU tensor of its stored dtype and shape.
+
+        A derived tensor (``self.derived``: an MLX checkpoint's shifted norm, merged or
+        dequantized weight) is computed from the stored ones it comes from.
+        """
+        make = self.derived.get(name)
+        if make is not None:
+            return make(self)
+        return self.read_info(self.info(name))
+
+    def read_info(self, info: TensorInfo) -> torch.Tensor:
+        """Read the bytes ``info`` describes into a new CPU tensor of its dtype and shape."""
         out, view = empty_for(info)
-        pread_full(self.fd(info.file), info.offset, [view], info.file, f"tensor {name!r}")
+        pread_full(self.fd(info.file), info.offset, [view], info.file, f"tensor {info.name!r}")
         return out
 
     def close(self) -> None:

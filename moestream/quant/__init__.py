@@ -53,17 +53,20 @@ def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:
 
 def attach(net, store, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> None:
     """Give each MoE block of ``net`` the expert function of its layer's format, and ``store`` its prepare hook."""
-    from .expert import expert_fn_for
+    from .expert import DequantizedExpert, expert_fn_for
     from .resident import QuantEmbedding
 
     for m in net.modules():
         if isinstance(m, QuantEmbedding):
             m.dtype = dtype
+    swiglu = {}  # layers whose experts run on the quantized kernels (the others dequantize, see .expert)
     for block in net.moe_blocks():
         block.expert_fn = expert_fn_for(block.expert_fn, formats.get(block.layer))
-    if formats:
+        if block.layer in formats and not isinstance(block.expert_fn, DequantizedExpert):
+            swiglu[block.layer] = formats[block.layer]
+    if swiglu:
         from .kernels import Prepare
 
-        prep = Prepare(store.layout, formats, dtype)
+        prep = Prepare(store.layout, swiglu, dtype)
         if prep.active:
             store.prepare = prep
