@@ -302,6 +302,11 @@ class Checkpoint:
         config: the parsed ``config.json`` (a dict, fields as Hugging Face names them).
         tensors: tensor name -> :class:`TensorInfo`, across all shards.
         shards: the shard files, in index order.
+        metadata: shard file name -> its safetensors ``__metadata__``.
+        source_format: a :class:`moestream.mlx_format.MLXFormat` when the checkpoint is an
+            mlx-lm build (its names are then mapped onto Hugging Face names), else None.
+        derived: tensor name -> function of the checkpoint computing it (an MLX build's
+            tensors whose values differ from the Hugging Face ones); read by :meth:`read_tensor`.
 
     Raises (from the constructor):
         CheckpointError: missing folder, config, shard or tensor; corrupt header or index;

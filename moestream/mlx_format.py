@@ -115,7 +115,7 @@ RULES["kimi_k2"] = RULES["deepseek_v32"] = RULES["deepseek_v3"]
 
 @dataclass
 class MLXFormat:
-    """What :func:`adapt` found and did for one checkpoint.
+    """What :func:`adapt` found and did for one checkpoint (``Checkpoint.source_format``).
 
     ``model_type``: the family; ``rules``: the rules applied (text, for ``inspect``);
     ``renamed``: tensors given another name or shape; ``derived``: tensors computed at read.
@@ -136,7 +136,10 @@ class MLXFormat:
         from .quant.formats import QuantConfig
 
         text = "MLX (mlx-lm names, mapped by rule: " + "; ".join(self.rules) + ")"
-        q = QuantConfig.from_config(config)
+        try:
+            q = QuantConfig.from_config(config)
+        except CheckpointError:  # a quantization moestream.quant does not read: name its mode
+            return text + f"; quantization mode {(config.get('quantization') or {}).get('mode')!r}"
         if q is not None and q.method == "affine":
             text += f"; {q.default.tag}"
             other = sorted({s.tag for s in q.overrides.values() if s is not None and s != q.default})
@@ -182,7 +185,8 @@ def adapt(ckpt) -> MLXFormat | None:
         fmt.rules.append(RULES[mt])
     from .quant.formats import QuantConfig
 
-    qcfg = QuantConfig.from_config(ckpt.config, str(where / "config.json"))  # on mlx names
+    # parsed only where a quantized router or embed_q needs it (on mlx names, before the overrides are renamed)
+    qcfg = partial(QuantConfig.from_config, dict(ckpt.config), str(where / "config.json"))
     old = ckpt.tensors
     renames = _RENAMES.get(mt, [])
     if mt == "kimi_linear":
@@ -266,6 +270,7 @@ def _quant_scheme(qcfg, mlx_path: str, info: TensorInfo, index: dict, path: str,
     """The affine scheme of module ``mlx_path``, checked against its tensors' shapes."""
     from .quant.formats import check_affine
 
+    qcfg = qcfg()
     scheme = qcfg.scheme(mlx_path) if qcfg is not None and qcfg.method == "affine" else None
     if scheme is None:
         raise CheckpointError(f"{where}: tensor {info.name!r} is packed uint32 but config.json declares no mlx "

@@ -243,6 +243,26 @@ def test_mlx_build_matches_the_hf_original(family, tmp_path):
         fh.assert_streaming_exact(qpath)
 
 
+def test_bf16_4bit_gpt_oss_streams_exactly(tmp_path):
+    """bf16, as MLX builds ship: gpt-oss's experts dequantize per call (biases kept), no int4 repacking."""
+    _, src = build("gpt_oss", tmp_path / "hf")
+    qt, _, block = quantize("gpt_oss", to_mlx("gpt_oss", read_all(src), {}), False)
+    qt = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in qt.items()}
+    path = write_mlx(src, tmp_path / "mlx4", qt, block)
+    fh.assert_streaming_exact(path)
+
+
+def test_laguna_router_named_as_older_mlx_lm(tmp_path):
+    """Older mlx-lm Laguna: router ``mlp.gate.weight`` (a raw parameter) beside ``mlp.gate.e_score_correction_bias``."""
+    ref, src = build("laguna", tmp_path / "hf")
+    t = to_mlx("laguna", read_all(src), {})
+    t = {k.replace("mlp.gate.proj.weight", "mlp.gate.weight"): v for k, v in t.items()}
+    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(input_ids=ids[None]).logits[0]
+    assert rel(logits(write_mlx(src, tmp_path / "mlx", t), ids, 24), want) < 1e-5
+
+
 def test_inspect_names_the_format(tmp_path):
     from moestream.inspect import inspect
 
