@@ -70,7 +70,7 @@ FORMAT = "mlx"  # safetensors __metadata__ "format" that mlx's save writes
 
 # mlx-lm names that only an mlx-lm build holds
 _MLX_ONLY = re.compile(
-    r"^language_model\.model\.|\.self_attn\.(embed_q|unembed_out)\.|\.mlp\.experts\.(gate|up|down)_proj\."
+    r"^language_model\.model\.|\.self_attn\.(embed_q|unembed_out)\.|\.mlp\.experts\.(gate|up)_proj\.(weight|scales)$"
     r"|\.self_attn\.[qkv]_conv\.conv\.|\.mlp\.gate\.proj\."
 )
 # routers: module paths (Hugging Face names) whose weight must be float for the families

@@ -11,7 +11,7 @@ de-interleaved. Then:
 * affine 4-bit (group 32; routers at 8 bits, as mlx-lm's quant predicates): the same
   within 1e-5 of the float MLX checkpoint holding the dequantized weights (the test's own
   numpy packer and dequantizer, ``quant_helpers.mlx_quantize``);
-* streaming at budget 0 is ``torch.equal`` to budget ``all`` (three families, quantized);
+* streaming at budget 0 is ``torch.equal`` to budget ``all`` (three families, 4-bit; gpt-oss in bf16);
 * bad checkpoints are refused with a message naming the tensor or field.
 """
 
@@ -185,7 +185,8 @@ def quantize(family: str, t: dict[str, torch.Tensor], tied: bool):
     return q, deq, block
 
 
-def write_mlx(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant: dict | None = None) -> Path:
+def write_mlx(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant: dict | None = None,
+              metadata: bool = True) -> Path:
     """A model folder as mlx-lm saves it: config (+ quantization), one shard with metadata format mlx."""
     dst.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
@@ -193,13 +194,13 @@ def write_mlx(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant: dic
         cfg["quantization"] = cfg["quantization_config"] = quant
     (dst / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
-              metadata={"format": "mlx"})
+              metadata={"format": "mlx"} if metadata else None)
     return dst
 
 
 FAMILIES = ["qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32",
             "glm4_moe", "kimi_linear", "laguna", "mixtral", "gpt_oss", "olmoe", "minimax_m2", "hunyuan_v1_moe"]
-STREAMED = ("qwen3_5_moe", "gpt_oss", "deepseek_v3")
+STREAMED = ("qwen3_5_moe", "deepseek_v3")  # and gpt-oss in bf16, below
 
 
 def logits(path: Path, ids: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -275,6 +276,9 @@ def test_inspect_names_the_format(tmp_path):
     assert "affine 4-bit, group 32" in r.checkpoint_format and "affine 8-bit, group 64" in r.checkpoint_format
     assert "format:" in r.to_text()
     assert inspect(str(src)).checkpoint_format == ""  # the Hugging Face release is not MLX
+    # without the metadata, mlx-lm's names alone tell (here the language_model.model. prefix)
+    bare = inspect(str(write_mlx(src, tmp_path / "bare", qt, block, metadata=False)))
+    assert bare.checkpoint_format == r.checkpoint_format
 
 
 @pytest.fixture(scope="module")
