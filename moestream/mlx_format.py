@@ -68,11 +68,15 @@ from .errors import CheckpointError
 
 FORMAT = "mlx"  # safetensors __metadata__ "format" that mlx's save writes
 
-# mlx-lm names that only an mlx-lm build holds
-_MLX_ONLY = re.compile(
-    r"^language_model\.model\.|\.self_attn\.(embed_q|unembed_out)\.|\.mlp\.experts\.(gate|up)_proj\.(weight|scales)$"
-    r"|\.self_attn\.[qkv]_conv\.conv\.|\.mlp\.gate\.proj\."
-)
+# per family, names that only an mlx-lm build holds (Kimi K3's Hugging Face release also uses language_model.model.)
+_MLX_ONLY = {
+    "qwen3_5_moe": re.compile(r"^language_model\.model\."),
+    "deepseek_v3": re.compile(r"\.self_attn\.(embed_q|unembed_out)\."),
+    "gpt_oss": re.compile(r"\.mlp\.experts\.(gate|up)_proj\.(weight|scales)$"),
+    "kimi_linear": re.compile(r"\.self_attn\.[qkv]_conv\.conv\."),
+    "laguna": re.compile(r"\.mlp\.gate\.proj\."),
+}
+_MLX_ONLY["kimi_k2"] = _MLX_ONLY["deepseek_v32"] = _MLX_ONLY["deepseek_v3"]
 # routers: module paths (Hugging Face names) whose weight must be float for the families
 _ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|router|gate\.wg|shared_expert_gate)$|\.indexer\.weights_proj$")
 # norm weights mlx-lm stores as 1 + w for the zero-centred Qwen3-Next/Qwen3.5 norms (matched on mlx names)
@@ -149,10 +153,12 @@ class MLXFormat:
 
 
 def is_mlx(ckpt) -> bool:
-    """Whether a checkpoint was written by mlx: shard metadata ``format: mlx``, or names only mlx-lm writes."""
+    """Whether a checkpoint was written by mlx: shard metadata ``format: mlx``, names only mlx-lm writes for
+    its family, or convolution weights in mlx's axis order [C, K, 1]."""
     if any(m.get("format") == FORMAT for m in ckpt.metadata.values()):
         return True
-    if any(_MLX_ONLY.search(n) for n in ckpt.tensors):
+    names = _MLX_ONLY.get(_model_type(ckpt.config))
+    if names is not None and any(names.search(n) for n in ckpt.tensors):
         return True
     return any(n.endswith("conv1d.weight") and len(t.shape) == 3 and t.shape[-1] == 1 and t.shape[1] > 1
                for n, t in ckpt.tensors.items())
