@@ -302,6 +302,11 @@ class Checkpoint:
         config: the parsed ``config.json`` (a dict, fields as Hugging Face names them).
         tensors: tensor name -> :class:`TensorInfo`, across all shards.
         shards: the shard files, in index order.
+        metadata: shard file name -> its safetensors ``__metadata__``.
+        source_format: a :class:`moestream.mlx_format.MLXFormat` when the checkpoint is an
+            mlx-lm build (its names are then mapped onto Hugging Face names), else None.
+        derived: tensor name -> function of the checkpoint computing it (an MLX build's
+            tensors whose values differ from the Hugging Face ones); read by :meth:`read_tensor`.
 
     Raises (from the constructor):
         CheckpointError: missing folder, config, shard or tensor; corrupt header or index;
@@ -324,8 +329,13 @@ class Checkpoint:
             raise ConfigError(f"{cfg_path}: not a JSON object")
         self.shards = self._find_shards()
         self.tensors: dict[str, TensorInfo] = {}
+        self.metadata: dict[str, dict] = {}  # shard file name -> its safetensors __metadata__
+        self.derived: dict = {}  # tensor name -> fn(checkpoint) computing it (moestream.mlx_format)
         self._index_tensors()
         self._files = FileHandles()
+        from .mlx_format import adapt  # mlx-lm names and layouts -> Hugging Face names, by rule
+
+        self.source_format = adapt(self)  # an MLXFormat, or None for a Hugging Face checkpoint
 
     # -- discovery ---------------------------------------------------------------------
     def _find_shards(self) -> list[Path]:
@@ -364,7 +374,7 @@ class Checkpoint:
 
     def _index_tensors(self) -> None:
         for shard in self.shards:
-            tensors, _ = read_safetensors_header(shard)
+            tensors, self.metadata[shard.name] = read_safetensors_header(shard)
             for name, info in tensors.items():
                 if name in self.tensors:
                     raise CheckpointError(
@@ -393,10 +403,20 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint") from None
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        """Read one whole tensor into a new CPU tensor of its stored dtype and shape."""
-        info = self.info(name)
+        """Read one whole tensor into a new CPU tensor of its stored dtype and shape.
+
+        A derived tensor (``self.derived``: an MLX checkpoint's shifted norm, merged or
+        dequantized weight) is computed from the stored ones it comes from.
+        """
+        make = self.derived.get(name)
+        if make is not None:
+            return make(self)
+        return self.read_info(self.info(name))
+
+    def read_info(self, info: TensorInfo) -> torch.Tensor:
+        """Read the bytes ``info`` describes into a new CPU tensor of its dtype and shape."""
         out, view = empty_for(info)
-        pread_full(self.fd(info.file), info.offset, [view], info.file, f"tensor {name!r}")
+        pread_full(self.fd(info.file), info.offset, [view], info.file, f"tensor {info.name!r}")
         return out
 
     def close(self) -> None:

@@ -213,6 +213,8 @@ def load(
         layout = discover_experts(ckpt.tensors)
         with torch.device("meta"):
             net = family.Model(args)
+        if ckpt.source_format is not None:  # an MLX build whose layout the family must follow (gpt-oss experts)
+            ckpt.source_format.adapt_model(net)
         formats = quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path)  # quantized experts
         quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears, on meta
         if dtype == "auto":

@@ -58,6 +58,7 @@ class Inspection:
     expert_layout: str = ""
     quantization: str = ""  # format, bits per layer kind and group size of a quantized checkpoint
     unused_examples: list[str] = field(default_factory=list)
+    checkpoint_format: str = ""  # an MLX build: its naming rules and quantization (moestream.mlx_format)
 
     def to_text(self) -> str:
         lines = [f"source:             {self.source}", f"model_type:         {self.model_type}"]
@@ -67,6 +68,8 @@ class Inspection:
             lines.append(f"can stream:         no: {self.reason}")
             return "\n".join(lines)
         total = self.expert_bytes + self.resident_bytes
+        if self.checkpoint_format:
+            lines.append(f"format:             {self.checkpoint_format}")
         lines += [
             f"decoder layers:     {self.layers} ({self.moe_layers} MoE)",
             f"experts per layer:  {self.experts_per_layer}, top-k {self.top_k} ({self.expert_layout} layout)",
@@ -216,4 +219,5 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         top_k=top_k, bytes_per_expert=per_expert, expert_bytes=layout.total_bytes, resident_bytes=resident,
         unused_bytes=sum(tensors[n].nbytes for n in unused), active_expert_bytes=active,
         expert_layout=first.kind, unused_examples=unused[:3], quantization=quantization,
+        checkpoint_format=ckpt.source_format.describe(cfg) if ckpt is not None and ckpt.source_format else "",
     )

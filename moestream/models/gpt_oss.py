@@ -134,6 +134,20 @@ def clamped_swiglu_expert(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: fl
     return ((up + 1) * glu) @ w["down"] + w["down.bias"]
 
 
+def clamped_swiglu_linear_expert(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: float, limit: float,
+                                 ) -> torch.Tensor:
+    """:func:`clamped_swiglu_expert` on experts stored as mlx-lm writes them (``moestream.mlx_format``).
+
+    ``w`` holds ``gate``, ``up`` [I, H] and ``down`` [H, I] (nn.Linear orientation; gate and
+    up are the reference's even and odd ``gate_up`` columns) with biases ``gate.bias``,
+    ``up.bias`` [I] and ``down.bias`` [H].
+    """
+    gate = F.linear(x, w["gate"], w["gate.bias"]).clamp(min=None, max=limit)
+    up = F.linear(x, w["up"], w["up.bias"]).clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return F.linear((up + 1) * glu, w["down"], w["down.bias"])
+
+
 class GptOssMoE(StreamedMoE):
     """gpt-oss's MoE block: the router is ``mlp.router`` (weight [E, H] and bias [E]), experts stream.
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.moe import swiglu_expert
-from .formats import ExpertFormat
+from .formats import ExpertFormat, is_quant_param
 from .kernels import dequantize_linear, qlinear
 
 
@@ -49,7 +49,8 @@ class DequantizedExpert:
 
     def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         lin = self.fmt.linears
-        dense = {r: t for r, t in w.items() if r.split(".")[0] not in lin}
+        # float pieces the function takes as they are (biases of a linear), not quantization parameters
+        dense = {r: t for r, t in w.items() if r not in lin and not is_quant_param(r)}
         for role, lf in lin.items():
             dense[role] = dequantize_linear(w, lf, x.dtype)
         if self.fmt.fused_gate_up:
