@@ -130,12 +130,19 @@ class ExpertCache:
         else:
             del self._pins[key]
 
-    def _insert(self, ew: ExpertWeights) -> None:
+    def _insert(self, ew: ExpertWeights) -> ExpertWeights:
+        """Cache ``ew`` as read; return the entry to hand out (a tiered cache hands out a device copy)."""
         if ew.key not in self.pinned_keys:
             self.policy.admit(ew.key)
         self._entries[ew.key] = ew
         self.used_bytes += ew.nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return ew
+
+    def _read(self, keys: list[Key]):
+        """Start reading the missing ``keys``: an iterable of experts in completion order with a
+        ``close()`` (the store's batch; a tiered cache serves its host tier first)."""
+        return self.store.submit(keys)
 
     def _shrink(self) -> None:
         """Evict the policy's victims until within budget: experts neither in use nor pinned,
@@ -205,7 +212,7 @@ class ExpertCache:
         held = [ew.key for ew in hits]
         batch = None
         try:
-            batch = self.store.submit(misses) if misses else None
+            batch = self._read(misses) if misses else None
             if pf is not None:
                 pf.retire(layer, prefetched)
                 pf.issue()  # reads ahead for the next layers queue behind this layer's misses
@@ -214,7 +221,7 @@ class ExpertCache:
                 self._unpin(ew.key)
                 held.remove(ew.key)
             for ew in pf.take(prefetched) if prefetched else ():  # as for misses, below
-                self._insert(ew)
+                ew = self._insert(ew)
                 self._pin(ew.key)
                 held.append(ew.key)
                 self._shrink()
@@ -224,7 +231,7 @@ class ExpertCache:
                 self._shrink()
             if batch is not None:
                 for ew in batch:
-                    self._insert(ew)
+                    ew = self._insert(ew)
                     self._pin(ew.key)
                     held.append(ew.key)
                     self._shrink()
@@ -239,6 +246,10 @@ class ExpertCache:
                 self._unpin(key)
             self._shrink()
             self._protect = set()
+
+    def close(self) -> None:
+        """Release what the cache holds outside the budget's entries (nothing here; a tiered cache
+        waits for its copies)."""
 
     def preload(self, keys: list[Key], progress=None) -> None:
         """Read ``keys`` into the cache (as most recently used), as far as the budget allows.

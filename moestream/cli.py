@@ -37,6 +37,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefetch-ahead", type=int, default=0,
         help="while layer L computes, read the experts layers L+1..L+N will likely need (default 0: off)",
     )
+    # -- the GPU tier (moestream/tiered_cache.py) --
+    p.add_argument("--device", default="auto",
+                   help="compute device: auto (default: cuda when available, else cpu), cpu, cuda or cuda:N; on cuda "
+                   "--cache-budget-gb is the VRAM expert cache")
+    p.add_argument("--host-cache-gb", default=None,
+                   help="with --device cuda: a second LRU tier of experts in pinned host RAM, in GB or 'auto' "
+                   "(0.8 of the memory available less a reserve; default: none)")
     p.add_argument("--wire-memory", action="store_true",
                    help="lock the resident weights and the expert cache in RAM (mlock; needs RLIMIT_MEMLOCK)")
     p.add_argument("--fast", action="store_true",
@@ -57,6 +64,13 @@ def check_engine_args(args: argparse.Namespace) -> None:
         raise MoestreamError(f"--prefetch-ahead must be at least 0, got {args.prefetch_ahead}")
     if not is_auto(args.cache_budget_gb):
         parse_budget(args.cache_budget_gb)
+    if getattr(args, "host_cache_gb", None) is not None:
+        from .tiered_cache import resolve_device
+
+        if resolve_device(getattr(args, "device", "auto")).type != "cuda":
+            raise MoestreamError(
+                "--host-cache-gb needs --device cuda (on the CPU the expert cache is in host RAM already)"
+            )
     from .policy_cli import check_cache_policy_args
 
     check_cache_policy_args(args)
@@ -73,8 +87,9 @@ def load_engine(args: argparse.Namespace, tokenizer: bool = True, context: int |
     return load(
         args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer,
         use_page_cache=getattr(args, "use_page_cache", None), prefetch_ahead=getattr(args, "prefetch_ahead", 0),
-        wire_memory=getattr(args, "wire_memory", False), context_tokens=context, **cache_policy_kwargs(args),
-        fast=getattr(args, "fast", False),
+        wire_memory=getattr(args, "wire_memory", False), context_tokens=context, device=getattr(args, "device", "auto"),
+        host_cache_gb=getattr(args, "host_cache_gb", None), fast=getattr(args, "fast", False),
+        **cache_policy_kwargs(args),
     )
 
 
@@ -229,6 +244,8 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
             if engine.io.auto is not None:
                 print(engine.io.auto.describe(), file=err)
             print(engine.io.describe(), file=err)
+            if hasattr(engine.cache, "describe_tiers"):
+                print(engine.cache.describe_tiers(), file=err)
         if not args.quiet:
             flags = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "rep_penalty"}

@@ -76,6 +76,7 @@ class Engine:
         finally:
             if self.io is not None and self.io.prefetcher is not None:
                 self.io.prefetcher.close()
+            self.cache.close()
             self.store.close()
             self.checkpoint.close()
 
@@ -117,7 +118,7 @@ def load(
     model: str | os.PathLike,
     cache_budget_gb: str | float | None = 3,
     workers: int = 8,
-    device: str = "cpu",
+    device: str = "auto",
     dtype: str = "auto",
     tokenizer: bool = True,
     progress: bool | None = None,
@@ -133,6 +134,7 @@ def load(
     trace: str | os.PathLike | None = None,
     cache_policy: str = "lru",
     fast: bool = False,
+    host_cache_gb: str | float | None = None,
 ) -> Engine:
     """Open a checkpoint and make it ready to generate.
 
@@ -141,7 +143,12 @@ def load(
         cache_budget_gb: expert cache budget in GB (10^9 bytes), or ``"all"`` / None to
             keep every expert resident (preloaded here).
         workers: reader threads for expert reads.
-        device: compute device (``"cpu"``).
+        device: compute device: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"``,
+            ``"cuda"`` or ``"cuda:N"``. On CUDA the resident weights and the KV cache live on
+            the GPU, ``cache_budget_gb`` is the VRAM expert cache
+            (:class:`~moestream.tiered_cache.TieredExpertCache`), expert reads land in pinned
+            host buffers and go to the GPU on a side stream, and each layer's experts are one
+            batched matmul chain; ``auto`` sizes the budget from the free VRAM.
         dtype: compute dtype (``"auto"``: the checkpoint's embedding dtype; or bf16, fp16,
             fp32). Another dtype than the checkpoint's changes the output.
         tokenizer: also load the checkpoint's tokenizer (before the weights, so a missing
@@ -174,6 +181,10 @@ def load(
             (:mod:`moestream.policies`).
         fast: skip the QJL residual correction of turboquant linears (``--fast``; changes the
             output, with a note; :mod:`moestream.quant.turboquant`).
+        host_cache_gb: the host-RAM tier behind the VRAM cache, in GB or ``"auto"`` (None:
+            none); experts kept there in pinned memory cost a copy instead of a read. On the
+            CPU it runs the same tier logic with a CPU "device" tier (for tests); the output
+            is unchanged either way.
         None of these but ``max_active_experts`` and ``fast`` changes the output. Pins take at most the
         budget (pin file) or half of it (hot list and usage profile, after the pin file);
         a bad profile, hot list or pin file is ignored with a warning naming it
@@ -216,19 +227,33 @@ def load(
         if ckpt.source_format is not None:  # an MLX build whose layout the family must follow (gpt-oss experts)
             ckpt.source_format.adapt_model(net)
         formats = quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path)  # quantized experts
-        quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears, on meta
+        quantized_resident = quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears, on meta
         if dtype == "auto":
             compute_dtype = quant.float_dtype(ckpt, net.embed_name, checkpoint_dtype(ckpt, net.embed_name))
         elif dtype in _DTYPES:
             compute_dtype = _DTYPES[dtype]
         else:
             raise ConfigError(f"dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
-        dev = torch.device(device)
+        from .tiered_cache import PinnedBufferPool, TieredExpertCache, parse_host_budget, resolve_device
+
+        dev = resolve_device(device)
+        tiered = dev.type == "cuda" or host_cache_gb is not None
+        if tiered and (formats or quantized_resident):
+            raise ConfigError(f"{ckpt.path}: quantized weights are not supported on the GPU tier yet; use --device cpu")
+        if tiered and wire_memory:
+            raise ConfigError("--wire-memory applies to the CPU expert cache; with --device cuda use --host-cache-gb")
+        if dev.type == "cuda":
+            # cuDNN's attention kernels gave different bits from run to run for the same inputs on an H200
+            # (torch 2.11, measured by benchmarks/gpu_tiers.py); flash / memory-efficient attention did not
+            torch.backends.cuda.enable_cudnn_sdp(False)
         if getattr(net, "unloaded_layers_from", None) is not None:
             layout = _drop_layers_from(layout, net.unloaded_layers_from)
         num_experts = _check_layout(net, layout, ckpt.path, formats)
         io = plan_io(ckpt, workers, use_page_cache, prefetch_ahead, wire_memory)
-        store = ExpertStore(ckpt, layout, compute_dtype, dev, workers, reader=io.reader)
+        # tiered: the store reads into (pinned) host buffers; the cache copies them to the device
+        store = ExpertStore(ckpt, layout, compute_dtype, "cpu" if tiered else dev, workers, reader=io.reader)
+        if dev.type == "cuda":
+            store.pool = PinnedBufferPool(max_free=2 * workers)
         quant.attach(net, store, formats, compute_dtype)
         if fast:
             from .quant.turboquant import set_fast
@@ -237,8 +262,19 @@ def load(
             print(f"note: --fast: the QJL residual correction of {n} linears is off; this changes the output"
                   if n else "note: --fast has no effect: this checkpoint stores no QJL residuals", file=sys.stderr)
         keys = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
-        budget = io.size_budget(net, store, keys, budget, compute_dtype, auto, context_tokens)
-        _check_fit(net, store, keys, budget, compute_dtype)
+        if dev.type == "cuda":
+            budget = _device_budget(net, store, keys, budget, compute_dtype, auto, dev, context_tokens)
+            io.budget = budget
+        else:
+            budget = io.size_budget(net, store, keys, budget, compute_dtype, auto, context_tokens)
+            _check_fit(net, store, keys, budget, compute_dtype)
+        host_budget = 0
+        if tiered:
+            from .memory import RUNTIME_RESERVE
+
+            experts_bytes = sum(store.cached_nbytes(k) for k in keys)
+            host_budget = parse_host_budget(host_cache_gb, experts_bytes, RUNTIME_RESERVE + 2 * 2 * workers * max(
+                (store.cached_nbytes(k) for k in keys), default=0))
         tok = None
         if tokenizer:
             from .tokenizer import load_tokenizer
@@ -258,9 +294,14 @@ def load(
         from .usage import setup_cache_policy
 
         policy = make_policy(cache_policy, half_life=sum(num_experts.values()))
-        cache = ExpertCache(store, budget, num_experts, policy=policy)
+        if tiered:
+            cache = TieredExpertCache(store, budget, num_experts, policy=policy, device=dev,
+                                      host_budget_bytes=host_budget)
+        else:
+            cache = ExpertCache(store, budget, num_experts, policy=policy)
         for block in net.moe_blocks():
             block.attach(cache)
+            block.batched = dev.type == "cuda"
         io.start(ckpt, net, store, cache)
         if budget is None:
             need = sum(store.cached_nbytes(k) for k in keys)
@@ -280,6 +321,46 @@ def load(
             store.close()
         ckpt.close()
         raise
+
+
+def _device_budget(net: CausalLM, store: ExpertStore, keys: list, budget: int | None, dtype: torch.dtype,
+                   auto: bool, dev: torch.device, context_tokens: int | None) -> int | None:
+    """The VRAM expert budget on a CUDA device: ``budget`` as given (refused, before any weight is
+    read, when resident weights plus it exceed the free device memory), or for ``auto`` the free
+    memory less resident weights, the KV cache (twice its size for ``context_tokens``, default
+    4096) and a reserve (1 GB plus four layers' worth of experts for stacking and activations)."""
+    from .io_setup import DEFAULT_CONTEXT_TOKENS, _kv_bytes_per_token
+    from .tiered_cache import device_free_bytes
+
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    seen, resident = set(), 0
+    for p in net.parameters():  # on the meta device: shapes only
+        if id(p) not in seen:
+            seen.add(id(p))
+            resident += p.numel() * (itemsize if p.is_floating_point() else p.element_size())
+    experts = sum(store.cached_nbytes(k) for k in keys)
+    one = max((store.cached_nbytes(k) for k in keys), default=0)
+    top_k = getattr(getattr(net, "args", None), "num_experts_per_tok", 8)
+    ctx = context_tokens or min(DEFAULT_CONTEXT_TOKENS, net.max_context or DEFAULT_CONTEXT_TOKENS)
+    reserve = int(1e9) + 4 * top_k * one + 2 * ctx * _kv_bytes_per_token(net, dtype)
+    free = device_free_bytes(dev)
+    if auto:
+        left = free - resident - reserve
+        if left <= 0:
+            raise BudgetError(
+                f"--cache-budget-gb auto: {dev} has {free / GB:.2f} GB free; resident weights ({resident / GB:.2f} GB) "
+                f"and a {reserve / GB:.2f} GB reserve leave nothing for experts"
+            )
+        return min(left, experts)
+    cached = experts if budget is None else min(budget, experts)
+    if resident + cached > free:
+        what = "every expert (--cache-budget-gb all)" if budget is None else f"a {budget / GB:.3g} GB cache budget"
+        raise BudgetError(
+            f"resident weights ({resident / GB:.2f} GB) plus {what} ({cached / GB:.2f} GB) need "
+            f"{(resident + cached) / GB:.2f} GB, but {dev} has {free / GB:.2f} GB free; "
+            "give a smaller --cache-budget-gb"
+        )
+    return budget
 
 
 def _drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:

@@ -90,6 +90,68 @@ def streamed_experts(
     return out
 
 
+def batched_swiglu_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    layer: int,
+    cache: ExpertCache,
+) -> torch.Tensor:
+    """:func:`streamed_experts` for SwiGLU experts, computed as one batched matmul chain.
+
+    The layer's experts are fetched (all of them before any compute), stacked into
+    ``gate``/``up`` [n, I, H] and ``down`` [n, H, I] in ascending expert id, and each
+    expert's tokens are laid out in a zero-padded [n, m, H] block (``m`` = most tokens any
+    one expert got), so the whole layer is three ``torch.bmm`` launches instead of a
+    chain per expert. Each expert's result depends only on its weights, its tokens and
+    the shapes -- (n, m), fixed by the routing -- never on which tier an expert came from,
+    so every cache budget gives the same bits on one device. The weighted outputs fill
+    slots [T, K, H], summed over k = 0..K-1 in routing order as in :func:`streamed_experts`.
+    (Its bits differ from the per-expert chain's: the GPU path uses this one for every
+    budget, ``all`` included.)
+
+    Args:
+        x: [T, H]; weights: [T, K] (x's dtype or float32); idx: [T, K] int64.
+        layer: the cache key's layer; cache: where experts come from.
+
+    Returns:
+        [T, H] in x's dtype.
+    """
+    t, k = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, ascending id
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    n_e = experts.numel()
+    rows = torch.repeat_interleave(torch.arange(n_e, device=flat.device), counts)  # each sorted slot's expert row
+    # first routing position of each distinct expert: the smallest slot index in its group
+    firstpos = torch.full((n_e,), t * k, dtype=torch.int64, device=flat.device)
+    firstpos = firstpos.scatter_reduce(0, rows, order, reduce="amin", include_self=True)
+    meta = torch.cat([experts, counts, firstpos]).tolist()  # one device -> host sync for the layer
+    ids, cnt, fpos = meta[:n_e], meta[n_e : 2 * n_e], meta[2 * n_e :]
+    needed = [ids[i] for i in sorted(range(n_e), key=fpos.__getitem__)]  # order of first use
+    row_of = {e: i for i, e in enumerate(ids)}
+    got: dict[int, dict[str, torch.Tensor]] = {}
+    for e, ew in cache.fetch(layer, needed, [cnt[row_of[e]] for e in needed]):
+        got[e] = ew.tensors  # the dict stays alive here even if the cache evicts the expert
+    gate = torch.stack([got[e]["gate"] for e in ids])
+    up = torch.stack([got[e]["up"] for e in ids])
+    down = torch.stack([got[e]["down"] for e in ids])
+    m = max(cnt)
+    starts = torch.cumsum(counts, 0) - counts
+    cols = torch.arange(t * k, device=flat.device) - starts[rows]
+    xin = x.new_zeros(n_e, m, x.shape[1])
+    xin[rows, cols] = x[order // k]
+    h = F.silu(torch.bmm(xin, gate.transpose(1, 2))) * torch.bmm(xin, up.transpose(1, 2))
+    y = torch.bmm(h, down.transpose(1, 2))[rows, cols]  # [T*K, H], slots in sorted order
+    slots = x.new_empty(t * k, x.shape[1])
+    slots[order] = (y * weights.reshape(-1)[order, None]).to(slots.dtype)
+    slots = slots.view(t, k, -1)
+    out = slots[:, 0].clone()
+    for j in range(1, k):
+        out += slots[:, j]
+    return out
+
+
 def keep_top_experts(
     weights: torch.Tensor, idx: torch.Tensor, k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +191,9 @@ class StreamedMoE(nn.Module):
             renormalizes the kept ones the same way.
 
     Attribute ``max_active`` (default 0: the model's own routing, exact) keeps at most that
-    many experts per token (:func:`keep_top_experts`); set by ``engine.load``.
+    many experts per token (:func:`keep_top_experts`); set by ``engine.load``. Attribute
+    ``batched`` (set by ``engine.load`` on a GPU, for SwiGLU experts) computes the layer's
+    experts with :func:`batched_swiglu_experts`.
 
     The router's weight is ``gate.weight`` [E, H], the name transformers uses.
     """
@@ -146,6 +210,7 @@ class StreamedMoE(nn.Module):
         self.expert_fn = expert_fn
         self.cache: ExpertCache | None = None
         self.max_active = 0
+        self.batched = False  # set by engine.load on a GPU: one batched matmul chain per layer
 
     def attach(self, cache: ExpertCache) -> None:
         self.cache = cache
@@ -180,6 +245,8 @@ class StreamedMoE(nn.Module):
         if pf is not None:  # --prefetch-ahead: read the next layers' likely experts while this one computes
             pf.plan(self.layer, x)
         inp = x if expert_input is None else expert_input
+        if self.batched and self.expert_fn is swiglu_expert:
+            return batched_swiglu_experts(inp, weights, idx, self.layer, self.cache)
         return streamed_experts(inp, weights, idx, self.layer, self.cache, self.expert_fn)
 
 
