@@ -57,6 +57,8 @@ class Inspection:
     active_expert_bytes: int = 0
     expert_layout: str = ""
     unused_examples: list[str] = field(default_factory=list)
+    quant_format: str = ""
+    quantized_modules: list[str] = field(default_factory=list)
 
     def to_text(self) -> str:
         lines = [f"source:             {self.source}", f"model_type:         {self.model_type}"]
@@ -69,11 +71,14 @@ class Inspection:
         lines += [
             f"decoder layers:     {self.layers} ({self.moe_layers} MoE)",
             f"experts per layer:  {self.experts_per_layer}, top-k {self.top_k} ({self.expert_layout} layout)",
-            f"bytes per expert:   {self.bytes_per_expert / MB:.2f} MB",
+            f"bytes per expert:   {self.bytes_per_expert / MB:.2f} MB ({self.bytes_per_expert:,} bytes as stored)",
             f"expert weights:     {self.expert_bytes / GB:.2f} GB ({100 * self.expert_bytes / max(total, 1):.1f}%)",
             f"resident weights:   {self.resident_bytes / GB:.2f} GB",
             f"experts per token:  {self.active_expert_bytes / GB:.3f} GB at most (top-k x MoE layers)",
         ]
+        if self.quant_format:
+            lines.append(f"quantization:       {self.quant_format}")
+            lines += [f"  quantized:        {m}" for m in self.quantized_modules]
         if self.unused_bytes:
             lines.append(
                 f"not loaded:         {self.unused_bytes / GB:.2f} GB, such as {', '.join(self.unused_examples)}"
@@ -182,6 +187,11 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
 
         quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears: their scales are resident too
     layout = discover_experts(tensors)
+    qfmt, qmods = "", []
+    if ckpt is not None and layout.layers:
+        from . import quant
+
+        qfmt, qmods = quant.describe(ckpt, layout, net)
     blocks = net.moe_blocks()
     if not blocks or not layout.layers:
         return Inspection(
@@ -212,5 +222,5 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         layers=len(net.decoder.layers), moe_layers=len(layout.layers), experts_per_layer=first.num_experts,
         top_k=top_k, bytes_per_expert=per_expert, expert_bytes=layout.total_bytes, resident_bytes=resident,
         unused_bytes=sum(tensors[n].nbytes for n in unused), active_expert_bytes=active,
-        expert_layout=first.kind, unused_examples=unused[:3],
+        expert_layout=first.kind, unused_examples=unused[:3], quant_format=qfmt, quantized_modules=qmods,
     )

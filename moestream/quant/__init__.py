@@ -9,6 +9,8 @@ quantized; :mod:`.convert` writes moestream's own quantized checkpoints.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..checkpoint import torch_dtype
@@ -16,7 +18,7 @@ from .convert import padding_tensors
 from .formats import ExpertFormat, LinearFormat, QuantConfig, QuantError, Scheme, expert_format
 
 __all__ = ["ExpertFormat", "LinearFormat", "QuantConfig", "QuantError", "Scheme", "expert_format",
-           "expert_formats", "float_dtype", "padding_tensors", "quantize_model"]
+           "describe", "expert_formats", "float_dtype", "padding_tensors", "quantize_model"]
 
 
 def expert_formats(ckpt, layout, shape: tuple[int, int], where) -> dict[int, ExpertFormat]:
@@ -25,6 +27,8 @@ def expert_formats(ckpt, layout, shape: tuple[int, int], where) -> dict[int, Exp
     Raises QuantError (naming the tensor) when pieces and config disagree.
     """
     qcfg = QuantConfig.from_config(ckpt.config, str(where))
+    for note in getattr(qcfg, "load_notes", lambda: [])():  # compressed-tensors: transforms, what is not emulated
+        print(f"note: {note}", file=sys.stderr)
     out = {}
     for i, lay in layout.layers.items():
         fmt = expert_format(lay, qcfg, shape, where)
@@ -38,6 +42,32 @@ def quantize_model(net, ckpt, where) -> list[str]:
     from .resident import quantize_resident
 
     return quantize_resident(net, ckpt.tensors, QuantConfig.from_config(ckpt.config, str(where)), where)
+
+
+def describe(ckpt, layout, net) -> tuple[str, list[str]]:
+    """(format, quantized modules) of a checkpoint for ``moestream inspect``; ("", []) when it is float.
+
+    ``net`` is the model after :func:`quantize_model` (its quantized resident linears swapped).
+    Modules are listed as patterns, layer and expert numbers as ``*``.
+    """
+    from .compressed import module_pattern
+    from .resident import QuantEmbedding, QuantLinear
+
+    qcfg = QuantConfig.from_config(ckpt.config, str(ckpt.path))
+    formats = expert_formats(ckpt, layout, net.expert_shape(), ckpt.path) if layout.layers else {}
+    names = [p.source for i in formats for p in layout.layers[i].experts[0]
+             if formats[i].linears.get(p.role) is not None and formats[i].linears[p.role].scheme is not None]
+    rename = getattr(net, "checkpoint_name", lambda n, t: n)  # report the checkpoint's own names
+    names += [rename(f"{n}.{getattr(m, 'weight_name', 'weight')}", ckpt.tensors) for n, m in net.named_modules()
+              if isinstance(m, (QuantLinear, QuantEmbedding))]
+    if not names:
+        return "", []
+    if qcfg is not None and hasattr(qcfg, "tag"):
+        fmt = qcfg.tag
+    else:
+        tags = sorted({f.tag for f in formats.values()})
+        fmt = f"{qcfg.method if qcfg else 'quantized'}" + (f" ({'; '.join(tags)})" if tags else "")
+    return fmt, sorted({module_pattern(n) for n in names})
 
 
 def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:

@@ -38,19 +38,21 @@ class QuantLinear(nn.Module):
         self.fmt = LinearFormat("weight", fmt.scheme, fmt.out_features, fmt.in_features)
         for name, (shape, dt) in shapes.items():
             setattr(self, name, _param(shape, dt))
-        self.extra = tuple(n for n in shapes if n != "weight")
+        # compressed-tensors stores packed 4-bit weights as ``weight_packed``
+        self.weight_name = "weight_packed" if "weight_packed" in shapes else "weight"
+        self.extra = tuple(n for n in shapes if n != self.weight_name)
         self.bias = nn.Parameter(torch.empty(fmt.out_features), requires_grad=False) if bias else None
         self._ready, self._ready_dtype = None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self._ready
         if t is None or self._ready_dtype != x.dtype:
-            t = {"weight": self.weight, **{f"weight.{n}": getattr(self, n) for n in self.extra}}
+            t = {"weight": getattr(self, self.weight_name), **{f"weight.{n}": getattr(self, n) for n in self.extra}}
             if int4_eligible(self.fmt, x.dtype):
                 # repack once for PyTorch's int4 kernel (see kernels.prepare); the packed
                 # parameters are then dropped, so memory holds one form
                 t = prepare(t, type("F", (), {"linears": {"weight": self.fmt}})(), x.dtype)
-                for name in ("weight", *self.extra):
+                for name in (self.weight_name, *self.extra):
                     self._parameters.pop(name, None)
                 self._ready, self._ready_dtype = t, x.dtype
         y = qlinear(x.reshape(-1, x.shape[-1]), t, self.fmt).view(*x.shape[:-1], -1)
@@ -75,6 +77,10 @@ class QuantEmbedding(nn.Module):
 
 def _format(path: str, tensors: dict, qcfg: QuantConfig | None, shape: tuple[int, int], where) -> tuple | None:
     """(LinearFormat, {param: (shape, dtype)}) for module ``path`` if the checkpoint stores it quantized."""
+    if qcfg is not None and qcfg.method == "compressed-tensors":
+        from .compressed import linear_format
+
+        return linear_format(path, tensors, qcfg, shape, where)
     w = tensors.get(path + ".weight")
     if w is None:
         return None
@@ -111,9 +117,20 @@ def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None,
             with the tensors (naming the tensor), or a quantized embedding tied to the LM head.
     """
     swapped = []
+    rename = getattr(model, "checkpoint_name", None)  # a family whose checkpoints name a module another way
+
+    def stored(path: str) -> str:
+        if rename is None:
+            return path
+        for param in ("weight", "weight_packed"):
+            got = rename(f"{path}.{param}", tensors)
+            if got in tensors:
+                return got.rsplit(".", 1)[0]
+        return path
+
     for path, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
-            got = _format(path, tensors, qcfg, (mod.out_features, mod.in_features), where)
+            got = _format(stored(path), tensors, qcfg, (mod.out_features, mod.in_features), where)
             if got is not None:
                 model.set_submodule(path, QuantLinear(*got, bias=mod.bias is not None))
                 swapped.append(path)
