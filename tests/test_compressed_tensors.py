@@ -63,6 +63,69 @@ def kimi(tmp_path_factory):
     return base / "mxfp4", ref
 
 
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory):
+    """Tiny Kimi K3 (published names under language_model., latent MoE, SiTU experts) in its own MXFP4 scheme.
+
+    No transformers class exists for K3: the reference is moestream's float path (checked against a
+    straightforward implementation in test_family_kimi.py) on the decompressed weights.
+    """
+    from safetensors.torch import save_file
+
+    from moestream.models.kimi_linear import synth_tensors
+
+    from .test_family_kimi import k3_config
+
+    base = tmp_path_factory.mktemp("ct-k3")
+    cfg = k3_config(hidden_size=64, routed_expert_hidden_size=32, moe_intermediate_size=32, num_hidden_layers=3,
+                    linear_attn_config={"full_attn_layers": [2], "kda_layers": [1, 3], "head_dim": 8, "num_heads": 3,
+                                        "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+                                        "use_full_rank_gate": True})
+    g = torch.Generator().manual_seed(5)
+    tensors = {}
+    for t in synth_tensors(cfg):
+        x = torch.randn(t.shape, generator=g)
+        if t.init == "norm":
+            x = 1.0 + 0.2 * x
+        elif t.name.endswith("A_log"):
+            x = 0.5 * x
+        elif not t.name.endswith(("e_score_correction_bias", "dt_bias")) and t.init != "embed":
+            x = x / t.shape[-1] ** 0.5 * (0.25 if t.init == "out" else 0.5)
+        tensors[t.name] = x.contiguous()
+    (base / "float").mkdir()
+    save_file(tensors, str(base / "float" / "model.safetensors"))
+    (base / "float" / "config.json").write_text(json.dumps(cfg))
+    ct.compress(base / "float", base / "mxfp4", base / "ref", published("Kimi-K3"), text_config=True)
+    return base / "mxfp4", base / "ref"
+
+
+def test_k3_mxfp4_matches_decompressed_reference(k3):
+    path, ref = k3
+    with Checkpoint(path) as c:
+        names = c.tensors
+        assert names["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"].shape == (32, 16)
+        # the latent projections and the attention-residual queries are Linear and not ignored: MXFP4 too
+        for packed in ("layers.1.block_sparse_moe.routed_expert_down_proj", "layers.1.mlp_res_proj",
+                       "output_attn_res_proj"):
+            assert names[f"language_model.model.{packed}.weight_packed"].dtype == "U8", packed
+        for kept in ("language_model.model.layers.0.mlp.gate_proj.weight", "language_model.lm_head.weight",
+                     "language_model.model.layers.1.block_sparse_moe.shared_experts.up_proj.weight",
+                     "language_model.model.layers.1.block_sparse_moe.gate.weight"):
+            assert names[kept].dtype == "F32", kept  # the ignore list (and the router, no Linear) stay float
+    ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for p in (ref, path):
+        engine = load(p, cache_budget_gb="0", tokenizer=False, learn_experts=False)
+        try:
+            kv = engine.model.new_kv_cache()
+            with torch.inference_mode():
+                outs.append(torch.cat([engine.model(ids[s : s + 8], s, kv, all_logits=True) for s in (0, 8, 16)]))
+        finally:
+            engine.close()
+    want, got = outs
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
 def test_laguna_fp8_stored_form(laguna, capsys):
     path = laguna[0]
     with Checkpoint(path) as c:

@@ -96,6 +96,8 @@ class QuantConfig:
         Raises:
             QuantError: an unsupported method or a malformed field, naming it.
         """
+        if "quantization" not in cfg and "quantization_config" not in cfg and isinstance(cfg.get("text_config"), dict):
+            cfg = cfg["text_config"]  # a multimodal config (Kimi K3) declares the text model's quantization there
         q = cfg.get("quantization")
         if q is None and isinstance(cfg.get("quantization_config"), dict):
             qc = cfg["quantization_config"]

@@ -15,7 +15,7 @@ from torch import nn
 from ..checkpoint import torch_dtype
 from . import affine
 from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8
-from .kernels import int4_eligible, prepare, qlinear
+from .kernels import dequantize_linear, int4_eligible, prepare, qlinear
 
 _SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",)}
 
@@ -57,6 +57,17 @@ class QuantLinear(nn.Module):
                 self._ready, self._ready_dtype = t, x.dtype
         y = qlinear(x.reshape(-1, x.shape[-1]), t, self.fmt).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
+
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [out, in] in ``dtype``, for a family that uses a linear's weight as a vector.
+
+        Raises ValueError once the weight was repacked for the int4 kernel (the stored form is gone).
+        """
+        if self._ready is not None and self.weight_name not in self._parameters:
+            raise ValueError("dense_weight needs the stored weight; it was repacked for the int4 kernel")
+        t = {"weight": getattr(self, self.weight_name), **{f"weight.{n}": getattr(self, n) for n in self.extra}}
+        return dequantize_linear(t, self.fmt, dtype)
 
 
 class QuantEmbedding(nn.Module):
