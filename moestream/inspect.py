@@ -97,7 +97,7 @@ def _text_config(cfg: dict) -> dict:
 
 def _top_k(cfg: dict) -> int:
     for c in (cfg, _text_config(cfg)):
-        for name in ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token"):
+        for name in ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "experts_per_token"):
             value = c.get(name)
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
