@@ -59,6 +59,8 @@ class Inspection:
     quantization: str = ""  # format, bits per layer kind and group size of a quantized checkpoint
     unused_examples: list[str] = field(default_factory=list)
     checkpoint_format: str = ""  # an MLX build: its naming rules and quantization (moestream.mlx_format)
+    quant_format: str = ""
+    quantized_modules: list[str] = field(default_factory=list)
 
     def to_text(self) -> str:
         lines = [f"source:             {self.source}", f"model_type:         {self.model_type}"]
@@ -73,12 +75,14 @@ class Inspection:
         lines += [
             f"decoder layers:     {self.layers} ({self.moe_layers} MoE)",
             f"experts per layer:  {self.experts_per_layer}, top-k {self.top_k} ({self.expert_layout} layout)",
-            f"bytes per expert:   {self.bytes_per_expert / MB:.2f} MB",
-            *([f"quantization:       {self.quantization}"] if self.quantization else []),
+            f"bytes per expert:   {self.bytes_per_expert / MB:.2f} MB ({self.bytes_per_expert:,} bytes as stored)",
             f"expert weights:     {self.expert_bytes / GB:.2f} GB ({100 * self.expert_bytes / max(total, 1):.1f}%)",
             f"resident weights:   {self.resident_bytes / GB:.2f} GB",
             f"experts per token:  {self.active_expert_bytes / GB:.3f} GB at most (top-k x MoE layers)",
         ]
+        if self.quantization or self.quant_format:  # the config's summary where it has one (turboquant)
+            lines.append(f"quantization:       {self.quantization or self.quant_format}")
+            lines += [f"  quantized:        {m}" for m in self.quantized_modules]
         if self.unused_bytes:
             lines.append(
                 f"not loaded:         {self.unused_bytes / GB:.2f} GB, such as {', '.join(self.unused_examples)}"
@@ -97,7 +101,7 @@ def _text_config(cfg: dict) -> dict:
 
 def _top_k(cfg: dict) -> int:
     for c in (cfg, _text_config(cfg)):
-        for name in ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token"):
+        for name in ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "experts_per_token"):
             value = c.get(name)
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
@@ -187,6 +191,11 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
 
         quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears: their scales are resident too
     layout = discover_experts(tensors)
+    qfmt, qmods = "", []
+    if ckpt is not None and layout.layers:
+        from . import quant
+
+        qfmt, qmods = quant.describe(ckpt, layout, net)
     blocks = net.moe_blocks()
     if not blocks or not layout.layers:
         return Inspection(
@@ -207,7 +216,7 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         from . import quant
 
         padding = quant.padding_tensors(tensors)  # alignment filler that `moestream convert` writes
-        quantization = quant.describe(ckpt, ckpt.path)
+        quantization = quant.summary(ckpt, ckpt.path)
     unused = sorted(n for n in tensors if n not in params and n not in layout.expert_tensors and n not in padding)
     first = next(iter(layout.layers.values()))
     per_expert = layout.expert_nbytes(first.layer, 0)
@@ -220,4 +229,5 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         unused_bytes=sum(tensors[n].nbytes for n in unused), active_expert_bytes=active,
         expert_layout=first.kind, unused_examples=unused[:3], quantization=quantization,
         checkpoint_format=ckpt.source_format.describe(cfg) if ckpt is not None and ckpt.source_format else "",
+        quant_format=qfmt, quantized_modules=qmods,
     )

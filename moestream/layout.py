@@ -59,7 +59,9 @@ ROLES = ("gate", "up", "down")
 FUSED_IO_ROLES = ("gate_up", "down")
 # piece dtypes and parameter names that mark quantized experts (moestream.quant checks them against the config)
 QUANT_DTYPES = ("U32", "F8_E4M3")
-QUANT_PARAMS = ("scales", "biases", "weight_scale_inv")
+QUANT_PARAMS = ("scales", "biases", "weight_scale_inv", "weight_scale")
+# a weight stored under another parameter name: compressed-tensors' packed 4-bit ``weight_packed``
+WEIGHT_PARAMS = ("weight", "weight_packed")
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
     for name, info in tensors.items():
         if (m := _PER_EXPERT.match(name)) and m["proj"] in ROLE_OF_PROJ:
             parts, role = _slot(found, m, "per-expert", name), _role(m)
-            if m["param"] == "weight":
+            if m["param"] in WEIGHT_PARAMS:
                 _check_rank(info, 2, name)
             piece = Piece(role, info.file, info.offset, info.nbytes, info.dtype, info.shape, name)
             parts[int(m["expert"])][role] = piece
@@ -294,7 +296,7 @@ def _slot(found: dict, m: re.Match, kind: str, name: str) -> dict:
 
 def _role(m: re.Match) -> str:
     """``gate``/``up``/``down`` for a weight, ``<role>.<param>`` for another tensor (a bias)."""
-    return ROLE_OF_PROJ[m["proj"]] + ("" if m["param"] == "weight" else "." + m["param"])
+    return ROLE_OF_PROJ[m["proj"]] + ("" if m["param"] in WEIGHT_PARAMS else "." + m["param"])
 
 
 def _fused_in_out(name: str, tensors: dict[str, TensorInfo]) -> bool:

@@ -195,7 +195,7 @@ def load_resident(
         t = checkpoint.read_tensor(source[name])
         want = torch.float32 if keep_fp32 and name.endswith(keep_fp32) else dtype
         # fp8 codes and quantization parameters (scales, biases) keep their stored dtype (moestream.quant)
-        keep = t.element_size() == 1 or name.endswith((".scales", ".biases", ".weight_scale_inv"))
+        keep = t.element_size() == 1 or name.endswith((".scales", ".biases", ".weight_scale_inv", ".weight_scale"))
         keep = keep or name in getattr(model, "stored_dtype_parameters", ())  # turboquant codebooks, signs
         if t.is_floating_point() and t.dtype != want and not keep:
             t = t.to(want)

@@ -313,7 +313,9 @@ def attn_res(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, 
         return prefix
     v = torch.stack([*blocks, prefix], dim=1).float()  # [T, n+1, H]
     k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
-    probs = (k @ proj.weight.float().reshape(-1)).softmax(-1)  # [T, n+1]
+    # a quantized checkpoint may store the query quantized (moestream.quant QuantLinear): its float value
+    w = proj.dense_weight() if hasattr(proj, "dense_weight") else proj.weight.float()
+    probs = (k @ w.reshape(-1)).softmax(-1)  # [T, n+1]
     return (probs[:, None, :] @ v)[:, 0].to(prefix.dtype)
 
 

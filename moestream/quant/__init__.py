@@ -9,6 +9,8 @@ quantized; :mod:`.convert` writes moestream's own quantized checkpoints.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..checkpoint import torch_dtype
@@ -16,7 +18,7 @@ from .convert import padding_tensors
 from .formats import ExpertFormat, LinearFormat, QuantConfig, QuantError, Scheme, expert_format
 
 __all__ = ["ExpertFormat", "LinearFormat", "QuantConfig", "QuantError", "Scheme", "expert_format",
-           "expert_formats", "float_dtype", "padding_tensors", "quantize_model"]
+           "describe", "expert_formats", "float_dtype", "padding_tensors", "quantize_model"]
 
 
 def expert_formats(ckpt, layout, shape: tuple[int, int], where) -> dict[int, ExpertFormat]:
@@ -25,6 +27,8 @@ def expert_formats(ckpt, layout, shape: tuple[int, int], where) -> dict[int, Exp
     Raises QuantError (naming the tensor) when pieces and config disagree.
     """
     qcfg = QuantConfig.from_config(ckpt.config, str(where))
+    for note in getattr(qcfg, "load_notes", lambda: [])():  # compressed-tensors: transforms, what is not emulated
+        print(f"note: {note}", file=sys.stderr)
     out = {}
     for i, lay in layout.layers.items():
         if qcfg is not None and qcfg.method == "turboquant":
@@ -51,8 +55,12 @@ def quantize_model(net, ckpt, where) -> list[str]:
     return swapped + quantize_resident(net, ckpt.tensors, qcfg, where)
 
 
-def describe(ckpt, where) -> str:
-    """The quantization of a checkpoint in one line for ``moestream inspect`` ("" when it declares none)."""
+def summary(ckpt, where) -> str:
+    """The quantization a checkpoint's config declares, in one line for ``moestream inspect`` ("" when none).
+
+    For turboquant builds it gives bits and group size per layer kind; :func:`describe`
+    lists the quantized modules found in the tensors.
+    """
     qcfg = QuantConfig.from_config(ckpt.config, str(where))
     if qcfg is None:
         return ""
@@ -65,6 +73,32 @@ def describe(ckpt, where) -> str:
     text = qcfg.default.tag if qcfg.method != "affine" else f"mlx {qcfg.default.tag}"
     n = sum(1 for s in qcfg.overrides.values() if s is not None)
     return text + (f"; {n} per-module overrides" if n else "")
+
+
+def describe(ckpt, layout, net) -> tuple[str, list[str]]:
+    """(format, quantized modules) of a checkpoint for ``moestream inspect``; ("", []) when it is float.
+
+    ``net`` is the model after :func:`quantize_model` (its quantized resident linears swapped).
+    Modules are listed as patterns, layer and expert numbers as ``*``.
+    """
+    from .compressed import module_pattern
+    from .resident import QuantEmbedding, QuantLinear
+
+    qcfg = QuantConfig.from_config(ckpt.config, str(ckpt.path))
+    formats = expert_formats(ckpt, layout, net.expert_shape(), ckpt.path) if layout.layers else {}
+    names = [p.source for i in formats for p in layout.layers[i].experts[0]
+             if formats[i].linears.get(p.role) is not None and formats[i].linears[p.role].scheme is not None]
+    rename = getattr(net, "checkpoint_name", lambda n, t: n)  # report the checkpoint's own names
+    names += [rename(f"{n}.{getattr(m, 'weight_name', 'weight')}", ckpt.tensors) for n, m in net.named_modules()
+              if isinstance(m, (QuantLinear, QuantEmbedding))]
+    if not names:
+        return "", []
+    if qcfg is not None and hasattr(qcfg, "tag"):
+        fmt = qcfg.tag
+    else:
+        tags = sorted({f.tag for f in formats.values()})
+        fmt = f"{qcfg.method if qcfg else 'quantized'}" + (f" ({'; '.join(tags)})" if tags else "")
+    return fmt, sorted({module_pattern(n) for n in names})
 
 
 def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:

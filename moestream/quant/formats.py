@@ -38,12 +38,22 @@ class Scheme:
     ``method``: ``"affine"``, ``"fp8"`` or ``"mxfp4"``; ``bits``: bits per weight code
     (affine 2-8; fp8 8; mxfp4 4); ``group_size``: values sharing one scale along the input
     dimension (affine group, fp8 block width, mxfp4 32); ``block``: fp8 (rows, cols).
+    ``scale``: the name of the scale tensor beside the weight when it is not the
+    method's own (``weight_scale`` in compressed-tensors checkpoints, :mod:`.compressed`).
     """
 
     method: str
     bits: int
     group_size: int
     block: tuple[int, int] | None = None
+    scale: str | None = None
+
+    @property
+    def scale_param(self) -> str:
+        """The scale tensor's parameter name: ``weight_scale_inv`` (fp8), ``scales`` (mxfp4, affine) by default."""
+        if self.scale is not None:
+            return self.scale
+        return "weight_scale_inv" if self.method == "fp8" else "scales"
 
     @property
     def tag(self) -> str:
@@ -87,6 +97,8 @@ class QuantConfig:
         Raises:
             QuantError: an unsupported method or a malformed field, naming it.
         """
+        if "quantization" not in cfg and "quantization_config" not in cfg and isinstance(cfg.get("text_config"), dict):
+            cfg = cfg["text_config"]  # a multimodal config (Kimi K3) declares the text model's quantization there
         q = cfg.get("quantization")
         if q is None and isinstance(cfg.get("quantization_config"), dict):
             qc = cfg["quantization_config"]
@@ -105,6 +117,10 @@ class QuantConfig:
                 return cls("mxfp4", Scheme("mxfp4", 4, 32), {}, skip)
             if method is None and "bits" in qc:
                 q = qc  # mlx-lm writes the same dict under both names
+            elif method == "compressed-tensors":
+                from .compressed import CompressedConfig
+
+                return CompressedConfig.from_quantization_config(qc, where)
             elif method is not None:
                 # another method (compressed-tensors, ...): harmless while the tensors are float
                 # (as `moestream synth` writes them); a quantized tensor is refused when met
@@ -225,6 +241,10 @@ def expert_format(lay, qcfg: QuantConfig | None, shape: tuple[int, int], where) 
     Raises:
         QuantError: naming the tensor whose pieces disagree with the config or the model shape.
     """
+    if qcfg is not None and qcfg.method == "compressed-tensors":
+        from .compressed import expert_format as ct_expert_format
+
+        return ct_expert_format(lay, qcfg, shape, where)
     pieces = {p.role: p for p in lay.experts[0]}
     inter, hidden = shape
     fused = "gate_up" in pieces
@@ -288,7 +308,7 @@ def expert_nbytes_per_param(bits: int, group_size: int, scale_bytes: int = 2) ->
 
 def is_quant_param(role: str) -> bool:
     """Whether an expert piece ``role`` holds quantization parameters kept in their stored dtype."""
-    return "." in role and role.split(".", 1)[1] in ("scales", "biases", "weight_scale_inv")
+    return "." in role and role.split(".", 1)[1] in ("scales", "biases", "weight_scale_inv", "weight_scale")
 
 
 __all__ = ["QuantError", "Scheme", "QuantConfig", "LinearFormat", "ExpertFormat", "expert_format"]

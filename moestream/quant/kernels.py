@@ -126,8 +126,11 @@ def dequantize_rows(t: dict[str, torch.Tensor], lf: LinearFormat, r0: int, r1: i
         return affine.dequantize(t[role][r0:r1], t[role + ".scales"][r0:r1], t[role + ".biases"][r0:r1],
                                  s.bits, s.group_size, torch.float32)
     if s.method == "fp8":
-        return fp8.dequantize_rows(t[role], t[role + ".weight_scale_inv"], s.block, r0, r1, torch.float32)
-    return mxfp4.dequantize(t[role][r0:r1], t[role + ".scales"][r0:r1], torch.float32)
+        return fp8.dequantize_rows(t[role], t[role + "." + s.scale_param], s.block, r0, r1, torch.float32)
+    # gpt-oss blocks [out, in/32, 16] or compressed-tensors' packed [out, in/2]: the same bytes
+    blocks = t[role][r0:r1]
+    return mxfp4.dequantize(blocks.reshape(blocks.shape[0], -1, 16), t[role + "." + s.scale_param][r0:r1],
+                            torch.float32)
 
 
 def dequantize_linear(t: dict[str, torch.Tensor], lf: LinearFormat, dtype: torch.dtype) -> torch.Tensor:

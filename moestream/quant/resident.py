@@ -15,7 +15,7 @@ from torch import nn
 from ..checkpoint import torch_dtype
 from . import affine
 from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8
-from .kernels import int4_eligible, prepare, qlinear
+from .kernels import dequantize_linear, int4_eligible, prepare, qlinear
 
 _SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",)}
 
@@ -38,23 +38,36 @@ class QuantLinear(nn.Module):
         self.fmt = LinearFormat("weight", fmt.scheme, fmt.out_features, fmt.in_features)
         for name, (shape, dt) in shapes.items():
             setattr(self, name, _param(shape, dt))
-        self.extra = tuple(n for n in shapes if n != "weight")
+        # compressed-tensors stores packed 4-bit weights as ``weight_packed``
+        self.weight_name = "weight_packed" if "weight_packed" in shapes else "weight"
+        self.extra = tuple(n for n in shapes if n != self.weight_name)
         self.bias = nn.Parameter(torch.empty(fmt.out_features), requires_grad=False) if bias else None
         self._ready, self._ready_dtype = None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self._ready
         if t is None or self._ready_dtype != x.dtype:
-            t = {"weight": self.weight, **{f"weight.{n}": getattr(self, n) for n in self.extra}}
+            t = {"weight": getattr(self, self.weight_name), **{f"weight.{n}": getattr(self, n) for n in self.extra}}
             if int4_eligible(self.fmt, x.dtype):
                 # repack once for PyTorch's int4 kernel (see kernels.prepare); the packed
                 # parameters are then dropped, so memory holds one form
                 t = prepare(t, type("F", (), {"linears": {"weight": self.fmt}})(), x.dtype)
-                for name in ("weight", *self.extra):
+                for name in (self.weight_name, *self.extra):
                     self._parameters.pop(name, None)
                 self._ready, self._ready_dtype = t, x.dtype
         y = qlinear(x.reshape(-1, x.shape[-1]), t, self.fmt).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
+
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [out, in] in ``dtype``, for a family that uses a linear's weight as a vector.
+
+        Raises ValueError once the weight was repacked for the int4 kernel (the stored form is gone).
+        """
+        if self._ready is not None and self.weight_name not in self._parameters:
+            raise ValueError("dense_weight needs the stored weight; it was repacked for the int4 kernel")
+        t = {"weight": getattr(self, self.weight_name), **{f"weight.{n}": getattr(self, n) for n in self.extra}}
+        return dequantize_linear(t, self.fmt, dtype)
 
 
 class QuantEmbedding(nn.Module):
@@ -75,6 +88,10 @@ class QuantEmbedding(nn.Module):
 
 def _format(path: str, tensors: dict, qcfg: QuantConfig | None, shape: tuple[int, int], where) -> tuple | None:
     """(LinearFormat, {param: (shape, dtype)}) for module ``path`` if the checkpoint stores it quantized."""
+    if qcfg is not None and qcfg.method == "compressed-tensors":
+        from .compressed import linear_format
+
+        return linear_format(path, tensors, qcfg, shape, where)
     w = tensors.get(path + ".weight")
     if w is None:
         return None
@@ -112,9 +129,20 @@ def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None,
             with the tensors (naming the tensor), or a quantized embedding tied to the LM head.
     """
     swapped = []
+    rename = getattr(model, "checkpoint_name", None)  # a family whose checkpoints name a module another way
+
+    def stored(path: str) -> str:
+        if rename is None:
+            return path
+        for param in ("weight", "weight_packed"):
+            got = rename(f"{path}.{param}", tensors)
+            if got in tensors:
+                return got.rsplit(".", 1)[0]
+        return path
+
     for path, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
-            got = _format(path, tensors, qcfg, (mod.out_features, mod.in_features), where)
+            got = _format(stored(path), tensors, qcfg, (mod.out_features, mod.in_features), where)
             if got is not None:
                 model.set_submodule(path, QuantLinear(*got, bias=mod.bias is not None))
                 swapped.append(path)
