@@ -56,23 +56,16 @@ def quantize_model(net, ckpt, where) -> list[str]:
 
 
 def summary(ckpt, where) -> str:
-    """The quantization a checkpoint's config declares, in one line for ``moestream inspect`` ("" when none).
+    """Bits and group size per layer kind of a turboquant build, in one line for ``moestream inspect``.
 
-    For turboquant builds it gives bits and group size per layer kind; :func:`describe`
-    lists the quantized modules found in the tensors.
+    "" for any other checkpoint: :func:`describe` gives their format and quantized modules.
     """
     qcfg = QuantConfig.from_config(ckpt.config, str(where))
-    if qcfg is None:
+    if qcfg is None or qcfg.method != "turboquant":
         return ""
-    if qcfg.method == "turboquant":
-        from .turboquant import describe as tq_describe
+    from .turboquant import describe as tq_describe
 
-        return tq_describe(ckpt.tensors, qcfg)
-    if qcfg.default is None:
-        return qcfg.method
-    text = qcfg.default.tag if qcfg.method != "affine" else f"mlx {qcfg.default.tag}"
-    n = sum(1 for s in qcfg.overrides.values() if s is not None)
-    return text + (f"; {n} per-module overrides" if n else "")
+    return tq_describe(ckpt.tensors, qcfg)
 
 
 def describe(ckpt, layout, net) -> tuple[str, list[str]]:
