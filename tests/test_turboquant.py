@@ -334,7 +334,7 @@ def test_rotation_none_with_unit_signs_is_a_plain_product():
     codes = torch.randint(0, 4, (48, 64), generator=torch.Generator().manual_seed(4))
     shapes = {"weight": ((48, 4), "U32"), "scales": ((48, 2), "F16"), "codebook": ((4,), "F16"),
               "signs": ((64,), "F16")}
-    lin = tq.TQLinear(tq.TQScheme("turboquant", 2, 32, None, 4, cfg.rotation), 48, 64, shapes)
+    lin = tq.TQLinear(tq.TQScheme("turboquant", 2, 32, levels=4, rotation=cfg.rotation), 48, 64, shapes)
     lin.weight.data = tq.pack_codes(codes, 4)
     lin.scales.data = torch.rand(48, 2).half()
     lin.codebook.data = torch.tensor(CB[4]).half()

@@ -391,8 +391,8 @@ def linear_scheme(path: str, tensors: dict, cfg: TurboQuantConfig, out_in: tuple
     if bias is not None and tuple(bias.shape) != (*w.shape[:lead], out):
         raise QuantError(f"{where}: tensor {path + '.bias'!r} has shape {list(bias.shape)}; expected "
                          f"{[*w.shape[:lead], out]}")
-    scheme = TQScheme("turboquant", LEVEL_BITS.get(levels, 0), inn // groups, None, levels, cfg.rotation, qjl,
-                      bias is not None)
+    scheme = TQScheme("turboquant", LEVEL_BITS.get(levels, 0), inn // groups, levels=levels, rotation=cfg.rotation,
+                      qjl=qjl, bias=bias is not None)
     return scheme, out, inn
 
 
