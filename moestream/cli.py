@@ -12,6 +12,11 @@ from pathlib import Path
 
 from .errors import MoestreamError
 
+TRUST_REMOTE_CODE = (
+    "--trust-remote-code is not supported: moestream never runs code that comes with a checkpoint "
+    "(auto_map, modeling_*.py); it runs only its own model families (see `moestream inspect`)"
+)
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, cache and I/O options, shared by every command that loads a model (generate, serve)."""
@@ -437,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     from .policy_cli import add_commands, run_command
 
     add_commands(sub, add_engine_args)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--trust-remote-code" or a.startswith("--trust-remote-code=") for a in argv):
+        print(f"moestream: error: {TRUST_REMOTE_CODE}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         if args.command in ("hotlist", "cache-sim"):
