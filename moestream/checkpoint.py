@@ -295,6 +295,24 @@ class FileHandles:
             self._fds.clear()
 
 
+def file_identity(path: Path) -> tuple[int, int, int, int]:
+    """``(device, inode, size, mtime_ns)`` of ``path``: what changes when a file is replaced,
+    truncated, grown or written. Raises CheckpointError when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot stat: {e.strerror or e}") from None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _identity_change(before: tuple[int, ...], now: tuple[int, ...]) -> str:
+    if before[:2] != now[:2]:
+        return "replaced by another file"
+    if before[2] != now[2]:
+        return f"its size went from {before[2]} to {now[2]} bytes"
+    return "it was written to"
+
+
 def _refuse_pickle_shard(index: Path, shard: str) -> None:
     """An index naming a pickle file as a shard is refused by name, before anything opens it."""
     if shard.endswith(_PICKLE_SUFFIXES):
@@ -409,7 +427,9 @@ class Checkpoint:
         raise CheckpointError(f"{self.path}: no *.safetensors weight files")
 
     def _index_tensors(self) -> None:
+        self.identities: dict[Path, tuple[int, ...]] = {}
         for shard in self.shards:
+            self.identities[shard] = file_identity(shard)  # before the header: a later change shows
             tensors, _ = read_safetensors_header(shard)
             for name, info in tensors.items():
                 if name in self.tensors:
@@ -443,7 +463,29 @@ class Checkpoint:
         info = self.info(name)
         out, view = empty_for(info)
         pread_full(self.fd(info.file), info.offset, [view], info.file, f"tensor {name!r}")
+        self.check_unchanged(info.file, f"tensor {name!r}")
         return out
+
+    def check_unchanged(self, file: Path, what: str) -> None:
+        """Raise ReadError (naming ``what`` and ``file``) if the shard is no longer the file whose
+        header was validated: replaced (another inode), truncated or grown, or written since.
+
+        Called after each read: bytes read from a changed file may be another tensor's, and
+        must not reach the model.
+        """
+        before = self.identities.get(file)
+        if before is None:
+            return
+        try:
+            now = file_identity(file)
+        except CheckpointError:
+            now = None
+        if now != before:
+            why = "it is gone" if now is None else _identity_change(before, now)
+            raise ReadError(
+                f"reading {what} from {file}: the shard changed on disk after the checkpoint was opened ({why}); "
+                "the bytes read cannot be trusted. Restart moestream to load the checkpoint as it is now."
+            )
 
     def close(self) -> None:
         """Close every shard file descriptor."""

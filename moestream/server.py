@@ -364,6 +364,14 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
     async def _api_error(request: Request, e: APIError):
         return e.response()
 
+    @app.exception_handler(MoestreamError)
+    async def _engine_error(request: Request, e: MoestreamError):
+        # bad input found by the engine is the client's; anything else (a failed expert read,
+        # naming the expert and file) is the server's, answered in OpenAI's shape
+        if isinstance(e, InputError):
+            return APIError(400, str(e)).response()
+        return APIError(500, str(e), type="server_error", code=_error_code(e)).response()
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
@@ -532,6 +540,11 @@ def _message_dict(m: Message) -> dict:
     return d
 
 
+def _error_code(e: MoestreamError) -> str:
+    """``read_error`` for a failed expert read, else the error class's name in snake case."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(e).__name__).lower()
+
+
 def _usage(job: Job, completion: int) -> dict:
     return {"prompt_tokens": len(job.ids), "completion_tokens": completion, "total_tokens": len(job.ids) + completion}
 
@@ -623,7 +636,7 @@ async def _chat_events(run: Run, job: Job, meta: _Meta, tok, thinking: bool, spl
         if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(job, count)})
     except MoestreamError as e:  # a failed read mid-stream: tell the client in the stream
-        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": _error_code(e)}})
     yield "data: [DONE]\n\n"
 
 
@@ -667,7 +680,7 @@ async def _completion_events(run: Run, job: Job, meta: _Meta, tok, include_usage
         if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(job, count)})
     except MoestreamError as e:
-        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": _error_code(e)}})
     yield "data: [DONE]\n\n"
 
 
