@@ -249,3 +249,28 @@ def test_the_server_answers_a_disk_fault_and_keeps_serving(tmp_path_factory, mon
     finally:
         srv.stop()
         engine.close()
+
+
+def test_a_failure_mid_forward_empties_the_session(ckpt, monkeypatch):
+    """Some layers had written the failed step into the KV cache: the session starts over."""
+    from moestream.generation import Session
+
+    engine = small_engine(ckpt)
+    try:
+        session = Session()
+        first = [s.token for s in generate(engine, PROMPT, TOKENS, SamplingParams(), stop_at_eos=False,
+                                           session=session)]
+        follow = PROMPT + first + [7, 8, 9]
+        disk = FaultyDisk(monkeypatch)
+        disk.fail_layer(engine, 2)  # layers 0 and 1 write the new tokens' keys and values, then layer 2 fails
+        with pytest.raises(ReadError):
+            list(generate(engine, follow, TOKENS, SamplingParams(), stop_at_eos=False, session=session))
+        assert session.kv is None and session.ids == []
+        disk.heal()
+        again = list(generate(engine, follow, TOKENS, SamplingParams(), stop_at_eos=False, keep_logits=True,
+                              session=session))
+        fresh = list(generate(engine, follow, TOKENS, SamplingParams(), stop_at_eos=False, keep_logits=True))
+        assert [s.token for s in again] == [s.token for s in fresh]
+        assert all(torch.equal(a.logits, b.logits) for a, b in zip(again, fresh))
+    finally:
+        engine.close()
