@@ -94,11 +94,49 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+# -- header validation helpers (the reliability issue) ----------------------------------
+def _json_no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook`` for :func:`json.loads` that refuses a key given twice (the
+    plain parser silently keeps the last one, so two readers could disagree on a tensor)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a hostile header's values stay out of messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _parse_header_json(path: Path, raw: bytes) -> dict:
+    """The header's JSON object; CheckpointError naming ``path`` when it is not one."""
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_json_no_duplicates)
+    except _DuplicateKey as e:
+        raise CheckpointError(f"{path}: header gives the key {e.args[0]!r} twice") from None
+    except ValueError as e:  # bad UTF-8, bad JSON, an integer of more than 4300 digits
+        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+    except RecursionError:  # hostile nesting: the C parser stops at Python's recursion limit
+        raise CheckpointError(f"{path}: header is not a safetensors header (JSON nested too deep)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    return header
+
+
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate one safetensors file's header against the file's size.
 
     Returns ``(tensors, metadata)``. Checks, before any tensor byte is read: the header
-    length lies inside the file, the JSON is a well-formed object, every dtype is known,
+    length lies inside the file, the JSON is a well-formed object (no key given twice,
+    no hostile nesting), every dtype is known,
     every shape is a list of non-negative integers, every byte range equals dtype size
     times element count, lies inside the data section and overlaps no other.
 
@@ -123,12 +161,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
+    header = _parse_header_json(path, raw)
     data_start = 8 + n
     data_size = size - data_start
     metadata = header.pop("__metadata__", None) or {}
@@ -140,20 +173,20 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where}: entry is not a JSON object")
         dt = entry.get("dtype")
-        if dt not in _DTYPES:
-            raise CheckpointError(f"{where}: unknown dtype {dt!r}")
+        if not isinstance(dt, str) or dt not in _DTYPES:  # a list or object is unhashable: not a dtype
+            raise CheckpointError(f"{where}: unknown dtype {_short(dt)}")
         shape = entry.get("shape")
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
-            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+            raise CheckpointError(f"{where}: shape {_short(shape)} is not a list of non-negative integers")
         offs = entry.get("data_offsets")
         if (
             not isinstance(offs, list)
             or len(offs) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
         ):
-            raise CheckpointError(f"{where}: data_offsets {offs!r} is not a pair of integers")
+            raise CheckpointError(f"{where}: data_offsets {_short(offs)} is not a pair of integers")
         begin, end = offs
         if begin < 0 or end < begin:
             raise CheckpointError(f"{where}: data_offsets {offs} are not ordered")
@@ -262,6 +295,34 @@ class FileHandles:
             self._fds.clear()
 
 
+def file_identity(path: Path) -> tuple[int, int, int, int]:
+    """``(device, inode, size, mtime_ns)`` of ``path``: what changes when a file is replaced,
+    truncated, grown or written. Raises CheckpointError when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot stat: {e.strerror or e}") from None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _identity_change(before: tuple[int, ...], now: tuple[int, ...]) -> str:
+    if before[:2] != now[:2]:
+        return "replaced by another file"
+    if before[2] != now[2]:
+        return f"its size went from {before[2]} to {now[2]} bytes"
+    return "it was written to"
+
+
+def _refuse_pickle_shard(index: Path, shard: str) -> None:
+    """An index naming a pickle file as a shard is refused by name, before anything opens it."""
+    if shard.endswith(_PICKLE_SUFFIXES):
+        raise CheckpointError(
+            f"{index}: shard {shard} is a pickle file; moestream never unpickles weights. Convert the "
+            "checkpoint to safetensors (for example with transformers' save_pretrained(..., "
+            "safe_serialization=True)) and point --model at that."
+        )
+
+
 def resolve_model(model: str | os.PathLike) -> Path:
     """A local checkpoint folder for ``model``: a folder path, or a Hugging Face Hub id.
 
@@ -323,7 +384,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: no config.json in the checkpoint folder")
         try:
             self.config = json.loads(cfg_path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
             raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
         if not isinstance(self.config, dict):
             raise ConfigError(f"{cfg_path}: not a JSON object")
@@ -345,13 +406,16 @@ class Checkpoint:
                 data = json.loads(index.read_text())
                 weight_map = data["weight_map"]
                 assert isinstance(weight_map, dict)
-            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError):
+            except (ValueError, RecursionError, KeyError, TypeError, AssertionError):
                 raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object)") from None
             self._weight_map = weight_map
             names = []
             for tensor, shard in weight_map.items():
                 if not isinstance(shard, str) or Path(shard).name != shard:
-                    raise CheckpointError(f"{index}: tensor {tensor!r} maps to {shard!r}, not a file in the folder")
+                    raise CheckpointError(
+                        f"{index}: tensor {_short(tensor)} maps to {_short(shard)}, not a file in the folder"
+                    )
+                _refuse_pickle_shard(index, shard)
                 if shard not in names:
                     names.append(shard)
             shards = [self.path / s for s in names]
@@ -373,7 +437,9 @@ class Checkpoint:
         raise CheckpointError(f"{self.path}: no *.safetensors weight files")
 
     def _index_tensors(self) -> None:
+        self.identities: dict[Path, tuple[int, ...]] = {}
         for shard in self.shards:
+            self.identities[shard] = file_identity(shard)  # before the header: a later change shows
             tensors, self.metadata[shard.name] = read_safetensors_header(shard)
             for name, info in tensors.items():
                 if name in self.tensors:
@@ -417,7 +483,29 @@ class Checkpoint:
         """Read the bytes ``info`` describes into a new CPU tensor of its dtype and shape."""
         out, view = empty_for(info)
         pread_full(self.fd(info.file), info.offset, [view], info.file, f"tensor {info.name!r}")
+        self.check_unchanged(info.file, f"tensor {info.name!r}")
         return out
+
+    def check_unchanged(self, file: Path, what: str) -> None:
+        """Raise ReadError (naming ``what`` and ``file``) if the shard is no longer the file whose
+        header was validated: replaced (another inode), truncated or grown, or written since.
+
+        Called after each read: bytes read from a changed file may be another tensor's, and
+        must not reach the model.
+        """
+        before = self.identities.get(file)
+        if before is None:
+            return
+        try:
+            now = file_identity(file)
+        except CheckpointError:
+            now = None
+        if now != before:
+            why = "it is gone" if now is None else _identity_change(before, now)
+            raise ReadError(
+                f"reading {what} from {file}: the shard changed on disk after the checkpoint was opened ({why}); "
+                "the bytes read cannot be trusted. Restart moestream to load the checkpoint as it is now."
+            )
 
     def close(self) -> None:
         """Close every shard file descriptor."""

@@ -12,6 +12,11 @@ from pathlib import Path
 
 from .errors import MoestreamError
 
+TRUST_REMOTE_CODE = (
+    "--trust-remote-code is not supported: moestream never runs code that comes with a checkpoint "
+    "(auto_map, modeling_*.py); it runs only its own model families (see `moestream inspect`)"
+)
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, cache and I/O options, shared by every command that loads a model (generate, serve)."""
@@ -332,6 +337,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait while one generates; one more gets 429 (default 16)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
     p.add_argument("--model-name", default=None, help="the model id /v1/models reports (default: the folder name)")
+    p.add_argument("--max-body-mb", type=float, default=4.0,
+                   help="largest request body in MB (10^6 bytes); a larger one gets 413 (default 4)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt in tokens; a longer one gets 400 (default: --max-context less one)")
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -345,13 +354,18 @@ def run_serve(args: argparse.Namespace) -> None:
         raise MoestreamError(f"--max-queue must be at least 0, got {args.max_queue}")
     if args.max_context is not None and args.max_context < 2:
         raise MoestreamError(f"--max-context must be at least 2 tokens, got {args.max_context}")
+    if not 0.001 <= args.max_body_mb <= 1e4:  # NaN fails too
+        raise MoestreamError(f"--max-body-mb {args.max_body_mb}: expected a number of MB between 0.001 and 10000")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise MoestreamError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
     engine = load_engine(args, context=args.max_context)
     try:
         model_max = engine.model.max_context or 32768
         if args.max_context is not None and args.max_context > model_max:
             raise MoestreamError(f"--max-context {args.max_context} exceeds the model's context of {model_max}")
         name = args.model_name or engine.checkpoint.path.name
-        options = ServerOptions(name, args.max_context or model_max, args.max_queue, args.api_key)
+        options = ServerOptions(name, args.max_context or model_max, args.max_queue, args.api_key,
+                                max_body_bytes=int(args.max_body_mb * 1e6), max_prompt_tokens=args.max_prompt_tokens)
         serve(engine, options, args.host, args.port)
     finally:
         engine.close()
@@ -457,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     from .policy_cli import add_commands, run_command
 
     add_commands(sub, add_engine_args)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--trust-remote-code" or a.startswith("--trust-remote-code=") for a in argv):
+        print(f"moestream: error: {TRUST_REMOTE_CODE}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         if args.command in ("hotlist", "cache-sim"):

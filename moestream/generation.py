@@ -399,6 +399,19 @@ def _logprob(processed: torch.Tensor, token: int, n: int) -> TokenLogprob:
 
 
 @torch.inference_mode()
+def _forward(model, x: torch.Tensor, pos: int, kv, session: Session | None) -> torch.Tensor:
+    """``model(x, pos, kv)``; when it fails part-way (a failed expert read), some layers have
+    already written this step into ``kv`` and others not, so a ``session`` is emptied: its
+    next call prefills from scratch instead of continuing from a half-updated cache."""
+    try:
+        return model(x, pos, kv)
+    except Exception:
+        if session is not None:
+            session.kv = None
+            session.ids.clear()
+        raise
+
+
 def generate(
     engine: Engine,
     prompt_ids: list[int],
@@ -517,7 +530,7 @@ def generate(
     t0 = time.perf_counter()
     logits = None
     for s in range(reuse, len(prompt_ids), prefill_chunk):
-        logits = model(ids[s : s + prefill_chunk], s, kv)
+        logits = _forward(model, ids[s : s + prefill_chunk], s, kv, session)
         if session is not None:
             session.ids.extend(prompt_ids[s : s + prefill_chunk])
     stats.prefill_seconds = time.perf_counter() - t0
@@ -567,7 +580,7 @@ def generate(
             yield Step(token, text, last if keep_logits else None, lp, reason)
             if reason is not None:
                 break
-            logits = model(torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv)
+            logits = _forward(model, torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv, session)
             if session is not None:
                 session.ids.append(token)
             pos += 1

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import InputError, MoestreamError
 from .generation import GenerationStats, SamplingParams, Step, generate, generation_defaults
+from .serverguard import DEFAULT_MAX_BODY_BYTES, BodyLimit, api_key_matches
 from .textstream import ReasoningSplitter
 from .tokenizer import chat_ids, prompt_opens_thinking, think_token_ids
 
@@ -55,9 +56,10 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
+    def response(self) -> Response:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        # ASCII JSON: a message quoting hostile text (an unpaired surrogate) still encodes
+        return Response(json.dumps(body), status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 # ---- request bodies: known fields are type-checked strictly, unknown fields ignored ----
@@ -345,6 +347,10 @@ class ServerOptions:
     max_context: int
     max_queue: int = 16
     api_key: str | None = None
+    # hostile-client bounds (moestream.serverguard): request body bytes (--max-body-mb) and
+    # prompt tokens (--max-prompt-tokens; None: the context less one token to generate)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_tokens: int | None = None
 
 
 def create_app(engine, options: ServerOptions) -> FastAPI:
@@ -359,10 +365,34 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
 
     end_of_turn = eos_ids(engine)
     app.state.runner, app.state.metrics = runner, metrics
+    app.add_middleware(BodyLimit, limit=options.max_body_bytes)
+    encode_lock = threading.Lock()  # one tokenization at a time, off the event loop
+
+    async def off_loop(text: object, fn, *args):
+        """Run ``fn`` (tokenizing ``text``, a prompt of up to --max-body-mb) on a worker thread, so a
+        long prompt does not stall the event loop that answers everyone else."""
+        def locked():
+            try:  # JSON's "\\ud800" escapes decode to unpaired surrogates, which tokenizers reject
+                json.dumps(text, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"the text holds {e.object[e.start:e.end]!a}, an unpaired UTF-16 surrogate: "
+                               "not valid Unicode", code="invalid_unicode") from None
+            with encode_lock:
+                return fn(*args)
+
+        return await asyncio.to_thread(locked)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return e.response()
+
+    @app.exception_handler(MoestreamError)
+    async def _engine_error(request: Request, e: MoestreamError):
+        # bad input found by the engine is the client's; anything else (a failed expert read,
+        # naming the expert and file) is the server's, answered in OpenAI's shape
+        if isinstance(e, InputError):
+            return APIError(400, str(e)).response()
+        return APIError(500, str(e), type="server_error", code=_error_code(e)).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
@@ -385,7 +415,7 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
         path = request.url.path
         if options.api_key and path.startswith("/v1/"):
             auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {options.api_key}":
+            if not api_key_matches(auth, options.api_key):
                 resp = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                                 type="authentication_error", code="invalid_api_key").response()
                 metrics.requests.labels(path, "401").inc()
@@ -396,6 +426,13 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
         return resp
 
     def budget(req: _Sampling, prompt_len: int, requested: int | None) -> int:
+        limit = options.max_prompt_tokens
+        if limit is not None and prompt_len > limit:
+            raise APIError(
+                400, f"the prompt is {prompt_len} tokens; this server takes prompts of at most {limit} tokens "
+                "(--max-prompt-tokens)", param="messages" if isinstance(req, ChatRequest) else "prompt",
+                code="context_length_exceeded",
+            )
         room = options.max_context - prompt_len
         if room < 1:
             raise APIError(
@@ -452,7 +489,8 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
     async def chat(req: ChatRequest, request: Request):
         messages = [_message_dict(m) for m in req.messages]
         try:
-            ids = chat_ids(tok, messages, req.tools, req.chat_template_kwargs)
+            ids = await off_loop([messages, req.tools, req.chat_template_kwargs], chat_ids, tok, messages, req.tools,
+                                 req.chat_template_kwargs)
         except InputError as e:
             raise APIError(400, str(e), param="messages") from None
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -478,7 +516,10 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
             if len(prompt) != 1:
                 raise APIError(400, "prompt: one prompt per request", param="prompt")
             prompt = prompt[0]
-        ids = tok.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = await off_loop(prompt, lambda: tok.encode(prompt, add_special_tokens=False))
+        else:
+            ids = list(prompt)
         if not ids:
             raise APIError(400, "prompt: empty", param="prompt")
         bad = [t for t in ids if not 0 <= t < engine.model.vocab_size]
@@ -530,6 +571,11 @@ def _message_dict(m: Message) -> dict:
             calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
         d["tool_calls"] = calls
     return d
+
+
+def _error_code(e: MoestreamError) -> str:
+    """``read_error`` for a failed expert read, else the error class's name in snake case."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(e).__name__).lower()
 
 
 def _usage(job: Job, completion: int) -> dict:
@@ -623,7 +669,7 @@ async def _chat_events(run: Run, job: Job, meta: _Meta, tok, thinking: bool, spl
         if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(job, count)})
     except MoestreamError as e:  # a failed read mid-stream: tell the client in the stream
-        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": _error_code(e)}})
     yield "data: [DONE]\n\n"
 
 
@@ -667,7 +713,7 @@ async def _completion_events(run: Run, job: Job, meta: _Meta, tok, include_usage
         if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(job, count)})
     except MoestreamError as e:
-        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": _error_code(e)}})
     yield "data: [DONE]\n\n"
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .checkpoint import Checkpoint, FileHandles, pread_full, torch_dtype
+from .errors import ReadError
 from .layout import QUANT_PARAMS, ExpertLayout
 
 if TYPE_CHECKING:
@@ -271,7 +272,11 @@ class ExpertStore:
                 self._busy_since = time.perf_counter()
         t0 = time.perf_counter()
         try:
-            self.reader.read(job.file, job.offset, views, what)
+            try:
+                self.reader.read(job.file, job.offset, views, what)
+            except OSError as e:  # a reader that let an OS error through: still name expert and file
+                raise ReadError(f"reading {what} from {job.file} at byte {job.offset}: {e.strerror or e}") from None
+            self.checkpoint.check_unchanged(job.file, what)  # a shard replaced or written while running
         finally:
             t1 = time.perf_counter()
             with self._lock:

@@ -136,12 +136,27 @@ def write_json_atomic(path: Path, data: object) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename itself survives a power cut, not only a kill
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Flush a folder's entries (a rename) to disk, where the OS allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a folder: the rename is still atomic
+    finally:
+        os.close(fd)
 
 
 def save_profile(
