@@ -72,11 +72,14 @@ def load_avg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
+DROP_CACHES = True  # off in --smoke: dropping the whole machine's page cache for a tiny model helps nothing
+
+
 def drop_caches() -> bool:
-    """Write back and drop the page cache (root only); False when not allowed."""
-    os.sync()
-    if not is_root():
+    """Write back and drop the page cache (root only); False when not allowed or off."""
+    if not (is_root() and DROP_CACHES):
         return False
+    os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
     return True
 
@@ -267,16 +270,27 @@ def summarize(run: dict, progress: Path, result: Path) -> None:
     run["decode_s"] = res.get("decode_s", toks[-1]["decode_s"] if toks else None)
     run["prefill_tok_s"] = run["prompt_tokens"] / run["prefill_s"] if run["prefill_s"] else None
     run["decode_tok_s"] = run["decoded"] / run["decode_s"] if run["decoded"] and run["decode_s"] else None
+    if toks and "prefill" in by and "cpu_s" in toks[-1]:
+        run["decode_cpu_s"] = toks[-1]["cpu_s"] - by["prefill"][0]["cpu_s"]
+        run["cpu_s_per_token"] = run["decode_cpu_s"] / len(toks)
     if toks and "prefill" in by:
         run["decode_read_bytes_per_token"] = (toks[-1]["read_bytes"] - by["prefill"][0]["read_bytes"]) / len(toks)
     run["read_bytes"] = res.get("read_bytes", max([e["read_bytes"] for e in events] + [run["polled_read_bytes"]]))
     run["write_bytes"] = res.get("write_bytes", max([e["write_bytes"] for e in events], default=0))
+    last = toks[-1] if toks else {}
+    if "lookups" in last and "hit_rate" not in res:  # stopped early: the cache's figures at its last token
+        run["hit_rate"] = last["hits"] / last["lookups"] if last["lookups"] else 0.0
+        for k in ("decode_bytes", "decode_prefetch_bytes", "distinct_experts"):
+            run[k] = last[k]
+        for k in ("resident_gb", "experts_per_layer"):
+            if "loaded" in by and k in by["loaded"][0]:
+                run[k] = by["loaded"][0][k]
     for k in ("hit_rate", "distinct_experts", "experts_per_layer", "decode_bytes", "decode_prefetch_bytes",
               "resident_gb", "cache_peak_gb", "budget_gb", "peak_rss_gb", "read_path", "placement"):
         if k in res:
             run[k] = res[k]
     if "distinct_experts" in run:
-        d = list(run["distinct_experts"].values())
+        d = [int(x) for x in run["distinct_experts"].values()]
         run["distinct_mean"], run["distinct_min"], run["distinct_max"] = sum(d) / len(d), min(d), max(d)
 
 
@@ -313,6 +327,39 @@ def gb(x) -> float | None:
     return None if x is None else x / GB
 
 
+THREADS = 2  # compute threads of every engine (bench_worker.THREADS)
+
+
+def compute_estimate(res: dict) -> None:
+    """Compute seconds per decoded token at budget all, for the floor, from ``res["compute_runs"]``.
+
+    From CPU time / 2 threads where the runs recorded it (on a shared machine wall time also
+    measures the other processes), else wall time. One run: the checkpoint itself; two: 1- and
+    2-layer synths, extrapolated linearly to the checkpoint's layers.
+    """
+    runs = res.get("compute_runs", [])
+
+    def per_token(r: dict) -> tuple[float | None, str]:
+        if r.get("cpu_s_per_token"):
+            return r["cpu_s_per_token"] / THREADS, "CPU time / 2 threads"
+        return (r["decode_s"] / r["decoded"] if r.get("decoded") else None), "wall time"
+
+    res["compute_s_per_token"] = None
+    if len(runs) == 1:
+        t, how = per_token(runs[0])
+        res["compute_s_per_token"] = t
+        res["compute_note"] = f"the checkpoint itself, budget all, inside the cap; {how}"
+    elif len(runs) == 2:
+        (t1, how), (t2, _) = per_token(runs[0]), per_token(runs[1])
+        walls = [r["decode_s"] / r["decoded"] if r.get("decoded") else None for r in runs]
+        if t1 and t2 and t2 > t1:
+            res["compute_s_per_token"] = t1 + (t2 - t1) * (res["layers"] - 1)
+        res["compute_note"] = (
+            f"1- and 2-layer synths of the same config at budget all, no cap, {how}: {fmt(t1, 3)} / {fmt(t2, 3)} s "
+            f"per token (wall {fmt(walls[0], 3)} / {fmt(walls[1], 3)}), extrapolated linearly to {res['layers']} "
+            "layers" + ("" if res["compute_s_per_token"] else "; NOT monotone in layers (load noise): no estimate"))
+
+
 # -- the report ----------------------------------------------------------------------------------
 
 def floor_s(run: dict, best: float | None, compute: float | None) -> float | None:
@@ -326,8 +373,8 @@ def table(res: dict) -> str:
     best, compute = res.get("disk_best_gb_s"), res.get("compute_s_per_token")
     head = ("| run | status | load s | prefill tok/s | decode tok/s (tokens) | s / token | floor s / token "
             "(x floor) | peak charged GB | GB read (per decoded token) | hit rate | distinct experts / layer "
-            "| load avg (min-max) |")
-    rows = [head, "|" + " --- |" * 12]
+            "| CPU s / token | load avg (min-max) |")
+    rows = [head, "|" + " --- |" * 13]
     for r in res["runs"]:
         spt = r["decode_s"] / r["decoded"] if r.get("decoded") and r.get("decode_s") else None
         fl = floor_s(r, best, compute)
@@ -344,7 +391,8 @@ def table(res: dict) -> str:
             f"| {r['label']} | {status} | {fmt(r.get('load_s'), 1)} | {fmt(r.get('prefill_tok_s'), 2)} | {dec} | "
             f"{fmt(spt, 3)} | {fmt(fl, 3)}{f' ({spt / fl:.2f}x)' if fl and spt else ''} | "
             f"{fmt(gb(r.get('cap_peak_bytes')), 2)} | {fmt(gb(r.get('read_bytes')), 2)} "
-            f"({fmt(gb(per_tok), 3)}) | {hit} | {dist} | {r['load'][0]:.1f}-{r['load'][2]:.1f} |")
+            f"({fmt(gb(per_tok), 3)}) | {hit} | {dist} | {fmt(r.get('cpu_s_per_token'), 3)} | "
+            f"{r['load'][0]:.1f}-{r['load'][2]:.1f} |")
     return "\n".join(rows)
 
 
@@ -430,12 +478,14 @@ def targets(res: dict) -> list[str]:
             best_prefill = max(m["prefill_tok_s"] for m in ms if m.get("prefill_tok_s"))
             x = best_prefill / r["prefill_tok_s"]
             out.append(f"prefill vs {r['label']}: {x:.1f}x (target >= 3x): {'met' if x >= 3 else 'missed'}")
-    for r in ms:
-        if r.get("cap_peak_bytes") and isinstance(r.get("budget"), float):
-            allowed = r["budget"] + r["resident_gb"] + 1.5
+    resident = next((r["resident_gb"] for r in res["runs"] if r.get("resident_gb")), None)
+    for r in ms + [r for r in res["runs"] if r["engine"] == "moestream" and r["status"] == "killed (OOM)"]:
+        if r.get("cap_peak_bytes") and isinstance(r.get("budget"), float) and resident:
+            allowed = r["budget"] + resident + 1.5
             peak = r["cap_peak_bytes"] / GB
             out.append(f"peak memory {r['label']}: {peak:.2f} GB charged, target <= budget + resident + 1.5 = "
-                       f"{allowed:.2f} GB: {'met' if peak <= allowed else 'missed'}")
+                       f"{allowed:.2f} GB: {'met' if peak <= allowed else 'missed'}"
+                       + (f"; killed by the {res['cap_gib']:.0f} GiB cap" if r["status"] == "killed (OOM)" else ""))
     return out
 
 
@@ -512,12 +562,39 @@ def main() -> int:
                    help="accelerate's max_memory for the CPU (default: cap - 1.5 GB)")
     p.add_argument("--disk-gb", type=float, default=3.0, help="GB read for the disk figure")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and GGUF (default: delete at the end)")
+    p.add_argument("--only-compute", action="store_true", help="only the disk figure and the budget-all compute runs")
+    p.add_argument("--report-from", type=Path, default=None,
+                   help="rewrite report.md and the plots in --out from this results.json (no runs)")
+    p.add_argument("--skip-compute", action="store_true", help="no budget-all compute runs (merge them later)")
+    p.add_argument("--runs-from", type=Path, action="append", default=[],
+                   help="with --report-from: also list the runs of this results.json (repeatable)")
+    p.add_argument("--compute-from", type=Path, default=None,
+                   help="with --report-from: take the compute runs from this results.json (an --only-compute run)")
     p.add_argument("--smoke", action="store_true", help="a tiny model, seconds; peers only when installed")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.report_from:
+        res = json.loads(a.report_from.read_text())
+        if a.compute_from:
+            other = json.loads(a.compute_from.read_text())
+            res["compute_runs"] = other["compute_runs"]
+            res["compute_from"] = str(a.compute_from)
+            res["disk_best_gb_s"] = max(x for x in (res.get("disk_best_gb_s"), other.get("disk_best_gb_s")) if x)
+        for f in a.runs_from:
+            other = json.loads(f.read_text())
+            res["runs"] = other["runs"] + res["runs"]
+            res["load_start"] = min(res["load_start"], other["load_start"])
+            res["started"] = min(res["started"], other["started"])
+        compute_estimate(res)
+        (a.out / "results.json").write_text(json.dumps(res, indent=1))
+        print(report(res, a.out).read_text())
+        plots(res, a.out)
+        return 0
     a.work.mkdir(parents=True, exist_ok=True)
     skipped: list[str] = []
     if a.smoke:
+        global DROP_CACHES
+        DROP_CACHES = False
         a.config = a.work / "tiny-config.json"
         a.config.write_text(json.dumps(TINY_CONFIG))
         a.layers, a.prompt_tokens, a.tokens, a.disk_gb = None, 64, 8, 0.01
@@ -577,7 +654,7 @@ def main() -> int:
         cap_or_none = None
     else:
         res["cap_note"] = f"cgroup; {cap / GB / res['checkpoint_gb']:.2f} of the checkpoint"
-        res["cold"] = "yes"
+        res["cold"] = "yes" if DROP_CACHES else "no (--smoke)"
         cap_or_none = cap
         if cap > res["checkpoint_gb"] * GB / 3:
             log(f"note: the cap is more than a third of the checkpoint ({res['cap_note']})")
@@ -591,33 +668,26 @@ def main() -> int:
 
     # 4. compute at budget all
     mpy = str(ROOT / ".venv/bin/python")
-    if "moestream" in engines:
+    if "moestream" in engines and not a.skip_compute:
         if res["checkpoint_gb"] * GB < 0.6 * (cap_or_none or cap):
             r = do_run(a, "compute-all", "moestream", mpy, model, ["--budget", "all", "--usage-file",
                        str(a.out / "runs/usage-compute.json")], a.limit, tokens_file, n_prompt, cap_or_none,
                        {"label": "moestream, budget all (compute)", "mode": "forced", "budget": "all",
                         "options": "default"})
-            res["compute_s_per_token"] = r["decode_s"] / r["decoded"] if r.get("decoded") else None
-            res["compute_note"] = "the checkpoint itself, budget all, inside the cap"
             res["compute_runs"] = [r]
+            compute_estimate(res)
         else:
-            pts = []
+            runs = []
             for n in (1, 2):
                 small = a.work / f"{a.config.stem}-{n}l"
                 synth(a.config, small, n)
-                r = do_run(a, f"compute-all-{n}l", "moestream", mpy, small,
-                           ["--budget", "all", "--usage-file", str(a.out / f"runs/usage-c{n}.json")], a.limit,
-                           tokens_file, n_prompt, None, {"label": f"{n}-layer synth, budget all", "mode": "forced"})
-                pts.append((n, r["decode_s"] / r["decoded"] if r.get("decoded") else None))
-                res.setdefault("compute_runs", []).append(r)
+                args = ["--budget", "all", "--usage-file", str(a.out / f"runs/usage-c{n}.json")]
+                runs.append(do_run(a, f"compute-all-{n}l", "moestream", mpy, small, args, a.limit, tokens_file,
+                                   n_prompt, None, {"label": f"{n}-layer synth, budget all", "mode": "forced"}))
                 if not a.keep:
                     shutil.rmtree(small)
-            if all(t for _, t in pts):
-                per_layer = pts[1][1] - pts[0][1]
-                res["compute_s_per_token"] = pts[0][1] + per_layer * (res["layers"] - 1)
-                res["compute_note"] = (f"1- and 2-layer synths of the same config at budget all, no cap: "
-                                       f"{pts[0][1]:.3f} / {pts[1][1]:.3f} s per token, extrapolated linearly "
-                                       f"to {res['layers']} layers")
+            res["compute_runs"] = runs
+            compute_estimate(res)
         save()
 
     # 5. moestream runs
@@ -636,6 +706,8 @@ def main() -> int:
     def budgets(s: str) -> list[float]:
         return [float(x) for x in s.split(",") if x.strip()]
 
+    if a.only_compute:
+        engines = set()
     if "moestream" in engines:
         plan = [("default", b, {}, "forced") for b in budgets(a.budgets)]
         plan += [("best", b, json.loads(a.best_options), "forced") for b in budgets(a.best_budgets)]

@@ -43,6 +43,13 @@ def proc_io() -> dict:
     return out
 
 
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process so far, all threads: on a machine shared with other
+    work, wall time measures the others too; CPU time much less (spinning threads still count)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 class Progress:
     """Appends one JSON line per event, flushed at once (the run may be killed any time)."""
 
@@ -52,7 +59,8 @@ class Progress:
 
     def __call__(self, **event) -> None:
         io = proc_io()
-        event.update(wall=time.perf_counter() - self.t0, read_bytes=io["read_bytes"], write_bytes=io["write_bytes"])
+        event.update(wall=time.perf_counter() - self.t0, read_bytes=io["read_bytes"], write_bytes=io["write_bytes"],
+                     cpu_s=cpu_seconds())
         self.f.write(json.dumps(event) + "\n")
 
 
@@ -66,9 +74,11 @@ def run_moestream(a, prompt: list[int], stream: list[int], progress: Progress) -
     t0 = time.perf_counter()
     eng = load(a.model, cache_budget_gb=a.budget, tokenizer=False, usage_file=a.usage_file, **opts)
     load_s = time.perf_counter() - t0
-    progress(phase="loaded", load_s=load_s)
+    progress(phase="loaded", load_s=load_s, resident_gb=eng.resident_bytes / 1e9,
+             experts_per_layer=max(lay.num_experts for lay in eng.layout.layers.values()))
     model, cache, store = eng.model, eng.cache, eng.store
     res: dict = {"load_s": load_s, "resident_gb": eng.resident_bytes / 1e9,
+                 "experts_per_layer": max(lay.num_experts for lay in eng.layout.layers.values()),
                  "read_path": "page cache" if eng.io and eng.io.use_page_cache else "O_DIRECT"}
     with torch.inference_mode():
         kv = model.new_kv_cache(len(prompt) + len(stream) + 1)
@@ -88,7 +98,11 @@ def run_moestream(a, prompt: list[int], stream: list[int], progress: Progress) -
             tok = stream[i] if a.mode == "forced" else int(logits[-1].float().argmax())
             logits = model(torch.tensor([tok], dtype=torch.int64), pos, kv)
             pos += 1
-            progress(phase="token", i=i + 1, decode_s=time.perf_counter() - t0)
+            # the cache's figures so far, so that a run stopped at the limit still reports them
+            progress(phase="token", i=i + 1, decode_s=time.perf_counter() - t0, hits=cache.stats.hits - h0,
+                     lookups=cache.stats.lookups - l0, decode_bytes=store.stats.bytes_read - b0,
+                     decode_prefetch_bytes=store.stats.prefetch_bytes - p0,
+                     distinct_experts={int(k): int(((v - usage0[k]) > 0).sum()) for k, v in cache.usage.items()})
         decode_s = time.perf_counter() - t0
     lookups = cache.stats.lookups - l0
     distinct = {int(k): int(((v - usage0[k]) > 0).sum()) for k, v in cache.usage.items()}
@@ -180,7 +194,7 @@ def main() -> int:
     progress(phase="start", pid=os.getpid())
     res = ENGINES[a.engine](a, toks["prompt"], toks["stream"], progress)
     io = proc_io()
-    res.update(read_bytes=io["read_bytes"], write_bytes=io["write_bytes"],
+    res.update(read_bytes=io["read_bytes"], write_bytes=io["write_bytes"], cpu_s=cpu_seconds(),
                peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
     a.out.write_text(json.dumps(res, indent=1))
     return 0
