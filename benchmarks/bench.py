@@ -1,0 +1,777 @@
+"""moestream side by side with llama.cpp and transformers + accelerate disk offload, under one memory cap.
+
+One command runs everything (root needed for the cgroup and for dropping the page cache):
+
+    sudo .venv/bin/python benchmarks/bench.py --out /work/big/bench/out [--layers 12] [--cap 4G]
+
+1. Set-up: ``benchmarks/peers/setup_peers.sh`` (a venv with llama-cpp-python built from its
+   source package and accelerate; a converter venv for llama.cpp's ``convert_hf_to_gguf.py``).
+2. A synth checkpoint (``moestream synth``, default ``spread`` init, bf16) of a real config,
+   the first ``--layers`` layers, the tokenizer files copied as they are; a GGUF made from it
+   by llama.cpp's own converter.
+3. The disk's best read rate: large aligned O_DIRECT reads into huge-page buffers.
+4. Each run in its own process (``benchmarks/bench_worker.py``) inside the same cgroup memory
+   cap, page cache dropped before it, the same token ids: a chat prompt of ``--prompt-tokens``
+   tokens, then a fixed natural-language continuation fed one token per step
+   (``--tokens`` steps). moestream at each budget with default options and with the best
+   options; llama.cpp with mmap and without; transformers with accelerate's disk offload.
+   A run that passes its wall-clock limit is stopped and reported over the tokens it made.
+5. Compute time per token with every expert resident (budget ``all``), for the floor:
+   measured on the checkpoint itself when it fits the cap, else on 1- and 2-layer synths of
+   the same config (no cap) and extrapolated linearly in layers.
+6. ``report.md`` (table, machine, commands), ``results.json``, ``decode_vs_budget.png`` and
+   ``hit_rate_vs_budget.png`` in ``--out``.
+
+``--smoke`` runs the whole pipeline on a tiny model in seconds (for CI): peers are skipped
+when not installed, and without root there is no cap and no dropped cache; it says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+import bench_text  # noqa: E402
+
+GB = 1e9
+DEFAULT_CONFIG = ROOT.parent.parent / "shared/models/configs/Qwen3-30B-A3B.json"
+BEST_OPTIONS = {"use_page_cache": False, "prefetch_ahead": 1, "cache_policy": "layer"}
+TINY_CONFIG = {  # the tests' tiny qwen3_moe (tests/helpers.py), vocabulary of the bundled tokenizer
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+    "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 8,
+    "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "eos_token_id": 151645, "max_position_embeddings": 4096,
+    "decoder_sparse_step": 1, "mlp_only_layers": [],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def load_avg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+DROP_CACHES = True  # off in --smoke: dropping the whole machine's page cache for a tiny model helps nothing
+
+
+def drop_caches() -> bool:
+    """Write back and drop the page cache (root only); False when not allowed or off."""
+    if not (is_root() and DROP_CACHES):
+        return False
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    return True
+
+
+def parse_size(s: str) -> int:
+    """'4G' / '512M' / bytes -> bytes (binary units, as cgroups read them)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    s = s.strip().upper().rstrip("B").removesuffix("I")
+    return int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
+
+
+def folder_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+
+
+# -- the memory cap ---------------------------------------------------------------------------------
+
+class Cap:
+    """A cgroup memory cap (v1 or v2, whichever has the memory controller); None-like without root."""
+
+    def __init__(self, limit: int, name: str):
+        self.limit, self.dir, self.v = limit, None, 0
+        if not is_root():
+            return
+        v1 = Path("/sys/fs/cgroup/memory")
+        v2 = Path("/sys/fs/cgroup")
+        if v1.is_dir() and (v1 / "memory.limit_in_bytes").exists():
+            self.dir, self.v = v1 / name, 1
+            self.dir.mkdir()
+            (self.dir / "memory.limit_in_bytes").write_text(str(limit))
+        elif "memory" in (v2 / "cgroup.controllers").read_text() if (v2 / "cgroup.controllers").exists() else False:
+            self.dir, self.v = v2 / name, 2
+            self.dir.mkdir()
+            (self.dir / "memory.max").write_text(str(limit))
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        if self.dir is None:
+            return cmd
+        return ["sh", "-c", 'echo $$ > "$1/cgroup.procs"; shift; exec "$@"', "_", str(self.dir), *cmd]
+
+    def peak(self) -> int | None:
+        if self.dir is None:
+            return None
+        f = "memory.max_usage_in_bytes" if self.v == 1 else "memory.peak"
+        return int((self.dir / f).read_text().split()[0])
+
+    def oom_kills(self) -> int:
+        if self.dir is None:
+            return 0
+        f = self.dir / ("memory.oom_control" if self.v == 1 else "memory.events")
+        for line in f.read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def close(self) -> None:
+        if self.dir is None:
+            return
+        for _ in range(100):
+            try:
+                self.dir.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def run_capped(cmd: list[str], cap_bytes: int | None, limit_s: float, logfile: Path) -> dict:
+    """Run ``cmd`` inside a fresh memory cap with a wall-clock limit.
+
+    Returns exit status, how it ended (``finished``, ``stopped at the limit``, ``killed (OOM)``,
+    ``failed``), wall seconds, peak bytes charged to the cap (RSS + page cache), the highest
+    ``/proc/<pid>/io`` read_bytes seen, and the load average's min / mean / max while it ran.
+    """
+    cap = Cap(cap_bytes, f"moestream-bench-{os.getpid()}") if cap_bytes else None
+    try:
+        with open(logfile, "w") as out:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cap.wrap(cmd) if cap else cmd, stdout=out, stderr=subprocess.STDOUT)
+            io_bytes, loads, stopped = 0, [load_avg()], False
+            while proc.poll() is None:
+                time.sleep(0.5)
+                try:
+                    for line in Path(f"/proc/{proc.pid}/io").read_text().splitlines():
+                        if line.startswith("read_bytes:"):
+                            io_bytes = max(io_bytes, int(line.split()[1]))
+                except OSError:
+                    pass
+                loads.append(load_avg())
+                if not stopped and time.perf_counter() - t0 > limit_s:
+                    proc.send_signal(signal.SIGKILL)
+                    stopped = True
+            wall = time.perf_counter() - t0
+        rc = proc.returncode
+        oom = cap.oom_kills() if cap else 0
+        status = ("finished" if rc == 0 else "stopped at the limit" if stopped
+                  else "killed (OOM)" if oom or rc in (-9, 137) else f"failed (exit {rc})")
+        return {"rc": rc, "status": status, "wall_s": wall, "cap_peak_bytes": cap.peak() if cap else None,
+                "polled_read_bytes": io_bytes, "load": [min(loads), sum(loads) / len(loads), max(loads)]}
+    finally:
+        if cap:
+            cap.close()
+
+
+# -- inputs --------------------------------------------------------------------------------------
+
+def make_tokens(model: Path, prompt_tokens: int, steps: int) -> dict:
+    """The chat prompt (exactly ``prompt_tokens`` ids when the text allows) and the continuation ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+
+    def chat(content: str) -> list[int]:
+        text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                       tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
+
+    passage = tok.encode(bench_text.PASSAGE, add_special_tokens=False)
+    k = len(passage)
+    ids = chat(bench_text.INSTRUCTION + bench_text.PASSAGE)
+    for _ in range(8):  # cut the passage until the templated prompt has the wanted length
+        if len(ids) <= prompt_tokens:
+            break
+        k -= len(ids) - prompt_tokens
+        ids = chat(bench_text.INSTRUCTION + tok.decode(passage[:k]))
+    stream = tok.encode(bench_text.CONTINUATION, add_special_tokens=False)
+    if len(stream) < steps:
+        raise SystemExit(f"the continuation has {len(stream)} tokens; --tokens {steps} asks for more")
+    return {"prompt": ids, "stream": stream[:steps], "prompt_text": tok.decode(ids),
+            "stream_text": tok.decode(stream[:steps])}
+
+
+def synth(config: Path, out: Path, layers: int | None) -> None:
+    """``moestream synth`` (default ``spread`` init, bf16; tokenizer files copied as they are)."""
+    if out.exists():
+        return
+    from moestream.synth import synth as write
+
+    log(f"synth: moestream synth --config {config} --out {out}" + (f" --layers {layers}" if layers else ""))
+    write(config, out, layers=layers)
+
+
+def disk_best(shards: list[Path], total: int, chunk: int = 16 << 20, seed: int = 0) -> float | None:
+    """GB/s of ``chunk``-byte O_DIRECT reads at random aligned offsets into a huge-page buffer, one thread.
+
+    None when the file system refuses O_DIRECT (tmpfs).
+    """
+    from moestream.direct_io import HugePageBuffer
+
+    buf = HugePageBuffer(chunk)
+    view = buf.view[:chunk]
+    try:
+        fds = [os.open(s, os.O_RDONLY | os.O_DIRECT) for s in shards]
+    except OSError:
+        return None
+    sizes = [s.stat().st_size for s in shards]
+    rng = random.Random(seed)
+    drop_caches()
+    done, t0 = 0, time.perf_counter()
+    try:
+        while done < total:
+            i = rng.randrange(len(fds))
+            off = rng.randrange(0, max(1, sizes[i] - chunk)) // 4096 * 4096
+            n = os.preadv(fds[i], [view], off)
+            if n <= 0:
+                raise OSError(f"nothing read from {shards[i]} at {off}")
+            done += n
+    except OSError:
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return done / GB / (time.perf_counter() - t0)
+
+
+# -- one run -------------------------------------------------------------------------------------
+
+def summarize(run: dict, progress: Path, result: Path) -> None:
+    """Fill ``run`` from the worker's result, or from its progress lines when it did not finish."""
+    events = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
+    res = json.loads(result.read_text()) if result.exists() else {}
+    by = {}
+    for e in events:
+        by.setdefault(e["phase"], []).append(e)
+    run["load_s"] = res.get("load_s", by["loaded"][0]["load_s"] if "loaded" in by else None)
+    run["prefill_s"] = res.get("prefill_s", by["prefill"][0]["prefill_s"] if "prefill" in by else None)
+    toks = by.get("token", [])
+    run["decoded"] = res.get("decoded", toks[-1]["i"] if toks else 0)
+    run["decode_s"] = res.get("decode_s", toks[-1]["decode_s"] if toks else None)
+    run["prefill_tok_s"] = run["prompt_tokens"] / run["prefill_s"] if run["prefill_s"] else None
+    run["decode_tok_s"] = run["decoded"] / run["decode_s"] if run["decoded"] and run["decode_s"] else None
+    if toks and "prefill" in by and "cpu_s" in toks[-1]:
+        run["decode_cpu_s"] = toks[-1]["cpu_s"] - by["prefill"][0]["cpu_s"]
+        run["cpu_s_per_token"] = run["decode_cpu_s"] / len(toks)
+    if toks and "prefill" in by:
+        run["decode_read_bytes_per_token"] = (toks[-1]["read_bytes"] - by["prefill"][0]["read_bytes"]) / len(toks)
+    run["read_bytes"] = res.get("read_bytes", max([e["read_bytes"] for e in events] + [run["polled_read_bytes"]]))
+    run["write_bytes"] = res.get("write_bytes", max([e["write_bytes"] for e in events], default=0))
+    last = toks[-1] if toks else {}
+    if "lookups" in last and "hit_rate" not in res:  # stopped early: the cache's figures at its last token
+        run["hit_rate"] = last["hits"] / last["lookups"] if last["lookups"] else 0.0
+        for k in ("decode_bytes", "decode_prefetch_bytes", "distinct_experts"):
+            run[k] = last[k]
+        for k in ("resident_gb", "experts_per_layer"):
+            if "loaded" in by and k in by["loaded"][0]:
+                run[k] = by["loaded"][0][k]
+    for k in ("hit_rate", "distinct_experts", "experts_per_layer", "decode_bytes", "decode_prefetch_bytes",
+              "resident_gb", "cache_peak_gb", "budget_gb", "peak_rss_gb", "read_path", "placement"):
+        if k in res:
+            run[k] = res[k]
+    if "distinct_experts" in run:
+        d = [int(x) for x in run["distinct_experts"].values()]
+        run["distinct_mean"], run["distinct_min"], run["distinct_max"] = sum(d) / len(d), min(d), max(d)
+
+
+def do_run(a, name: str, engine: str, python: str, model: Path, args: list[str], limit: float, tokens_file: Path,
+           n_prompt: int, cap: int | None, extra: dict) -> dict:
+    rdir = a.out / "runs" / name
+    shutil.rmtree(rdir, ignore_errors=True)
+    rdir.mkdir(parents=True)
+    cmd = [python, str(HERE / "bench_worker.py"), "--engine", engine, "--model", str(model), "--tokens",
+           str(tokens_file), "--progress", str(rdir / "progress.jsonl"), "--out", str(rdir / "result.json"), *args]
+    dropped = drop_caches()
+    log(f"run {name}: {shlex.join(cmd)} (cap {cap / 2**30 if cap else 'none'} GiB, limit {limit:.0f} s, "
+        f"load {load_avg():.2f})")
+    r = run_capped(cmd, cap, limit, rdir / "log.txt")
+    run = {"name": name, "engine": engine, "command": shlex.join(cmd), "cold_cache": dropped,
+           "prompt_tokens": n_prompt, "limit_s": limit, **extra, **r}
+    summarize(run, rdir / "progress.jsonl", rdir / "result.json")
+    if run["status"].startswith("failed"):
+        run["log_tail"] = (rdir / "log.txt").read_text()[-2000:]
+    log(f"run {name}: {run['status']}, decode {fmt(run.get('decode_tok_s'), 3)} tok/s over {run['decoded']} tokens, "
+        f"peak {fmt(gb(run['cap_peak_bytes']), 2)} GB")
+    if run["status"].startswith("failed"):
+        log(run["log_tail"])
+    return run
+
+
+def fmt(x, nd=2, pct=False) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.{nd}%}" if pct else f"{x:.{nd}f}"
+
+
+def gb(x) -> float | None:
+    return None if x is None else x / GB
+
+
+THREADS = 2  # compute threads of every engine (bench_worker.THREADS)
+
+
+def compute_estimate(res: dict) -> None:
+    """Compute seconds per decoded token at budget all, for the floor, from ``res["compute_runs"]``.
+
+    From CPU time / 2 threads where the runs recorded it (on a shared machine wall time also
+    measures the other processes), else wall time. One run: the checkpoint itself; two: 1- and
+    2-layer synths, extrapolated linearly to the checkpoint's layers.
+    """
+    runs = res.get("compute_runs", [])
+
+    def per_token(r: dict) -> tuple[float | None, str]:
+        if r.get("cpu_s_per_token"):
+            return r["cpu_s_per_token"] / THREADS, "CPU time / 2 threads"
+        return (r["decode_s"] / r["decoded"] if r.get("decoded") else None), "wall time"
+
+    res["compute_s_per_token"] = None
+    if len(runs) == 1:
+        t, how = per_token(runs[0])
+        res["compute_s_per_token"] = t
+        res["compute_note"] = f"the checkpoint itself, budget all, inside the cap; {how}"
+    elif len(runs) == 2:
+        (t1, how), (t2, _) = per_token(runs[0]), per_token(runs[1])
+        walls = [r["decode_s"] / r["decoded"] if r.get("decoded") else None for r in runs]
+        if t1 and t2 and t2 > t1:
+            res["compute_s_per_token"] = t1 + (t2 - t1) * (res["layers"] - 1)
+        res["compute_note"] = (
+            f"1- and 2-layer synths of the same config at budget all, no cap, {how}: {fmt(t1, 3)} / {fmt(t2, 3)} s "
+            f"per token (wall {fmt(walls[0], 3)} / {fmt(walls[1], 3)}), extrapolated linearly to {res['layers']} "
+            "layers" + ("" if res["compute_s_per_token"] else "; NOT monotone in layers (load noise): no estimate"))
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+def floor_s(run: dict, best: float | None, compute: float | None) -> float | None:
+    """Seconds per token at the disk limit: bytes read per decoded token / best rate + compute at budget all."""
+    if best is None or compute is None or not run.get("decoded") or "decode_bytes" not in run:
+        return None
+    return run["decode_bytes"] / run["decoded"] / GB / best + compute
+
+
+def table(res: dict) -> str:
+    best, compute = res.get("disk_best_gb_s"), res.get("compute_s_per_token")
+    head = ("| run | status | load s | prefill tok/s | decode tok/s (tokens) | s / token | floor s / token "
+            "(x floor) | peak charged GB | GB read (per decoded token) | hit rate | distinct experts / layer "
+            "| CPU s / token | load avg (min-max) |")
+    rows = [head, "|" + " --- |" * 13]
+    for r in res["runs"]:
+        spt = r["decode_s"] / r["decoded"] if r.get("decoded") and r.get("decode_s") else None
+        fl = floor_s(r, best, compute)
+        per_tok = (r["decode_bytes"] / r["decoded"] if "decode_bytes" in r and r.get("decoded")
+                   else r.get("decode_read_bytes_per_token"))
+        status = r["status"]
+        if status == "stopped at the limit":
+            status = f"stopped at the {r['limit_s']:.0f} s limit"
+        dec = f"{fmt(r.get('decode_tok_s'), 3)} ({r.get('decoded', 0)})"
+        hit = fmt(r.get("hit_rate"), 1, pct=True) if "hit_rate" in r else "n/a"
+        dist = (f"{r['distinct_mean']:.1f} of {r['experts_per_layer']} ({r['distinct_min']}-{r['distinct_max']})"
+                if "distinct_mean" in r else "n/a")
+        rows.append(
+            f"| {r['label']} | {status} | {fmt(r.get('load_s'), 1)} | {fmt(r.get('prefill_tok_s'), 2)} | {dec} | "
+            f"{fmt(spt, 3)} | {fmt(fl, 3)}{f' ({spt / fl:.2f}x)' if fl and spt else ''} | "
+            f"{fmt(gb(r.get('cap_peak_bytes')), 2)} | {fmt(gb(r.get('read_bytes')), 2)} "
+            f"({fmt(gb(per_tok), 3)}) | {hit} | {dist} | {fmt(r.get('cpu_s_per_token'), 3)} | "
+            f"{r['load'][0]:.1f}-{r['load'][2]:.1f} |")
+    return "\n".join(rows)
+
+
+def plots(res: dict, out: Path) -> list[Path]:
+    """decode tok/s and hit rate against the cache budget; peers as horizontal reference lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = [r for r in res["runs"] if r["engine"] == "moestream" and r.get("mode") == "forced"
+          and isinstance(r.get("budget"), float)]
+    peers = [r for r in res["runs"] if r["engine"] != "moestream" and r.get("mode") == "forced"]
+    files = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for opt, marker in (("default", "o"), ("best", "s")):
+        pts = sorted((r["budget"], r["decode_tok_s"]) for r in ms if r["options"] == opt and r.get("decode_tok_s"))
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=f"moestream, {opt} options")
+    styles = iter(["--", ":", "-.", (0, (5, 1)), (0, (1, 3))])
+    for r in peers:
+        if r.get("decode_tok_s"):
+            tag = "" if r["status"] == "finished" else f" ({r['decoded']} tokens, {r['status']})"
+            ax.axhline(r["decode_tok_s"], linestyle=next(styles), color="gray", label=f"{r['label']}{tag}")
+        else:
+            ax.plot([], [], " ", label=f"{r['label']}: {r['status']}, no decode")
+    ax.set_yscale("log")
+    ax.set_xlabel("moestream cache budget (GB)")
+    ax.set_ylabel("decode tok/s (log scale)")
+    ax.set_title(f"{res['model_name']}, cap {res['cap_gib']} GiB, cold cache, fed stream", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    files.append(out / "decode_vs_budget.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for opt, marker in (("default", "o"), ("best", "s")):
+        pts = sorted((r["budget"], 100 * r["hit_rate"]) for r in ms if r["options"] == opt and "hit_rate" in r)
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=f"moestream, {opt} options")
+    if res.get("expert_gb"):
+        xs = sorted({r["budget"] for r in ms})
+        ax.plot(xs, [min(100, 100 * x / res["expert_gb"]) for x in xs], linestyle=":", color="gray",
+                label="budget's share of the expert bytes")
+    ax.set_xlabel("moestream cache budget (GB)")
+    ax.set_ylabel("decode hit rate (%)")
+    ax.set_title(f"{res['model_name']}: hit rate in decode (random weights, near-uniform routing)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    files.append(out / "hit_rate_vs_budget.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def targets(res: dict) -> list[str]:
+    """Measured against the issue's targets (reported, never asserted)."""
+    best, compute = res.get("disk_best_gb_s"), res.get("compute_s_per_token")
+    ms = [r for r in res["runs"] if r["engine"] == "moestream" and r.get("mode") == "forced" and r.get("decode_tok_s")]
+    out = []
+    if not ms:
+        return ["no moestream run decoded"]
+    top = max(ms, key=lambda r: r["decode_tok_s"])
+    out.append(f"fastest moestream run: {top['label']}, {top['decode_tok_s']:.3f} tok/s")
+    fl = floor_s(top, best, compute)
+    if fl:
+        x = (top["decode_s"] / top["decoded"]) / fl
+        out.append(f"floor: {x:.2f}x the floor ({fl:.3f} s/token; target <= 1.3x): {'met' if x <= 1.3 else 'missed'}")
+    for r in res["runs"]:
+        if r["engine"] == "moestream" or r.get("mode") != "forced":
+            continue
+        if r.get("decode_tok_s"):
+            x = top["decode_tok_s"] / r["decode_tok_s"]
+            tgt = 10
+            out.append(f"decode vs {r['label']}: {x:.1f}x (target >= {tgt}x): {'met' if x >= tgt else 'missed'}"
+                       + ("" if r["status"] == "finished" else f"; peer {r['status']} after {r['decoded']} tokens"))
+        else:
+            out.append(f"decode vs {r['label']}: the peer did not decode ({r['status']})")
+        if r["engine"] == "llama" and r.get("prefill_tok_s") and top.get("prefill_tok_s"):
+            best_prefill = max(m["prefill_tok_s"] for m in ms if m.get("prefill_tok_s"))
+            x = best_prefill / r["prefill_tok_s"]
+            out.append(f"prefill vs {r['label']}: {x:.1f}x (target >= 3x): {'met' if x >= 3 else 'missed'}")
+    resident = next((r["resident_gb"] for r in res["runs"] if r.get("resident_gb")), None)
+    for r in ms + [r for r in res["runs"] if r["engine"] == "moestream" and r["status"] == "killed (OOM)"]:
+        if r.get("cap_peak_bytes") and isinstance(r.get("budget"), float) and resident:
+            allowed = r["budget"] + resident + 1.5
+            peak = r["cap_peak_bytes"] / GB
+            out.append(f"peak memory {r['label']}: {peak:.2f} GB charged, target <= budget + resident + 1.5 = "
+                       f"{allowed:.2f} GB: {'met' if peak <= allowed else 'missed'}"
+                       + (f"; killed by the {res['cap_gib']:.0f} GiB cap" if r["status"] == "killed (OOM)" else ""))
+    return out
+
+
+def report(res: dict, out: Path) -> Path:
+    lines = [
+        f"# moestream side by side: {res['model_name']}",
+        "",
+        f"Machine: {res['machine']}. Run {res['started']} - {res['ended']} UTC; load average at start "
+        f"{res['load_start']:.2f}, at end {res['load_end']:.2f} (the machine is shared).",
+        f"Checkpoint: `moestream synth` (spread init, random weights) of `{res['config']}`, {res['layers']} layers, "
+        f"{res['checkpoint_gb']:.2f} GB ({res['expert_gb']:.2f} GB of experts, {res['expert_mb']:.2f} MB each). "
+        f"GGUF: {fmt(res.get('gguf_gb'), 2)} GB ({res.get('gguf_note', '')}).",
+        f"Cap: {res['cap_gib']} GiB ({res['cap_note']}); page cache dropped before each run: {res['cold']}. "
+        f"Prompt: {res['prompt_tokens']} tokens through the chat template; then {res['steps']} tokens of a fixed "
+        "natural-language continuation fed one per step (the same ids for every engine); 2 compute threads each.",
+        f"Disk best (O_DIRECT, 16 MiB random reads into huge pages, one thread): {fmt(res.get('disk_best_gb_s'), 2)} "
+        f"GB/s (before the runs {fmt(res.get('disk_before'), 2)}, after {fmt(res.get('disk_after'), 2)}).",
+        f"Compute per decoded token at budget all: {fmt(res.get('compute_s_per_token'), 3)} s "
+        f"({res.get('compute_note', '')}).",
+        "",
+        table(res),
+        "",
+        "Targets (measured, not asserted):",
+        "",
+        *[f"- {t}" for t in targets(res)],
+        "",
+        "Skipped: " + ("; ".join(res["skipped"]) if res["skipped"] else "nothing"),
+        "",
+        "Command: `" + res["command"] + "`",
+        "",
+        "Runs:",
+        "",
+        *[f"- {r['label']}: `{r['command']}`" for r in res["runs"]],
+        "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+def machine() -> str:
+    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                if x.startswith("model name")), platform.processor())
+    mem = int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1])
+    return f"{os.cpu_count()} CPUs ({cpu}), {mem / 2**20:.1f} GiB RAM, Linux {platform.release()}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a real config.json to synth")
+    p.add_argument("--layers", type=int, default=12,
+                   help="decoder layers of the synth checkpoint (default 12 of Qwen3-30B-A3B's 48: 16.2 GB, "
+                        "which keeps every peer's run within the session's time)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="the synth checkpoint folder (default WORK/<config>-<layers>l; written when missing)")
+    p.add_argument("--work", type=Path, default=Path("/work/big/bench"), help="checkpoints, GGUF, offload folders")
+    p.add_argument("--out", type=Path, required=True, help="report.md, results.json and the plots")
+    p.add_argument("--cap", default="4G",
+                   help="memory cap of every run (default 4G; at most a third of the checkpoint)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=128, help="decode steps")
+    p.add_argument("--budgets", default="0.5,1,1.5,2", help="moestream budgets with default options (GB)")
+    p.add_argument("--best-budgets", default="1,2", help="moestream budgets with the best options (GB)")
+    p.add_argument("--best-options", default=json.dumps(BEST_OPTIONS), help="load() options of the best runs (JSON)")
+    p.add_argument("--greedy-budget", default="1", help="budget of the secondary greedy moestream run ('' = none)")
+    p.add_argument("--limit", type=float, default=900, help="wall-clock limit of each moestream run, s")
+    p.add_argument("--peer-limit", type=float, default=600, help="wall-clock limit of each peer run, s")
+    p.add_argument("--engines", default="moestream,llama,transformers")
+    p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", "/work/big/peers")))
+    p.add_argument("--no-setup", action="store_true", help="do not run benchmarks/peers/setup_peers.sh")
+    p.add_argument("--transformers-cpu-gb", type=float, default=None,
+                   help="accelerate's max_memory for the CPU (default: cap - 1.5 GB)")
+    p.add_argument("--disk-gb", type=float, default=3.0, help="GB read for the disk figure")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints and GGUF (default: delete at the end)")
+    p.add_argument("--only-compute", action="store_true", help="only the disk figure and the budget-all compute runs")
+    p.add_argument("--report-from", type=Path, default=None,
+                   help="rewrite report.md and the plots in --out from this results.json (no runs)")
+    p.add_argument("--skip-compute", action="store_true", help="no budget-all compute runs (merge them later)")
+    p.add_argument("--runs-from", type=Path, action="append", default=[],
+                   help="with --report-from: also list the runs of this results.json (repeatable)")
+    p.add_argument("--compute-from", type=Path, default=None,
+                   help="with --report-from: take the compute runs from this results.json (an --only-compute run)")
+    p.add_argument("--smoke", action="store_true", help="a tiny model, seconds; peers only when installed")
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.report_from:
+        res = json.loads(a.report_from.read_text())
+        if a.compute_from:
+            other = json.loads(a.compute_from.read_text())
+            res["compute_runs"] = other["compute_runs"]
+            res["compute_from"] = str(a.compute_from)
+            res["disk_best_gb_s"] = max(x for x in (res.get("disk_best_gb_s"), other.get("disk_best_gb_s")) if x)
+        for f in a.runs_from:
+            other = json.loads(f.read_text())
+            res["runs"] = other["runs"] + res["runs"]
+            res["load_start"] = min(res["load_start"], other["load_start"])
+            res["started"] = min(res["started"], other["started"])
+        compute_estimate(res)
+        (a.out / "results.json").write_text(json.dumps(res, indent=1))
+        print(report(res, a.out).read_text())
+        plots(res, a.out)
+        return 0
+    a.work.mkdir(parents=True, exist_ok=True)
+    skipped: list[str] = []
+    if a.smoke:
+        global DROP_CACHES
+        DROP_CACHES = False
+        a.config = a.work / "tiny-config.json"
+        a.config.write_text(json.dumps(TINY_CONFIG))
+        a.layers, a.prompt_tokens, a.tokens, a.disk_gb = None, 64, 8, 0.01
+        a.budgets = a.best_budgets = "0.00002"  # about 6 of the tiny model's 16 experts
+        a.greedy_budget = ""
+        a.no_setup = True
+        a.limit = a.peer_limit = 120
+    engines = set(a.engines.split(","))
+    res: dict = {"started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load_start": load_avg(),
+                 "machine": machine(), "command": shlex.join([sys.executable, *sys.argv]), "runs": [],
+                 "skipped": skipped, "steps": a.tokens}
+
+    # 1. peers' set-up
+    peers_py = a.peers_dir / "venv/bin/python"
+    if engines - {"moestream"} and not a.no_setup:
+        log("set-up of the peers: benchmarks/peers/setup_peers.sh")
+        subprocess.run(["sh", str(HERE / "peers/setup_peers.sh")], check=True,
+                       env={**os.environ, "PEERS_DIR": str(a.peers_dir)})
+
+    def peer_ready(eng: str) -> bool:
+        """Whether the peers' venv can run ``eng``; records the skip (and says so) when not."""
+        mod = {"llama": "llama_cpp", "transformers": "accelerate"}[eng]
+        ok = peers_py.exists() and subprocess.run([str(peers_py), "-c", f"import {mod}"],
+                                                  capture_output=True).returncode == 0
+        if not ok:
+            skipped.append(f"{eng}: not installed in {a.peers_dir} (benchmarks/peers/setup_peers.sh installs it)")
+            log(f"SKIPPING {eng}: not installed in {a.peers_dir}")
+        return ok
+
+    # 2. checkpoint, tokens
+    name = a.config.stem + (f"-{a.layers}l" if a.layers else "")
+    model = a.model or a.work / name
+    synth(a.config, model, a.layers)
+    ck = json.loads((model / "config.json").read_text())
+    shards = sorted(model.glob("*.safetensors"))
+    res.update(model_name=name, config=str(a.config), layers=ck.get("num_hidden_layers"),
+               checkpoint_gb=sum(s.stat().st_size for s in shards) / GB)
+    from moestream.checkpoint import Checkpoint
+    from moestream.layout import discover_experts
+
+    with Checkpoint(model) as c:
+        lay = discover_experts(c.tensors)
+        nbytes = [sum(p.nbytes for p in e) for ly in lay.layers.values() for e in ly.experts]
+    res["expert_gb"], res["expert_mb"] = sum(nbytes) / GB, nbytes[0] / 1e6
+    tokens = make_tokens(model, a.prompt_tokens, a.tokens)
+    tokens_file = a.out / "tokens.json"
+    tokens_file.write_text(json.dumps(tokens))
+    n_prompt = len(tokens["prompt"])
+    res["prompt_tokens"] = n_prompt
+
+    cap = parse_size(a.cap)
+    res["cap_gib"] = cap / 2**30
+    if not is_root():
+        res["cap_note"] = "NOT applied: not root"
+        res["cold"] = "no (not root)"
+        log("not root: no memory cap, page cache not dropped")
+        cap_or_none = None
+    else:
+        res["cap_note"] = f"cgroup; {cap / GB / res['checkpoint_gb']:.2f} of the checkpoint"
+        res["cold"] = "yes" if DROP_CACHES else "no (--smoke)"
+        cap_or_none = cap
+        if cap > res["checkpoint_gb"] * GB / 3:
+            log(f"note: the cap is more than a third of the checkpoint ({res['cap_note']})")
+
+    # 3. the disk
+    res["disk_before"] = disk_best(shards, int(a.disk_gb * GB))
+    log(f"disk best O_DIRECT: {fmt(res['disk_before'])} GB/s")
+
+    def save() -> None:
+        (a.out / "results.json").write_text(json.dumps(res, indent=1))
+
+    # 4. compute at budget all
+    mpy = str(ROOT / ".venv/bin/python")
+    if "moestream" in engines and not a.skip_compute:
+        if res["checkpoint_gb"] * GB < 0.6 * (cap_or_none or cap):
+            r = do_run(a, "compute-all", "moestream", mpy, model, ["--budget", "all", "--usage-file",
+                       str(a.out / "runs/usage-compute.json")], a.limit, tokens_file, n_prompt, cap_or_none,
+                       {"label": "moestream, budget all (compute)", "mode": "forced", "budget": "all",
+                        "options": "default"})
+            res["compute_runs"] = [r]
+            compute_estimate(res)
+        else:
+            runs = []
+            for n in (1, 2):
+                small = a.work / f"{a.config.stem}-{n}l"
+                synth(a.config, small, n)
+                args = ["--budget", "all", "--usage-file", str(a.out / f"runs/usage-c{n}.json")]
+                runs.append(do_run(a, f"compute-all-{n}l", "moestream", mpy, small, args, a.limit, tokens_file,
+                                   n_prompt, None, {"label": f"{n}-layer synth, budget all", "mode": "forced"}))
+                if not a.keep:
+                    shutil.rmtree(small)
+            res["compute_runs"] = runs
+            compute_estimate(res)
+        save()
+
+    # 5. moestream runs
+    def moestream_runs(plan: list) -> None:
+        for opt, b, kw, mode in plan:
+            nm = f"moestream-{opt}-{b:g}GB" + ("-greedy" if mode == "greedy" else "")
+            label = f"moestream {b:g} GB, {opt} options" + (" (greedy)" if mode == "greedy" else "")
+            r = do_run(a, nm, "moestream", mpy, model,
+                       ["--budget", str(b), "--mode", mode, "--moestream-options", json.dumps(kw),
+                        "--usage-file", str(a.out / "runs" / f"usage-{nm}.json")],
+                       a.limit, tokens_file, n_prompt, cap_or_none,
+                       {"label": label, "budget": b, "options": opt, "flags": kw, "mode": mode})
+            res["runs"].append(r)
+            save()
+
+    def budgets(s: str) -> list[float]:
+        return [float(x) for x in s.split(",") if x.strip()]
+
+    if a.only_compute:
+        engines = set()
+    if "moestream" in engines:
+        plan = [("default", b, {}, "forced") for b in budgets(a.budgets)]
+        plan += [("best", b, json.loads(a.best_options), "forced") for b in budgets(a.best_budgets)]
+        moestream_runs(plan)
+
+    # 6. llama.cpp
+    if "llama" in engines and peer_ready("llama"):
+        gguf = model.with_name(model.name + ".bf16.gguf")
+        conv = a.peers_dir / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
+        if not gguf.exists():
+            cmd = [str(a.peers_dir / "convert-venv/bin/python"), str(conv), str(model), "--outfile",
+                   str(gguf) + ".partial", "--outtype", "bf16"]
+            log(f"GGUF: {shlex.join(cmd)}")
+            t0 = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                skipped.append(f"llama: convert_hf_to_gguf.py failed: {r.stderr.strip().splitlines()[-1:]}")
+                log(r.stderr[-3000:])
+            else:
+                os.rename(str(gguf) + ".partial", gguf)
+                res["gguf_note"] = f"convert_hf_to_gguf.py --outtype bf16, {time.perf_counter() - t0:.0f} s"
+        if gguf.exists():
+            res["gguf_gb"] = gguf.stat().st_size / GB
+            for mm in ("on", "off"):
+                r = do_run(a, f"llama-mmap-{mm}", "llama", str(peers_py), gguf, ["--mmap", mm], a.peer_limit,
+                           tokens_file, n_prompt, cap_or_none,
+                           {"label": f"llama.cpp, mmap {mm}" + (" (default)" if mm == "on" else ""), "mode": "forced"})
+                res["runs"].append(r)
+                save()
+            if not a.keep:
+                gguf.unlink()
+
+    # 7. transformers + accelerate disk offload
+    if "transformers" in engines and peer_ready("transformers"):
+        off = a.work / "offload"
+        shutil.rmtree(off, ignore_errors=True)
+        cpu_gb = a.transformers_cpu_gb or max(0.1, cap / GB - 1.5)
+        r = do_run(a, "transformers-offload", "transformers", str(peers_py), model,
+                   ["--cpu-gb", str(cpu_gb), "--offload-folder", str(off)], a.peer_limit, tokens_file, n_prompt,
+                   cap_or_none, {"label": f"transformers + accelerate disk offload (cpu {cpu_gb:.1f} GB)",
+                                 "mode": "forced"})
+        r["offload_gb"] = folder_bytes(off) / GB if off.exists() else None
+        res["runs"].append(r)
+        shutil.rmtree(off, ignore_errors=True)
+        save()
+
+    # 8. the secondary greedy line
+    if "moestream" in engines and a.greedy_budget:
+        moestream_runs([("default", float(a.greedy_budget), {}, "greedy")])
+
+    res["disk_after"] = disk_best(shards, int(a.disk_gb * GB), seed=1)
+    vals = [x for x in (res["disk_before"], res["disk_after"]) if x]
+    res["disk_best_gb_s"] = max(vals) if vals else None
+    res["ended"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    res["load_end"] = load_avg()
+    save()
+    path = report(res, a.out)
+    pngs = plots(res, a.out)
+    if not a.keep:
+        shutil.rmtree(model)
+    print(path.read_text())
+    log(f"wrote {path}, {a.out / 'results.json'}, {', '.join(str(x) for x in pngs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
