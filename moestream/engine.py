@@ -267,7 +267,7 @@ def load(
             io.budget = budget
         else:
             budget = io.size_budget(net, store, keys, budget, compute_dtype, auto, context_tokens)
-            _check_fit(net, store, keys, budget, compute_dtype)
+            _check_fit(net, store, keys, budget, compute_dtype, io.reserve_bytes)
         host_budget = 0
         if tiered:
             from .memory import RUNTIME_RESERVE
@@ -371,8 +371,18 @@ def _drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:
     return ExpertLayout(keep, layout.expert_tensors - dropped)
 
 
-def _check_fit(net: CausalLM, store: ExpertStore, keys: list, budget: int | None, dtype: torch.dtype) -> None:
-    """Refuse, before reading weights, a budget that cannot fit in the memory available."""
+def _check_fit(net: CausalLM, store: ExpertStore, keys: list, budget: int | None, dtype: torch.dtype,
+               reserve: int = 0) -> None:
+    """Refuse, before reading weights, a budget that cannot fit in the memory available.
+
+    Counts the resident weights, the cached experts (``budget``, or every expert for
+    None) and ``reserve`` bytes (the runtime, read buffers and prefetch staging the auto
+    budget also sets aside, :meth:`moestream.io_setup.IOSettings.size_budget`): a budget
+    that leaves no room for them is OOM-killed inside a cgroup cap during prefill.
+
+    Raises:
+        BudgetError: with the numbers, in GB (10^9 bytes).
+    """
     itemsize = torch.tensor([], dtype=dtype).element_size()
     seen, resident = set(), 0
     for p in net.parameters():  # on the meta device: shapes only
@@ -382,10 +392,11 @@ def _check_fit(net: CausalLM, store: ExpertStore, keys: list, budget: int | None
     experts = sum(store.cached_nbytes(k) for k in keys)
     cached = experts if budget is None else min(budget, experts)
     avail = available_bytes()
-    if resident + cached > avail:
+    if resident + cached + reserve > avail:
         what = "every expert (--cache-budget-gb all)" if budget is None else f"a {budget / GB:.3g} GB cache budget"
         raise BudgetError(
-            f"resident weights ({resident / GB:.2f} GB) plus {what} ({cached / GB:.2f} GB) need "
-            f"{(resident + cached) / GB:.2f} GB, but only {avail / GB:.2f} GB of memory is available to this "
-            "process (cgroup limit included); give a smaller --cache-budget-gb"
+            f"resident weights ({resident / GB:.2f} GB) plus {what} ({cached / GB:.2f} GB) plus the runtime and "
+            f"read buffers ({reserve / GB:.2f} GB) need {(resident + cached + reserve) / GB:.2f} GB, but only "
+            f"{avail / GB:.2f} GB of memory is available to this "
+            "process (cgroup limit included); give a smaller --cache-budget-gb, or auto"
         )
