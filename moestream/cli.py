@@ -72,6 +72,16 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if getattr(args, "host_cache_gb", None) is not None:
         from .tiered_cache import resolve_device
 
+        if not is_auto(args.host_cache_gb):  # the value first: "-1" or "abc" is wrong on any device
+            try:
+                gb = float(args.host_cache_gb)
+            except ValueError:
+                gb = float("nan")
+            if not 0 <= gb < 1e9:  # NaN fails too
+                raise MoestreamError(
+                    f"--host-cache-gb: {args.host_cache_gb!r} must be a number of GB between 0 and 1e9, or 'auto'"
+                )
+
         if resolve_device(getattr(args, "device", "auto")).type != "cuda":
             raise MoestreamError(
                 "--host-cache-gb needs --device cuda (on the CPU the expert cache is in host RAM already)"

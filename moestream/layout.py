@@ -249,7 +249,10 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
             required = FUSED_IO_ROLES if "gate_up" in roles else ROLES
             lacking = [r for r in required if r not in roles]
             if lacking:
-                raise LayoutError(f"{path}: expert {e} lacks {', '.join(lacking)} (found {', '.join(sorted(roles))})")
+                where = next(iter(roles.values())).file
+                who = "every expert (stacked)" if slot["kind"] == "stacked" else f"expert {e}"
+                raise LayoutError(f"{where}: {path}: {who} lacks {', '.join(lacking)} "
+                                  f"(found {', '.join(sorted(roles))})")
             order = list(required) + sorted(r for r in roles if r not in required)
             experts.append(tuple(roles[r] for r in order))
         ref = [(p.role, p.shape, p.dtype) for p in experts[0]]

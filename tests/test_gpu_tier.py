@@ -269,6 +269,16 @@ def test_cli_refuses_host_tier_on_cpu():
     check_engine_args(p.parse_args(["--model", "x", "--device", "cpu"]))
 
 
+@pytest.mark.parametrize("value", ["-1", "abc", "nan", "1e12"])
+def test_cli_refuses_a_bad_host_tier_size_on_any_device(value):
+    from moestream.cli import add_engine_args, check_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    with pytest.raises(MoestreamError, match="--host-cache-gb: .* must be a number of GB"):
+        check_engine_args(p.parse_args(["--model", "x", "--device", "cpu", "--host-cache-gb", value]))
+
+
 # -- on a CUDA GPU -----------------------------------------------------------------------------
 
 

@@ -299,6 +299,15 @@ def test_bits_that_disagree_with_the_tensors_are_refused(qwen_mlx4, tmp_path):
         load(path, tokenizer=False)
 
 
+def test_a_missing_stacked_expert_tensor_names_the_file(qwen_mlx4, tmp_path):
+    src, qt, block = qwen_mlx4
+    qt = {k: v for k, v in qt.items() if not k.startswith("model.layers.1.mlp.switch_mlp.up_proj.")}
+    path = write_mlx(src, tmp_path / "bad", qt, block)
+    with pytest.raises(MoestreamError, match=r"bad/model\.safetensors: model\.layers\.1\.mlp: every expert "
+                       r"\(stacked\) lacks up"):
+        load(path, tokenizer=False)
+
+
 def test_split_kv_b_that_disagrees_with_the_config_is_refused(tmp_path):
     _, src = build("deepseek_v3", tmp_path / "hf")
     cfg = json.loads((src / "config.json").read_text())

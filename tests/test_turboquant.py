@@ -258,6 +258,9 @@ def test_inspect_names_format_bits_and_groups(build):
     assert ("quantization:       turboquant: attention 4-bit g32; experts 2-bit g16, 3-bit g16, ternary g16; "
             "expert down 4-bit g16; dense mlp 2-bit g16; lm_head 3-bit g32; rotation blockwise Hadamard; "
             "QJL on 3 linears; affine extras 4-bit g32 (model.embed_tokens)") in text, text
+    # every turboquant resident linear is listed, not only the experts and the affine extras
+    for module in ("lm_head", "model.layers.*.self_attn.q_proj", "model.layers.*.mlp.down_proj"):
+        assert f"  quantized:        {module}\n" in text, text
 
 
 def _edit(path, tensors=None, **quant):

@@ -76,6 +76,7 @@ def describe(ckpt, layout, net) -> tuple[str, list[str]]:
     """
     from .compressed import module_pattern
     from .resident import QuantEmbedding, QuantLinear
+    from .turboquant import TQLinear
 
     qcfg = QuantConfig.from_config(ckpt.config, str(ckpt.path))
     formats = expert_formats(ckpt, layout, net.expert_shape(), ckpt.path) if layout.layers else {}
@@ -83,7 +84,7 @@ def describe(ckpt, layout, net) -> tuple[str, list[str]]:
              if formats[i].linears.get(p.role) is not None and formats[i].linears[p.role].scheme is not None]
     rename = getattr(net, "checkpoint_name", lambda n, t: n)  # report the checkpoint's own names
     names += [rename(f"{n}.{getattr(m, 'weight_name', 'weight')}", ckpt.tensors) for n, m in net.named_modules()
-              if isinstance(m, (QuantLinear, QuantEmbedding))]
+              if isinstance(m, (QuantLinear, QuantEmbedding, TQLinear))]
     if not names:
         return "", []
     if qcfg is not None and hasattr(qcfg, "tag"):

@@ -621,16 +621,6 @@ def _holder(shapes: dict) -> nn.Module:
     return m
 
 
-def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
-    *parents, leaf = path.split(".")
-    node = root
-    for name in parents:
-        if not hasattr(node, name):
-            setattr(node, name, nn.Module())
-        node = getattr(node, name)
-    setattr(node, leaf, module)
-
-
 # tensors kept in their stored dtype (float16) rather than cast to the compute dtype
 _STORED = ("codebook", "signs", "bias", "qjl_norms", "qjl_signs")
 
@@ -673,6 +663,8 @@ def quantize_resident(model: nn.Module, tensors: dict, cfg: TurboQuantConfig, wh
                              "model (an embedding or router cannot be turboquant-quantized)")
         shapes = {n: (tensors[f"{path}.{n}"].shape, tensors[f"{path}.{n}"].dtype)
                   for n in ("codebook", "signs") if f"{path}.{n}" in tensors}
+        from ..models.base import _set_submodule
+
         _set_submodule(blocks[block], path[len(block) + 1:], _holder(shapes))
         keep.update(f"{path}.{n}" for n in shapes)
     for path, mod in modules.items():
