@@ -91,7 +91,11 @@ def describe(ckpt, layout, net) -> tuple[str, list[str]]:
         fmt = qcfg.tag
     else:
         tags = sorted({f.tag for f in formats.values()})
-        fmt = f"{qcfg.method if qcfg else 'quantized'}" + (f" ({'; '.join(tags)})" if tags else "")
+        method = qcfg.method if qcfg else "quantized"
+        if tags and all(t.startswith(method) for t in tags):  # "affine 4-bit, group 32", not "affine (affine ...)"
+            fmt = "; ".join(tags)
+        else:
+            fmt = method + (f" ({'; '.join(tags)})" if tags else "")
     return fmt, sorted({module_pattern(n) for n in names})
 
 
