@@ -630,7 +630,8 @@ def main() -> int:
     synth(a.config, model, a.layers)
     ck = json.loads((model / "config.json").read_text())
     shards = sorted(model.glob("*.safetensors"))
-    res.update(model_name=name, config=str(a.config), layers=ck.get("num_hidden_layers"),
+    res.update(model_name=name, config=str(a.config),
+               layers=ck.get("num_hidden_layers") or ck.get("text_config", {}).get("num_hidden_layers"),
                checkpoint_gb=sum(s.stat().st_size for s in shards) / GB)
     from moestream.checkpoint import Checkpoint
     from moestream.layout import discover_experts

@@ -24,6 +24,7 @@ from .layout import ExpertLayout, discover_experts
 from .memory import available_bytes, reset_peak_rss
 from .models import family_for
 from .models.base import CausalLM, checkpoint_dtype, load_resident, resident_nbytes
+from .models.linear import use_fast_linear
 from .policies import POLICIES, make_policy
 from .store import ExpertStore
 
@@ -291,6 +292,7 @@ def load(
             if note:
                 print(f"note: {note}", file=sys.stderr)
         net.to(dev).eval()
+        use_fast_linear(net)  # wide bf16 matmuls in float32 on CPUs without native bf16 (models/linear.py)
         from .usage import setup_cache_policy
 
         policy = make_policy(cache_policy, half_life=sum(num_experts.values()))

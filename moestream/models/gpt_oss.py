@@ -28,6 +28,7 @@ from torch import nn
 from ..errors import ConfigError
 from .base import CausalLM, SynthTensor, field, positive
 from .layers import RMSNorm
+from .linear import linear
 from .moe import StreamedMoE
 from .variants import DecoderLayer, Rope, VariantAttention, optional_positive
 
@@ -142,10 +143,10 @@ def clamped_swiglu_linear_expert(x: torch.Tensor, w: dict[str, torch.Tensor], al
     up are the reference's even and odd ``gate_up`` columns) with biases ``gate.bias``,
     ``up.bias`` [I] and ``down.bias`` [H].
     """
-    gate = F.linear(x, w["gate"], w["gate.bias"]).clamp(min=None, max=limit)
-    up = F.linear(x, w["up"], w["up.bias"]).clamp(min=-limit, max=limit)
+    gate = linear(x, w["gate"], w["gate.bias"]).clamp(min=None, max=limit)
+    up = linear(x, w["up"], w["up.bias"]).clamp(min=-limit, max=limit)
     glu = gate * torch.sigmoid(gate * alpha)
-    return F.linear((up + 1) * glu, w["down"], w["down.bias"])
+    return linear((up + 1) * glu, w["down"], w["down.bias"])
 
 
 class GptOssMoE(StreamedMoE):

@@ -43,6 +43,7 @@ from ..errors import ConfigError
 from .base import CausalLM, SynthTensor, field, positive
 from .kda import HybridCache, KimiDeltaAttention
 from .layers import RMSNorm
+from .linear import linear
 from .mla import MLAttention
 from .moe import Float32Router, StreamedMoE, sigmoid_group_topk, swiglu_expert
 
@@ -229,7 +230,7 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float |
 
 def situ_expert(x: torch.Tensor, w: dict[str, torch.Tensor], beta: float, linear_beta: float | None) -> torch.Tensor:
     """One SiTU-GLU expert on x [n, L]: ``down(situ(gate x, up x))`` -> [n, L] (nn.Linear orientation)."""
-    return F.linear(situ(F.linear(x, w["gate"]), F.linear(x, w["up"]), beta, linear_beta), w["down"])
+    return linear(situ(linear(x, w["gate"]), linear(x, w["up"]), beta, linear_beta), w["down"])
 
 
 class GatedMLP(nn.Module):

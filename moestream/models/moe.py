@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import ExpertCache
+from .linear import linear
 
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
@@ -40,8 +41,10 @@ def swiglu_expert(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """One SwiGLU expert on ``x`` [n, H]: ``down(silu(gate x) * up x)`` -> [n, H].
 
     ``w`` holds ``gate`` and ``up`` [I, H] and ``down`` [H, I] (nn.Linear orientation).
+    Matmuls through :func:`moestream.models.linear.linear` (float32 for wide bf16 inputs on
+    CPUs without native bf16).
     """
-    return F.linear(F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"])
+    return linear(F.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
 
 
 def streamed_experts(
