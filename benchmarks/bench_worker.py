@@ -65,9 +65,9 @@ class Progress:
 
 
 def run_moestream(a, prompt: list[int], stream: list[int], progress: Progress) -> dict:
+    # moestream first: it sets its OpenMP wait policy before torch loads OpenMP (moestream/__init__.py)
+    from moestream.engine import load  # noqa: I001
     import torch
-
-    from moestream.engine import load
 
     torch.set_num_threads(THREADS)
     opts = json.loads(a.moestream_options)

@@ -20,7 +20,16 @@ importing PyTorch until it needs it. (``python -m moestream.stream_generate`` is
 under its reference-system name; the attribute ``moestream.stream_generate`` is the function.)
 """
 
-from .errors import MoestreamError
+import os as _os
+
+# OpenMP worker threads that spin while waiting hold the core their sibling needs when the
+# machine is shared: on 2 busy cores a 128-token prefill took 32-44 s with PyTorch's default
+# (spinning) OpenMP wait policy and 5.9 s with PASSIVE, and a decode step 1.35 s against 0.31 s
+# (docs/benchmarks.md, "OpenMP wait policy"). Takes effect when moestream is imported before
+# torch (the CLI, the server, the benchmark workers); a value the user set is kept.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from .errors import MoestreamError  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "GenerationResponse", "GenerationStats", "MoestreamError", "SamplingParams", "generate",
