@@ -213,6 +213,7 @@ class ExpertParallel:
         self.placement_note = ""
         self.stats = CollectiveStats()
         self.failed = False
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
 
     # -- ownership ---------------------------------------------------------------------------
     def owns(self, key: tuple[int, int]) -> bool:
@@ -330,7 +331,7 @@ class ExpertParallel:
             send = torch.zeros(pad, dtype=torch.uint8, device=dev)
             _fill(send, header, rows)
             recv = torch.empty(w * pad, dtype=torch.uint8, device=dev)
-            self._collective(lambda: self._dist().all_gather_single(recv, send), f"layer {layer}'s combine")
+            self._collective(lambda: _all_gather_single(recv, send), f"layer {layer}'s combine")
             parts = [recv[r * pad : r * pad + size[r]] for r in range(w)]
             self.stats.bytes_sent += (w - 1) * pad
             self.stats.bytes_received += (w - 1) * pad
@@ -403,7 +404,7 @@ class ExpertParallel:
         """Every rank's :data:`RANK_FIELDS` (floats), gathered on every rank, rank order."""
         t = torch.tensor([float(local.get(k, 0)) for k in RANK_FIELDS], dtype=torch.float64, device=self.device)
         out = torch.empty(self.world * len(RANK_FIELDS), dtype=torch.float64, device=self.device)
-        self._collective(lambda: self._dist().all_gather_single(out, t), "the stats")
+        self._collective(lambda: _all_gather_single(out, t), "the stats")
         rows = out.view(self.world, -1).cpu().tolist()
         return [dict(zip(RANK_FIELDS, r)) for r in rows]
 
@@ -425,6 +426,20 @@ class ExpertParallel:
             "slots_computed": d["slots_computed"], "tokens": stats.prompt_tokens + stats.generated_tokens,
             "decode_tok_s": stats.decode_tok_s, "distinct_experts": sum(stats.distinct_experts_per_layer.values()),
         }
+
+    def report(self, stats, engine, err, quiet: bool = False) -> str:
+        """Gather every rank's counters for the generation just done (every rank must call this);
+        rank 0 prints the per-rank table and the sum to ``err`` (unless ``quiet``). Returns the
+        stats JSON with an ``expert_parallel`` object (world, placement, per rank, sum)."""
+        per_rank = self.gather_stats(self.local_stats(stats, engine.cache))
+        if self.rank == 0 and not quiet:
+            print(f"expert parallel: {self.world} ranks ({self.backend}), {self.placement_note}, "
+                  f"combine {self.combine}", file=err)
+            print(format_rank_stats(per_rank), file=err)
+        d = json.loads(stats.to_json())
+        d["expert_parallel"] = {"world": self.world, "backend": self.backend, "placement": self.placement_note,
+                                "combine": self.combine, "per_rank": per_rank, "sum": rank_summary(per_rank)}
+        return json.dumps(d, indent=2)
 
     def close(self) -> None:
         """Leave the process group (when this module started it)."""
@@ -473,6 +488,14 @@ class ExpertParallel:
             return [r for r in range(self.world) if r != self.rank and not store.check([f"moestream/alive/{r}"])]
         except Exception:
             return []
+
+
+def _all_gather_single(out: torch.Tensor, t: torch.Tensor) -> None:
+    """``all_gather_single`` (torch >= 2.13), else its older name ``all_gather_into_tensor``."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, t)
 
 
 def _round8(n: int) -> int:
@@ -551,6 +574,33 @@ def init_from_env(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, co
                                  f"{world} within {timeout_s:g} s: {str(e).splitlines()[0][:300]}") from None
         ep._owns_group = True
     return ep
+
+
+class _Discard:
+    """A text stream that drops what is written (a follower rank's output)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def follower_args(args, out, err):
+    """``generate`` under torchrun: rank 0 reads the prompt and prints; the other ranks run rank
+    0's request (:meth:`ExpertParallel.agree_generation`) and print nothing. Returns the
+    ``(out, err)`` streams of this rank.
+
+    Raises:
+        MoestreamError: ``--chat`` (the turns come from one terminal; not supported under torchrun).
+    """
+    if args.chat:
+        raise MoestreamError("--chat is not supported under torchrun (expert parallelism); give --prompt or "
+                             "--prompt-file")
+    if int(os.environ.get("RANK", "0")) == 0:
+        return out, err
+    args.prompt, args.prompt_file = "(rank 0's prompt)", None  # replaced by rank 0's token ids
+    return _Discard(), _Discard()
 
 
 def add_parallel_args(p) -> None:

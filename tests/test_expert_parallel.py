@@ -86,7 +86,8 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
     res: dict = {}
     try:
         ep = init_from_env("cpu", timeout_s=20, combine=combine)
-        engine = load(path, cache_budget_gb=budget, tokenizer=False, parallel=ep, learn_experts=False, workers=2)
+        engine = load(path, cache_budget_gb=budget, tokenizer=False, parallel=ep, workers=2,
+                      usage_file=f"{out}/usage.json")
         try:
             logits = {}
             for name, sampling in SAMPLINGS.items():
@@ -98,6 +99,7 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
                     tokens.append(step.token)
                     logits[f"{name}.{i}"] = step.logits.contiguous()
                 res[name] = tokens
+            res["cancelled_steps"] = _cancelled(engine, rank)
             res["owned"] = len(ep._owned)
             res["misses"] = engine.cache.stats.misses
             res["combines"] = ep.stats.combines
@@ -110,6 +112,18 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
         res["error"] = f"{type(e).__name__}: {e}"
         res["at"] = time.monotonic()
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+def _cancelled(engine, rank: int) -> int:
+    """Rank 0 stops reading a generation after 2 tokens (a closed stream); the steps each rank saw."""
+    gen = generate(engine, PROMPT[:5], TOKENS, SamplingParams(), stop_at_eos=False)
+    n = 0
+    for _ in gen:
+        n += 1
+        if rank == 0 and n == 2:
+            break
+    gen.close()
+    return n
 
 
 def _launch(path: Path, world: int, budget: str, out: Path, die_at: int | None = None,
@@ -137,18 +151,19 @@ def _launch(path: Path, world: int, budget: str, out: Path, die_at: int | None =
     return out_rows
 
 
-def _reference(path: Path) -> tuple[dict, dict]:
+def _reference(path: Path, usage: Path) -> tuple[dict, dict]:
     """One process, every expert resident, one thread (the ranks run one thread each too)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = load(path, cache_budget_gb="all", tokenizer=False, learn_experts=False)
+        engine = load(path, cache_budget_gb="all", tokenizer=False, usage_file=usage)
         try:
             tokens, logits = {}, {}
             for name, sampling in SAMPLINGS.items():
                 steps = list(generate(engine, PROMPT, TOKENS, sampling, stop_at_eos=False, keep_logits=True))
                 tokens[name] = [s.token for s in steps]
                 logits.update({f"{name}.{i}": s.logits for i, s in enumerate(steps)})
+            assert _cancelled(engine, 0) == 2
             return tokens, logits
         finally:
             engine.close()
@@ -167,10 +182,14 @@ def _expert_bytes(path: Path) -> int:
 
 
 def _check_equal(path: Path, rows: list[dict], out: Path) -> None:
-    ref_tokens, ref_logits = _reference(path)
+    ref_usage = out / "reference-usage.json"
+    ref_tokens, ref_logits = _reference(path, ref_usage)
     assert len(set(ref_tokens["sampled"])) > 1  # sampling really draws
+    # rank 0 saved the whole model's usage profile: the ranks' counts summed, as one process counts them
+    assert json.loads((out / "usage.json").read_text())["counts"] == json.loads(ref_usage.read_text())["counts"]
     for r, row in enumerate(rows):
         assert "error" not in row, row
+        assert row["cancelled_steps"] == 2  # rank 0 closed its stream: every rank stopped at the same step
         for name in SAMPLINGS:
             assert row[name] == ref_tokens[name], (r, name)
         got = load_file(str(out / f"rank{r}.safetensors"))
@@ -216,3 +235,14 @@ def test_dead_rank_fails_the_others_with_a_clear_error(qwen, tmp_path):
         err = rows[r].get("error", "")
         assert "ParallelError" in err and "stopped answering" in err and "rank 2" in err, rows[r]
         assert rows[r]["at"] - t0 < 45  # well within the 20 s timeout plus start-up, not a hang
+
+
+def test_cli_refuses_serve_and_chat_under_torchrun(qwen, monkeypatch, capsys):
+    from moestream.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["serve", "--model", str(qwen)]) == 2
+    assert "serve under torchrun" in capsys.readouterr().err
+    assert main(["generate", "--model", str(qwen), "--chat"]) == 2
+    assert "--chat is not supported under torchrun" in capsys.readouterr().err
