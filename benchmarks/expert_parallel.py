@@ -8,7 +8,9 @@ One command (it writes the checkpoint when the folder does not exist, and delete
 On GPUs (the lead's run: 2 H200s, experts split across their VRAM, against one GPU):
 
     python benchmarks/expert_parallel.py --model /tmp/q30-12l --layers 12 --device cuda \\
-        --total-budget-gb 40 --nproc 1 2 --out expert_parallel_gpu.json
+        --total-budget-gb 8 --nproc 1 2 --out expert_parallel_gpu.json
+    # or each GPU with the same VRAM budget (2 GPUs hold twice the experts); add --extra --host-cache-gb auto
+    # for the one-GPU tiered run
 
 1. ``moestream synth`` of a Qwen3-30B-A3B-shaped checkpoint (bf16, ``spread`` init) with ``--layers``
    layers, when ``--model`` does not exist.
@@ -58,11 +60,12 @@ def _load_avg() -> list[float]:
 def run_one(args, nproc: int, combine: str, placement: str, work: Path, profile: Path) -> dict:
     """One measured ``generate`` run; returns rank 0's stats JSON plus the wall time and load."""
     tag = f"n{nproc}-{combine}-{placement}"
+    budget = args.budget_per_rank_gb if args.budget_per_rank_gb is not None else args.total_budget_gb / nproc
     stats = work / f"{tag}.json"
     usage = work / f"{tag}.usage.json"
     shutil.copy(profile, usage)
     gen = ["generate", "--model", str(args.model), "--prompt", PROMPT, "--no-chat-template", "--max-tokens",
-           str(args.tokens), "--temp", "1", "--seed", "0", "--cache-budget-gb", f"{args.total_budget_gb / nproc:.6f}",
+           str(args.tokens), "--temp", "1", "--seed", "0", "--cache-budget-gb", f"{budget:.6f}",
            "--device", args.device, "--usage-file", str(usage), "--stats-json", str(stats),
            "--ep-combine", combine, "--ep-placement", placement, "--dist-timeout", "300"]
     if args.device == "cpu":
@@ -121,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 3], help="process counts (default 1 2 3)")
     ap.add_argument("--total-budget-gb", type=float, default=1.2, help="expert cache budget over all ranks (GB)")
+    ap.add_argument("--budget-per-rank-gb", type=float, default=None,
+                    help="give every rank this budget instead of a share of --total-budget-gb (GPUs: each its VRAM)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens to generate per run (default 32)")
     ap.add_argument("--combine", nargs="+", default=["allgather"], help="combines to measure (allgather, alltoall)")
     ap.add_argument("--placement", nargs="+", default=["balanced"], help="placements (balanced, contiguous)")
@@ -130,7 +135,8 @@ def main(argv=None) -> int:
     work = args.out.parent / (args.out.stem + ".work")
     work.mkdir(parents=True, exist_ok=True)
     result = {"model": str(args.model), "layers": args.layers, "device": args.device,
-              "total_budget_gb": args.total_budget_gb, "tokens": args.tokens, "cpu_count": os.cpu_count(),
+              "total_budget_gb": args.total_budget_gb, "budget_per_rank_gb": args.budget_per_rank_gb,
+              "tokens": args.tokens, "cpu_count": os.cpu_count(),
               "load_start": _load_avg(), "runs": []}
     if not args.model.exists():
         t0 = time.perf_counter()

@@ -246,3 +246,17 @@ def test_cli_refuses_serve_and_chat_under_torchrun(qwen, monkeypatch, capsys):
     assert "serve under torchrun" in capsys.readouterr().err
     assert main(["generate", "--model", str(qwen), "--chat"]) == 2
     assert "--chat is not supported under torchrun" in capsys.readouterr().err
+
+
+def test_auto_budget_takes_this_ranks_share(tmp_path, monkeypatch):
+    from moestream import memory
+
+    from .test_io import fake_root
+
+    gib = 2**30
+    root = fake_root(tmp_path, 2, 7 * gib)
+    monkeypatch.setattr(memory, "current_rss_bytes", lambda: gib)
+    a = memory.auto_cache_budget(resident=10**9, kv_cache=0, kv_tokens=0, reserve=0, experts_total=50 * 10**9,
+                                 root=root, share=3)
+    assert a.available == 2 * gib  # the 6 GiB this machine's processes may take, split 3 ways
+    assert a.budget == 2 * gib - 10**9 and "split between 3 local ranks" in a.source
