@@ -380,13 +380,6 @@ def run_serve(args: argparse.Namespace) -> None:
     from .server import ServerOptions, serve
 
     check_engine_args(args)
-    from .parallel import world_size_from_env
-
-    if world_size_from_env() > 1:
-        raise MoestreamError(
-            "serve under torchrun (expert parallelism) is not supported yet; use `moestream generate` or the Python "
-            "API under torchrun, or serve from one process"
-        )
     if not 0 <= args.port < 65536:
         raise MoestreamError(f"--port {args.port}: expected 0-65535")
     if args.max_queue < 0:
@@ -397,8 +390,22 @@ def run_serve(args: argparse.Namespace) -> None:
         raise MoestreamError(f"--max-body-mb {args.max_body_mb}: expected a number of MB between 0.001 and 10000")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise MoestreamError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
-    engine = load_engine(args, context=args.max_context)
+    from .parallel import init_from_env, world_size_from_env
+
+    par = None
+    if world_size_from_env() > 1:  # under torchrun: rank 0 serves HTTP, the other ranks follow its generations
+        par = args._parallel = init_from_env(args.device, args.dist_timeout, args.ep_combine, args.ep_placement)
+        par.serving = True
     try:
+        engine = load_engine(args, context=args.max_context)
+    except BaseException:
+        if par is not None:
+            par.close()
+        raise
+    try:
+        if par is not None and par.rank != 0:
+            par.follow(engine)
+            return
         model_max = engine.model.max_context or 32768
         if args.max_context is not None and args.max_context > model_max:
             raise MoestreamError(f"--max-context {args.max_context} exceeds the model's context of {model_max}")
@@ -407,7 +414,13 @@ def run_serve(args: argparse.Namespace) -> None:
                                 max_body_bytes=int(args.max_body_mb * 1e6), max_prompt_tokens=args.max_prompt_tokens)
         serve(engine, options, args.host, args.port)
     finally:
-        engine.close()
+        try:
+            if par is not None:
+                par.shutdown()  # rank 0: the followers leave follow() and close with it
+            engine.close()
+        finally:
+            if par is not None:
+                par.close()
 
 def _read_turn(inp, err) -> str | None:
     """One user turn from ``inp`` (a line); None at the end of input or on /exit, /quit."""

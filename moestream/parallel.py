@@ -53,6 +53,10 @@ class ParallelError(MoestreamError):
     """A collective failed: a rank died, stopped answering, or the ranks diverged."""
 
 
+class _Shutdown(Exception):
+    """Rank 0 ended ``serve``: a follower leaves :meth:`ExpertParallel.follow`."""
+
+
 def world_size_from_env() -> int:
     """``WORLD_SIZE`` as torchrun sets it (1 when not launched by torchrun)."""
     try:
@@ -214,6 +218,8 @@ class ExpertParallel:
         self.stats = CollectiveStats()
         self.failed = False
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.serving = False  # serve: followers wait for requests without a deadline (:meth:`follow`)
+        self._seq = 0  # requests agreed so far
 
     # -- ownership ---------------------------------------------------------------------------
     def owns(self, key: tuple[int, int]) -> bool:
@@ -363,7 +369,13 @@ class ExpertParallel:
     # -- requests, flags, stats ---------------------------------------------------------------------
     def agree(self, request: dict) -> dict:
         """Rank 0's ``request`` (a JSON-able dict) on every rank, sent as UTF-8 JSON bytes in a
-        uint8 tensor (never pickled)."""
+        uint8 tensor (never pickled). While :attr:`serving`, the other ranks first wait, as long
+        as it takes, for rank 0 to post that a request is coming (on the rendezvous store), so an
+        idle server never runs into the collectives' timeout."""
+        seq = self._seq
+        self._seq += 1
+        if self.serving:
+            self._ready(seq)
         data = json.dumps(request, sort_keys=True).encode() if self.rank == 0 else b""
         n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         self._collective(lambda: self._dist().broadcast(n, 0), "the request's size")
@@ -372,6 +384,59 @@ class ExpertParallel:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self._collective(lambda: self._dist().broadcast(buf, 0), "the request")
         return json.loads(bytes(buf.cpu().tolist()).decode()) if self.rank != 0 else request
+
+    def _ready(self, seq: int) -> None:
+        """Rank 0 posts request ``seq`` on the store; the others wait for it without a deadline."""
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+        key = f"moestream/request/{seq}"
+        if self.rank == 0:
+            store.set(key, "1")
+            if seq:  # every rank has passed the previous request's broadcast by now
+                try:
+                    store.delete_key(f"moestream/request/{seq - 1}")
+                except Exception:  # a store without delete: a few bytes stay
+                    pass
+            return
+        while True:
+            try:
+                store.wait([key], datetime.timedelta(seconds=min(30.0, self.timeout_s)))
+                return
+            except Exception as e:
+                if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                    self.failed = True
+                    raise ParallelError(f"expert parallel: rank {self.rank} lost the rendezvous store while "
+                                        f"waiting for rank 0's next request: {str(e).splitlines()[0][:300]}") from None
+
+    def follow(self, engine) -> int:
+        """A follower rank of ``serve``: run each generation rank 0 starts (:func:`moestream.generation.generate`
+        adopts rank 0's request), waiting as long as needed between them, until rank 0 calls
+        :meth:`shutdown`. An error that rank 0 meets too (a bad request) is skipped; a failed
+        collective ends the loop (:class:`ParallelError`). Returns the generations followed."""
+        from .generation import SamplingParams, generate
+
+        self.serving = True
+        n = 0
+        while True:
+            try:
+                for _ in generate(engine, [0], 1, SamplingParams()):
+                    pass
+                n += 1
+            except _Shutdown:
+                return n
+            except ParallelError:
+                raise
+            except MoestreamError:  # the same request fails on rank 0, which answers it
+                n += 1
+
+    def shutdown(self) -> None:
+        """Rank 0 of ``serve``: tell the followers (in :meth:`follow`) to stop."""
+        if self.rank == 0 and not self.failed:
+            try:
+                self.agree({"shutdown": True})
+            except ParallelError:  # the followers are gone already (an interrupt reaches every rank)
+                pass
 
     def agree_generation(self, prompt_ids, max_tokens: int, sampling, stop, stop_at_eos: bool, multi_think: bool,
                          prefill_chunk: int) -> tuple:
@@ -387,10 +452,13 @@ class ExpertParallel:
 
             sampling = replace(sampling, seed=secrets.randbelow(2**63))
         req = self.agree({
-            "prompt_ids": [int(t) for t in prompt_ids], "max_tokens": int(max_tokens), "sampling": asdict(sampling),
+            "shutdown": False, "prompt_ids": [int(t) for t in prompt_ids], "max_tokens": int(max_tokens),
+            "sampling": asdict(sampling),
             "stop": list(stop), "stop_at_eos": bool(stop_at_eos), "multi_think": bool(multi_think),
             "prefill_chunk": int(prefill_chunk),
         })
+        if req["shutdown"]:
+            raise _Shutdown()
         return (req["prompt_ids"], req["max_tokens"], SamplingParams(**req["sampling"]), req["stop"],
                 req["stop_at_eos"], req["multi_think"], req["prefill_chunk"])
 

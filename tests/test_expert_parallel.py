@@ -76,7 +76,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, die_at: int | None,
-            combine: str) -> None:
+            combine: str, serve: bool = False, timeout_s: float = 20) -> None:
     """One rank: load with expert parallelism, run every sampling of SAMPLINGS, write tokens and logits."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -85,10 +85,13 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
 
     res: dict = {}
     try:
-        ep = init_from_env("cpu", timeout_s=20, combine=combine)
+        ep = init_from_env("cpu", timeout_s=timeout_s, combine=combine)
         engine = load(path, cache_budget_gb=budget, tokenizer=False, parallel=ep, workers=2,
                       usage_file=f"{out}/usage.json")
         try:
+            if serve:
+                res.update(_serve(engine, ep))
+                return
             logits = {}
             for name, sampling in SAMPLINGS.items():
                 tokens = []
@@ -111,7 +114,22 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
     except Exception as e:  # reported to the test, which checks the message
         res["error"] = f"{type(e).__name__}: {e}"
         res["at"] = time.monotonic()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+def _serve(engine, ep) -> dict:
+    """``serve``'s pattern: rank 0 generates now and then (idle longer than the collectives' timeout in
+    between, one stream closed early), the others follow until rank 0 shuts down."""
+    ep.serving = True
+    if ep.rank:
+        return {"followed": ep.follow(engine)}
+    first = [s.token for s in generate(engine, PROMPT, TOKENS, SamplingParams(), stop_at_eos=False)]
+    time.sleep(ep.timeout_s * 1.5)  # idle: the followers wait on the store, not in a collective
+    cancelled = _cancelled(engine, 0)
+    again = [s.token for s in generate(engine, PROMPT, TOKENS, SamplingParams(), stop_at_eos=False)]
+    ep.shutdown()
+    return {"greedy": first, "again": again, "cancelled_steps": cancelled}
 
 
 def _cancelled(engine, rank: int) -> int:
@@ -127,11 +145,12 @@ def _cancelled(engine, rank: int) -> int:
 
 
 def _launch(path: Path, world: int, budget: str, out: Path, die_at: int | None = None,
-            combine: str = "allgather", limit: float = 90.0) -> list[dict]:
+            combine: str = "allgather", limit: float = 90.0, serve: bool = False, timeout_s: float = 20) -> list[dict]:
     ctx = mp.get_context("forkserver")  # a clean server process (no threads) forks every rank, imports done
     ctx.set_forkserver_preload(["tests.ep_preload", "tests.test_expert_parallel"])
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, str(path), budget, str(out), die_at, combine))
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world, port, str(path), budget, str(out), die_at, combine, serve, timeout_s))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -237,13 +256,11 @@ def test_dead_rank_fails_the_others_with_a_clear_error(qwen, tmp_path):
         assert rows[r]["at"] - t0 < 45  # well within the 20 s timeout plus start-up, not a hang
 
 
-def test_cli_refuses_serve_and_chat_under_torchrun(qwen, monkeypatch, capsys):
+def test_cli_refuses_chat_under_torchrun(qwen, monkeypatch, capsys):
     from moestream.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert main(["serve", "--model", str(qwen)]) == 2
-    assert "serve under torchrun" in capsys.readouterr().err
     assert main(["generate", "--model", str(qwen), "--chat"]) == 2
     assert "--chat is not supported under torchrun" in capsys.readouterr().err
 
@@ -260,3 +277,12 @@ def test_auto_budget_takes_this_ranks_share(tmp_path, monkeypatch):
                                  root=root, share=3)
     assert a.available == 2 * gib  # the 6 GiB this machine's processes may take, split 3 ways
     assert a.budget == 2 * gib - 10**9 and "split between 3 local ranks" in a.source
+
+
+def test_serve_followers_wait_idle_and_follow_every_request(qwen, tmp_path):
+    rows = _launch(qwen, 2, "0", tmp_path, serve=True, timeout_s=2)
+    assert "error" not in rows[0] and "error" not in rows[1], rows
+    ref = _reference(qwen, tmp_path / "ref-usage.json")[0]["greedy"]
+    assert rows[0]["greedy"] == ref and rows[0]["again"] == ref
+    assert rows[0]["cancelled_steps"] == 2
+    assert rows[1]["followed"] == 3  # two whole generations and the cancelled one, then the shutdown
