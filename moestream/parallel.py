@@ -173,14 +173,15 @@ def rank_summary(per_rank: list[dict]) -> dict:
 
 def format_rank_stats(per_rank: list[dict]) -> str:
     """The per-rank table and the summed line printed by ``generate`` under torchrun."""
-    lines = ["rank  hit rate  experts read  GB read  KB exchanged/token  s in collectives  distinct experts"]
+    lines = ["rank  hit rate  experts read  GB read  KB exchanged/token  s in collectives  "
+             "distinct experts, all layers"]
     rows = per_rank + [rank_summary(per_rank)]
     for i, r in enumerate(rows):
         name = str(i) if i < len(per_rank) else "sum"
         hit = r["cache_hits"] / r["cache_lookups"] if r["cache_lookups"] else 0.0
         kb = r["bytes_received"] / 1e3 / r["tokens"] if r["tokens"] else 0.0
         lines.append(f"{name:<5} {hit:8.1%}  {int(r['experts_read']):12d}  {r['gb_read']:7.3f}  {kb:18.1f}  "
-                     f"{r['collective_seconds']:16.2f}  {int(r['distinct_experts']):16d}")
+                     f"{r['collective_seconds']:16.2f}  {int(r['distinct_experts']):28d}")
     return "\n".join(lines)
 
 
