@@ -76,7 +76,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, die_at: int | None,
-            combine: str, serve: bool = False, timeout_s: float = 20) -> None:
+            combine: str, serve: bool = False, timeout_s: float = 20, options: dict | None = None) -> None:
     """One rank: load with expert parallelism, run every sampling of SAMPLINGS, write tokens and logits."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
     try:
         ep = init_from_env("cpu", timeout_s=timeout_s, combine=combine)
         engine = load(path, cache_budget_gb=budget, tokenizer=False, parallel=ep, workers=2,
-                      usage_file=f"{out}/usage.json")
+                      usage_file=f"{out}/usage.json", **(options or {}))
         try:
             if serve:
                 res.update(_serve(engine, ep))
@@ -104,6 +104,8 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
                 res[name] = tokens
             res["cancelled_steps"] = _cancelled(engine, rank)
             res["owned"] = len(ep._owned)
+            res["pinned_not_owned"] = [k for k in engine.cache.pinned_keys if not ep.owns(k)]
+            res["pinned"] = len(engine.cache.pinned_keys)
             res["misses"] = engine.cache.stats.misses
             res["combines"] = ep.stats.combines
             res["bytes_received"] = ep.stats.bytes_received
@@ -145,12 +147,14 @@ def _cancelled(engine, rank: int) -> int:
 
 
 def _launch(path: Path, world: int, budget: str, out: Path, die_at: int | None = None,
-            combine: str = "allgather", limit: float = 90.0, serve: bool = False, timeout_s: float = 20) -> list[dict]:
+            combine: str = "allgather", limit: float = 90.0, serve: bool = False, timeout_s: float = 20,
+            options: dict | None = None) -> list[dict]:
     ctx = mp.get_context("forkserver")  # a clean server process (no threads) forks every rank, imports done
     ctx.set_forkserver_preload(["tests.ep_preload", "tests.test_expert_parallel"])
     port = _free_port()
     procs = [ctx.Process(target=_worker,
-                         args=(r, world, port, str(path), budget, str(out), die_at, combine, serve, timeout_s))
+                         args=(r, world, port, str(path), budget, str(out), die_at, combine, serve, timeout_s,
+                               options))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -229,9 +233,17 @@ def qwen(tmp_path_factory):
 @pytest.mark.parametrize("world,combine", [(2, "allgather"), (3, "alltoall")])
 def test_ranks_bit_identical_to_one_process(qwen, tmp_path, world, combine):
     one = _expert_bytes(qwen)
-    rows = _launch(qwen, world, str(2 * one / 1e9), tmp_path, combine=combine)
+    options = None
+    if world == 3:  # read-ahead and a pin file too: each rank reads ahead and pins its own experts only
+        pins = tmp_path / "pins.json"
+        pins.write_text(json.dumps({"pin": [[layer, e] for layer in range(3) for e in range(3)]}))
+        options = {"prefetch_ahead": 1, "pin_file": str(pins)}
+    rows = _launch(qwen, world, str(3 * one / 1e9), tmp_path, combine=combine, options=options)
     _check_equal(qwen, rows, tmp_path)
     assert sum(row["owned"] for row in rows) == 3 * 12  # every expert owned by exactly one rank
+    assert all(row["pinned_not_owned"] == [] for row in rows)
+    if options:
+        assert sum(row["pinned"] for row in rows) > 0
 
 
 def test_deepseek_family_with_shared_experts(tmp_path_factory, tmp_path):
