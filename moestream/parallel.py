@@ -46,6 +46,7 @@ from .errors import MoestreamError
 COMBINES = ("allgather", "alltoall")
 PLACEMENTS = ("auto", "balanced", "contiguous")
 HEADER = 32  # bytes: int64 layer, slots (T*K), routing fingerprint, this rank's slot count
+SMALL_EXCHANGE = 256 * 1024  # bytes gathered at most in one step (decode); larger ones send headers first
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -327,35 +328,71 @@ class ExpertParallel:
 
     def _exchange(self, header: torch.Tensor, rows: torch.Tensor, counts: list[int], row_bytes: int,
                   layer: int) -> list[torch.Tensor]:
-        """Every rank's slot rows as uint8 [counts[r] * row_bytes] tensors, rank order; headers checked."""
+        """Every rank's slot rows as uint8 [counts[r] * row_bytes] tensors, rank order; headers checked.
+
+        Every buffer size depends only on what every rank knows alike (T, K, H and headers
+        already exchanged), never on this rank's own routing: a collective whose sizes differ
+        between ranks aborts gloo's process (and is undefined on NCCL), so ranks that diverged
+        must first agree on sizes to be told apart. Small exchanges (decode) are one
+        ``all_gather_single`` padded to every slot, T x K rows; larger ones (prefill) first
+        gather the 32-byte headers, check them, then the rows (padded to the largest rank's,
+        or ``all_to_all_single`` with exact split sizes).
+        """
         dev = rows.device
         w = self.world
-        size = [_round8(HEADER + c * row_bytes) for c in counts]
-        mine_b = size[self.rank]
+        n_slots = int(header[1])
         t0 = time.perf_counter()
-        if self.combine == "allgather":
-            pad = max(size)
-            send = torch.zeros(pad, dtype=torch.uint8, device=dev)
-            _fill(send, header, rows)
-            recv = torch.empty(w * pad, dtype=torch.uint8, device=dev)
-            self._collective(lambda: _all_gather_single(recv, send), f"layer {layer}'s combine")
-            parts = [recv[r * pad : r * pad + size[r]] for r in range(w)]
-            self.stats.bytes_sent += (w - 1) * pad
-            self.stats.bytes_received += (w - 1) * pad
-        else:
-            one = torch.zeros(mine_b, dtype=torch.uint8, device=dev)
-            _fill(one, header, rows)
-            send = one.repeat(w)
+        try:
+            full = _round8(HEADER + n_slots * row_bytes)
+            if self.combine == "allgather" and w * full <= SMALL_EXCHANGE:
+                send = torch.zeros(full, dtype=torch.uint8, device=dev)
+                _fill(send, header, rows)
+                recv = torch.empty(w * full, dtype=torch.uint8, device=dev)
+                self._collective(lambda: _all_gather_single(recv, send), f"layer {layer}'s combine")
+                self._account(full, [full] * w)
+                parts = [recv[r * full : (r + 1) * full] for r in range(w)]
+                heads = torch.stack([p[:HEADER] for p in parts]).view(torch.int64).tolist()  # syncs on a GPU
+                self._check(heads, header, counts, layer)
+                return [p[HEADER : HEADER + counts[r] * row_bytes] for r, p in enumerate(parts)]
+            hsend = header.view(torch.uint8).to(dev)
+            hrecv = torch.empty(w * HEADER, dtype=torch.uint8, device=dev)
+            self._collective(lambda: _all_gather_single(hrecv, hsend), f"layer {layer}'s combine (headers)")
+            self._account(HEADER, [HEADER] * w)
+            self._check(hrecv.view(torch.int64).view(w, 4).tolist(), header, counts, layer)
+            size = [_round8(c * row_bytes) for c in counts]  # the same on every rank now
+            raw = rows.contiguous().view(torch.uint8).reshape(-1)
+            if self.combine == "allgather":
+                pad = max(size)
+                send = torch.zeros(pad, dtype=torch.uint8, device=dev)
+                send[: raw.numel()].copy_(raw)
+                recv = torch.empty(w * pad, dtype=torch.uint8, device=dev)
+                self._collective(lambda: _all_gather_single(recv, send), f"layer {layer}'s combine")
+                self._account(pad, [pad] * w)
+                return [recv[r * pad : r * pad + counts[r] * row_bytes] for r in range(w)]
+            mine = size[self.rank]
+            send = torch.zeros(mine, dtype=torch.uint8, device=dev)
+            send[: raw.numel()].copy_(raw)
+            send = send.repeat(w)
             recv = torch.empty(sum(size), dtype=torch.uint8, device=dev)
-            self._collective(lambda: self._dist().all_to_all_single(recv, send, size, [mine_b] * w),
+            self._collective(lambda: self._dist().all_to_all_single(recv, send, size, [mine] * w),
                              f"layer {layer}'s combine")
+            self._account(mine, size)
             offs = [sum(size[:r]) for r in range(w)]
-            parts = [recv[offs[r] : offs[r] + size[r]] for r in range(w)]
-            self.stats.bytes_sent += (w - 1) * mine_b
-            self.stats.bytes_received += sum(size) - mine_b
-        heads = torch.stack([p[:HEADER] for p in parts]).view(torch.int64).view(w, 4).tolist()  # syncs on a GPU
-        self.stats.seconds += time.perf_counter() - t0
-        self.stats.combines += 1
+            out = [recv[offs[r] : offs[r] + counts[r] * row_bytes] for r in range(w)]
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)  # the time in collectives includes the transfer
+            return out
+        finally:
+            self.stats.seconds += time.perf_counter() - t0
+            self.stats.combines += 1
+
+    def _account(self, sent_each: int, received: list[int]) -> None:
+        """Count one exchange's bytes: ``sent_each`` to every other rank, ``received[r]`` from rank r."""
+        self.stats.bytes_sent += (self.world - 1) * sent_each
+        self.stats.bytes_received += sum(received) - received[self.rank]
+
+    def _check(self, heads: list[list[int]], header: torch.Tensor, counts: list[int], layer: int) -> None:
+        """Every rank's header against this rank's routing; :class:`ParallelError` on a mismatch."""
         want = header.tolist()
         for r, hd in enumerate(heads):
             if hd[:3] != want[:3] or hd[3] != counts[r]:
@@ -363,9 +400,9 @@ class ExpertParallel:
                 raise ParallelError(
                     f"expert parallel: rank {r} diverged from rank {self.rank} at layer {layer} (its routing "
                     f"fingerprint {hd[:3]} and {hd[3]} slots, here {want[:3]} and {counts[r]}): the ranks are "
-                    "not running the same tokens (another prompt, seed or option on one of them)"
+                    "not running the same tokens (another prompt, seed or option on one of them, or machines "
+                    "whose arithmetic differs)"
                 )
-        return [p[HEADER : HEADER + counts[r] * row_bytes] for r, p in enumerate(parts)]
 
     # -- requests, flags, stats ---------------------------------------------------------------------
     def agree(self, request: dict) -> dict:

@@ -76,7 +76,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, die_at: int | None,
-            combine: str, serve: bool = False, timeout_s: float = 20, options: dict | None = None) -> None:
+            combine: str, mode: str = "generate", timeout_s: float = 20, options: dict | None = None) -> None:
     """One rank: load with expert parallelism, run every sampling of SAMPLINGS, write tokens and logits."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -84,13 +84,22 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
     from moestream.parallel import init_from_env
 
     res: dict = {}
+    options = dict(options or {})
+    if "small_exchange" in options:  # 0: every combine sends its headers first (the prefill path)
+        import moestream.parallel
+
+        moestream.parallel.SMALL_EXCHANGE = options.pop("small_exchange")
     try:
         ep = init_from_env("cpu", timeout_s=timeout_s, combine=combine)
         engine = load(path, cache_budget_gb=budget, tokenizer=False, parallel=ep, workers=2,
-                      usage_file=f"{out}/usage.json", **(options or {}))
+                      usage_file=f"{out}/usage.json", **options)
         try:
-            if serve:
+            if mode == "serve":
                 res.update(_serve(engine, ep))
+                return
+            if mode == "diverge":  # each rank forwards other tokens: the combine's header check must catch it
+                with torch.inference_mode():
+                    engine.model(torch.tensor(PROMPT[rank : rank + 4]), 0, engine.model.new_kv_cache())
                 return
             logits = {}
             for name, sampling in SAMPLINGS.items():
@@ -147,13 +156,13 @@ def _cancelled(engine, rank: int) -> int:
 
 
 def _launch(path: Path, world: int, budget: str, out: Path, die_at: int | None = None,
-            combine: str = "allgather", limit: float = 90.0, serve: bool = False, timeout_s: float = 20,
+            combine: str = "allgather", limit: float = 90.0, mode: str = "generate", timeout_s: float = 20,
             options: dict | None = None) -> list[dict]:
     ctx = mp.get_context("forkserver")  # a clean server process (no threads) forks every rank, imports done
     ctx.set_forkserver_preload(["tests.ep_preload", "tests.test_expert_parallel"])
     port = _free_port()
     procs = [ctx.Process(target=_worker,
-                         args=(r, world, port, str(path), budget, str(out), die_at, combine, serve, timeout_s,
+                         args=(r, world, port, str(path), budget, str(out), die_at, combine, mode, timeout_s,
                                options))
              for r in range(world)]
     for p in procs:
@@ -253,7 +262,7 @@ def test_deepseek_family_with_shared_experts(tmp_path_factory, tmp_path):
     path = tmp_path_factory.mktemp("dsv3")
     make_model(path, "deepseek_v3", seed=2)
     one = _expert_bytes(path)
-    rows = _launch(path, 2, str(one / 1e9), tmp_path)
+    rows = _launch(path, 2, str(one / 1e9), tmp_path, options={"small_exchange": 0})  # headers first
     _check_equal(path, rows, tmp_path)
     assert sum(row["owned"] for row in rows) == 3 * 8  # MoE layers 1..3, 8 experts each
 
@@ -292,9 +301,18 @@ def test_auto_budget_takes_this_ranks_share(tmp_path, monkeypatch):
 
 
 def test_serve_followers_wait_idle_and_follow_every_request(qwen, tmp_path):
-    rows = _launch(qwen, 2, "0", tmp_path, serve=True, timeout_s=2)
+    rows = _launch(qwen, 2, "0", tmp_path, mode="serve", timeout_s=2)
     assert "error" not in rows[0] and "error" not in rows[1], rows
     ref = _reference(qwen, tmp_path / "ref-usage.json")[0]["greedy"]
     assert rows[0]["greedy"] == ref and rows[0]["again"] == ref
     assert rows[0]["cancelled_steps"] == 2
     assert rows[1]["followed"] == 3  # two whole generations and the cancelled one, then the shutdown
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["one-step", "headers-first"])
+def test_ranks_that_diverge_fail_with_a_clear_error(qwen, tmp_path, small):
+    options = None if small else {"small_exchange": 0}
+    rows = _launch(qwen, 2, "0", tmp_path, mode="diverge", timeout_s=10, options=options)
+    for r, row in enumerate(rows):
+        assert "ParallelError" in row.get("error", "") and "diverged" in row["error"], row
+        assert f"rank {1 - r} diverged from rank {r}" in row["error"]
