@@ -56,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from .policy_cli import add_cache_policy_args
 
     add_cache_policy_args(p)
+    from .parallel import add_parallel_args
+
+    add_parallel_args(p)  # --dist-timeout, --ep-placement, --ep-combine (under torchrun)
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -104,7 +107,7 @@ def load_engine(args: argparse.Namespace, tokenizer: bool = True, context: int |
         use_page_cache=getattr(args, "use_page_cache", None), prefetch_ahead=getattr(args, "prefetch_ahead", 0),
         wire_memory=getattr(args, "wire_memory", False), context_tokens=context, device=getattr(args, "device", "auto"),
         host_cache_gb=getattr(args, "host_cache_gb", None), fast=getattr(args, "fast", False),
-        **cache_policy_kwargs(args),
+        parallel=getattr(args, "_parallel", None), **cache_policy_kwargs(args),
     )
 
 
@@ -233,6 +236,11 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
     """
     out, err, inp = out or sys.stdout, err or sys.stderr, inp or sys.stdin
     args = argparse.Namespace(**{**_generate_defaults(), **vars(args)})
+    from .parallel import follower_args, init_from_env, world_size_from_env
+
+    distributed = world_size_from_env() > 1  # under torchrun: expert parallelism (moestream/parallel.py)
+    if distributed:
+        out, err = follower_args(args, out, err)  # followers print nothing and run rank 0's prompt
     prompt = _read_prompt(args, inp)
     if args.max_tokens < 1:
         raise MoestreamError(f"--max-tokens must be at least 1, got {args.max_tokens}")
@@ -248,7 +256,14 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
     # room for the KV cache under --cache-budget-gb auto: at most one token per prompt byte
     # (byte-level BPE) plus the chat template's tokens; a --chat session may grow past it
     context = args.max_tokens + len((prompt or "").encode("utf-8")) + 64
-    engine = load_engine(args, context=context)
+    if distributed:
+        args._parallel = init_from_env(args.device, args.dist_timeout, args.ep_combine, args.ep_placement)
+    try:
+        engine = load_engine(args, context=context)
+    except BaseException:
+        if distributed:
+            args._parallel.close()
+        raise
     try:
         if engine.unused_tensors:
             names = engine.unused_tensors
@@ -280,6 +295,7 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
         conversation: list[int] = []
         stats = GenerationStats()
         first = True
+        ep_stats = None
         while True:
             if args.chat:
                 text = prompt if first and prompt is not None else _read_turn(inp, err)
@@ -321,20 +337,26 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
                 else:
                     print("-" * 60, file=err)
                     print(stats.summary(), file=err)
+            if distributed:  # every rank's counters, gathered (a collective: every rank calls it)
+                ep_stats = args._parallel.report(stats, engine, err, args.quiet)
             if not args.chat:
                 break
             if tokens and tokens[-1] in eos:
                 tokens = tokens[:-1]
             conversation = ids + tokens
             messages.append({"role": "assistant", "content": reply})
-        if args.stats_json:
+        if args.stats_json and not (distributed and args._parallel.rank):
             try:
-                args.stats_json.write_text(stats.to_json() + "\n")
+                args.stats_json.write_text((stats.to_json() if ep_stats is None else ep_stats) + "\n")
             except OSError as e:
                 raise MoestreamError(f"--stats-json {args.stats_json}: cannot write: {e.strerror or e}") from None
         return stats
     finally:
-        engine.close()
+        try:
+            engine.close()
+        finally:
+            if distributed:
+                args._parallel.close()
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -368,8 +390,22 @@ def run_serve(args: argparse.Namespace) -> None:
         raise MoestreamError(f"--max-body-mb {args.max_body_mb}: expected a number of MB between 0.001 and 10000")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise MoestreamError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
-    engine = load_engine(args, context=args.max_context)
+    from .parallel import init_from_env, world_size_from_env
+
+    par = None
+    if world_size_from_env() > 1:  # under torchrun: rank 0 serves HTTP, the other ranks follow its generations
+        par = args._parallel = init_from_env(args.device, args.dist_timeout, args.ep_combine, args.ep_placement)
+        par.serving = True
     try:
+        engine = load_engine(args, context=args.max_context)
+    except BaseException:
+        if par is not None:
+            par.close()
+        raise
+    try:
+        if par is not None and par.rank != 0:
+            par.follow(engine)
+            return
         model_max = engine.model.max_context or 32768
         if args.max_context is not None and args.max_context > model_max:
             raise MoestreamError(f"--max-context {args.max_context} exceeds the model's context of {model_max}")
@@ -378,7 +414,13 @@ def run_serve(args: argparse.Namespace) -> None:
                                 max_body_bytes=int(args.max_body_mb * 1e6), max_prompt_tokens=args.max_prompt_tokens)
         serve(engine, options, args.host, args.port)
     finally:
-        engine.close()
+        try:
+            if par is not None:
+                par.shutdown()  # rank 0: the followers leave follow() and close with it
+            engine.close()
+        finally:
+            if par is not None:
+                par.close()
 
 def _read_turn(inp, err) -> str | None:
     """One user turn from ``inp`` (a line); None at the end of input or on /exit, /quit."""

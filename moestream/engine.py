@@ -18,7 +18,7 @@ import torch
 from . import quant
 from .cache import ExpertCache, parse_budget
 from .checkpoint import Checkpoint, resolve_model
-from .errors import BudgetError, ConfigError, LayoutError
+from .errors import BudgetError, ConfigError, LayoutError, MoestreamError
 from .io_setup import IOSettings, is_auto, plan_io
 from .layout import ExpertLayout, discover_experts
 from .memory import available_bytes, reset_peak_rss
@@ -68,10 +68,13 @@ class Engine:
     unused_tensors: list[str] = field(default_factory=list)
     io: IOSettings | None = None  # the read path, prefetch, wiring and auto budget in use
     usage: object = None  # moestream.usage.UsageState: the usage profile to save, the trace to close
+    parallel: object = None  # moestream.parallel.ExpertParallel under torchrun (this rank's experts only)
 
     def close(self) -> None:
         """Save the usage profile (when learning), close the trace, stop prefetch and reader threads, close shards."""
         try:
+            if self.parallel is not None and self.usage is not None:
+                _merge_rank_usage(self)
             if self.usage is not None:
                 self.usage.close(self.cache)
         finally:
@@ -136,6 +139,7 @@ def load(
     cache_policy: str = "lru",
     fast: bool = False,
     host_cache_gb: str | float | None = None,
+    parallel=None,
 ) -> Engine:
     """Open a checkpoint and make it ready to generate.
 
@@ -186,6 +190,12 @@ def load(
             none); experts kept there in pinned memory cost a copy instead of a read. On the
             CPU it runs the same tier logic with a CPU "device" tier (for tests); the output
             is unchanged either way.
+        parallel: a :class:`moestream.parallel.ExpertParallel` (torchrun): this process owns a
+            share of each layer's experts (placed by rank 0, balanced from the usage profile
+            when one exists); the budget, preloads, pins and read-ahead cover owned experts
+            only; ``auto`` takes this rank's share of the machine's memory; ``device`` is the
+            rank's (``cuda:LOCAL_RANK`` or the CPU). Only rank 0 writes the trace and saves the
+            usage profile (the ranks' counts summed at close).
         None of these but ``max_active_experts`` and ``fast`` changes the output. Pins take at most the
         budget (pin file) or half of it (hot list and usage profile, after the pin file);
         a bad profile, hot list or pin file is ignored with a warning naming it
@@ -237,7 +247,7 @@ def load(
             raise ConfigError(f"dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
         from .tiered_cache import PinnedBufferPool, TieredExpertCache, parse_host_budget, resolve_device
 
-        dev = resolve_device(device)
+        dev = resolve_device(device) if parallel is None else parallel.device
         tiered = dev.type == "cuda" or host_cache_gb is not None
         if tiered and (formats or quantized_resident):
             raise ConfigError(f"{ckpt.path}: quantized weights are not supported on the GPU tier yet; use --device cpu")
@@ -263,12 +273,19 @@ def load(
             print(f"note: --fast: the QJL residual correction of {n} linears is off; this changes the output"
                   if n else "note: --fast has no effect: this checkpoint stores no QJL residuals", file=sys.stderr)
         keys = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
+        share = 1
+        if parallel is not None:  # this rank's experts only; rank 0 places them
+            parallel.place(ckpt, net, num_experts, usage_file, learn_experts)
+            keys = [key for key in keys if parallel.owns(key)]
+            share = parallel.local_world
+            if parallel.rank != 0:
+                trace = None  # every rank routes the same tokens: rank 0's trace is the whole trace
         if dev.type == "cuda":
             budget = _device_budget(net, store, keys, budget, compute_dtype, auto, dev, context_tokens)
             io.budget = budget
         else:
-            budget = io.size_budget(net, store, keys, budget, compute_dtype, auto, context_tokens)
-            _check_fit(net, store, keys, budget, compute_dtype, io.reserve_bytes)
+            budget = io.size_budget(net, store, keys, budget, compute_dtype, auto, context_tokens, share)
+            _check_fit(net, store, keys, budget, compute_dtype, io.reserve_bytes, share)
         host_budget = 0
         if tiered:
             from .memory import RUNTIME_RESERVE
@@ -276,6 +293,8 @@ def load(
             experts_bytes = sum(store.cached_nbytes(k) for k in keys)
             host_budget = parse_host_budget(host_cache_gb, experts_bytes, RUNTIME_RESERVE + 2 * 2 * workers * max(
                 (store.cached_nbytes(k) for k in keys), default=0))
+            if host_budget and share > 1 and is_auto(host_cache_gb):
+                host_budget //= share  # the ranks of this machine share its host RAM
         tok = None
         if tokenizer:
             from .tokenizer import load_tokenizer
@@ -305,6 +324,8 @@ def load(
             block.attach(cache)
             block.batched = dev.type == "cuda"
         io.start(ckpt, net, store, cache)
+        if parallel is not None:
+            parallel.attach(net, io.prefetcher)
         if budget is None:
             need = sum(store.cached_nbytes(k) for k in keys)
             with progress_bar(need, "preloading every expert", progress) as bar:
@@ -312,11 +333,13 @@ def load(
         usage_state = setup_cache_policy(
             ckpt, net, cache, num_experts, max_active_experts=max_active_experts, hotlist=hotlist,
             pin_file=pin_file, usage_file=usage_file, learn_experts=learn_experts, trace=trace,
+            owns=None if parallel is None else parallel.owns,
         )
         return Engine(
             checkpoint=ckpt, layout=layout, store=store, cache=cache, model=net, family=family,
             dtype=compute_dtype, device=dev, resident_bytes=resident_nbytes(net),
             load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused, io=io, usage=usage_state,
+            parallel=parallel,
         )
     except BaseException:
         if store is not None:
@@ -374,13 +397,14 @@ def _drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:
 
 
 def _check_fit(net: CausalLM, store: ExpertStore, keys: list, budget: int | None, dtype: torch.dtype,
-               reserve: int = 0) -> None:
+               reserve: int = 0, share: int = 1) -> None:
     """Refuse, before reading weights, a budget that cannot fit in the memory available.
 
     Counts the resident weights, the cached experts (``budget``, or every expert for
     None) and ``reserve`` bytes (the runtime, read buffers and prefetch staging the auto
     budget also sets aside, :meth:`moestream.io_setup.IOSettings.size_budget`): a budget
     that leaves no room for them is OOM-killed inside a cgroup cap during prefill.
+    ``share``: processes of this machine (expert parallelism) that split its memory.
 
     Raises:
         BudgetError: with the numbers, in GB (10^9 bytes).
@@ -393,12 +417,30 @@ def _check_fit(net: CausalLM, store: ExpertStore, keys: list, budget: int | None
             resident += p.numel() * (itemsize if p.is_floating_point() else p.element_size())
     experts = sum(store.cached_nbytes(k) for k in keys)
     cached = experts if budget is None else min(budget, experts)
-    avail = available_bytes()
+    avail = available_bytes() // share
     if resident + cached + reserve > avail:
         what = "every expert (--cache-budget-gb all)" if budget is None else f"a {budget / GB:.3g} GB cache budget"
         raise BudgetError(
             f"resident weights ({resident / GB:.2f} GB) plus {what} ({cached / GB:.2f} GB) plus the runtime and "
             f"read buffers ({reserve / GB:.2f} GB) need {(resident + cached + reserve) / GB:.2f} GB, but only "
             f"{avail / GB:.2f} GB of memory is available to this "
-            "process (cgroup limit included); give a smaller --cache-budget-gb, or auto"
+            "process (cgroup limit included" + (f"; this rank's share of {share} on this machine" if share > 1 else "")
+            + "); give a smaller --cache-budget-gb, or auto"
         )
+
+
+def _merge_rank_usage(engine: Engine) -> None:
+    """Expert parallelism: sum the ranks' routing counts (each counts its own experts) so that rank 0
+    saves the whole model's usage profile; the other ranks save none. Skipped after a failed
+    collective or when closing on an error (the other ranks may be elsewhere, or dead)."""
+    par = engine.parallel
+    if par.failed or sys.exc_info()[0] is not None:  # closing on an error: the other ranks may not be here
+        engine.usage.profile_path = None
+        return
+    try:
+        par.merge_usage(engine.cache.usage)
+    except MoestreamError as e:
+        print(f"moestream: warning: the usage profile is not saved: {e}", file=sys.stderr)
+        engine.usage.profile_path = None
+    if par.rank != 0:
+        engine.usage.profile_path = None

@@ -461,6 +461,11 @@ def generate(
             thinking once. Only where ``</think>`` is one token of the tokenizer.
         session: a :class:`Session` whose KV cache is reused and updated.
 
+    Under expert parallelism (``engine.parallel``) every rank must call this together:
+    rank 0's prompt, ``max_tokens``, sampling (a seed drawn by rank 0 when none is given),
+    stop strings and chunking are used on every rank, and closing rank 0's generator early
+    stops the others at the same step.
+
     Yields:
         :class:`Step` per generated token; the last has ``finish_reason`` ``"stop"`` or
         ``"length"``.
@@ -472,6 +477,10 @@ def generate(
         ReadError: when an expert read fails (naming the expert and file).
     """
     model, cache, store = engine.model, engine.cache, engine.store
+    par = getattr(engine, "parallel", None)
+    if par is not None:  # expert parallel (torchrun): every rank runs rank 0's request, its seed included
+        prompt_ids, max_tokens, sampling, stop, stop_at_eos, multi_think, prefill_chunk = par.agree_generation(
+            prompt_ids, max_tokens, sampling, stop, stop_at_eos, multi_think, prefill_chunk)
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
         raise InputError("the prompt is empty")
@@ -577,8 +586,15 @@ def generate(
             elif final:
                 reason = "length"
             lp = _logprob(processed, token, logprobs) if logprobs is not None else None
-            yield Step(token, text, last if keep_logits else None, lp, reason)
+            try:
+                yield Step(token, text, last if keep_logits else None, lp, reason)
+            except GeneratorExit:
+                if par is not None and par.rank == 0 and reason is None:
+                    par.flag(False)  # cancelled on rank 0 (a closed stream): the other ranks stop too
+                raise
             if reason is not None:
+                break
+            if par is not None and not par.flag(True):  # rank 0 goes on, or was cancelled
                 break
             logits = _forward(model, torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv, session)
             if session is not None:

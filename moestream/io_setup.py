@@ -61,8 +61,11 @@ class IOSettings:
     reserve_bytes: int = field(default=0, repr=False)
 
     def size_budget(self, net, store, keys: list, budget: int | None, dtype: torch.dtype, auto: bool,
-                    context_tokens: int | None) -> int | None:
+                    context_tokens: int | None, share: int = 1) -> int | None:
         """The cache budget in bytes: ``budget`` as given, or sized for ``auto``.
+
+        ``share``: ranks on this machine (expert parallelism); ``auto`` takes this rank's
+        share of the memory available.
 
         ``auto``: memory available (:func:`moestream.memory.available_with_source`: cgroup
         v1/v2 limits included) less the resident weights (``net`` on the meta device, in
@@ -89,7 +92,7 @@ class IOSettings:
         if auto:
             ctx = context_tokens or min(DEFAULT_CONTEXT_TOKENS, net.max_context or DEFAULT_CONTEXT_TOKENS)
             kv = 2 * ctx * _kv_bytes_per_token(net, dtype)
-            self.auto = auto_cache_budget(resident, kv, ctx, reserve, experts)
+            self.auto = auto_cache_budget(resident, kv, ctx, reserve, experts, share=share)
             budget = self.auto.budget
         self.budget = budget
         if self.wire_memory:

@@ -206,14 +206,16 @@ def available_with_source(root: Path | None = None) -> tuple[int, str]:
 
 
 def auto_cache_budget(
-    resident: int, kv_cache: int, kv_tokens: int, reserve: int, experts_total: int, root: Path | None = None
+    resident: int, kv_cache: int, kv_tokens: int, reserve: int, experts_total: int, root: Path | None = None,
+    share: int = 1,
 ) -> AutoBudget:
     """Size the expert cache from the memory really available (``--cache-budget-gb auto``).
 
     Args (bytes): ``resident`` weights not yet loaded, ``kv_cache`` for the context of
     ``kv_tokens`` tokens, ``reserve`` for the runtime and reads in flight,
     ``experts_total`` every expert (the budget never exceeds it). ``root``: a fake
-    ``/`` for tests (default :data:`SYSTEM_ROOT`).
+    ``/`` for tests (default :data:`SYSTEM_ROOT`). ``share``: processes on this machine that
+    split its memory (expert parallelism under torchrun); each takes ``available / share``.
 
     Raises:
         BudgetError: when nothing is left for the cache, with the numbers.
@@ -221,6 +223,8 @@ def auto_cache_budget(
     from .errors import BudgetError
 
     avail, source = available_with_source(root)
+    if share > 1:
+        avail, source = avail // share, f"{source}, split between {share} local ranks"
     left = avail - resident - kv_cache - reserve
     out = AutoBudget(avail, source, resident, kv_cache, kv_tokens, reserve, experts_total,
                      max(0, min(left, experts_total)))

@@ -79,6 +79,7 @@ class Prefetcher:
         self._claimed: dict[Key, ReadBatch] = {}  # claimed by the layer fetching now, not yet taken
         self._dropping: list[ReadBatch] = []
         self._cache = None
+        self.owns = None  # expert parallelism: (layer, expert) -> whether this rank reads it (set by engine.load)
 
     def attach(self, cache) -> None:
         """Hook into ``cache`` (an :class:`~moestream.cache.ExpertCache`)."""
@@ -103,6 +104,8 @@ class Prefetcher:
             top = torch.topk(score, min(idx.shape[1], score.numel())).indices.tolist()
             for e in top:
                 key = (block.layer, e)
+                if self.owns is not None and not self.owns(key):  # expert parallel: another rank reads it
+                    continue
                 if score[e] > 0 and key not in self._staged and key not in self._planned and (
                     self._cache is None or key not in self._cache
                 ):

@@ -312,14 +312,15 @@ class UsageState:
 
 def setup_cache_policy(
     checkpoint, model, cache, num_experts: dict[int, int], *, max_active_experts: int = 0, hotlist: bool = True,
-    pin_file=None, usage_file=None, learn_experts: bool = True, trace=None,
+    pin_file=None, usage_file=None, learn_experts: bool = True, trace=None, owns=None,
 ) -> UsageState:
     """Apply the expert-usage options of ``engine.load`` to a loaded model and its cache.
 
     Sets ``max_active`` on the MoE blocks (warning that the output changes below the
     model's top-k); pins the experts of the pin file (up to the whole budget), then of the
     hot list and the usage profile (up to ``HOT_FRACTION`` of the budget), saying how many;
-    opens the trace. Bad files are ignored with a warning naming them.
+    opens the trace. Bad files are ignored with a warning naming them. ``owns`` (expert
+    parallelism: this rank's ``(layer, expert) -> bool``) keeps pins to this rank's experts.
 
     Raises:
         MoestreamError: the trace file cannot be created.
@@ -351,6 +352,7 @@ def setup_cache_policy(
             if keys is None:
                 warn(f"pin file {pin_file} {problem}; ignored")
             else:
+                keys = keys if owns is None else [k for k in keys if owns(k)]
                 n = cache.pin(keys)
                 note(f"pinned {n} of {len(keys)} experts from {pin_file} ({cache.pinned_bytes / 1e9:.2f} GB)")
         hot, sources = [], []
@@ -371,6 +373,8 @@ def setup_cache_policy(
                 else:
                     hot += ranked(counts)
                     sources.append(str(path))
+        if owns is not None:
+            hot = [k for k in hot if owns(k)]
         if hot:
             before = cache.pinned_bytes
             n = cache.pin(hot, int(HOT_FRACTION * budget))  # pins of the pin file count too

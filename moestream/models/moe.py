@@ -196,7 +196,9 @@ class StreamedMoE(nn.Module):
     Attribute ``max_active`` (default 0: the model's own routing, exact) keeps at most that
     many experts per token (:func:`keep_top_experts`); set by ``engine.load``. Attribute
     ``batched`` (set by ``engine.load`` on a GPU, for SwiGLU experts) computes the layer's
-    experts with :func:`batched_swiglu_experts`.
+    experts with :func:`batched_swiglu_experts`. Attribute ``parallel`` (set by ``engine.load``
+    under torchrun) computes this rank's experts and gathers the others'
+    (:class:`moestream.parallel.ExpertParallel`), with the bits of :func:`streamed_experts`.
 
     The router's weight is ``gate.weight`` [E, H], the name transformers uses.
     """
@@ -214,6 +216,7 @@ class StreamedMoE(nn.Module):
         self.cache: ExpertCache | None = None
         self.max_active = 0
         self.batched = False  # set by engine.load on a GPU: one batched matmul chain per layer
+        self.parallel = None  # set by engine.load under torchrun: a moestream.parallel.ExpertParallel
 
     def attach(self, cache: ExpertCache) -> None:
         self.cache = cache
@@ -248,6 +251,8 @@ class StreamedMoE(nn.Module):
         if pf is not None:  # --prefetch-ahead: read the next layers' likely experts while this one computes
             pf.plan(self.layer, x)
         inp = x if expert_input is None else expert_input
+        if self.parallel is not None:  # expert parallel: owned experts here, the rest from the other ranks
+            return self.parallel(inp, weights, idx, self.layer, self.cache, self.expert_fn)
         if self.batched and self.expert_fn is swiglu_expert:
             return batched_swiglu_experts(inp, weights, idx, self.layer, self.cache)
         return streamed_experts(inp, weights, idx, self.layer, self.cache, self.expert_fn)
