@@ -216,6 +216,7 @@ class ExpertParallel:
         self.combine, self.placement_mode = combine, placement_mode
         self.owners: dict[int, torch.Tensor] = {}
         self._owned: set[tuple[int, int]] = set()
+        self._owned_ids: dict[int, set[int]] = {}  # layer -> owned expert ids (the batched path)
         self.placement_note = ""
         self.stats = CollectiveStats()
         self.failed = False
@@ -256,6 +257,7 @@ class ExpertParallel:
             at += n
         self._owned = {(layer, e) for layer in layers for e, r in enumerate(self.owners[layer].tolist())
                        if r == self.rank}
+        self._owned_ids = {}
 
     def attach(self, model, prefetcher=None) -> None:
         """Route every MoE block of ``model`` through this rank's combine; read ahead owned experts only."""
@@ -266,15 +268,19 @@ class ExpertParallel:
 
     # -- the combine ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, layer: int, cache,
-                 expert_fn) -> torch.Tensor:
+                 expert_fn, batched: bool = False) -> torch.Tensor:
         """The routed experts' weighted sum for ``x`` [T, H], bit-identical to
-        :func:`moestream.models.moe.streamed_experts` on one process.
+        :func:`moestream.models.moe.streamed_experts` on one process (with ``batched``, on a GPU:
+        to :func:`moestream.models.moe.batched_swiglu_experts`, the one-GPU path: each rank runs
+        the layer's batched matmuls at the whole layer's shapes, its own experts' weights in
+        their rows and zeros in the others', so its slots have the one-GPU bits).
 
         Args:
             x: [T, H] expert input; weights: [T, K] routing weights (x's dtype or float32);
             idx: [T, K] int64 expert ids (the same on every rank); layer: the MoE layer;
             cache: this rank's expert cache (only owned experts are fetched);
             expert_fn: one expert's computation.
+            batched: SwiGLU experts computed as one batched matmul chain (set on a GPU).
 
         Returns:
             [T, H] in x's dtype, summed over k = 0..K-1 in routing order.
@@ -293,7 +299,15 @@ class ExpertParallel:
         mine = torch.nonzero(slot_rank == self.rank).squeeze(1)  # ascending slot positions owned here
         rows = x.new_empty(counts[self.rank], h)
         # even with no owned slot: the (empty) fetch lets the prefetcher retire this layer's reads ahead
-        self._compute(x, weights.reshape(-1), flat, mine, k, layer, cache, expert_fn, rows)
+        if batched:
+            from .models.moe import batched_swiglu_slots
+
+            owned = self._owned_ids.get(layer)
+            if owned is None:
+                owned = self._owned_ids[layer] = set(torch.nonzero(self.owners[layer] == self.rank).view(-1).tolist())
+            rows.copy_(batched_swiglu_slots(x, weights, idx, layer, cache, owned)[mine])
+        else:
+            self._compute(x, weights.reshape(-1), flat, mine, k, layer, cache, expert_fn, rows)
         self.stats.slots_computed += mine.numel()
         row_bytes = h * x.element_size()
         header = torch.tensor([layer, n_slots, fingerprint, counts[self.rank]], dtype=torch.int64)

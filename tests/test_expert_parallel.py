@@ -89,10 +89,13 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
         import moestream.parallel
 
         moestream.parallel.SMALL_EXCHANGE = options.pop("small_exchange")
+    batched = options.pop("batched", False)
     try:
         ep = init_from_env("cpu", timeout_s=timeout_s, combine=combine)
         engine = load(path, cache_budget_gb=budget, tokenizer=False, parallel=ep, workers=2,
                       usage_file=f"{out}/usage.json", **options)
+        for block in engine.model.moe_blocks():
+            block.batched = batched  # the GPU's batched matmul path, here on the CPU
         try:
             if mode == "serve":
                 res.update(_serve(engine, ep))
@@ -183,12 +186,14 @@ def _launch(path: Path, world: int, budget: str, out: Path, die_at: int | None =
     return out_rows
 
 
-def _reference(path: Path, usage: Path) -> tuple[dict, dict]:
+def _reference(path: Path, usage: Path, batched: bool = False) -> tuple[dict, dict]:
     """One process, every expert resident, one thread (the ranks run one thread each too)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         engine = load(path, cache_budget_gb="all", tokenizer=False, usage_file=usage)
+        for block in engine.model.moe_blocks():
+            block.batched = batched
         try:
             tokens, logits = {}, {}
             for name, sampling in SAMPLINGS.items():
@@ -213,9 +218,9 @@ def _expert_bytes(path: Path) -> int:
         return lay.expert_nbytes(layer, 0)
 
 
-def _check_equal(path: Path, rows: list[dict], out: Path) -> None:
+def _check_equal(path: Path, rows: list[dict], out: Path, batched: bool = False) -> None:
     ref_usage = out / "reference-usage.json"
-    ref_tokens, ref_logits = _reference(path, ref_usage)
+    ref_tokens, ref_logits = _reference(path, ref_usage, batched)
     assert len(set(ref_tokens["sampled"])) > 1  # sampling really draws
     # rank 0 saved the whole model's usage profile: the ranks' counts summed, as one process counts them
     assert json.loads((out / "usage.json").read_text())["counts"] == json.loads(ref_usage.read_text())["counts"]
@@ -253,6 +258,15 @@ def test_ranks_bit_identical_to_one_process(qwen, tmp_path, world, combine):
     assert all(row["pinned_not_owned"] == [] for row in rows)
     if options:
         assert sum(row["pinned"] for row in rows) > 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_batched_path_bit_identical_to_one_process_batched(qwen, tmp_path, world):
+    """The GPU's batched matmul path (here on the CPU): each rank computes its own experts at the whole
+    layer's shapes, so its slots have the bits of the one-process batched run."""
+    one = _expert_bytes(qwen)
+    rows = _launch(qwen, world, str(3 * one / 1e9), tmp_path, options={"batched": True})
+    _check_equal(qwen, rows, tmp_path, batched=True)
 
 
 def test_deepseek_family_with_shared_experts(tmp_path_factory, tmp_path):

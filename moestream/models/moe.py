@@ -121,6 +121,29 @@ def batched_swiglu_experts(
         [T, H] in x's dtype.
     """
     t, k = idx.shape
+    slots = batched_swiglu_slots(x, weights, idx, layer, cache).view(t, k, -1)
+    out = slots[:, 0].clone()
+    for j in range(1, k):
+        out += slots[:, j]
+    return out
+
+
+def batched_swiglu_slots(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    layer: int,
+    cache: ExpertCache,
+    owned: set[int] | None = None,
+) -> torch.Tensor:
+    """The weighted slot outputs [T*K, H] of :func:`batched_swiglu_experts`, before the sum.
+
+    Slot ``t*K + k`` holds ``weights[t, k] * expert_{idx[t, k]}(x[t])`` in x's dtype. With
+    ``owned`` (expert parallelism), only those experts are fetched; the others enter the
+    batched matmuls as zero weights, so the shapes (n, m) -- and with them every owned
+    slot's bits -- are those of the whole layer on one device; the other slots hold zeros.
+    """
+    t, k = idx.shape
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, ascending id
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -132,13 +155,20 @@ def batched_swiglu_experts(
     meta = torch.cat([experts, counts, firstpos]).tolist()  # one device -> host sync for the layer
     ids, cnt, fpos = meta[:n_e], meta[n_e : 2 * n_e], meta[2 * n_e :]
     needed = [ids[i] for i in sorted(range(n_e), key=fpos.__getitem__)]  # order of first use
+    if owned is not None:
+        needed = [e for e in needed if e in owned]
     row_of = {e: i for i, e in enumerate(ids)}
     got: dict[int, dict[str, torch.Tensor]] = {}
     for e, ew in cache.fetch(layer, needed, [cnt[row_of[e]] for e in needed]):
         got[e] = ew.tensors  # the dict stays alive here even if the cache evicts the expert
-    gate = torch.stack([got[e]["gate"] for e in ids])
-    up = torch.stack([got[e]["up"] for e in ids])
-    down = torch.stack([got[e]["down"] for e in ids])
+    slots = x.new_zeros(t * k, x.shape[1]) if owned is not None else x.new_empty(t * k, x.shape[1])
+    if not got:
+        return slots
+    ref = next(iter(got.values()))
+    zero = {role: torch.zeros_like(ref[role]) for role in ("gate", "up", "down")} if len(got) < n_e else None
+    gate = torch.stack([got.get(e, zero)["gate"] for e in ids])
+    up = torch.stack([got.get(e, zero)["up"] for e in ids])
+    down = torch.stack([got.get(e, zero)["down"] for e in ids])
     m = max(cnt)
     starts = torch.cumsum(counts, 0) - counts
     cols = torch.arange(t * k, device=flat.device) - starts[rows]
@@ -146,13 +176,8 @@ def batched_swiglu_experts(
     xin[rows, cols] = x[order // k]
     h = F.silu(torch.bmm(xin, gate.transpose(1, 2))) * torch.bmm(xin, up.transpose(1, 2))
     y = torch.bmm(h, down.transpose(1, 2))[rows, cols]  # [T*K, H], slots in sorted order
-    slots = x.new_empty(t * k, x.shape[1])
     slots[order] = (y * weights.reshape(-1)[order, None]).to(slots.dtype)
-    slots = slots.view(t, k, -1)
-    out = slots[:, 0].clone()
-    for j in range(1, k):
-        out += slots[:, j]
-    return out
+    return slots
 
 
 def keep_top_experts(
@@ -252,7 +277,8 @@ class StreamedMoE(nn.Module):
             pf.plan(self.layer, x)
         inp = x if expert_input is None else expert_input
         if self.parallel is not None:  # expert parallel: owned experts here, the rest from the other ranks
-            return self.parallel(inp, weights, idx, self.layer, self.cache, self.expert_fn)
+            return self.parallel(inp, weights, idx, self.layer, self.cache, self.expert_fn,
+                                 batched=self.batched and self.expert_fn is swiglu_expert)
         if self.batched and self.expert_fn is swiglu_expert:
             return batched_swiglu_experts(inp, weights, idx, self.layer, self.cache)
         return streamed_experts(inp, weights, idx, self.layer, self.cache, self.expert_fn)
