@@ -22,9 +22,8 @@ On GPUs (the lead's run: 2 H200s, experts split across their VRAM, against one G
    ``--no-page-cache`` (reads hit the disk), sampling at temperature 1 with a fixed seed (varied
    tokens, the same in every run), ``OMP_NUM_THREADS`` = cores / N on the CPU. From rank 0's stats
    JSON: decode tok/s, per rank and summed hit rate, GB read, bytes exchanged, seconds in
-   collectives, distinct experts per layer; the logits digest must equal the 1-process run's
-   (on the CPU; on GPUs the per-expert path of expert parallelism differs from one GPU's batched
-   matmuls in the low bits, so the digest is reported, not required).
+   collectives, distinct experts per layer; the logits digest, which must equal the 1-process
+   run's (CPU and GPU alike).
 
 Prints a table; writes everything to ``--out`` (JSON).
 """
