@@ -7,16 +7,15 @@ one process, and prints a Markdown table for ``docs/benchmarks.md``.
     .venv/bin/python benchmarks/cpu_linear.py [--hidden 2048 --inter 768 --repeats 30]
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 -- moestream is imported before torch, on purpose
 
 import argparse
 import statistics
 import time
 
+from moestream.models import linear as lin  # first: moestream sets its OpenMP wait policy
 import torch
 import torch.nn.functional as F
-
-from moestream.models import linear as lin
 
 
 def median_ms(fn, repeats: int) -> float:
