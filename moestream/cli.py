@@ -24,7 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-budget-gb", default="3",
         help="expert cache budget in GB (10^9 bytes), or 'all' to keep every expert resident, or 'auto' to size it "
-        "from the memory available (cgroup limits included) less resident weights, KV cache and a reserve (default 3)",
+        "from the memory available (cgroup limits included) less resident weights, KV cache and a reserve (default 3); "
+        "under torchrun, per rank (auto: this rank's share)",
     )
     p.add_argument("--prefetch-workers", type=int, default=8, help="parallel expert reads (default 8)")
     # -- I/O (the "Cache and I/O" issue's read half) --
@@ -89,6 +90,9 @@ def check_engine_args(args: argparse.Namespace) -> None:
             raise MoestreamError(
                 "--host-cache-gb needs --device cuda (on the CPU the expert cache is in host RAM already)"
             )
+    timeout = getattr(args, "dist_timeout", None)
+    if timeout is not None and not 0 < timeout < float("inf"):  # NaN fails too
+        raise MoestreamError(f"--dist-timeout must be a positive number of seconds, got {timeout}")
     from .policy_cli import check_cache_policy_args
 
     check_cache_policy_args(args)

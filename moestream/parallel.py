@@ -261,6 +261,12 @@ class ExpertParallel:
         self._owned = {(layer, e) for layer in layers for e, r in enumerate(self.owners[layer].tolist())
                        if r == self.rank}
         self._owned_ids = {}
+        if not self._owned:
+            import sys
+
+            print(f"note: rank {self.rank} owns no experts ({self.world} ranks for "
+                  f"{min(num_experts[layer] for layer in layers)} experts per layer); it still runs the dense part",
+                  file=sys.stderr)
 
     def attach(self, model, prefetcher=None) -> None:
         """Route every MoE block of ``model`` through this rank's combine; read ahead owned experts only."""
@@ -557,10 +563,12 @@ class ExpertParallel:
         per_rank = self.gather_stats(self.local_stats(stats, engine.cache))
         if self.rank == 0 and not quiet:
             print(f"expert parallel: {self.world} ranks ({self.backend}), {self.placement_note}, "
-                  f"combine {self.combine}", file=err)
+                  f"combine {self.combine}; the figures above are rank 0's own, every rank's and their sum:",
+                  file=err)
             print(format_rank_stats(per_rank), file=err)
         d = json.loads(stats.to_json())
-        d["expert_parallel"] = {"world": self.world, "backend": self.backend, "placement": self.placement_note,
+        d["expert_parallel"] = {"world": self.world, "backend": self.backend,
+                                "placement": self.placement_note.removeprefix("placement: "),
                                 "combine": self.combine, "per_rank": per_rank, "sum": rank_summary(per_rank)}
         return json.dumps(d, indent=2)
 

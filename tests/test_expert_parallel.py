@@ -300,6 +300,14 @@ def test_cli_refuses_chat_under_torchrun(qwen, monkeypatch, capsys):
     assert "--chat is not supported under torchrun" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_cli_refuses_a_bad_dist_timeout_in_one_process_too(qwen, capsys, value):
+    from moestream.cli import main
+
+    assert main(["generate", "--model", str(qwen), "--prompt", "hi", "--dist-timeout", value]) == 2
+    assert "--dist-timeout must be a positive number of seconds" in capsys.readouterr().err
+
+
 def test_auto_budget_takes_this_ranks_share(tmp_path, monkeypatch):
     from moestream import memory
 
