@@ -144,3 +144,15 @@ def test_demo_builds_and_proves_identity(tmp_path, monkeypatch, capsys):
     assert "first run" in err and "logits of every step bit-identical to the all-resident run: True" in err
     demo.run_demo(tmp_path / "demo", max_tokens=6)  # second run reuses the checkpoint
     assert "first run" not in capsys.readouterr().err
+
+
+def test_synth_writes_no_mtp_layer_and_says_so_in_the_config():
+    """Synth writes no multi-token-prediction weights, so its config asks for none (llama.cpp's converter
+    and loader would look for them)."""
+    from moestream.synth import plan_synth
+
+    plan = plan_synth("/work/shared/models/configs/Qwen3.5-35B-A3B.json", layers=2)
+    assert plan.config["text_config"]["mtp_num_hidden_layers"] == 0
+    assert not any(t.name.startswith("mtp.") for t in plan.tensors)
+    plan = plan_synth("/work/shared/models/configs/Qwen3-Next-80B-A3B.json", layers=2)
+    assert plan.config.get("mtp_num_hidden_layers", 0) == 0

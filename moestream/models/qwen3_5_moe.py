@@ -67,7 +67,8 @@ def describe_skipped(unused: list[str]) -> tuple[str | None, list[str]]:
 
 
 def synth_config(cfg: dict, layers: int) -> dict:
-    """``cfg`` with its ``text_config`` cut to the first ``layers`` decoder layers.
+    """``cfg`` with its ``text_config`` cut to the first ``layers`` decoder layers, without the
+    multi-token-prediction layer (``mtp_num_hidden_layers`` 0: synth does not write ``mtp.*``).
 
     Raises:
         ConfigError: ``layers`` beyond the config's.
@@ -79,6 +80,8 @@ def synth_config(cfg: dict, layers: int) -> dict:
     text["num_hidden_layers"] = layers
     if isinstance(text.get("layer_types"), list):
         text["layer_types"] = text["layer_types"][:layers]
+    if "mtp_num_hidden_layers" in text:  # synth writes no multi-token-prediction layer (mtp.*)
+        text["mtp_num_hidden_layers"] = 0
     return {**cfg, "text_config": text}
 
 

@@ -228,12 +228,15 @@ def skipped_note(family: str, unused: list[str], parts: dict[str, str]) -> tuple
 
 
 def synth_config(cfg: dict, layers: int) -> dict:
-    """``cfg`` cut to its first ``layers`` decoder layers (``layer_types`` too)."""
+    """``cfg`` cut to its first ``layers`` decoder layers (``layer_types`` too), without the
+    multi-token-prediction layer synth does not write (``mtp_num_hidden_layers`` 0)."""
     out = dict(cfg)
     out["num_hidden_layers"] = layers
     if isinstance(cfg.get("layer_types"), list):
         out["layer_types"] = cfg["layer_types"][:layers]
     out["mlp_only_layers"] = [i for i in cfg.get("mlp_only_layers") or [] if i < layers]
+    if "mtp_num_hidden_layers" in out:  # synth writes no multi-token-prediction layer (mtp.*)
+        out["mtp_num_hidden_layers"] = 0
     return out
 
 
