@@ -721,6 +721,9 @@ def main() -> int:
         if not gguf.exists():
             cmd = [str(a.peers_dir / "convert-venv/bin/python"), str(conv), str(model), "--outfile",
                    str(gguf) + ".partial", "--outtype", "bf16"]
+            text = {**ck, **(ck.get("text_config") or {})}
+            if "mtp_num_hidden_layers" in text or "num_nextn_predict_layers" in text:
+                cmd.append("--no-mtp")  # synth writes no multi-token-prediction layer; the converter expects one
             log(f"GGUF: {shlex.join(cmd)}")
             t0 = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True)
