@@ -375,6 +375,7 @@ def whole_model_hint(engine: Engine, comfort: float = 0.8) -> str | None:
     if cache.budget_bytes is None:
         return None
     par = getattr(engine, "parallel", None)  # under torchrun: this rank's experts only
+    mine = "" if par is None else " of this rank"
     experts = sum(store.cached_nbytes((i, e)) for i, lay in engine.layout.layers.items()
                   for e in range(lay.num_experts) if par is None or par.owns((i, e)))
     if cache.budget_bytes >= experts:
@@ -385,9 +386,8 @@ def whole_model_hint(engine: Engine, comfort: float = 0.8) -> str | None:
         return None
     return (
         f"note: the whole model fits in memory (resident weights {engine.resident_bytes / GB:.3g} GB + every "
-        f"expert{' of this rank' if par is not None else ''} {experts / GB:.3g} GB; {avail / GB:.3g} GB available): "
-        f"--cache-budget-gb all keeps them resident and will be faster than the {cache.budget_bytes / GB:.3g} GB "
-        "budget"
+        f"expert{mine} {experts / GB:.3g} GB; {avail / GB:.3g} GB available): --cache-budget-gb all keeps every "
+        f"expert{mine} resident and will be faster than the {cache.budget_bytes / GB:.3g} GB budget"
     )
 
 
