@@ -500,7 +500,8 @@ def report(res: dict, out: Path) -> Path:
         f"GGUF: {fmt(res.get('gguf_gb'), 2)} GB ({res.get('gguf_note', '')}).",
         f"Cap: {res['cap_gib']} GiB ({res['cap_note']}); page cache dropped before each run: {res['cold']}. "
         f"Prompt: {res['prompt_tokens']} tokens through the chat template; then {res['steps']} tokens of a fixed "
-        "natural-language continuation fed one per step (the same ids for every engine); 2 compute threads each.",
+        "natural-language continuation fed one per step (the same ids for every engine); 2 compute threads each"
+        f", OpenMP wait policy {res.get('omp_wait_policy', 'not recorded')} for every engine.",
         f"Disk best (O_DIRECT, 16 MiB random reads into huge pages, one thread): {fmt(res.get('disk_best_gb_s'), 2)} "
         f"GB/s (before the runs {fmt(res.get('disk_before'), 2)}, after {fmt(res.get('disk_after'), 2)}).",
         f"Compute per decoded token at budget all: {fmt(res.get('compute_s_per_token'), 3)} s "
@@ -572,6 +573,10 @@ def main() -> int:
                    help="with --report-from: take the compute runs from this results.json (an --only-compute run)")
     p.add_argument("--smoke", action="store_true", help="a tiny model, seconds; peers only when installed")
     a = p.parse_args()
+    # One OpenMP wait policy for every engine (llama.cpp's ggml and PyTorch both use libgomp): moestream's
+    # default, PASSIVE, since threads spinning on a shared machine take the cores their siblings need. The
+    # workers inherit it; importing moestream here would set it anyway.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     a.out.mkdir(parents=True, exist_ok=True)
     if a.report_from:
         res = json.loads(a.report_from.read_text())
@@ -605,7 +610,7 @@ def main() -> int:
     engines = set(a.engines.split(","))
     res: dict = {"started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load_start": load_avg(),
                  "machine": machine(), "command": shlex.join([sys.executable, *sys.argv]), "runs": [],
-                 "skipped": skipped, "steps": a.tokens}
+                 "skipped": skipped, "steps": a.tokens, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
 
     # 1. peers' set-up
     peers_py = a.peers_dir / "venv/bin/python"
