@@ -5,8 +5,12 @@ resident linear) whose weight ``W`` [out, in] is stored quantized. Paths:
 
 * ``int4``: affine weights of at most 4 bits (and 8 bits, as two 4-bit halves) whose
   groups PyTorch's CPU int4 kernel takes (``torch._weight_int4pack_mm_for_cpu``; group 32,
-  64, 128 or 256, ``out`` a multiple of 32), when the compute dtype is bf16 (the kernel is
-  fast only there). The codes are repacked once per read into the kernel's layout by
+  64, 128 or 256, ``out`` a multiple of the kernel's row block), when the compute dtype is
+  bf16 (the kernel is fast only there). The row block depends on the CPU PyTorch
+  dispatches to (32 rows on AVX2, 64 on AVX-512), so it is probed once per process
+  against PyTorch's own converter, and the packed product is checked against a float64
+  product of the dequantized weight (:func:`int4_block`); if either check fails the
+  path is off and the chunked path below computes every linear. The codes are repacked once per read into the kernel's layout by
   :func:`prepare` (cached with the expert); mlx's ``w = s q + b`` is the kernel's
   ``w = (q - 8) s + z`` with ``z = b + 8 s``; at 8 bits ``q = 16 hi + lo`` gives two
   products, ``hi`` with scale ``16 s`` and zero ``b + 128 s``, ``lo`` with ``s`` and ``8 s``.
@@ -22,6 +26,9 @@ stays bit-identical across budgets.
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -34,24 +41,73 @@ INT4_GROUPS = (32, 64, 128, 256)
 
 
 def int4_eligible(lf: LinearFormat, dtype: torch.dtype) -> bool:
-    """Whether ``lf`` runs on PyTorch's int4 CPU kernel in compute dtype ``dtype``."""
+    """Whether ``lf`` runs on PyTorch's int4 CPU kernel in compute dtype ``dtype``.
+
+    Needs bf16, an affine scheme of 2, 3, 4 or 8 bits with a group the kernel takes, and
+    ``out`` a multiple of the kernel's row block on this CPU (:func:`int4_block`; the path is
+    off where the probe found no layout it can build).
+    """
     s = lf.scheme
-    return (
+    if not (
         s is not None and s.method == "affine" and s.bits in (2, 3, 4, 8) and s.group_size in INT4_GROUPS
-        and lf.out_features % 32 == 0 and lf.in_features % s.group_size == 0 and dtype == torch.bfloat16
-        and hasattr(torch, "_weight_int4pack_mm_for_cpu")
-    )
+        and lf.in_features % s.group_size == 0 and dtype == torch.bfloat16
+    ):
+        return False
+    block = int4_block()
+    return block is not None and lf.out_features % block == 0
 
 
-def _int4pack(codes: torch.Tensor) -> torch.Tensor:
+@functools.cache
+def int4_block() -> int | None:
+    """The row block of PyTorch's CPU int4 layout on this CPU (32 or 64), or None to keep the path off.
+
+    ``torch._convert_weight_to_int4pack_for_cpu`` packs rows in blocks of ``B`` (32 where
+    PyTorch dispatches to AVX2, 64 on AVX-512): per block and input column ``B/2`` bytes,
+    byte ``j`` holding row ``j`` in its low nibble and row ``j + B/2`` in its high one. This
+    builds that layout by hand for each candidate ``B`` and compares it with PyTorch's own
+    converter on a probe matrix, then checks the packed product of random codes, scales
+    and zeros against a float64 product of the dequantized weight. Once per process (a few
+    ms). None (with one line on stderr) when no candidate matches or the product is off,
+    so a future PyTorch layout can never compute wrong values silently.
+    """
+    if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        return None
+    n, k, group = 128, 64, 32
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    try:
+        want = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+    except RuntimeError:
+        want = None
+    for block in (32, 64):
+        packed = _int4pack(codes.to(torch.uint8), block)
+        if want is not None and not torch.equal(packed, want):
+            continue
+        scales = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
+        zeros = torch.randn(n, k // group, generator=gen) * 0.1
+        sz = _scale_zero(scales, zeros, torch.bfloat16)
+        x = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(x, packed, group, sz).double()
+        s64, z64 = sz.double().transpose(0, 1).unbind(-1)  # [n, groups] as the kernel rounded them
+        w = (codes.double() - 8).view(n, -1, group) * s64[..., None] + z64[..., None]
+        ref = x.double() @ w.view(n, k).t()
+        if (y - ref).abs().max() <= 0.02 * ref.abs().max():
+            return block
+    print("moestream: note: PyTorch's int4 CPU kernel takes a weight layout moestream does not build on this "
+          "CPU; quantized bf16 linears use the slower dequantizing path", file=sys.stderr)
+    return None
+
+
+def _int4pack(codes: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """Codes [out, in] (0..15, uint8) in the layout ``_convert_weight_to_int4pack_for_cpu`` makes.
 
-    That layout (measured on PyTorch 2.13): rows in blocks of 32; per block and input
-    column, 16 bytes, byte ``j`` holding row ``j`` in its low nibble and row ``j + 16`` in its
-    high one. Building it here costs about 1 ms for 768x2048, the PyTorch call about 18 ms.
+    Rows in blocks of ``block`` (default :func:`int4_block`); per block and input column,
+    ``block/2`` bytes, byte ``j`` holding row ``j`` in its low nibble and row ``j + block/2`` in
+    its high one. Building it here costs about 1 ms for 768x2048, the PyTorch call about 18 ms.
     """
+    b = block or int4_block()
     n, k = codes.shape
-    v = codes.view(n // 32, 2, 16, k).permute(0, 3, 2, 1)
+    v = codes.view(n // b, 2, b // 2, k).permute(0, 3, 2, 1)
     return (v[..., 0] | (v[..., 1] << 4)).contiguous().view(n, k // 2)
 
 
@@ -59,24 +115,26 @@ def _int4pack_mlx4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The int4 kernel layout straight from mlx 4-bit words [n, k/8] (no code tensor in between).
 
     mlx byte ``j`` of a row holds codes ``2j`` (low nibble) and ``2j+1`` (high); the kernel wants,
-    per 32-row block and column, rows ``i`` and ``i + 16`` in one byte.
+    per block of ``B`` rows and column, rows ``i`` and ``i + B/2`` in one byte.
     """
-    raw = packed.contiguous().view(torch.uint8).view(n // 32, 2, 16, k // 2)
-    a, b = raw[:, 0], raw[:, 1]  # rows i and i + 16 of each block: [nb, 16, k/2]
-    even = (a & 0x0F) | (b << 4)  # code 2j of both rows
-    odd = (a >> 4) | (b & 0xF0)  # code 2j+1
-    return torch.stack((even, odd), -1).permute(0, 2, 3, 1).reshape(n, k // 2)
+    b = int4_block()
+    raw = packed.contiguous().view(torch.uint8).view(n // b, 2, b // 2, k // 2)
+    lo, hi = raw[:, 0], raw[:, 1]  # rows i and i + B/2 of each block: [nb, B/2, k/2]
+    even = (lo & 0x0F) | (hi << 4)  # code 2j of both rows
+    odd = (lo >> 4) | (hi & 0xF0)  # code 2j+1
+    return torch.stack((even, odd), -1).permute(0, 2, 3, 1).contiguous().view(n, k // 2)
 
 
 def _int4pack_bytes(codes: torch.Tensor, shift: int) -> torch.Tensor:
     """The int4 kernel layout of nibble ``shift`` (0 low, 4 high) of 8-bit codes [n, k]."""
+    b = int4_block()
     n, k = codes.shape
-    c = codes.view(n // 32, 2, 16, k)
+    c = codes.view(n // b, 2, b // 2, k)
     if shift:
         out = (c[:, 0] >> 4) | (c[:, 1] & 0xF0)
     else:
         out = (c[:, 0] & 0x0F) | (c[:, 1] << 4)
-    return out.permute(0, 2, 1).reshape(n, k // 2)
+    return out.permute(0, 2, 1).contiguous().view(n, k // 2)
 
 
 def prepare(tensors: dict[str, torch.Tensor], fmt, dtype: torch.dtype) -> dict[str, torch.Tensor]:
