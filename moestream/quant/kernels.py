@@ -10,10 +10,11 @@ resident linear) whose weight ``W`` [out, in] is stored quantized. Paths:
   dispatches to (32 rows on AVX2, 64 on AVX-512), so it is probed once per process
   against PyTorch's own converter, and the packed product is checked against a float64
   product of the dequantized weight (:func:`int4_block`); if either check fails the
-  path is off and the chunked path below computes every linear. The codes are repacked once per read into the kernel's layout by
-  :func:`prepare` (cached with the expert); mlx's ``w = s q + b`` is the kernel's
-  ``w = (q - 8) s + z`` with ``z = b + 8 s``; at 8 bits ``q = 16 hi + lo`` gives two
-  products, ``hi`` with scale ``16 s`` and zero ``b + 128 s``, ``lo`` with ``s`` and ``8 s``.
+  path is off and the chunked path below computes every linear. The codes are repacked
+  once per read into the kernel's layout by :func:`prepare` (cached with the expert);
+  mlx's ``w = s q + b`` is the kernel's ``w = (q - 8) s + z`` with ``z = b + 8 s``; at
+  8 bits ``q = 16 hi + lo`` gives two products, ``hi`` with scale ``16 s`` and zero
+  ``b + 128 s``, ``lo`` with ``s`` and ``8 s``.
 * ``int8``: affine 8-bit weights with one group per row (``group_size == in``), through
   ``torch._weight_int8pack_mm`` (per-channel scales) plus the bias term ``b * sum(x)``.
 * ``chunks``: every other case (any bits, fp8, mxfp4, float32 compute): dequantize
