@@ -62,57 +62,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_parallel_args(p)  # --dist-timeout, --ep-placement, --ep-combine (under torchrun)
 
 
-def check_engine_args(args: argparse.Namespace) -> None:
-    """Check the options of :func:`add_engine_args` before any loading. Raises MoestreamError."""
-    from .cache import parse_budget
-    from .io_setup import is_auto
+def engine_options(args: argparse.Namespace, context: int | None = None):
+    """The :class:`~moestream.options.EngineOptions` of the flags of :func:`add_engine_args`, checked
+    before any loading; ``context``: tokens of context to leave room for (KV cache) when sizing
+    ``--cache-budget-gb auto``. Raises MoestreamError naming the flag."""
+    from .options import EngineOptions
 
-    if args.prefetch_workers < 1:
-        raise MoestreamError(f"--prefetch-workers must be at least 1, got {args.prefetch_workers}")
-    if getattr(args, "prefetch_ahead", 0) < 0:
-        raise MoestreamError(f"--prefetch-ahead must be at least 0, got {args.prefetch_ahead}")
-    if not is_auto(args.cache_budget_gb):
-        parse_budget(args.cache_budget_gb)
-    if getattr(args, "host_cache_gb", None) is not None:
-        from .tiered_cache import resolve_device
-
-        if not is_auto(args.host_cache_gb):  # the value first: "-1" or "abc" is wrong on any device
-            try:
-                gb = float(args.host_cache_gb)
-            except ValueError:
-                gb = float("nan")
-            if not 0 <= gb < 1e9:  # NaN fails too
-                raise MoestreamError(
-                    f"--host-cache-gb: {args.host_cache_gb!r} must be a number of GB between 0 and 1e9, or 'auto'"
-                )
-
-        if resolve_device(getattr(args, "device", "auto")).type != "cuda":
-            raise MoestreamError(
-                "--host-cache-gb needs --device cuda (on the CPU the expert cache is in host RAM already)"
-            )
-    timeout = getattr(args, "dist_timeout", None)
-    if timeout is not None and not 0 < timeout < float("inf"):  # NaN fails too
-        raise MoestreamError(f"--dist-timeout must be a positive number of seconds, got {timeout}")
-    from .policy_cli import check_cache_policy_args
-
-    check_cache_policy_args(args)
+    return EngineOptions.from_args(args, context_tokens=context)
 
 
-def load_engine(args: argparse.Namespace, tokenizer: bool = True, context: int | None = None):
-    """``engine.load`` with the options of :func:`add_engine_args`.
-
-    ``context``: tokens of context to leave room for (KV cache) when sizing ``--cache-budget-gb auto``.
-    """
+def load_engine(args: argparse.Namespace, options, tokenizer: bool = True):
+    """``engine.load`` of ``args.model`` with ``options`` (:func:`engine_options`), under torchrun with
+    this rank's :class:`~moestream.parallel.ExpertParallel` (``args._parallel``)."""
     from .engine import load
-    from .policy_cli import cache_policy_kwargs
 
-    return load(
-        args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=tokenizer,
-        use_page_cache=getattr(args, "use_page_cache", None), prefetch_ahead=getattr(args, "prefetch_ahead", 0),
-        wire_memory=getattr(args, "wire_memory", False), context_tokens=context, device=getattr(args, "device", "auto"),
-        host_cache_gb=getattr(args, "host_cache_gb", None), fast=getattr(args, "fast", False),
-        parallel=getattr(args, "_parallel", None), **cache_policy_kwargs(args),
-    )
+    return load(args.model, options=options, tokenizer=tokenizer, parallel=getattr(args, "_parallel", None))
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -255,15 +219,14 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
     from .generation import GenerationStats, Session, eos_ids, generate, generation_defaults, whole_model_hint
     from .tokenizer import chat_ids, encode_prompt, next_turn_ids, prompt_opens_thinking, think_token_ids
 
-    check_engine_args(args)
-    _sampling(args, {})  # flags checked before loading
     # room for the KV cache under --cache-budget-gb auto: at most one token per prompt byte
     # (byte-level BPE) plus the chat template's tokens; a --chat session may grow past it
-    context = args.max_tokens + len((prompt or "").encode("utf-8")) + 64
+    options = engine_options(args, context=args.max_tokens + len((prompt or "").encode("utf-8")) + 64)
+    _sampling(args, {})  # flags checked before loading
     if distributed:
-        args._parallel = init_from_env(args.device, args.dist_timeout, args.ep_combine, args.ep_placement)
+        args._parallel = init_from_env(options)
     try:
-        engine = load_engine(args, context=context)
+        engine = load_engine(args, options)
     except BaseException:
         if distributed:
             args._parallel.close()
@@ -275,8 +238,8 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
         defaults = generation_defaults(engine.checkpoint.path)
         sampling = _sampling(args, defaults)
         if engine.io is not None and not args.quiet:
-            if engine.io.auto is not None:
-                print(engine.io.auto.describe(), file=err)
+            if engine.budget.auto is not None:
+                print(engine.budget.auto.describe(), file=err)
             print(engine.io.describe(), file=err)
             if hasattr(engine.cache, "describe_tiers"):
                 print(engine.cache.describe_tiers(), file=err)
@@ -383,7 +346,7 @@ def run_serve(args: argparse.Namespace) -> None:
     """Load the model once and serve it until interrupted. Arguments are checked before loading."""
     from .server import ServerOptions, serve
 
-    check_engine_args(args)
+    options = engine_options(args, context=args.max_context)
     if not 0 <= args.port < 65536:
         raise MoestreamError(f"--port {args.port}: expected 0-65535")
     if args.max_queue < 0:
@@ -398,10 +361,10 @@ def run_serve(args: argparse.Namespace) -> None:
 
     par = None
     if world_size_from_env() > 1:  # under torchrun: rank 0 serves HTTP, the other ranks follow its generations
-        par = args._parallel = init_from_env(args.device, args.dist_timeout, args.ep_combine, args.ep_placement)
+        par = args._parallel = init_from_env(options)
         par.serving = True
     try:
-        engine = load_engine(args, context=args.max_context)
+        engine = load_engine(args, options)
     except BaseException:
         if par is not None:
             par.close()

@@ -44,28 +44,6 @@ def add_cache_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-policy", default="lru", choices=POLICIES, help="eviction policy (default lru)")
 
 
-def check_cache_policy_args(args: argparse.Namespace) -> None:
-    """Check the options of :func:`add_cache_policy_args` before loading. Raises MoestreamError."""
-    if getattr(args, "max_active_experts", 0) < 0:
-        raise MoestreamError(f"--max-active-experts must be >= 0, got {args.max_active_experts}")
-    trace = getattr(args, "trace", None)
-    if trace is not None and (trace.is_dir() or not trace.parent.is_dir()):
-        raise MoestreamError(f"--trace {trace}: not a file in an existing folder")
-
-
-def cache_policy_kwargs(args: argparse.Namespace) -> dict:
-    """``engine.load`` keyword arguments from the parsed options."""
-    return dict(
-        max_active_experts=getattr(args, "max_active_experts", 0),
-        hotlist=not getattr(args, "no_hotlist", False),
-        pin_file=getattr(args, "pin_file", None),
-        usage_file=getattr(args, "usage_file", None),
-        learn_experts=not getattr(args, "no_learn_experts", False),
-        trace=getattr(args, "trace", None),
-        cache_policy=getattr(args, "cache_policy", "lru"),
-    )
-
-
 def add_commands(sub, add_engine_args) -> None:
     """Register ``hotlist`` and ``cache-sim`` on the CLI's subparsers."""
     h = sub.add_parser("hotlist", help="make a hot list (hot_experts.json) from a usage profile or built-in prompts")
@@ -114,19 +92,17 @@ def run_hotlist(args: argparse.Namespace, out=None) -> list:
     """
     import torch
 
-    from .cli import check_engine_args
     from .engine import load
     from .generation import SamplingParams, generate
+    from .options import EngineOptions
     from .tokenizer import encode_prompt
     from .usage import default_profile_path, ranked, read_profile, warn, write_keys
 
     out = out or sys.stdout
-    check_engine_args(args)
+    options = EngineOptions.from_args(args).replace(learn_experts=False, hotlist=False, pin_file=None)
     if args.out.is_dir() or not args.out.parent.is_dir():
         raise MoestreamError(f"--out {args.out}: not a file in an existing folder")
-    kwargs = cache_policy_kwargs(args)
-    kwargs.update(learn_experts=False, hotlist=False, pin_file=None)
-    engine = load(args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=True, **kwargs)
+    engine = load(args.model, options=options, tokenizer=True)
     try:
         model_id = engine.usage.model_id
         num_experts = engine.usage.num_experts

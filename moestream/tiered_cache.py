@@ -487,40 +487,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def parse_host_budget(text, experts_bytes: int, reserve_bytes: int) -> int:
-    """Bytes of the host tier for ``--host-cache-gb``: a number of GB (10^9 bytes), or ``auto``.
-
-    ``auto``: 0.8 of the memory available to the process (cgroup limits included) less
-    ``reserve_bytes``, at most ``experts_bytes`` (every expert). A number larger than the
-    memory available is refused.
-
-    Raises:
-        BudgetError: for a bad value or one that cannot fit, with the numbers.
-    """
-    from .errors import BudgetError
-    from .memory import available_bytes
-
-    if text is None:
-        return 0
-    avail = available_bytes()
-    if isinstance(text, str) and text.strip().lower() == "auto":
-        return max(0, min(experts_bytes, int(0.8 * avail) - reserve_bytes))
-    try:
-        gb = float(text)
-    except (TypeError, ValueError):
-        raise BudgetError(f"--host-cache-gb: {text!r} is not a number of GB or 'auto'") from None
-    if not (0 <= gb < 1e9):
-        raise BudgetError(f"--host-cache-gb: {text!r} must be a number of GB between 0 and 1e9, or 'auto'")
-    n = int(gb * 1e9)
-    if min(n, experts_bytes) + reserve_bytes > avail:
-        raise BudgetError(
-            f"--host-cache-gb {text}: {min(n, experts_bytes) / 1e9:.2f} GB of pinned experts plus a "
-            f"{reserve_bytes / 1e9:.2f} GB reserve exceed the {avail / 1e9:.2f} GB of memory available; "
-            "give less or 'auto'"
-        )
-    return n
-
-
 def device_free_bytes(device: torch.device) -> int:
     """Free memory of a CUDA device, in bytes (``cudaMemGetInfo``)."""
     return int(torch.cuda.mem_get_info(device)[0])

@@ -307,39 +307,35 @@ class UsageState:
         finally:
             if self.trace is not None:
                 self.trace.close()
-                cache.trace = None
 
 
-def setup_cache_policy(
-    checkpoint, model, cache, num_experts: dict[int, int], *, max_active_experts: int = 0, hotlist: bool = True,
-    pin_file=None, usage_file=None, learn_experts: bool = True, trace=None, owns=None,
-) -> UsageState:
-    """Apply the expert-usage options of ``engine.load`` to a loaded model and its cache.
+def setup_cache_policy(checkpoint, model, cache, num_experts: dict[int, int], options, trace=None,
+                       owns=None) -> UsageState:
+    """Apply the expert-usage options of an :class:`~moestream.options.EngineOptions` to a loaded
+    model and its cache.
 
-    Sets ``max_active`` on the MoE blocks (warning that the output changes below the
-    model's top-k); pins the experts of the pin file (up to the whole budget), then of the
+    Warns that ``max_active_experts`` changes the output below the model's top-k (the expert
+    pipeline applies it); pins the experts of the pin file (up to the whole budget), then of the
     hot list and the usage profile (up to ``HOT_FRACTION`` of the budget), saying how many;
-    opens the trace. Bad files are ignored with a warning naming them. ``owns`` (expert
-    parallelism: this rank's ``(layer, expert) -> bool``) keeps pins to this rank's experts.
+    opens the routing trace ``trace`` (``UsageState.trace``, which the expert pipeline feeds).
+    Bad files are ignored with a warning naming them. ``owns`` (expert parallelism: this rank's
+    ``(layer, expert) -> bool``) keeps pins to this rank's experts.
 
     Raises:
         MoestreamError: the trace file cannot be created.
         ReadError: an expert read fails while pinning.
     """
-    blocks = model.moe_blocks()
-    top_k = checkpoint.config.get("num_experts_per_tok")
+    max_active_experts, hotlist, pin_file = options.max_active_experts, options.hotlist, options.pin_file
+    usage_file, learn_experts = options.usage_file, options.learn_experts
+    top_k = model.top_k
     if max_active_experts:
-        for b in blocks:
-            b.max_active = max_active_experts
-        if not isinstance(top_k, int) or max_active_experts < top_k:
+        if max_active_experts < top_k:
             warn(
                 f"--max-active-experts {max_active_experts}: each token keeps only its {max_active_experts} "
-                f"highest-weight routed experts of {top_k if isinstance(top_k, int) else 'its top-k'}; "
-                "the output changes (it is not the model's own routing)"
+                f"highest-weight routed experts of {top_k}; the output changes (it is not the model's own routing)"
             )
         elif max_active_experts > top_k:
-            warn(f"--max-active-experts {max_active_experts} is above the model's top-k {top_k} "
-                 "(num_experts_per_tok in config.json): it has no effect")
+            warn(f"--max-active-experts {max_active_experts} is above the model's top-k {top_k}: it has no effect")
     from .models.moe import StreamedMoE
 
     router = next((n + ".gate.weight" for n, m in model.named_modules() if isinstance(m, StreamedMoE)), None)
@@ -393,5 +389,4 @@ def setup_cache_policy(
             "expert_bytes": {str(k): cache.store.cached_nbytes((k, 0)) for k in num_experts},
         }
         writer = TraceWriter(Path(trace), header)
-        cache.trace = writer
     return UsageState(model_id, name, num_experts, profile_path, writer)

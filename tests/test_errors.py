@@ -167,7 +167,7 @@ def test_pickle_weights_are_refused_not_loaded(good, tmp_path):
 
 
 def test_budgets_that_cannot_fit_are_refused_before_loading(good, monkeypatch):
-    monkeypatch.setattr("moestream.engine.available_bytes", lambda: 100_000)
+    monkeypatch.setattr("moestream.memory.available_bytes", lambda: 100_000)
     read = []
     monkeypatch.setattr("moestream.checkpoint.Checkpoint.read_tensor", lambda self, name: read.append(name))
     with pytest.raises(BudgetError, match=r"plus every expert \(--cache-budget-gb all\) \(0.00 GB\) plus the runtime "
@@ -175,7 +175,7 @@ def test_budgets_that_cannot_fit_are_refused_before_loading(good, monkeypatch):
                                           r"but only 0.00 GB of memory is available"):
         load(good, cache_budget_gb="all", tokenizer=False)
     # the weights fit but the runtime's reserve (0.5 GB and the read buffers) does not: refused, naming it
-    monkeypatch.setattr("moestream.engine.available_bytes", lambda: 400_000_000)
+    monkeypatch.setattr("moestream.memory.available_bytes", lambda: 400_000_000)
     with pytest.raises(BudgetError, match=r"plus the runtime and read buffers \(0.\d\d GB\).*only 0.40 GB"):
         load(good, cache_budget_gb="0.001", tokenizer=False)
     with pytest.raises(BudgetError, match=r"resident weights \(0.00 GB\) plus a 1e-05 GB cache budget"):

@@ -321,7 +321,7 @@ def test_bf16_compute_and_the_generic_expert_path(build):
 
     engine = load(dst, cache_budget_gb="all", tokenizer=False, workers=1)
     try:
-        fn = engine.model.moe_blocks()[2].expert_fn
+        fn = engine.pipeline.kernels[engine.model.moe_blocks()[2].layer].fn
         assert isinstance(fn, tq.TQExperts) and fn.float_fn is None
         generic = tq.TQExperts(fn.fmt, fn.holders, swiglu_expert)
         w = engine.cache.store.read_all([(3, 5)])[(3, 5)].tensors

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..checkpoint import Checkpoint, torch_dtype
 from ..errors import CheckpointError, ConfigError
-from .layers import KVCache, RMSNorm, RotaryEmbedding
+from .layers import Attention, KVCache, RMSNorm, RotaryEmbedding
 from .moe import StreamedMoE
 
 
@@ -118,6 +118,22 @@ class CausalLM(nn.Module):
         """Every streamed MoE block, in layer order."""
         return [m for m in self.modules() if isinstance(m, StreamedMoE)]
 
+    @property
+    def top_k(self) -> int:
+        """Routed experts per token, from the family's config as its ``ModelArgs`` read it
+        (``num_experts_per_tok``; a family whose config spells it otherwise overrides this)."""
+        return self.args.num_experts_per_tok
+
+    @property
+    def experts_per_layer(self) -> dict[int, int]:
+        """MoE layer -> its routed experts (E), from the config."""
+        return {b.layer: b.num_experts for b in self.moe_blocks()}
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV cache bytes one token adds at ``itemsize`` bytes per element: keys and values of every
+        attention layer (:class:`~moestream.models.layers.Attention`)."""
+        return sum(2 * m.kv_heads * m.head_dim * itemsize for m in self.modules() if isinstance(m, Attention))
+
     def new_kv_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(len(self.decoder.layers), capacity)
 
@@ -210,17 +226,6 @@ def load_resident(
     model.requires_grad_(False)
     used = set(source.values()) | skip
     return sorted(n for n in checkpoint.tensors if n not in used)
-
-
-def resident_nbytes(model: nn.Module) -> int:
-    """Bytes of the model's resident parameters (shared tensors counted once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        ptr = p.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            total += p.untyped_storage().nbytes()
-    return total
 
 
 def checkpoint_dtype(checkpoint: Checkpoint, name: str = "model.embed_tokens.weight") -> torch.dtype:

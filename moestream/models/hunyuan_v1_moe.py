@@ -135,6 +135,11 @@ class Model(CausalLM):
         """(intermediate, hidden) of one routed expert's gate projection."""
         return self.args.intermediate_size, self.args.hidden_size
 
+    @property
+    def top_k(self) -> int:
+        """HunYuan names top-k ``moe_topk``."""
+        return self.args.moe_topk
+
 
 def synth_config(cfg: dict, layers: int) -> dict:
     """``cfg`` cut to its first ``layers`` decoder layers."""

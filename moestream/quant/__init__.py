@@ -110,28 +110,35 @@ def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:
                      "pass dtype explicitly")
 
 
-def attach(net, store, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> None:
-    """Give each MoE block of ``net`` the expert function of its layer's format, and ``store`` its prepare hook."""
+def attach(net, store, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> dict:
+    """The expert function of each quantized MoE layer of ``net``, and ``store``'s prepare hook.
+
+    Returns layer -> expert function (``fn(x [n, H], tensors) -> [n, H]`` on the expert's
+    stored pieces) for every layer in ``formats``: the quantized SwiGLU kernels, turboquant's
+    :class:`~.turboquant.TQExperts`, or the family's float function on dequantized weights
+    (:mod:`.expert`). Sets the compute dtype of quantized embeddings.
+    """
     from .expert import DequantizedExpert, expert_fn_for
     from .resident import QuantEmbedding
 
     for m in net.modules():
         if isinstance(m, QuantEmbedding):
             m.dtype = dtype
-    from .turboquant import TQExpertFormat, attach_experts
+    from .turboquant import TQExpertFormat, expert_functions
 
+    fns = expert_functions(net, formats)  # turboquant layers
     swiglu = {}  # layers whose experts run on the quantized kernels (the others dequantize, see .expert)
     for block in net.moe_blocks():
         fmt = formats.get(block.layer)
-        if isinstance(fmt, TQExpertFormat):  # turboquant experts are attached by attach_experts below
+        if fmt is None or isinstance(fmt, TQExpertFormat):
             continue
-        block.expert_fn = expert_fn_for(block.expert_fn, fmt)
-        if fmt is not None and not isinstance(block.expert_fn, DequantizedExpert):
+        fns[block.layer] = expert_fn_for(block.expert_fn, fmt)
+        if not isinstance(fns[block.layer], DequantizedExpert):
             swiglu[block.layer] = fmt
-    attach_experts(net, formats)
     if swiglu:
         from .kernels import Prepare
 
         prep = Prepare(store.layout, swiglu, dtype)
         if prep.active:
             store.prepare = prep
+    return fns

@@ -677,11 +677,12 @@ def quantize_resident(model: nn.Module, tensors: dict, cfg: TurboQuantConfig, wh
     return swapped
 
 
-def attach_experts(model: nn.Module, formats: dict) -> None:
-    """Give each MoE block whose layer's format is turboquant its :class:`TQExperts` function."""
+def expert_functions(model: nn.Module, formats: dict) -> dict:
+    """layer -> the :class:`TQExperts` function of each MoE block whose layer's format is turboquant."""
     from ..models.moe import swiglu_expert
 
     paths = {id(m): n for n, m in model.named_modules()}
+    out = {}
     for block in model.moe_blocks():
         fmt = formats.get(block.layer)
         if not isinstance(fmt, TQExpertFormat):
@@ -693,7 +694,8 @@ def attach_experts(model: nn.Module, formats: dict) -> None:
                 raise QuantError(f"turboquant experts {module!r} lie outside their MoE block {base!r}")
             holders[role] = block.get_submodule(module[len(base) + 1:])
         fn = block.expert_fn
-        block.expert_fn = TQExperts(fmt, holders, None if fn is swiglu_expert else fn)
+        out[block.layer] = TQExperts(fmt, holders, None if fn is swiglu_expert else fn)
+    return out
 
 
 def set_fast(model: nn.Module, fast: bool) -> int:
