@@ -23,6 +23,7 @@ from .errors import ConfigError, LayoutError, MoestreamError
 from .io_setup import IOSettings, plan_io
 from .layout import ExpertLayout, discover_experts
 from .memory import reset_peak_rss
+from .mlx_format import open_checkpoint
 from .models import family_for
 from .models.base import CausalLM, checkpoint_dtype, load_resident
 from .models.linear import use_fast_linear
@@ -175,7 +176,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         raise TypeError("give load() either options= or option keywords, not both")
     t0 = time.perf_counter()
     reset_peak_rss()
-    ckpt = Checkpoint(resolve_model(model))
+    ckpt = open_checkpoint(resolve_model(model))  # an mlx-lm build's names mapped onto Hugging Face ones
     store = None
     try:
         opened = _open(ckpt, options)
@@ -274,8 +275,9 @@ def _open(ckpt: Checkpoint, options: EngineOptions) -> _Opened:
     layout = discover_experts(ckpt.tensors)
     with torch.device("meta"):
         net = family.Model(args)
-    if ckpt.source_format is not None:  # an MLX build whose layout the family must follow (gpt-oss experts)
-        ckpt.source_format.adapt_model(net)
+    adapt = getattr(family, "adapt_to_source", None)  # an MLX build whose layout the family follows (gpt-oss)
+    if ckpt.source_format is not None and adapt is not None:
+        adapt(net, ckpt.source_format)
     formats = quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path)  # quantized experts
     quantized_resident = quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears, on meta
     if options.dtype == "auto":

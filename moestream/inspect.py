@@ -18,6 +18,7 @@ import torch
 from .checkpoint import Checkpoint, TensorInfo, resolve_model
 from .errors import ConfigError, LayoutError, MoestreamError
 from .layout import discover_experts
+from .mlx_format import open_checkpoint
 from .models import family_for, supported_model_types
 
 GB = 1e9
@@ -154,7 +155,7 @@ def inspect(model: str | None = None, config: str | Path | None = None, dtype: s
             raise ConfigError(f"{path}: not a JSON object")
         source, ckpt = str(path), None
     else:
-        ckpt = Checkpoint(resolve_model(model))
+        ckpt = open_checkpoint(resolve_model(model))
         raw, source = ckpt.config, str(ckpt.path)
     try:
         return _inspect(raw, source, ckpt, config, dtype)

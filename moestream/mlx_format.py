@@ -63,7 +63,7 @@ from functools import partial
 
 import torch
 
-from .checkpoint import TensorInfo, dtype_size, torch_dtype
+from .checkpoint import Checkpoint, TensorInfo, dtype_size, torch_dtype
 from .errors import CheckpointError
 
 FORMAT = "mlx"  # safetensors __metadata__ "format" that mlx's save writes
@@ -130,10 +130,7 @@ class MLXFormat:
     renamed: int = 0
     derived: list[str] = field(default_factory=list)
 
-    def adapt_model(self, net) -> None:
-        """Adjust a family model built on the meta device to this checkpoint's layout (gpt-oss's experts)."""
-        if self.model_type == "gpt_oss":
-            _gpt_oss_linear_experts(net)
+    name = "mlx"  # what a family's ``adapt_to_source`` is told
 
     def describe(self, config: dict) -> str:
         """One line naming the format and its quantization, e.g. ``MLX (mlx-lm names); affine 4-bit, group 64``."""
@@ -169,11 +166,24 @@ def _model_type(cfg: dict) -> str | None:
     return mt if isinstance(mt, str) else None
 
 
+def open_checkpoint(path) -> Checkpoint:
+    """A :class:`~moestream.checkpoint.Checkpoint` of folder ``path``, an mlx-lm build's names and layouts
+    mapped onto Hugging Face ones (:func:`adapt`). Raises what those raise."""
+    ckpt = Checkpoint(path)
+    try:
+        adapt(ckpt)
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt
+
+
 def adapt(ckpt) -> MLXFormat | None:
     """Map an MLX-format checkpoint's tensor index onto Hugging Face names, in place; None if not MLX.
 
     Rewrites ``ckpt.tensors`` (renames, reshapes, derived tensors registered in
-    ``ckpt.derived``) and the per-module overrides of ``ckpt.config["quantization"]``.
+    ``ckpt.derived``) and the per-module overrides of ``ckpt.config["quantization"]``, and sets
+    ``ckpt.source_format`` to the returned :class:`MLXFormat`.
 
     Raises:
         CheckpointError: an MLX checkpoint of a family mlx-lm has no model for, or tensors
@@ -226,6 +236,7 @@ def adapt(ckpt) -> MLXFormat | None:
     _dequantize_routers(ckpt, fmt, new, qcfg, rename)
     ckpt.tensors = new
     _rename_overrides(ckpt.config, rename)
+    ckpt.source_format = fmt
     return fmt
 
 
@@ -366,16 +377,4 @@ def _rename_overrides(cfg: dict, rename) -> None:
                         for k, v in q.items()}
 
 
-def _gpt_oss_linear_experts(net) -> None:
-    """gpt-oss experts as mlx-lm stores them: gate, up and down in nn.Linear orientation, each with a bias."""
-    from .models.gpt_oss import clamped_swiglu_linear_expert
-
-    a = net.args
-    net.expert_roles = ("gate", "up", "down", "down.bias", "gate.bias", "up.bias")
-    net.expert_shape = lambda: (a.intermediate_size, a.hidden_size)
-    fn = partial(clamped_swiglu_linear_expert, alpha=a.swiglu_alpha, limit=a.swiglu_limit)
-    for block in net.moe_blocks():
-        block.expert_fn = fn
-
-
-__all__ = ["FORMAT", "MLXFormat", "adapt", "is_mlx"]
+__all__ = ["FORMAT", "MLXFormat", "adapt", "is_mlx", "open_checkpoint"]

@@ -149,6 +149,20 @@ def clamped_swiglu_linear_expert(x: torch.Tensor, w: dict[str, torch.Tensor], al
     return linear((up + 1) * glu, w["down"], w["down.bias"])
 
 
+def adapt_to_source(net: "Model", source) -> None:
+    """Follow a source format's expert layout: an mlx-lm build (``source.name == "mlx"``) stores gate, up
+    and down in nn.Linear orientation, each with a bias (:func:`clamped_swiglu_linear_expert`). Called by
+    the engine on the meta-device model, before its expert kernels are chosen."""
+    if source.name != "mlx":
+        return
+    a = net.args
+    net.expert_roles = ("gate", "up", "down", "down.bias", "gate.bias", "up.bias")
+    net.expert_shape = lambda: (a.intermediate_size, a.hidden_size)
+    fn = partial(clamped_swiglu_linear_expert, alpha=a.swiglu_alpha, limit=a.swiglu_limit)
+    for block in net.moe_blocks():
+        block.expert_fn = fn
+
+
 class GptOssMoE(StreamedMoE):
     """gpt-oss's MoE block: the router is ``mlp.router`` (weight [E, H] and bias [E]), experts stream.
 

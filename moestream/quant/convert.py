@@ -32,6 +32,7 @@ import torch
 from ..checkpoint import INDEX_FILE, Checkpoint, pread_full, resolve_model, safetensors_dtype, torch_dtype
 from ..errors import ConfigError, MoestreamError
 from ..layout import discover_experts
+from ..mlx_format import open_checkpoint
 from . import affine, fp8
 from .formats import QuantConfig, QuantError
 
@@ -313,7 +314,7 @@ def convert(model: str | Path, out: str | Path | None = None, spec: ConvertSpec 
         raise MoestreamError(f"{out}: already exists; choose another --out or delete it")
     if shard_gb <= 0:
         raise ConfigError(f"--shard-gb {shard_gb} must be positive")
-    with Checkpoint(src) as ckpt:
+    with open_checkpoint(src) as ckpt:
         cfg_dtype = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "bfloat16"
         dtype = {"float16": torch.float16, "float32": torch.float32}.get(cfg_dtype, torch.bfloat16)
         items, qdict = plan(ckpt, spec, dtype)
