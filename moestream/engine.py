@@ -98,7 +98,7 @@ def _check_layout(model: CausalLM, layout: ExpertLayout, where, quantized: dict 
         )
     inter, hidden = model.expert_shape()
     for i, lay in layout.layers.items():
-        want = blocks[i].gate.weight.shape[0]
+        want = blocks[i].num_experts
         if lay.num_experts != want:
             raise LayoutError(f"{where}: {lay.block} holds {lay.num_experts} experts; the config says {want}")
         if quantized and i in quantized:

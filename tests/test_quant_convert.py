@@ -2,6 +2,7 @@
 byte-for-byte reproducible, and keep every expert in one 4 KiB-aligned range."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 from moestream.quant.convert import ConvertSpec, convert
+from moestream.quant.formats import QuantError
 
 from .helpers import make_qwen3_moe, read_all
 from .quant_helpers import mlx_dequantize
@@ -173,3 +175,70 @@ def test_bad_bits_names_the_flag_the_user_gave(tmp_path, capsys):
     assert "--bits 7: expected one of" in capsys.readouterr().err
     assert main(["convert", "--model", str(tmp_path), "--expert-bits", "7", "--out", str(tmp_path / "o")]) == 2
     assert "--expert-bits 7: expected one of" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def real_width_q4(tmp_path_factory):
+    """The real Qwen3-30B-A3B config (hidden 2048, top-8 routing) cut to 2 layers of 32 experts of width 128 and a
+    512-token vocabulary, synthesized in bf16 and converted to 4 bits: 32 experts x hidden 2048 is a router the
+    int4 kernel takes (out_features % 32 == 0), so the 8-bit router is repacked on first use and its ``weight``
+    dropped, which the tests' 4-expert routers never reach."""
+    from moestream.synth import synth
+
+    root = tmp_path_factory.mktemp("real-width")
+    cfg = json.loads((Path(__file__).parent / "configs" / "Qwen3-30B-A3B.json").read_text())  # as published
+    cfg.update(num_experts=32, moe_intermediate_size=128, vocab_size=512)
+    (root / "config.json").write_text(json.dumps(cfg))
+    src = synth(root / "config.json", root / "bf16", layers=2)
+    assert main(["convert", "--model", str(src), "--bits", "4", "--out", str(root / "q4")]) == 0
+    yield root / "q4"
+
+
+def test_prefetch_ahead_on_a_quantized_router_at_real_width(real_width_q4):
+    """--prefetch-ahead predicts with the next layer's router through its forward (the router was repacked
+    for the int4 kernel, so it has no ``weight``): the run streams with read-ahead hits and every step's
+    logits are ``torch.equal`` to the same model with every expert resident."""
+    prompt = [5, 17, 101, 300, 42]
+    got = {}
+    for budget, ahead in (("all", 0), ("0.004", 1)):
+        engine = load(real_width_q4, cache_budget_gb=budget, tokenizer=False, workers=2, prefetch_ahead=ahead,
+                      dtype="bf16", hotlist=False, learn_experts=False)
+        try:
+            got[budget] = [s.logits for s in generate(engine, prompt, 4, SamplingParams(), stop_at_eos=False,
+                                                      keep_logits=True)]
+            router = engine.model.decoder.layers[1].mlp.gate
+            assert router._ready is not None and "weight" not in router._parameters  # the repacked router
+            if ahead:
+                stats = engine.io.prefetcher.stats
+                assert stats.hits > 0 and engine.io.prefetcher.enabled, stats
+        finally:
+            engine.close()
+    assert len(got["all"]) == len(got["0.004"]) == 4
+    assert all(torch.equal(a, b) for a, b in zip(got["all"], got["0.004"]))
+
+
+def test_a_biased_float32_router_stays_float(tmp_path):
+    """GLM-4.5's router (``gate.weight`` with ``gate.e_score_correction_bias``, float32 sigmoid routing) is kept
+    float by convert, as mlx-lm keeps it: the 8-bit build loads, routes and stays near the float model."""
+    from .test_family_deepseek import make_model
+
+    ref = make_model(tmp_path / "glm", "glm4_moe")
+    out = convert(tmp_path / "glm", tmp_path / "q8", ConvertSpec(32, 8, 8, 8, 8))
+    t = read_all(out)
+    assert t["model.layers.1.mlp.gate.weight"].dtype == torch.float32 and "model.layers.1.mlp.gate.scales" not in t
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert q["model.layers.1.mlp.gate"] is False and q["bits"] == 8
+    assert t["model.layers.1.mlp.shared_experts.up_proj.weight"].dtype == torch.uint32  # the rest is quantized
+    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    got = logits(out, ids)
+    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 0.05
+    assert torch.equal(logits(out, ids, budget="0"), got)
+    # a build that quantizes such a router anyway is refused by name at load, not a traceback mid-forward
+    from .quant_helpers import write_mlx
+
+    write_mlx(tmp_path / "glm", tmp_path / "mlx", 8, 32, num_experts=8)
+    with pytest.raises(QuantError, match=r"tensor model.layers.1.mlp.gate.weight is quantized, but this linear also "
+                                         r"holds e_score_correction_bias"):
+        load(tmp_path / "mlx", tokenizer=False)

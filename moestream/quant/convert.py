@@ -5,7 +5,8 @@ Kimi K2, Qwen3 FP8), in any expert layout moestream reads. Output: MLX affine
 quantization (:mod:`moestream.quant.affine`), config.json ``quantization`` as mlx-lm
 writes it (default ``{group_size, bits}`` plus per-module overrides), with separate bit
 widths for experts (and their down projections), attention and the other linears; norms
-stay float and routers take 8 bits (as mlx-lm keeps them). Bits 16 keeps a part float.
+stay float and routers take 8 bits (as mlx-lm keeps them; a router with an
+``e_score_correction_bias`` stays float, as mlx-lm keeps it). Bits 16 keeps a part float.
 
 On-disk layout: experts are per-expert tensors ``<block>.experts.E.{gate,up,down}_proj.
 {weight,scales,biases}``, the nine tensors of one expert adjacent in that order and the
@@ -183,6 +184,10 @@ def plan(ckpt: Checkpoint, spec: ConvertSpec, dtype: torch.dtype) -> tuple[list[
         if linear:
             cat = _category(name)
             bits = {"attn": spec.attn_bits, "router": ROUTER_BITS, "other": spec.other_bits}[cat]
+            if name[: -len("weight")] + "e_score_correction_bias" in ckpt.tensors:
+                # a biased sigmoid router (DeepSeek-V3, GLM-4.5, Kimi) routes in float32, and mlx-lm keeps
+                # it float (its MoEGate is not a Linear): quantizing it would change which experts are chosen
+                bits = FLOAT_BITS
             if "embed_tokens" in name and tied:
                 bits = FLOAT_BITS
             if info.shape[1] % g:
