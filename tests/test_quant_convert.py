@@ -242,3 +242,34 @@ def test_a_biased_float32_router_stays_float(tmp_path):
     with pytest.raises(QuantError, match=r"tensor model.layers.1.mlp.gate.weight is quantized, but this linear also "
                                          r"holds e_score_correction_bias"):
         load(tmp_path / "mlx", tokenizer=False)
+
+
+def test_bits_16_writes_the_float_model_in_the_streaming_layout(src, tmp_path):
+    """--bits 16 ("16 keeps it float"): every tensor, routers included, keeps the source's float values, config.json
+    declares no quantization, each expert is one 4 KiB-aligned range, and generate gives the source's logits exactly.
+    16 for the experts alone keeps them float beside quantized attention."""
+    out = tmp_path / "f16"
+    assert main(["convert", "--model", str(src[0]), "--bits", "16", "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization" not in cfg and "quantization_config" not in cfg
+    orig, got = read_all(src[0]), read_all(out)
+    assert {k for k in got if not k.startswith("moestream.pad.")} == set(orig)
+    assert all(torch.equal(got[k], orig[k]) for k in orig)
+    with Checkpoint(out) as ckpt:
+        for lay in discover_experts(ckpt.tensors).layers.values():
+            for pieces in lay.experts:
+                spans = sorted((p.offset, p.nbytes) for p in pieces)
+                assert spans[0][0] % 4096 == 0 and all(o + n == o2 for (o, n), (o2, _) in zip(spans, spans[1:]))
+    ids = torch.arange(3, 30)
+    assert torch.equal(logits(out, ids, budget="0"), logits(src[0], ids))
+    mixed = convert(src[0], tmp_path / "e16a4", ConvertSpec(32, 16, 16, 4, 16))
+    q = json.loads((mixed / "config.json").read_text())["quantization"]
+    assert q["bits"] == 4 and q["model.layers.0.mlp.switch_mlp.up_proj"] is False and q["lm_head"] is False
+    t = read_all(mixed)
+    assert t["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == torch.float32
+    assert t["model.layers.1.self_attn.q_proj.weight"].dtype == torch.uint32
+    with torch.no_grad():
+        want = src[1](ids[None]).logits[0]
+    got = logits(mixed, ids)
+    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 0.35
+    assert torch.equal(logits(mixed, ids, budget="0"), got)
