@@ -342,11 +342,21 @@ def generation_defaults(folder: str | Path) -> dict:
 
 
 def _generation_eos(folder: Path) -> list:
+    """generation_config.json's ``eos_token_id`` as a list (empty without the file or the field).
+
+    Raises:
+        ConfigError: naming the file and field, when it is not a token id or a list of them.
+    """
+    path = folder / GENERATION_CONFIG
     try:
-        v = json.loads((folder / GENERATION_CONFIG).read_text()).get("eos_token_id")
+        v = json.loads(path.read_text()).get("eos_token_id")
     except (OSError, ValueError, AttributeError):
-        return []
-    return v if isinstance(v, list) else [v]
+        return []  # no file, or not a JSON object: generation_defaults names that one
+    ids = v if isinstance(v, list) else [v]
+    if v is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+        raise ConfigError(f"{path}: field 'eos_token_id' = {shown} is not a token id or a list of them")
+    return ids
 
 
 def eos_ids(engine: Engine) -> set[int]:
@@ -354,7 +364,7 @@ def eos_ids(engine: Engine) -> set[int]:
     ids: set[int] = set()
     cfg_eos = engine.checkpoint.config.get("eos_token_id")
     for v in (cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]) + _generation_eos(engine.checkpoint.path):
-        if isinstance(v, int) and not isinstance(v, bool):
+        if isinstance(v, int) and not isinstance(v, bool):  # config.json's was checked at load
             ids.add(v)
     tok = engine.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
