@@ -300,60 +300,76 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
         stats = GenerationStats()
         first = True
         ep_stats = None
-        while True:
-            if args.chat:
-                text = prompt if first and prompt is not None else _read_turn(inp, err)
-                if text is None:
-                    break
-                messages.append({"role": "user", "content": text})
-                if first:
-                    ids = chat_ids(tok, messages, chat_template_kwargs=template_kwargs)
-                else:
-                    ids = conversation + next_turn_ids(tok, messages, chat_template_kwargs=template_kwargs)
-            else:
-                ids = encode_prompt(tok, prompt, chat_template=not args.no_chat_template, system=args.system,
-                                    chat_template_kwargs=template_kwargs)
-            first = False
-            if not ids:
-                raise MoestreamError("the prompt encodes to no tokens")
-            if max(ids) >= engine.model.vocab_size:  # e.g. the bundled Qwen3 tokenizer on a smaller vocabulary
-                raise MoestreamError(
-                    f"the prompt encodes to token id {max(ids)}, outside the model's vocab_size "
-                    f"{engine.model.vocab_size}: the tokenizer does not fit the model (try --no-chat-template, or "
-                    "another tokenizer)"
-                )
-            stats = GenerationStats()
-            printer = _Printer(out, args.hide_think, prompt_opens_thinking(ids, think_ids, eos))
-            tokens = []
-            for step in generate(engine, ids, args.max_tokens, sampling, stats, stop=args.stop,
-                                 multi_think=args.multi_think, session=session):
-                tokens.append(step.token)
-                printer.push(step.text)
-            reply = printer.end()
-            if args.hide_think and printer.splitter.reasoning and not args.quiet:
-                print("note: the thinking block did not end within --max-tokens (nothing to show with --hide-think)",
-                      file=err)
-            if not args.quiet:
+        interrupted = False
+        try:
+            while True:
                 if args.chat:
-                    prefilled = stats.prompt_tokens - stats.prompt_cached_tokens
-                    print(f"[{stats.generated_tokens} tokens ({stats.finish_reason}), {prefilled} prefilled, "
-                          f"{stats.decode_tok_s:.2f} tok/s, cache hit rate {stats.cache_hit_rate:.1%}]", file=err)
+                    text = prompt if first and prompt is not None else _read_turn(inp, err)
+                    if text is None:
+                        break
+                    messages.append({"role": "user", "content": text})
+                    if first:
+                        ids = chat_ids(tok, messages, chat_template_kwargs=template_kwargs)
+                    else:
+                        ids = conversation + next_turn_ids(tok, messages, chat_template_kwargs=template_kwargs)
                 else:
-                    print("-" * 60, file=err)
-                    print(stats.summary(), file=err)
-            if distributed:  # every rank's counters, gathered (a collective: every rank calls it)
-                ep_stats = args._parallel.report(stats, engine, err, args.quiet)
-            if not args.chat:
-                break
-            if tokens and tokens[-1] in eos:
-                tokens = tokens[:-1]
-            conversation = ids + tokens
-            messages.append({"role": "assistant", "content": reply})
-        if args.stats_json and not (distributed and args._parallel.rank):
+                    ids = encode_prompt(tok, prompt, chat_template=not args.no_chat_template, system=args.system,
+                                        chat_template_kwargs=template_kwargs)
+                first = False
+                if not ids:
+                    raise MoestreamError("the prompt encodes to no tokens")
+                if max(ids) >= engine.model.vocab_size:  # e.g. the bundled Qwen3 tokenizer on a smaller vocabulary
+                    raise MoestreamError(
+                        f"the prompt encodes to token id {max(ids)}, outside the model's vocab_size "
+                        f"{engine.model.vocab_size}: the tokenizer does not fit the model (try --no-chat-template, "
+                        "or another tokenizer)"
+                    )
+                stats = GenerationStats()
+                printer = _Printer(out, args.hide_think, prompt_opens_thinking(ids, think_ids, eos))
+                tokens = []
+                steps = generate(engine, ids, args.max_tokens, sampling, stats, stop=args.stop,
+                                 multi_think=args.multi_think, session=session)
+                try:
+                    for step in steps:
+                        tokens.append(step.token)
+                        printer.push(step.text)
+                except KeyboardInterrupt:  # Ctrl-C: the stats so far, as after a whole run
+                    steps.close()  # generate's own clean-up fills them in (at once if it was interrupted inside)
+                    stats.finish_reason = "interrupted"
+                    printer.end()
+                    if not args.quiet:
+                        print("-" * 60, file=err)
+                        print(stats.summary(), file=err)
+                    raise
+                reply = printer.end()
+                if args.hide_think and printer.splitter.reasoning and not args.quiet:
+                    print("note: the thinking block did not end within --max-tokens (nothing to show with "
+                          "--hide-think)", file=err)
+                if not args.quiet:
+                    if args.chat:
+                        prefilled = stats.prompt_tokens - stats.prompt_cached_tokens
+                        print(f"[{stats.generated_tokens} tokens ({stats.finish_reason}), {prefilled} prefilled, "
+                              f"{stats.decode_tok_s:.2f} tok/s, cache hit rate {stats.cache_hit_rate:.1%}]", file=err)
+                    else:
+                        print("-" * 60, file=err)
+                        print(stats.summary(), file=err)
+                if distributed:  # every rank's counters, gathered (a collective: every rank calls it)
+                    ep_stats = args._parallel.report(stats, engine, err, args.quiet)
+                if not args.chat:
+                    break
+                if tokens and tokens[-1] in eos:
+                    tokens = tokens[:-1]
+                conversation = ids + tokens
+                messages.append({"role": "assistant", "content": reply})
+        except KeyboardInterrupt:
+            interrupted = True  # the stats of the turn that ran (or was cut), then exit 130
+        if args.stats_json and not (distributed and args._parallel.rank) and (stats.prompt_tokens or not interrupted):
             try:
-                args.stats_json.write_text((stats.to_json() if ep_stats is None else ep_stats) + "\n")
+                args.stats_json.write_text((stats.to_json() if ep_stats is None or interrupted else ep_stats) + "\n")
             except OSError as e:
                 raise MoestreamError(f"--stats-json {args.stats_json}: cannot write: {e.strerror or e}") from None
+        if interrupted:
+            raise KeyboardInterrupt
         return stats
     finally:
         try:
@@ -507,6 +523,17 @@ def run_convert(args: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``moestream`` command: 0 when done, 2 for an error a user can cause (one line on
+    stderr), 130 when interrupted (Ctrl-C, at any point: the imports of building the parser
+    included, never a traceback)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("moestream: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="moestream",
         description="Run Mixture-of-Experts models bigger than memory by streaming their experts from disk.",
@@ -561,9 +588,6 @@ def main(argv: list[str] | None = None) -> int:
     except MoestreamError as e:
         print(f"moestream: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("moestream: interrupted", file=sys.stderr)
-        return 130
 
 
 def generate_main(argv: list[str] | None = None) -> int:

@@ -414,10 +414,11 @@ def _logprob(processed: torch.Tensor, token: int, n: int) -> TokenLogprob:
 def _forward(model, x: torch.Tensor, pos: int, kv, session: Session | None) -> torch.Tensor:
     """``model(x, pos, kv)``; when it fails part-way (a failed expert read), some layers have
     already written this step into ``kv`` and others not, so a ``session`` is emptied: its
-    next call prefills from scratch instead of continuing from a half-updated cache."""
+    next call prefills from scratch instead of continuing from a half-updated cache. A Ctrl-C
+    (KeyboardInterrupt) part-way is such a failure too."""
     try:
         return model(x, pos, kv)
-    except Exception:
+    except BaseException:
         if session is not None:
             session.kv = None
             session.ids.clear()
@@ -549,22 +550,24 @@ def generate(
     io0 = _io_snapshot(engine)
 
     t0 = time.perf_counter()
+    t1 = None  # the decode's start; None while prefilling
     logits = None
-    for s in range(reuse, len(prompt_ids), prefill_chunk):
-        logits = _forward(model, ids[s : s + prefill_chunk], s, kv, session)
-        if session is not None:
-            session.ids.extend(prompt_ids[s : s + prefill_chunk])
-    stats.prefill_seconds = time.perf_counter() - t0
-    prefilled = len(prompt_ids) - reuse
-    stats.prefill_tok_s = prefilled / stats.prefill_seconds if stats.prefill_seconds else 0.0
     decode_hits0, decode_lookups0, decode_bytes0 = cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
-
-    t1 = time.perf_counter()
-    pos = len(prompt_ids)
-    context = list(prompt_ids) if sampling.penalized else []
-    generated: list[int] = []
     stats.finish_reason = "length"
-    try:
+    try:  # the stats are filled in however it ends: done, failed or interrupted (Ctrl-C) in prefill or decode
+        for s in range(reuse, len(prompt_ids), prefill_chunk):
+            logits = _forward(model, ids[s : s + prefill_chunk], s, kv, session)
+            if session is not None:
+                session.ids.extend(prompt_ids[s : s + prefill_chunk])
+        stats.prefill_seconds = time.perf_counter() - t0
+        prefilled = len(prompt_ids) - reuse
+        stats.prefill_tok_s = prefilled / stats.prefill_seconds if stats.prefill_seconds else 0.0
+        decode_hits0, decode_lookups0, decode_bytes0 = cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
+
+        t1 = time.perf_counter()
+        pos = len(prompt_ids)
+        context = list(prompt_ids) if sampling.penalized else []
+        generated: list[int] = []
         digest = hashlib.sha256()
         for n in range(max_tokens):
             last = logits[-1].float()
@@ -613,7 +616,9 @@ def generate(
                 session.ids.append(token)
             pos += 1
     finally:
-        stats.decode_seconds = time.perf_counter() - t1
+        if t1 is None:  # ended in prefill
+            stats.prefill_seconds = time.perf_counter() - t0
+        stats.decode_seconds = time.perf_counter() - t1 if t1 is not None else 0.0
         decoded = max(0, stats.generated_tokens - 1)  # the first token comes from prefill
         stats.decode_tok_s = decoded / stats.decode_seconds if decoded and stats.decode_seconds else 0.0
         lookups = cache.stats.lookups - start_lookups
