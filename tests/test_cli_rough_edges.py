@@ -134,3 +134,19 @@ def test_an_interrupted_forward_empties_the_session(tiny, monkeypatch):
         assert all(torch.equal(a.logits, b.logits) for a, b in zip(again, fresh))
     finally:
         engine.close()
+
+
+def test_usage_file_in_a_missing_folder_is_refused(text_model, tmp_path, capsys):
+    """--usage-file whose folder does not exist: refused before loading, as --trace and --stats-json are (the run
+    used to create the folders silently when it saved the profile)."""
+    from moestream.cli import main
+
+    path = tmp_path / "new" / "deeper" / "usage.json"
+    assert main(["generate", "--model", str(text_model), "--prompt", "hi", "--max-tokens", "2",
+                 "--usage-file", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == f"moestream: error: --usage-file {path}: not a file in an existing folder"
+    assert not (tmp_path / "new").exists()
+    path.parent.mkdir(parents=True)  # in an existing folder it is read and written as before
+    assert main(["generate", "--model", str(text_model), "--prompt", "hi", "--max-tokens", "2", "--quiet",
+                 "--usage-file", str(path)]) == 0
+    assert json.loads(path.read_text())["model_id"]

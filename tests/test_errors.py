@@ -373,6 +373,8 @@ def test_cli_checks_arguments_before_loading(good, tmp_path):
     for args, message in [
         (["generate", "--model", str(good), "--prompt", "hi", "--stats-json", str(tmp_path / "no" / "s.json")],
          "--stats-json"),
+        (["generate", "--model", str(good), "--prompt", "hi", "--usage-file", str(tmp_path / "no" / "u.json")],
+         "--usage-file"),  # its folder was created silently at the end of the run
         (["generate", "--model", str(good), "--prompt", ""], "--prompt is empty"),
         (["generate", "--model", str(good), "--prompt", "hi", "--seed", str(10**30), "--temp", "1"], "--seed"),
         (["generate", "--model", str(good), "--prompt", "hi", "--top-p", "2"], "--top-p"),
@@ -385,3 +387,4 @@ def test_cli_checks_arguments_before_loading(good, tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert message in r.stderr, r.stderr
     assert not any(tmp_path.glob("o*"))  # nothing half-written
+    assert not (tmp_path / "no").exists()  # no folder made for --usage-file
