@@ -18,7 +18,7 @@ import torch
 from . import quant
 from .cache import ExpertCache, parse_budget
 from .checkpoint import Checkpoint, resolve_model
-from .errors import BudgetError, ConfigError, LayoutError, MoestreamError
+from .errors import BudgetError, ConfigError, EngineClosedError, LayoutError, MoestreamError
 from .io_setup import IOSettings, is_auto, plan_io
 from .layout import ExpertLayout, discover_experts
 from .memory import available_bytes, reset_peak_rss
@@ -69,9 +69,30 @@ class Engine:
     io: IOSettings | None = None  # the read path, prefetch, wiring and auto budget in use
     usage: object = None  # moestream.usage.UsageState: the usage profile to save, the trace to close
     parallel: object = None  # moestream.parallel.ExpertParallel under torchrun (this rank's experts only)
+    closed: bool = False  # close() was called: generating raises EngineClosedError
+
+    def __enter__(self) -> "Engine":
+        """``with moestream.load(...) as engine:`` closes the engine when the block ends."""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check_open(self) -> None:
+        """Raises EngineClosedError once :meth:`close` was called (every expert may be resident
+        still, but the usage profile, the trace and the reader threads are gone)."""
+        if self.closed:
+            raise EngineClosedError(f"the engine of {self.checkpoint.path} is closed (close() was called, or its "
+                                    "with block ended): load the model again")
 
     def close(self) -> None:
-        """Save the usage profile (when learning), close the trace, stop prefetch and reader threads, close shards."""
+        """Save the usage profile (when learning), close the trace, stop prefetch and reader threads, close shards.
+
+        A second call does nothing.
+        """
+        if self.closed:
+            return
+        self.closed = True
         try:
             if self.parallel is not None and self.usage is not None:
                 _merge_rank_usage(self)

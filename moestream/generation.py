@@ -488,7 +488,9 @@ def generate(
             vocabulary, a prompt that fills the model's context, stop strings without a
             tokenizer, ``logprobs`` < 0.
         ReadError: when an expert read fails (naming the expert and file).
+        EngineClosedError: the engine was closed.
     """
+    engine.check_open()
     model, cache, store = engine.model, engine.cache, engine.store
     par = getattr(engine, "parallel", None)
     if par is not None:  # expert parallel (torchrun): every rank runs rank 0's request, its seed included

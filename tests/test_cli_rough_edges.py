@@ -150,3 +150,26 @@ def test_usage_file_in_a_missing_folder_is_refused(text_model, tmp_path, capsys)
     assert main(["generate", "--model", str(text_model), "--prompt", "hi", "--max-tokens", "2", "--quiet",
                  "--usage-file", str(path)]) == 0
     assert json.loads(path.read_text())["model_id"]
+
+
+@pytest.mark.parametrize("budget", ["0", "all"])
+def test_engine_is_a_context_manager_and_refuses_use_after_close(tiny, budget):
+    """``with moestream.load(...) as engine`` closes it at the end of the block (the profile saved, the readers
+    stopped); using it afterwards -- generate, stream_generate, a forward that reads an expert -- raises
+    EngineClosedError saying it is closed, at any budget (with every expert resident it used to run on)."""
+    import moestream
+    from moestream.errors import EngineClosedError, MoestreamError
+
+    with moestream.load(tiny, cache_budget_gb=budget, tokenizer=False, learn_experts=False) as engine:
+        want = [s.token for s in generate(engine, [5, 6, 7], 3, SamplingParams(), stop_at_eos=False)]
+        assert len(want) == 3 and not engine.closed
+    assert engine.closed and engine.store.closed
+    assert issubclass(EngineClosedError, MoestreamError)
+    with pytest.raises(EngineClosedError, match=rf"the engine of {tiny} is closed"):
+        list(generate(engine, [5, 6, 7], 3, SamplingParams(), stop_at_eos=False))
+    with pytest.raises(EngineClosedError, match="is closed"):
+        list(moestream.stream_generate(engine, [5, 6, 7], 3))
+    if budget == "0":
+        with pytest.raises(EngineClosedError, match="the expert store is closed"), torch.inference_mode():
+            engine.model(torch.tensor([5, 6]), 0, engine.model.new_kv_cache())
+    engine.close()  # a second close does nothing
