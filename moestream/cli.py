@@ -475,7 +475,7 @@ def run_synth(args: argparse.Namespace) -> Path:
     from .synth import plan_synth, write_synth
 
     plan = plan_synth(args.config, args.layers, args.dtype, args.seed, args.tokenizer, args.init, args.shard_gb)
-    with progress_bar(plan.nbytes, f"writing {args.out.name}") as bar:
+    with progress_bar(plan.nbytes, f"writing {args.out.name}", log_lines=True) as bar:
         out = write_synth(plan, args.out, bar.update)
     print(f"wrote {out} ({plan.nbytes / 1e9:.2f} GB of weights)")
     return out
@@ -515,7 +515,7 @@ def run_convert(args: argparse.Namespace) -> Path:
     with Checkpoint(src) as ckpt:
         total = ckpt.total_bytes
     out = args.out if args.out is not None else default_out(args.model, src, spec)
-    with progress_bar(total, f"writing {out.name}") as bar:
+    with progress_bar(total, f"writing {out.name}", log_lines=True) as bar:
         out = convert(src, out, spec, args.shard_gb, bar.update)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {out} ({size / 1e9:.2f} GB)")

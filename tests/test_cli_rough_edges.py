@@ -173,3 +173,37 @@ def test_engine_is_a_context_manager_and_refuses_use_after_close(tiny, budget):
         with pytest.raises(EngineClosedError, match="the expert store is closed"), torch.inference_mode():
             engine.model(torch.tensor([5, 6]), 0, engine.model.new_kv_cache())
     engine.close()  # a second close does nothing
+
+
+def test_synth_and_convert_log_progress_lines_without_a_terminal(tmp_path):
+    """With stderr a pipe (a log, CI, nohup), synth and convert print progress lines instead of nothing."""
+    cfg = write_tiny_synth_config(tmp_path / "c.json", vocab_size=300)
+    convert = ["convert", "--model", str(tmp_path / "m"), "--bits", "16",
+               "--out", str(tmp_path / "q")]
+    for args, name in ((["synth", "--config", str(cfg), "--out", str(tmp_path / "m")], "m"), (convert, "q")):
+        r = subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith(f"writing {name}: ")]
+        assert len(lines) >= 2 and lines[0].endswith("GB to go") and lines[-1].startswith(f"writing {name}: done, ")
+        assert "\r" not in r.stderr  # no terminal bar redrawn in the log
+
+
+def test_line_progress_prints_at_most_one_line_per_interval():
+    import io
+
+    from moestream.engine import LineProgress
+
+    now = [100.0]
+    out = io.StringIO()
+    with LineProgress(4_000_000_000, "writing m", interval=5.0, out=out, clock=lambda: now[0]) as bar:
+        for _ in range(40):  # 0.1 GB every 0.5 s: one line per 5 s, ten updates apart
+            now[0] += 0.5
+            bar.update(100_000_000)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "writing m: 4.00 GB to go"
+    assert lines[1] == "writing m: 1.00 of 4.00 GB (25%), 200 MB/s, 5 s, about 15 s left"
+    assert len(lines) == 1 + 4 + 1 and lines[-1] == "writing m: done, 4.00 GB in 20 s"
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt), LineProgress(10, "writing m", out=out) as bar:
+        raise KeyboardInterrupt
+    assert out.getvalue().splitlines() == ["writing m: 0.00 GB to go"]  # no "done" for a run that did not end
