@@ -273,3 +273,44 @@ def test_bits_16_writes_the_float_model_in_the_streaming_layout(src, tmp_path):
     got = logits(mixed, ids)
     assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 0.35
     assert torch.equal(logits(mixed, ids, budget="0"), got)
+
+
+@pytest.mark.parametrize("family", ["hunyuan_v1_moe", "mixtral"])
+def test_routers_of_other_names_take_8_bits_and_route_through_their_forward(tmp_path, family):
+    """HunYuan's router ``mlp.gate.wg`` and Mixtral's ``block_sparse_moe.gate`` are routers too: 8 bits like the
+    others, and HunYuan's routes through the quantized linear's forward (it cast the hidden states to the packed
+    words' uint32): its routing equals the top-k of a float64 product of the dequantized router weight (float32
+    compute), and in bf16 at 32 experts the router is repacked for the int4 kernel and still routes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from . import family_helpers as fh
+    from .quant_helpers import mlx_dequantize
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    extra = (dict(num_experts=32, moe_topk=2) if family == "hunyuan_v1_moe"
+             else dict(num_local_experts=32, num_experts_per_tok=2))
+    cfg = AutoConfig.for_model(family, **common, **extra)
+    fh.save_reference(lambda c: AutoModelForCausalLM.from_config(c), cfg, tmp_path / "f", seed=1,
+                      extra=lambda n, p: p.normal_(0.0, 0.5) if n.endswith("gate.wg.weight") else None)
+    out = convert(tmp_path / "f", tmp_path / "q", ConvertSpec(32, 4, 4, 4, 4))
+    t = read_all(out)
+    name = "model.layers.1.mlp.gate.wg" if family == "hunyuan_v1_moe" else "model.layers.1.block_sparse_moe.gate"
+    assert json.loads((out / "config.json").read_text())["quantization"][name] == {"group_size": 32, "bits": 8}
+    w = mlx_dequantize(t[name + ".weight"], t[name + ".scales"], t[name + ".biases"], 8).double()
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    for dtype in ("fp32", "bf16"):
+        engine = load(out, cache_budget_gb="all", tokenizer=False, dtype=dtype, learn_experts=False)
+        try:
+            layer = engine.model.decoder.layers[1]
+            block = layer.mlp if family == "hunyuan_v1_moe" else layer.block_sparse_moe
+            with torch.inference_mode():
+                _, idx = block.route(x.to(engine.dtype))
+            if dtype == "fp32":
+                want = torch.topk(x.double() @ w.T, 2, dim=-1).indices
+                assert torch.equal(idx.sort(-1).values, want.sort(-1).values)
+            else:  # (the bf16 int4 kernel's values are checked in test_quant_kernels.py)
+                router = block.gate.wg if family == "hunyuan_v1_moe" else block.gate
+                assert idx.shape == (6, 2) and "weight" not in router._parameters  # repacked, and it routed
+        finally:
+            engine.close()

@@ -159,7 +159,8 @@ class _Reader:
 def _category(name: str) -> str:
     if ".self_attn." in name or ".attn." in name or ".attention." in name:
         return "attn"
-    if name.endswith((".mlp.gate.weight", ".router.weight")):
+    # Qwen/DeepSeek ``mlp.gate``, Mixtral ``block_sparse_moe.gate``, gpt-oss ``mlp.router``, HunYuan ``mlp.gate.wg``
+    if name.endswith((".gate.weight", ".router.weight", ".gate.wg.weight")):
         return "router"
     return "other"
 
