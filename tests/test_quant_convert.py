@@ -217,6 +217,26 @@ def test_prefetch_ahead_on_a_quantized_router_at_real_width(real_width_q4):
     assert all(torch.equal(a, b) for a, b in zip(got["all"], got["0.004"]))
 
 
+def test_deepseek_converts_with_its_router_and_kv_b_proj_float(tmp_path):
+    """DeepSeek-V3 (MLA, biased sigmoid router): the 8-bit build loads and stays near the float model; the router
+    and MLA's kv_b_proj (used as a matrix, not a linear) stay float, every other linear is quantized."""
+    from .test_family_deepseek import make_model
+
+    # a latent rank of 32 (a multiple of the group): kv_b_proj [heads x (nope + v), rank] could be quantized
+    ref = make_model(tmp_path / "ds", "deepseek_v3", kv_lora_rank=32)
+    out = convert(tmp_path / "ds", tmp_path / "q8", ConvertSpec(32, 8, 8, 8, 8))
+    t = read_all(out)
+    assert t["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float32
+    assert t["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert t["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.uint32
+    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    got = logits(out, ids)
+    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 0.05
+    assert torch.equal(logits(out, ids, budget="0"), got)
+
+
 def test_a_biased_float32_router_stays_float(tmp_path):
     """GLM-4.5's router (``gate.weight`` with ``gate.e_score_correction_bias``, float32 sigmoid routing) is kept
     float by convert, as mlx-lm keeps it: the 8-bit build loads, routes and stays near the float model."""

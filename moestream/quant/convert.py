@@ -6,7 +6,8 @@ quantization (:mod:`moestream.quant.affine`), config.json ``quantization`` as ml
 writes it (default ``{group_size, bits}`` plus per-module overrides), with separate bit
 widths for experts (and their down projections), attention and the other linears; norms
 stay float and routers take 8 bits (as mlx-lm keeps them; a router with an
-``e_score_correction_bias`` stays float, as mlx-lm keeps it). Bits 16 keeps a part float;
+``e_score_correction_bias`` stays float, as mlx-lm keeps it; so does MLA's ``kv_b_proj``,
+which moestream's MLA uses as a matrix). Bits 16 keeps a part float;
 with every part at 16 (``--bits 16``) the output is the float checkpoint, routers included,
 in the streaming layout below, and config.json declares no quantization.
 
@@ -191,6 +192,9 @@ def plan(ckpt: Checkpoint, spec: ConvertSpec, dtype: torch.dtype) -> tuple[list[
         if linear:
             cat = _category(name)
             bits = {"attn": spec.attn_bits, "router": router_bits, "other": spec.other_bits}[cat]
+            if name.endswith(".kv_b_proj.weight"):
+                # MLA absorbs kv_b_proj into the query and the output as a matrix (models/mla.py): kept float
+                bits = FLOAT_BITS
             if name[: -len("weight")] + "e_score_correction_bias" in ckpt.tensors:
                 # a biased sigmoid router (DeepSeek-V3, GLM-4.5, Kimi) routes in float32, and mlx-lm keeps
                 # it float (its MoEGate is not a Linear): quantizing it would change which experts are chosen
