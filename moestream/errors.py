@@ -34,3 +34,7 @@ class InputError(MoestreamError, ValueError):
 
 class BudgetError(MoestreamError):
     """A cache budget is malformed or cannot fit in the memory available."""
+
+
+class EngineClosedError(MoestreamError):
+    """An engine (or its expert store) was used after ``close()``."""

@@ -48,9 +48,10 @@ def check_cache_policy_args(args: argparse.Namespace) -> None:
     """Check the options of :func:`add_cache_policy_args` before loading. Raises MoestreamError."""
     if getattr(args, "max_active_experts", 0) < 0:
         raise MoestreamError(f"--max-active-experts must be >= 0, got {args.max_active_experts}")
-    trace = getattr(args, "trace", None)
-    if trace is not None and (trace.is_dir() or not trace.parent.is_dir()):
-        raise MoestreamError(f"--trace {trace}: not a file in an existing folder")
+    for flag in ("trace", "usage_file"):  # written at the end of a run: refused now, not created or lost then
+        path = getattr(args, flag, None)
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            raise MoestreamError(f"--{flag.replace('_', '-')} {path}: not a file in an existing folder")
 
 
 def cache_policy_kwargs(args: argparse.Namespace) -> dict:

@@ -99,7 +99,7 @@ class Prefetcher:
             return
         for block in self._following.get(layer, ()):
             weights, idx = block.route(x)
-            score = torch.zeros(block.gate.weight.shape[0], dtype=torch.float32, device=x.device)
+            score = torch.zeros(block.num_experts, dtype=torch.float32, device=x.device)
             score.index_add_(0, idx.reshape(-1), weights.reshape(-1).float())
             top = torch.topk(score, min(idx.shape[1], score.numel())).indices.tolist()
             for e in top:

@@ -225,7 +225,10 @@ class StreamedMoE(nn.Module):
     under torchrun) computes this rank's experts and gathers the others'
     (:class:`moestream.parallel.ExpertParallel`), with the bits of :func:`streamed_experts`.
 
-    The router's weight is ``gate.weight`` [E, H], the name transformers uses.
+    The router's weight is ``gate.weight`` [E, H], the name transformers uses. Other modules
+    ask the block for :attr:`num_experts` and route through :meth:`route`, never the router's
+    tensors: a quantized router (:class:`moestream.quant.resident.QuantLinear`) holds packed
+    words, and drops even those once repacked for the int4 kernel.
     """
 
     def __init__(
@@ -234,6 +237,7 @@ class StreamedMoE(nn.Module):
     ):
         super().__init__()
         self.renormalize = renormalize
+        self._num_experts = num_experts
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.layer = layer
         self.router = router
@@ -242,6 +246,11 @@ class StreamedMoE(nn.Module):
         self.max_active = 0
         self.batched = False  # set by engine.load on a GPU: one batched matmul chain per layer
         self.parallel = None  # set by engine.load under torchrun: a moestream.parallel.ExpertParallel
+
+    @property
+    def num_experts(self) -> int:
+        """E, the routed experts of this layer (the router's output width), from the config."""
+        return self._num_experts
 
     def attach(self, cache: ExpertCache) -> None:
         self.cache = cache
