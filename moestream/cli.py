@@ -396,8 +396,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    """Load the model once and serve it until interrupted. Arguments are checked before loading."""
-    from .server import ServerOptions, serve
+    """Load the model once and serve it until interrupted. Arguments are checked, and the address
+    bound (so that a taken port or a wrong --host is said at once), before loading."""
+    from .server import ServerOptions, bind, serve
 
     check_engine_args(args)
     if not 0 <= args.port < 65536:
@@ -412,13 +413,17 @@ def run_serve(args: argparse.Namespace) -> None:
         raise MoestreamError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
     from .parallel import init_from_env, world_size_from_env
 
-    par = None
+    par = sock = None
     if world_size_from_env() > 1:  # under torchrun: rank 0 serves HTTP, the other ranks follow its generations
         par = args._parallel = init_from_env(args.device, args.dist_timeout, args.ep_combine, args.ep_placement)
         par.serving = True
     try:
+        if par is None or par.rank == 0:
+            sock = bind(args.host, args.port)
         engine = load_engine(args, context=args.max_context)
     except BaseException:
+        if sock is not None:
+            sock.close()
         if par is not None:
             par.close()
         raise
@@ -432,8 +437,10 @@ def run_serve(args: argparse.Namespace) -> None:
         name = args.model_name or engine.checkpoint.path.name
         options = ServerOptions(name, args.max_context or model_max, args.max_queue, args.api_key,
                                 max_body_bytes=int(args.max_body_mb * 1e6), max_prompt_tokens=args.max_prompt_tokens)
-        serve(engine, options, args.host, args.port)
+        serve(engine, options, args.host, args.port, sock=sock)
     finally:
+        if sock is not None:
+            sock.close()
         try:
             if par is not None:
                 par.shutdown()  # rank 0: the followers leave follow() and close with it

@@ -126,9 +126,22 @@ class Sampler:
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """The float32 logits [vocab] sampling draws from: divided by the temperature, with the tokens
-        that top-k, top-p and min-p remove at -inf (temperature > 0 only)."""
+        that top-k, top-p and min-p remove at -inf (temperature > 0 only).
+
+        A temperature so small that the division overflows float32 (1e-40 for logits near 1) is
+        sampled at its limit: every token below the top logit has probability
+        exp(-(top - logit) / temperature), which is exactly 0 in float32 and float64 once
+        top / temperature overflows (the gap is at least one float32 step of ``top``, about
+        6e-8 * top, so the exponent is below -2e31), so the draw is uniform over the tokens tied at
+        the top (the argmax when there is one). Top-p keeps at least the most likely token, as
+        transformers' ``TopPLogitsWarper(min_tokens_to_keep=1)``, whatever ``top_p`` rounds to in
+        float32 (1e-300 is 0 there). Neither changes a draw that worked before, bit for bit.
+        """
         p = self.params
-        logits = logits.float().cpu() / p.temperature
+        raw = logits.float().cpu()
+        logits = raw / p.temperature
+        if not torch.isfinite(logits.max()):  # overflowed (+inf, or NaN from 0 / a temperature 0 in float32)
+            logits = torch.zeros_like(raw).masked_fill(raw != raw.max(), float("-inf"))
         if p.top_k and p.top_k < logits.shape[0]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -136,6 +149,7 @@ class Sampler:
             sorted_logits, order = torch.sort(logits, descending=True)
             cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
             drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest set reaching top_p
+            drop[0] = False  # and at least the most likely token
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
         if p.min_p > 0:
