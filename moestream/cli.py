@@ -263,60 +263,76 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
         stats = GenerationStats()
         first = True
         ep_stats = None
-        while True:
-            if args.chat:
-                text = prompt if first and prompt is not None else _read_turn(inp, err)
-                if text is None:
-                    break
-                messages.append({"role": "user", "content": text})
-                if first:
-                    ids = chat_ids(tok, messages, chat_template_kwargs=template_kwargs)
-                else:
-                    ids = conversation + next_turn_ids(tok, messages, chat_template_kwargs=template_kwargs)
-            else:
-                ids = encode_prompt(tok, prompt, chat_template=not args.no_chat_template, system=args.system,
-                                    chat_template_kwargs=template_kwargs)
-            first = False
-            if not ids:
-                raise MoestreamError("the prompt encodes to no tokens")
-            if max(ids) >= engine.model.vocab_size:  # e.g. the bundled Qwen3 tokenizer on a smaller vocabulary
-                raise MoestreamError(
-                    f"the prompt encodes to token id {max(ids)}, outside the model's vocab_size "
-                    f"{engine.model.vocab_size}: the tokenizer does not fit the model (try --no-chat-template, or "
-                    "another tokenizer)"
-                )
-            stats = GenerationStats()
-            printer = _Printer(out, args.hide_think, prompt_opens_thinking(ids, think_ids, eos))
-            tokens = []
-            for step in generate(engine, ids, args.max_tokens, sampling, stats, stop=args.stop,
-                                 multi_think=args.multi_think, session=session):
-                tokens.append(step.token)
-                printer.push(step.text)
-            reply = printer.end()
-            if args.hide_think and printer.splitter.reasoning and not args.quiet:
-                print("note: the thinking block did not end within --max-tokens (nothing to show with --hide-think)",
-                      file=err)
-            if not args.quiet:
+        interrupted = False
+        try:
+            while True:
                 if args.chat:
-                    prefilled = stats.prompt_tokens - stats.prompt_cached_tokens
-                    print(f"[{stats.generated_tokens} tokens ({stats.finish_reason}), {prefilled} prefilled, "
-                          f"{stats.decode_tok_s:.2f} tok/s, cache hit rate {stats.cache_hit_rate:.1%}]", file=err)
+                    text = prompt if first and prompt is not None else _read_turn(inp, err)
+                    if text is None:
+                        break
+                    messages.append({"role": "user", "content": text})
+                    if first:
+                        ids = chat_ids(tok, messages, chat_template_kwargs=template_kwargs)
+                    else:
+                        ids = conversation + next_turn_ids(tok, messages, chat_template_kwargs=template_kwargs)
                 else:
-                    print("-" * 60, file=err)
-                    print(stats.summary(), file=err)
-            if distributed:  # every rank's counters, gathered (a collective: every rank calls it)
-                ep_stats = args._parallel.report(stats, engine, err, args.quiet)
-            if not args.chat:
-                break
-            if tokens and tokens[-1] in eos:
-                tokens = tokens[:-1]
-            conversation = ids + tokens
-            messages.append({"role": "assistant", "content": reply})
-        if args.stats_json and not (distributed and args._parallel.rank):
+                    ids = encode_prompt(tok, prompt, chat_template=not args.no_chat_template, system=args.system,
+                                        chat_template_kwargs=template_kwargs)
+                first = False
+                if not ids:
+                    raise MoestreamError("the prompt encodes to no tokens")
+                if max(ids) >= engine.model.vocab_size:  # e.g. the bundled Qwen3 tokenizer on a smaller vocabulary
+                    raise MoestreamError(
+                        f"the prompt encodes to token id {max(ids)}, outside the model's vocab_size "
+                        f"{engine.model.vocab_size}: the tokenizer does not fit the model (try --no-chat-template, "
+                        "or another tokenizer)"
+                    )
+                stats = GenerationStats()
+                printer = _Printer(out, args.hide_think, prompt_opens_thinking(ids, think_ids, eos))
+                tokens = []
+                steps = generate(engine, ids, args.max_tokens, sampling, stats, stop=args.stop,
+                                 multi_think=args.multi_think, session=session)
+                try:
+                    for step in steps:
+                        tokens.append(step.token)
+                        printer.push(step.text)
+                except KeyboardInterrupt:  # Ctrl-C: the stats so far, as after a whole run
+                    steps.close()  # generate's own clean-up fills them in (at once if it was interrupted inside)
+                    stats.finish_reason = "interrupted"
+                    printer.end()
+                    if not args.quiet:
+                        print("-" * 60, file=err)
+                        print(stats.summary(), file=err)
+                    raise
+                reply = printer.end()
+                if args.hide_think and printer.splitter.reasoning and not args.quiet:
+                    print("note: the thinking block did not end within --max-tokens (nothing to show with "
+                          "--hide-think)", file=err)
+                if not args.quiet:
+                    if args.chat:
+                        prefilled = stats.prompt_tokens - stats.prompt_cached_tokens
+                        print(f"[{stats.generated_tokens} tokens ({stats.finish_reason}), {prefilled} prefilled, "
+                              f"{stats.decode_tok_s:.2f} tok/s, cache hit rate {stats.cache_hit_rate:.1%}]", file=err)
+                    else:
+                        print("-" * 60, file=err)
+                        print(stats.summary(), file=err)
+                if distributed:  # every rank's counters, gathered (a collective: every rank calls it)
+                    ep_stats = args._parallel.report(stats, engine, err, args.quiet)
+                if not args.chat:
+                    break
+                if tokens and tokens[-1] in eos:
+                    tokens = tokens[:-1]
+                conversation = ids + tokens
+                messages.append({"role": "assistant", "content": reply})
+        except KeyboardInterrupt:
+            interrupted = True  # the stats of the turn that ran (or was cut), then exit 130
+        if args.stats_json and not (distributed and args._parallel.rank) and (stats.prompt_tokens or not interrupted):
             try:
-                args.stats_json.write_text((stats.to_json() if ep_stats is None else ep_stats) + "\n")
+                args.stats_json.write_text((stats.to_json() if ep_stats is None or interrupted else ep_stats) + "\n")
             except OSError as e:
                 raise MoestreamError(f"--stats-json {args.stats_json}: cannot write: {e.strerror or e}") from None
+        if interrupted:
+            raise KeyboardInterrupt
         return stats
     finally:
         try:
@@ -343,8 +359,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    """Load the model once and serve it until interrupted. Arguments are checked before loading."""
-    from .server import ServerOptions, serve
+    """Load the model once and serve it until interrupted. Arguments are checked, and the address
+    bound (so that a taken port or a wrong --host is said at once), before loading."""
+    from .server import ServerOptions, bind, serve
 
     options = engine_options(args, context=args.max_context)
     if not 0 <= args.port < 65536:
@@ -359,13 +376,17 @@ def run_serve(args: argparse.Namespace) -> None:
         raise MoestreamError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
     from .parallel import init_from_env, world_size_from_env
 
-    par = None
+    par = sock = None
     if world_size_from_env() > 1:  # under torchrun: rank 0 serves HTTP, the other ranks follow its generations
         par = args._parallel = init_from_env(options)
         par.serving = True
     try:
+        if par is None or par.rank == 0:
+            sock = bind(args.host, args.port)
         engine = load_engine(args, options)
     except BaseException:
+        if sock is not None:
+            sock.close()
         if par is not None:
             par.close()
         raise
@@ -379,8 +400,10 @@ def run_serve(args: argparse.Namespace) -> None:
         name = args.model_name or engine.checkpoint.path.name
         options = ServerOptions(name, args.max_context or model_max, args.max_queue, args.api_key,
                                 max_body_bytes=int(args.max_body_mb * 1e6), max_prompt_tokens=args.max_prompt_tokens)
-        serve(engine, options, args.host, args.port)
+        serve(engine, options, args.host, args.port, sock=sock)
     finally:
+        if sock is not None:
+            sock.close()
         try:
             if par is not None:
                 par.shutdown()  # rank 0: the followers leave follow() and close with it
@@ -422,7 +445,7 @@ def run_synth(args: argparse.Namespace) -> Path:
     from .synth import plan_synth, write_synth
 
     plan = plan_synth(args.config, args.layers, args.dtype, args.seed, args.tokenizer, args.init, args.shard_gb)
-    with progress_bar(plan.nbytes, f"writing {args.out.name}") as bar:
+    with progress_bar(plan.nbytes, f"writing {args.out.name}", log_lines=True) as bar:
         out = write_synth(plan, args.out, bar.update)
     print(f"wrote {out} ({plan.nbytes / 1e9:.2f} GB of weights)")
     return out
@@ -431,12 +454,17 @@ def run_synth(args: argparse.Namespace) -> Path:
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder or Hub id (bf16, fp16, fp32 or fp8)")
     p.add_argument("--out", type=Path, default=None, help="folder to create (default: <model>-e<bits>g<group>...)")
-    p.add_argument("--bits", type=int, default=4, help="bits for every part not given below: 2-6, 8; 16 = float")
+    p.add_argument("--bits", type=int, default=4,
+                   help="bits for every part not given below: 2-6, 8; 16 = float (--bits 16 alone: the float model, "
+                   "routers included, in the streaming layout, no quantization)")
     p.add_argument("--group-size", type=int, default=64, help="weights per scale and bias: 32, 64 or 128 (default 64)")
-    p.add_argument("--expert-bits", type=int, default=None, help="routed experts' gate and up (default --bits)")
+    p.add_argument("--expert-bits", type=int, default=None,
+                   help="routed experts' gate and up (default --bits; 16 = float)")
     p.add_argument("--expert-down-bits", type=int, default=None, help="routed experts' down (default --expert-bits)")
-    p.add_argument("--attn-bits", type=int, default=None, help="attention projections (default --bits)")
-    p.add_argument("--other-bits", type=int, default=None, help="embedding, LM head, dense MLPs (default --bits)")
+    p.add_argument("--attn-bits", type=int, default=None, help="attention projections (default --bits; 16 = float)")
+    p.add_argument("--other-bits", type=int, default=None,
+                   help="embedding, LM head, dense MLPs (default --bits; 16 = float); routers take 8 bits unless "
+                   "every part is 16")
     p.add_argument("--shard-gb", type=float, default=5.0, help="shard size in GB (default 5)")
 
 
@@ -457,7 +485,7 @@ def run_convert(args: argparse.Namespace) -> Path:
     with Checkpoint(src) as ckpt:
         total = ckpt.total_bytes
     out = args.out if args.out is not None else default_out(args.model, src, spec)
-    with progress_bar(total, f"writing {out.name}") as bar:
+    with progress_bar(total, f"writing {out.name}", log_lines=True) as bar:
         out = convert(src, out, spec, args.shard_gb, bar.update)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {out} ({size / 1e9:.2f} GB)")
@@ -465,6 +493,17 @@ def run_convert(args: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``moestream`` command: 0 when done, 2 for an error a user can cause (one line on
+    stderr), 130 when interrupted (Ctrl-C, at any point: the imports of building the parser
+    included, never a traceback)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("moestream: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="moestream",
         description="Run Mixture-of-Experts models bigger than memory by streaming their experts from disk.",
@@ -519,9 +558,6 @@ def main(argv: list[str] | None = None) -> int:
     except MoestreamError as e:
         print(f"moestream: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("moestream: interrupted", file=sys.stderr)
-        return 130
 
 
 def generate_main(argv: list[str] | None = None) -> int:

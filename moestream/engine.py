@@ -19,7 +19,7 @@ from . import quant
 from .budget import BudgetPlan, plan_cpu_budget, plan_device_budget, plan_host_budget, resident_bytes
 from .cache import ExpertCache
 from .checkpoint import Checkpoint, resolve_model
-from .errors import ConfigError, LayoutError, MoestreamError
+from .errors import ConfigError, EngineClosedError, LayoutError, MoestreamError
 from .io_setup import IOSettings, plan_io
 from .layout import ExpertLayout, discover_experts
 from .memory import reset_peak_rss
@@ -38,12 +38,59 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
            "fp32": torch.float32, "float32": torch.float32}
 
 
-def progress_bar(total: int, desc: str, enabled: bool | None = None):
-    """A tqdm byte-progress bar shown only on a terminal (``enabled=None``)."""
+def progress_bar(total: int, desc: str, enabled: bool | None = None, log_lines: bool = False):
+    """A tqdm byte-progress bar shown only on a terminal (``enabled=None``).
+
+    With ``log_lines`` (long jobs: ``synth``, ``convert``), when stderr is not a terminal
+    (a log file, a CI job, ``nohup``), progress goes to stderr as :class:`LineProgress`
+    lines instead of nothing.
+    """
     from tqdm.auto import tqdm
 
+    if log_lines and enabled is None and not sys.stderr.isatty():
+        return LineProgress(total, desc)
     disable = (not sys.stderr.isatty()) if enabled is None else not enabled
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=disable, leave=False)
+
+
+class LineProgress:
+    """Byte progress as plain lines on ``out`` (default stderr), for logs without a terminal.
+
+    One line when the work starts, then at most one every ``interval`` seconds (done, total,
+    percent, rate in MB/s, elapsed and remaining seconds), and one when it ends without an
+    error. Used as tqdm is: a context manager with ``update(nbytes)``. GB = 10^9 bytes.
+    """
+
+    def __init__(self, total: int, desc: str, interval: float = 5.0, out=None, clock=time.monotonic):
+        self.total, self.desc, self.interval = total, desc, interval
+        self.out, self.clock = out, clock
+        self.done = 0
+        self.start = self.last = None
+
+    def _print(self, text: str) -> None:
+        print(f"{self.desc}: {text}", file=self.out or sys.stderr, flush=True)
+
+    def __enter__(self) -> "LineProgress":
+        self.start = self.last = self.clock()
+        self._print(f"{self.total / GB:.2f} GB to go")
+        return self
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = self.clock()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        took = now - self.start
+        rate = self.done / took if took > 0 else 0.0
+        left = f", about {(self.total - self.done) / rate:.0f} s left" if rate and self.done < self.total else ""
+        pct = self.done / self.total if self.total else 1.0
+        self._print(f"{self.done / GB:.2f} of {self.total / GB:.2f} GB ({pct:.0%}), {rate / 1e6:.0f} MB/s, "
+                    f"{took:.0f} s{left}")
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self._print(f"done, {self.done / GB:.2f} GB in {self.clock() - self.start:.0f} s")
 
 
 @dataclass
@@ -77,9 +124,30 @@ class Engine:
     pipeline: object = None  # moestream.pipeline.ExpertPipeline: every MoE layer's expert work
     options: EngineOptions | None = None  # the options it was loaded with
     budget: BudgetPlan | None = None  # the cache budget as sized (auto's numbers, the reserve, the host tier)
+    closed: bool = False  # close() was called: generating raises EngineClosedError
+
+    def __enter__(self) -> "Engine":
+        """``with moestream.load(...) as engine:`` closes the engine when the block ends."""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check_open(self) -> None:
+        """Raises EngineClosedError once :meth:`close` was called (every expert may be resident
+        still, but the usage profile, the trace and the reader threads are gone)."""
+        if self.closed:
+            raise EngineClosedError(f"the engine of {self.checkpoint.path} is closed (close() was called, or its "
+                                    "with block ended): load the model again")
 
     def close(self) -> None:
-        """Save the usage profile (when learning), close the trace, stop prefetch and reader threads, close shards."""
+        """Save the usage profile (when learning), close the trace, stop prefetch and reader threads, close shards.
+
+        A second call does nothing.
+        """
+        if self.closed:
+            return
+        self.closed = True
         try:
             if self.parallel is not None and self.usage is not None:
                 _merge_rank_usage(self)
@@ -106,7 +174,7 @@ def _check_layout(model: CausalLM, layout: ExpertLayout, where, quantized: dict 
         )
     inter, hidden = model.expert_shape()
     for i, lay in layout.layers.items():
-        want = blocks[i].gate.weight.shape[0]
+        want = blocks[i].num_experts
         if lay.num_experts != want:
             raise LayoutError(f"{where}: {lay.block} holds {lay.num_experts} experts; the config says {want}")
         if quantized and i in quantized:

@@ -126,9 +126,22 @@ class Sampler:
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """The float32 logits [vocab] sampling draws from: divided by the temperature, with the tokens
-        that top-k, top-p and min-p remove at -inf (temperature > 0 only)."""
+        that top-k, top-p and min-p remove at -inf (temperature > 0 only).
+
+        A temperature so small that the division overflows float32 (1e-40 for logits near 1) is
+        sampled at its limit: every token below the top logit has probability
+        exp(-(top - logit) / temperature), which is exactly 0 in float32 and float64 once
+        top / temperature overflows (the gap is at least one float32 step of ``top``, about
+        6e-8 * top, so the exponent is below -2e31), so the draw is uniform over the tokens tied at
+        the top (the argmax when there is one). Top-p keeps at least the most likely token, as
+        transformers' ``TopPLogitsWarper(min_tokens_to_keep=1)``, whatever ``top_p`` rounds to in
+        float32 (1e-300 is 0 there). Neither changes a draw that worked before, bit for bit.
+        """
         p = self.params
-        logits = logits.float().cpu() / p.temperature
+        raw = logits.float().cpu()
+        logits = raw / p.temperature
+        if not torch.isfinite(logits.max()):  # overflowed (+inf, or NaN from 0 / a temperature 0 in float32)
+            logits = torch.zeros_like(raw).masked_fill(raw != raw.max(), float("-inf"))
         if p.top_k and p.top_k < logits.shape[0]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -136,6 +149,7 @@ class Sampler:
             sorted_logits, order = torch.sort(logits, descending=True)
             cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
             drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest set reaching top_p
+            drop[0] = False  # and at least the most likely token
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
         if p.min_p > 0:
@@ -342,11 +356,21 @@ def generation_defaults(folder: str | Path) -> dict:
 
 
 def _generation_eos(folder: Path) -> list:
+    """generation_config.json's ``eos_token_id`` as a list (empty without the file or the field).
+
+    Raises:
+        ConfigError: naming the file and field, when it is not a token id or a list of them.
+    """
+    path = folder / GENERATION_CONFIG
     try:
-        v = json.loads((folder / GENERATION_CONFIG).read_text()).get("eos_token_id")
+        v = json.loads(path.read_text()).get("eos_token_id")
     except (OSError, ValueError, AttributeError):
-        return []
-    return v if isinstance(v, list) else [v]
+        return []  # no file, or not a JSON object: generation_defaults names that one
+    ids = v if isinstance(v, list) else [v]
+    if v is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+        raise ConfigError(f"{path}: field 'eos_token_id' = {shown} is not a token id or a list of them")
+    return ids
 
 
 def eos_ids(engine: Engine) -> set[int]:
@@ -354,7 +378,7 @@ def eos_ids(engine: Engine) -> set[int]:
     ids: set[int] = set()
     cfg_eos = engine.checkpoint.config.get("eos_token_id")
     for v in (cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]) + _generation_eos(engine.checkpoint.path):
-        if isinstance(v, int) and not isinstance(v, bool):
+        if isinstance(v, int) and not isinstance(v, bool):  # config.json's was checked at load
             ids.add(v)
     tok = engine.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
@@ -404,10 +428,11 @@ def _logprob(processed: torch.Tensor, token: int, n: int) -> TokenLogprob:
 def _forward(model, x: torch.Tensor, pos: int, kv, session: Session | None) -> torch.Tensor:
     """``model(x, pos, kv)``; when it fails part-way (a failed expert read), some layers have
     already written this step into ``kv`` and others not, so a ``session`` is emptied: its
-    next call prefills from scratch instead of continuing from a half-updated cache."""
+    next call prefills from scratch instead of continuing from a half-updated cache. A Ctrl-C
+    (KeyboardInterrupt) part-way is such a failure too."""
     try:
         return model(x, pos, kv)
-    except Exception:
+    except BaseException:
         if session is not None:
             session.kv = None
             session.ids.clear()
@@ -477,7 +502,9 @@ def generate(
             vocabulary, a prompt that fills the model's context, stop strings without a
             tokenizer, ``logprobs`` < 0.
         ReadError: when an expert read fails (naming the expert and file).
+        EngineClosedError: the engine was closed.
     """
+    engine.check_open()
     model, cache, store = engine.model, engine.cache, engine.store
     par = getattr(engine, "parallel", None)
     if par is not None:  # expert parallel (torchrun): every rank runs rank 0's request, its seed included
@@ -539,22 +566,24 @@ def generate(
     io0 = _io_snapshot(engine)
 
     t0 = time.perf_counter()
+    t1 = None  # the decode's start; None while prefilling
     logits = None
-    for s in range(reuse, len(prompt_ids), prefill_chunk):
-        logits = _forward(model, ids[s : s + prefill_chunk], s, kv, session)
-        if session is not None:
-            session.ids.extend(prompt_ids[s : s + prefill_chunk])
-    stats.prefill_seconds = time.perf_counter() - t0
-    prefilled = len(prompt_ids) - reuse
-    stats.prefill_tok_s = prefilled / stats.prefill_seconds if stats.prefill_seconds else 0.0
     decode_hits0, decode_lookups0, decode_bytes0 = cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
-
-    t1 = time.perf_counter()
-    pos = len(prompt_ids)
-    context = list(prompt_ids) if sampling.penalized else []
-    generated: list[int] = []
     stats.finish_reason = "length"
-    try:
+    try:  # the stats are filled in however it ends: done, failed or interrupted (Ctrl-C) in prefill or decode
+        for s in range(reuse, len(prompt_ids), prefill_chunk):
+            logits = _forward(model, ids[s : s + prefill_chunk], s, kv, session)
+            if session is not None:
+                session.ids.extend(prompt_ids[s : s + prefill_chunk])
+        stats.prefill_seconds = time.perf_counter() - t0
+        prefilled = len(prompt_ids) - reuse
+        stats.prefill_tok_s = prefilled / stats.prefill_seconds if stats.prefill_seconds else 0.0
+        decode_hits0, decode_lookups0, decode_bytes0 = cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
+
+        t1 = time.perf_counter()
+        pos = len(prompt_ids)
+        context = list(prompt_ids) if sampling.penalized else []
+        generated: list[int] = []
         digest = hashlib.sha256()
         for n in range(max_tokens):
             last = logits[-1].float()
@@ -603,7 +632,9 @@ def generate(
                 session.ids.append(token)
             pos += 1
     finally:
-        stats.decode_seconds = time.perf_counter() - t1
+        if t1 is None:  # ended in prefill
+            stats.prefill_seconds = time.perf_counter() - t0
+        stats.decode_seconds = time.perf_counter() - t1 if t1 is not None else 0.0
         decoded = max(0, stats.generated_tokens - 1)  # the first token comes from prefill
         stats.decode_tok_s = decoded / stats.decode_seconds if decoded and stats.decode_seconds else 0.0
         lookups = cache.stats.lookups - start_lookups

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .checkpoint import Checkpoint, FileHandles, pread_full, torch_dtype
-from .errors import ReadError
+from .errors import EngineClosedError, ReadError
 from .layout import QUANT_PARAMS, ExpertLayout
 
 if TYPE_CHECKING:
@@ -212,6 +212,7 @@ class ExpertStore:
         self.stats = ReadStats()
         self.pool = BufferPool(max_free=2 * workers)
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moestream-read")
+        self.closed = False
         self._lock = threading.Lock()
         self._active = 0  # reads in flight, for busy_seconds
         self._busy_since = 0.0
@@ -350,7 +351,13 @@ class ExpertStore:
         The first reads are issued before this returns, so the caller can compute on
         what it already holds while they run; iterate the batch to receive experts.
         ``prefetch`` counts the reads as prefetch reads (off the critical path).
+
+        Raises:
+            EngineClosedError: after :meth:`close`.
         """
+        if self.closed:
+            raise EngineClosedError("the expert store is closed (its engine's close() was called): load the model "
+                                    "again to read experts")
         return ReadBatch(self, keys, max_inflight or 2 * self.workers, prefetch)
 
     def read_all(self, keys: list[Key]) -> dict[Key, ExpertWeights]:
@@ -360,6 +367,7 @@ class ExpertStore:
 
     def close(self) -> None:
         """Stop the reader threads and release the reader's files."""
+        self.closed = True
         self._threads.shutdown(wait=True)
         self.reader.close()
 

@@ -45,8 +45,9 @@ FAMILIES = {
 }
 
 
-def make_model(path, family, seed=0):
-    """Save a random float32 transformers model of ``family`` to ``path``; return it.
+def make_model(path, family, seed=0, **overrides):
+    """Save a random float32 transformers model of ``family`` (its config fields changed by ``overrides``) to
+    ``path``; return it.
 
     Norms, routers and the correction bias are randomized (transformers initializes them
     to 1, small values and 0), so a wrong norm, router or bias use cannot hide.
@@ -54,7 +55,7 @@ def make_model(path, family, seed=0):
     import transformers
 
     prefix, kwargs = FAMILIES[family]
-    cfg = getattr(transformers, prefix + "Config")(**kwargs)
+    cfg = getattr(transformers, prefix + "Config")(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
     with torch.no_grad():

@@ -56,7 +56,7 @@ def loaded(monkeypatch, engine, engine0):
 
     from moestream import cli as cli_module
 
-    def load_engine(args, tokenizer=True, context=None):
+    def load_engine(args, options, tokenizer=True):
         e = dataclasses.replace(engine if args.cache_budget_gb == "all" else engine0)
         e.close = lambda: None
         return e

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 import moestream.direct_io as direct_io
 from moestream import budget as budget_module
@@ -150,11 +149,11 @@ def test_prefetch_counters_add_up(model, reference):
 
 
 class GuessBlock:
-    """A MoE block stand-in whose router always guesses ``guess``."""
+    """A MoE block stand-in whose router always guesses ``guess`` (the prefetcher asks a block for ``route`` and
+    ``num_experts`` only)."""
 
-    def __init__(self, layer, guess, hidden=64, experts=16):
+    def __init__(self, layer, guess, experts=16):
         self.layer, self.guess, self.num_experts = layer, guess, experts
-        self.gate = nn.Linear(hidden, experts, bias=False)
 
     def route(self, x):
         return torch.full((1, len(self.guess)), 0.25), torch.tensor([self.guess])

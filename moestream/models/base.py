@@ -10,6 +10,7 @@ tensor names, minus the routed experts), and ``synth_tensors``/``synth_config`` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,57 @@ def positive(cfg: dict, name: str, default=...) -> int:
     if value < 1:
         raise ConfigError(f"field {name!r} = {value} must be at least 1")
     return value
+
+
+def _shown(value) -> str:
+    """``repr(value)``, cut to 60 characters (a config may hold anything)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_shared_fields(cfg: dict) -> None:
+    """Check the config fields every family reads the same way, before any family parses it.
+
+    In the config and in its ``text_config`` (Qwen3.5 MoE, Kimi K3): ``rope_theta`` (top
+    level, in ``rope_scaling`` / ``rope_parameters``, and in their per-layer-type entries,
+    as Laguna's) is a finite number above 0; ``rope_scaling`` and ``rope_parameters`` are
+    objects or null; ``rms_norm_eps`` is a finite number of at least 0; ``eos_token_id``
+    is a token id (an integer of at least 0) or a list of them, or null. A value outside
+    these gives NaN logits or a traceback later (a zero base makes every rotary frequency
+    infinite, a negative eps a negative square root).
+
+    Raises:
+        ConfigError: naming the field (with its path inside the config) and its value.
+    """
+    scopes = [("", cfg)]
+    if isinstance(cfg.get("text_config"), dict):
+        scopes.append(("text_config.", cfg["text_config"]))
+    for prefix, c in scopes:
+        thetas = [(prefix, c)]
+        for key in ("rope_scaling", "rope_parameters"):
+            value = c.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"field '{prefix}{key}' = {_shown(value)} is not an object")
+            thetas.append((f"{prefix}{key}.", value))
+            # per layer type (Laguna: {"full_attention": {...}, "sliding_attention": {...}})
+            thetas += [(f"{prefix}{key}.{k}.", v) for k, v in value.items() if isinstance(v, dict)]
+        for where, d in thetas:
+            theta = d.get("rope_theta")
+            if theta is not None and not (_is_number(theta) and theta > 0):
+                raise ConfigError(f"field '{where}rope_theta' = {_shown(theta)} is not a number above 0")
+        eps = c.get("rms_norm_eps")
+        if eps is not None and not (_is_number(eps) and eps >= 0):
+            raise ConfigError(f"field '{prefix}rms_norm_eps' = {_shown(eps)} is not a number of at least 0")
+        eos = c.get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [eos]
+        if eos is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ConfigError(f"field '{prefix}eos_token_id' = {_shown(eos)} is not a token id or a list of them")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
@@ -182,8 +181,8 @@ class GptOssMoE(StreamedMoE):
         return self.router
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits with bias, top-k, softmax over the k."""
-        return self.topk(F.linear(x, self.router.weight, self.router.bias))
+        """Router logits with bias (through the router's forward: it may be quantized), top-k, softmax over the k."""
+        return self.topk(self.router(x))
 
 
 class Model(CausalLM):

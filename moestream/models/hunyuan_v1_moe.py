@@ -83,18 +83,15 @@ def _one(cfg: dict, name: str) -> int:
 
 
 class _WgGate(nn.Module):
-    """The router ``gate.wg`` [E, H], applied to float32 hidden states as the reference's ``HunYuanMoEV1Gate``."""
+    """The router ``gate.wg`` [E, H]: x [T, H] -> logits [T, E] through the router's own forward
+    (in the compute dtype, which its weight is loaded in; a quantized ``wg`` holds packed words)."""
 
     def __init__(self, hidden: int, experts: int):
         super().__init__()
         self.wg = nn.Linear(hidden, experts, bias=False)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.wg.weight
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wg(x.to(self.wg.weight.dtype))
+        return self.wg(x)
 
 
 class HunYuanMoE(StreamedMoE):

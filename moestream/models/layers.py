@@ -37,16 +37,25 @@ class RMSNorm(nn.Module):
 
 def rope_theta(cfg: dict) -> float:
     """``rope_theta`` from a config, in transformers 4 (top level) or 5 (``rope_parameters``) form."""
-    params = cfg.get("rope_parameters") or {}
+    params = _rope_dict(cfg, "rope_parameters")
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         raise ConfigError("no rope_theta (top level or in rope_parameters)")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+        raise ConfigError(f"field 'rope_theta' = {theta!r} is not a number above 0")
     return float(theta)
+
+
+def _rope_dict(cfg: dict, key: str) -> dict:
+    value = cfg.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"field {key!r} = {value!r} is not an object")
+    return value
 
 
 def rope_scaling_type(cfg: dict) -> str:
     """The RoPE variant a config asks for (``"default"`` when it names none)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    params = _rope_dict(cfg, "rope_parameters") or _rope_dict(cfg, "rope_scaling")
     return params.get("rope_type", params.get("type", "default")) or "default"
 
 

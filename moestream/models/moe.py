@@ -59,6 +59,9 @@ class StreamedMoE(nn.Module):
     The router's weight is ``gate.weight`` [E, H], the name transformers uses. The expert
     pipeline (:meth:`attach`) does the rest: ``--max-active-experts``, the routing trace,
     read-ahead, fetching, the expert kernels, expert parallelism and the routing-order sum.
+    Other modules ask the block for :attr:`num_experts` and route through :meth:`route`, never
+    the router's tensors: a quantized router (:class:`moestream.quant.resident.QuantLinear`)
+    holds packed words, and drops even those once repacked.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class StreamedMoE(nn.Module):
     ):
         super().__init__()
         self.renormalize = renormalize
+        self._num_experts = num_experts
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.layer = layer
         self.router = router

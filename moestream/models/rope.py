@@ -34,12 +34,14 @@ def rope_parameters(cfg: dict) -> dict:
         if value is None:
             continue
         if not isinstance(value, dict):
-            raise ConfigError(f"field {key!r} = {value!r} is not a dict")
+            raise ConfigError(f"field {key!r} = {value!r} is not an object")
         out.update(value)
     out["rope_type"] = out.get("rope_type", out.get("type", "default")) or "default"
     theta = out.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         raise ConfigError("no rope_theta (top level or in rope_parameters)")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+        raise ConfigError(f"field 'rope_theta' = {theta!r} is not a number above 0")
     out["rope_theta"] = float(theta)
     if "partial_rotary_factor" not in out and cfg.get("partial_rotary_factor") is not None:
         out["partial_rotary_factor"] = cfg["partial_rotary_factor"]

@@ -126,7 +126,8 @@ def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None,
 
     Raises:
         QuantError: a quantized tensor the config does not declare, metadata that disagrees
-            with the tensors (naming the tensor), or a quantized embedding tied to the LM head.
+            with the tensors (naming the tensor), a quantized embedding tied to the LM head, or a
+            quantized linear holding more than a weight and bias (a router's correction bias).
     """
     swapped = []
     rename = getattr(model, "checkpoint_name", None)  # a family whose checkpoints name a module another way
@@ -143,6 +144,11 @@ def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None,
     for path, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
             got = _format(stored(path), tensors, qcfg, (mod.out_features, mod.in_features), where)
+            extra = sorted(set(mod._parameters) - {"weight", "bias"})
+            if got is not None and extra:
+                # e.g. a float32 sigmoid router with its e_score_correction_bias (DeepSeek-V3, GLM-4.5, Kimi)
+                raise QuantError(f"{where}: tensor {stored(path)}.weight is quantized, but this linear also holds "
+                                 f"{', '.join(extra)} and is read in float only (mlx-lm keeps such routers float)")
             if got is not None:
                 model.set_submodule(path, QuantLinear(*got, bias=mod.bias is not None))
                 swapped.append(path)
