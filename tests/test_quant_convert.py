@@ -179,15 +179,15 @@ def test_bad_bits_names_the_flag_the_user_gave(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def real_width_q4(tmp_path_factory):
-    """The real Qwen3-30B-A3B config (hidden 2048, top-8 routing) cut to 2 layers of 32 experts of width 128 and a
-    512-token vocabulary, synthesized in bf16 and converted to 4 bits: 32 experts x hidden 2048 is a router the
-    int4 kernel takes (out_features % 32 == 0), so the 8-bit router is repacked on first use and its ``weight``
+    """The real Qwen3-30B-A3B config (hidden 2048, top-8 routing) cut to 2 layers of 64 experts of width 128 and a
+    512-token vocabulary, synthesized in bf16 and converted to 4 bits: 64 experts x hidden 2048 is a router the
+    int4 kernel takes (out_features a multiple of its row block, 32 or 64), so the 8-bit router is repacked on first use and its ``weight``
     dropped, which the tests' 4-expert routers never reach."""
     from moestream.synth import synth
 
     root = tmp_path_factory.mktemp("real-width")
     cfg = json.loads((Path(__file__).parent / "configs" / "Qwen3-30B-A3B.json").read_text())  # as published
-    cfg.update(num_experts=32, moe_intermediate_size=128, vocab_size=512)
+    cfg.update(num_experts=64, moe_intermediate_size=128, vocab_size=512)  # 64: a whole int4 row block on AVX2 and AVX-512
     (root / "config.json").write_text(json.dumps(cfg))
     src = synth(root / "config.json", root / "bf16", layers=2)
     assert main(["convert", "--model", str(src), "--bits", "4", "--out", str(root / "q4")]) == 0
