@@ -327,6 +327,13 @@ class CausalLM(nn.Module):
     def head_name(self) -> str:
         return f"{self.head_path}.weight"
 
+    def expert_shape(self) -> tuple[int, int]:
+        """(intermediate, width) of one routed expert's gate projection: the config's ``moe_intermediate_size``
+        (``intermediate_size`` in a family whose MLPs are all MoE blocks, as Mixtral's) and ``hidden_size``.
+        A family whose experts are shaped otherwise (gpt-oss, Kimi K3's latent width) overrides it."""
+        a = self.args
+        return getattr(a, "moe_intermediate_size", a.intermediate_size), a.hidden_size
+
     def moe_blocks(self) -> list[StreamedMoE]:
         """Every streamed MoE block, in layer order."""
         return [m for m in self.modules() if isinstance(m, StreamedMoE)]
@@ -468,6 +475,18 @@ def _synth_init(name: str) -> str:
     if "norm" in leaf:
         return "norm"
     return "out" if leaf in OUT_PROJECTIONS else "normal"
+
+
+def synth_tensors_of(model_cls: type[CausalLM], args_cls: type[ConfigArgs]) -> Callable[[dict], list[SynthTensor]]:
+    """A family's ``synth_tensors(cfg)``: every tensor of a checkpoint of ``cfg``'s shapes, as ``moestream
+    synth`` writes it (:meth:`CausalLM.synth_tensors` of the model on the meta device). Raises ConfigError
+    naming the bad field."""
+
+    def synth_tensors(cfg: dict) -> list[SynthTensor]:
+        """Every tensor of a checkpoint of ``cfg``'s shapes, as ``moestream synth`` writes it."""
+        return meta_model(model_cls, args_cls.from_config(cfg)).synth_tensors()
+
+    return synth_tensors
 
 
 def meta_model(model_cls: type[CausalLM], args) -> CausalLM:

@@ -25,7 +25,16 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, derived, field, meta_model, positive
+from .base import (
+    CausalLM,
+    DecoderArgs,
+    check_top_k,
+    config_field,
+    derived,
+    field,
+    positive,
+    synth_tensors_of,
+)
 from .layers import MLP, DecoderLayer
 from .mla import MLAttention
 from .moe import Float32Router, StreamedMoE, sigmoid_group_topk, softmax_group_topk
@@ -173,10 +182,6 @@ class Model(CausalLM):
             )
             self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp))
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.moe_intermediate_size, self.args.hidden_size
-
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """KV cache bytes per token over all layers: ``layers * (kv_lora_rank + qk_rope_head_dim) * itemsize``."""
         return sum(layer.self_attn.cache_bytes_per_token(itemsize) for layer in self.decoder.layers)
@@ -193,6 +198,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a checkpoint of ``cfg``'s shapes, with per-expert experts as on the Hub."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

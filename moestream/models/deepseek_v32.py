@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from . import deepseek
-from .base import SynthTensor, config_field, meta_model
+from .base import SynthTensor, config_field, synth_tensors_of
 from .layers import KVCache
 from .mla import MLAttention
 from .rope import apply_rotary, mla_softmax_scale
@@ -140,6 +140,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """DeepSeek-V3's tensors, then every layer's indexer."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

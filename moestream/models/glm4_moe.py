@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import ConfigError
-from .base import CausalLM, DecoderArgs, SynthTensor, config_field, derived, meta_model
-from .deepseek import SharedExpertMoE
+from .base import CausalLM, DecoderArgs, config_field, derived, synth_tensors_of
+from .deepseek import SharedExpertMoE, synth_config  # noqa: F401 (the same cut: no MTP layers, no quantization)
 from .layers import MLP, Attention, DecoderLayer
 from .moe import sigmoid_group_topk
 from .rope import make_rope, rope_parameters
@@ -117,25 +117,9 @@ class Model(CausalLM):
                 mlp = MLP(a.hidden_size, a.intermediate_size)
             self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp))
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.moe_intermediate_size, self.args.hidden_size
-
     def synth_rank(self, name: str) -> int:
         """synth lists the q/k norms after the attention biases."""
         return 2 if name.startswith(("self_attn.q_norm.", "self_attn.k_norm.")) else super().synth_rank(name)
 
 
-def synth_config(cfg: dict, layers: int) -> dict:
-    """``cfg`` cut to its first ``layers`` decoder layers, without MTP layers or quantization."""
-    out = dict(cfg)
-    out["num_hidden_layers"] = layers
-    out.pop("quantization_config", None)
-    if "num_nextn_predict_layers" in out:
-        out["num_nextn_predict_layers"] = 0
-    return out
-
-
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a GLM-4.5 checkpoint of ``cfg``'s shapes, with per-expert experts as on the Hub."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

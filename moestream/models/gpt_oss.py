@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, meta_model
+from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, synth_tensors_of
 from .layers import DecoderLayer, RMSNorm
 from .linear import linear
 from .moe import StreamedMoE
@@ -203,6 +203,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a gpt-oss checkpoint of ``cfg``'s shapes, experts fused as transformers 5 writes them."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

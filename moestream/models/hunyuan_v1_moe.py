@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, meta_model, positive
+from .base import CausalLM, DecoderArgs, check_top_k, config_field, positive, synth_tensors_of
 from .layers import MLP, DecoderLayer
 from .moe import StreamedMoE, softmax_topk
 from .rope import make_rope
@@ -92,10 +92,6 @@ class Model(CausalLM):
             )
             self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, HunYuanMoE(a, i)))
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.intermediate_size, self.args.hidden_size
-
     @property
     def top_k(self) -> int:
         """HunYuan names top-k ``moe_topk``."""
@@ -111,6 +107,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a HunYuan MoE V1 checkpoint of ``cfg``'s shapes, with the names transformers 5 writes."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

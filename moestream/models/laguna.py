@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, derived, field, meta_model
+from .base import CausalLM, DecoderArgs, check_top_k, config_field, derived, field, synth_tensors_of
 from .layers import MLP, DecoderLayer
 from .moe import StreamedMoE
 from .rope import PerTypeRope, make_rope
@@ -165,10 +165,6 @@ class Model(CausalLM):
             mlp = LagunaMoE(a, i) if a.mlp_layer_types[i] == "sparse" else MLP(a.hidden_size, a.intermediate_size)
             self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp, rope_key=kind))
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.moe_intermediate_size, self.args.hidden_size
-
 
 def synth_config(cfg: dict, layers: int) -> dict:
     """``cfg`` cut to its first ``layers`` decoder layers, in bf16: the FP8 ``quantization_config`` is dropped."""
@@ -182,6 +178,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a Laguna checkpoint of ``cfg``'s shapes, with the names transformers 5 writes."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

@@ -95,7 +95,28 @@ def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tens
     return mask
 
 
-class Attention(nn.Module):
+class AttentionProjections(nn.Module):
+    """The q, k, v and o projections of grouped-query attention (``heads`` query heads sharing ``kv_heads``
+    key/value heads of ``head_dim``; biases when ``bias``), its sliding ``window`` and softmax scale.
+
+    Raises:
+        ConfigError: ``heads`` not a multiple of ``kv_heads`` (``heads_name`` names the heads in the message).
+    """
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
+                 window: int | None = None, heads_name: str = "num_attention_heads"):
+        super().__init__()
+        if heads % kv_heads:
+            raise ConfigError(f"{heads_name} {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+
+class Attention(AttentionProjections):
     """Grouped-query attention with optional per-head q/k RMSNorm (Qwen3) and KV cache.
 
     As transformers' ``Qwen3MoeAttention``: q/k/v projections, per-head RMSNorm of q and
@@ -117,20 +138,12 @@ class Attention(nn.Module):
         qk_norm_eps: float | None = None,
         window: int | None = None,
     ):
-        super().__init__()
-        if heads % kv_heads:
-            raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-        self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        super().__init__(hidden, heads, kv_heads, head_dim, bias, window)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.scale = 1.0 / math.sqrt(head_dim)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, layer: int, start: int

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, meta_model
+from .base import CausalLM, DecoderArgs, check_top_k, config_field, synth_tensors_of
 from .laguna import laguna_sigmoid_topk
 from .layers import DecoderLayer
 from .moe import StreamedMoE
@@ -93,10 +93,6 @@ class Model(CausalLM):
             self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, MiniMaxM2MoE(a, i),
                                                     mlp_name="block_sparse_moe"))
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.intermediate_size, self.args.hidden_size
-
 
 def synth_config(cfg: dict, layers: int) -> dict:
     """``cfg`` cut to its first ``layers`` decoder layers (float weights: no ``quantization_config``)."""
@@ -105,6 +101,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a MiniMax-M2 checkpoint of ``cfg``'s shapes, experts per expert (w1, w3, w2)."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

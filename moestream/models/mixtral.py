@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, meta_model
+from .base import CausalLM, DecoderArgs, check_top_k, config_field, synth_tensors_of
 from .layers import Attention, DecoderLayer
 from .moe import StreamedMoE, softmax_topk
 from .rope import make_rope
@@ -64,16 +64,10 @@ class Model(CausalLM):
             self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, moe,
                                                     mlp_name="block_sparse_moe"))
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.intermediate_size, self.args.hidden_size
-
 
 def synth_config(cfg: dict, layers: int) -> dict:
     """``cfg`` cut to its first ``layers`` decoder layers."""
     return dict(cfg, num_hidden_layers=layers)
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a Mixtral checkpoint of ``cfg``'s shapes, experts as on the Hub (w1, w3, w2)."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

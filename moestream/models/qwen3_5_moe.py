@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .base import SynthTensor, derived, meta_model
+from .base import derived, synth_tensors_of
 from .qwen3_next import Model as NextModel
 from .qwen3_next import ModelArgs as NextArgs
 from .qwen3_next import skipped_note
@@ -101,8 +101,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return text if text_only else {**cfg, "text_config": text}
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every text tensor of a Qwen3.5 MoE checkpoint of ``cfg``'s shapes, named as the
-    published checkpoints (``model.language_model.*``; ``model.*`` for ``qwen3_5_moe_text``;
-    per-expert experts); no vision tower, no MTP layer."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..errors import ConfigError
-from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, derived, meta_model, positive
+from .base import CausalLM, DecoderArgs, check_top_k, config_field, derived, positive, synth_tensors_of
 from .layers import MLP, Attention, DecoderLayer
 from .moe import StreamedMoE, softmax_topk
 from .rope import make_rope
@@ -68,10 +68,6 @@ class Model(CausalLM):
                 mlp = MLP(a.hidden_size, a.intermediate_size)
             self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp))
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.moe_intermediate_size, self.args.hidden_size
-
 
 def synth_config(cfg: dict, layers: int) -> dict:
     """``cfg`` cut to its first ``layers`` decoder layers."""
@@ -83,6 +79,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a Qwen3-MoE checkpoint of ``cfg``'s shapes, with per-expert experts as on the Hub."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, derived, meta_model
+from .base import CausalLM, DecoderArgs, check_top_k, config_field, derived, synth_tensors_of
 from .hybrid import (
     GatedAttention,
     GatedDeltaNet,
@@ -142,10 +142,6 @@ class Model(CausalLM):
         """Keys/values for attention layers, convolution and recurrent state for DeltaNet layers."""
         return HybridCache(len(self.decoder.layers), capacity)
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.moe_intermediate_size, self.args.hidden_size
-
     def synth_rank(self, name: str) -> int:
         """synth lists a MoE layer's routed experts right after the router, before the shared expert."""
         if name.startswith("mlp.") and not name.startswith("mlp.gate."):
@@ -189,6 +185,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a Qwen3-Next checkpoint of ``cfg``'s shapes (per-expert experts; no MTP layer)."""
-    return meta_model(Model, ModelArgs.from_config(cfg)).synth_tensors()
+synth_tensors = synth_tensors_of(Model, ModelArgs)

@@ -66,14 +66,7 @@ def rope_parameters(cfg: dict) -> dict:
     Raises:
         ConfigError: no ``rope_theta`` anywhere, or a ``rope_scaling`` that is not a dict.
     """
-    out = {}
-    for key in ("rope_scaling", "rope_parameters"):
-        value = cfg.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, dict):
-            raise ConfigError(f"field {key!r} = {value!r} is not an object")
-        out.update(value)
+    out = {**_rope_dict(cfg, "rope_scaling"), **_rope_dict(cfg, "rope_parameters")}
     out["rope_type"] = out.get("rope_type", out.get("type", "default")) or "default"
     out["rope_theta"] = _theta(out.get("rope_theta", cfg.get("rope_theta")))
     if "partial_rotary_factor" not in out and cfg.get("partial_rotary_factor") is not None:

@@ -8,18 +8,15 @@ rotary, sliding window, biases. Activations are ``[T, hidden]`` for one sequence
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
-from .layers import KVCache, RMSNorm, attention_mask
+from .layers import AttentionProjections, KVCache, RMSNorm, attention_mask
 from .rope import apply_rotary
 
 
-class VariantAttention(nn.Module):
+class VariantAttention(AttentionProjections):
     """Grouped-query attention with a KV cache and the options of the families in this module's docstring.
 
     Args:
@@ -46,14 +43,7 @@ class VariantAttention(nn.Module):
         qk_norm: str | None = None, norm_eps: float = 1e-6, clip_qkv: float | None = None, sinks: bool = False,
         gate: str | None = None, norm_after_rope: bool = False, norm_names: tuple[str, str] = ("q_norm", "k_norm"),
     ):
-        super().__init__()
-        if heads % kv_heads:
-            raise ConfigError(f"attention heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-        self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        super().__init__(hidden, heads, kv_heads, head_dim, bias, window, heads_name="attention heads")
         self.qk_norm, self.norm_after_rope = qk_norm, norm_after_rope
         self.norm_names = norm_names
         if qk_norm == "head":
@@ -70,7 +60,6 @@ class VariantAttention(nn.Module):
         self.gate = gate
         if gate is not None:
             self.g_proj = nn.Linear(hidden, heads if gate == "per-head" else heads * head_dim, bias=False)
-        self.scale = 1.0 / math.sqrt(head_dim)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, layer: int, start: int
