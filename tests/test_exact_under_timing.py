@@ -3,7 +3,8 @@
 Streamed runs repeated under varied budgets, reader counts, pins (hot list, pin file, learned usage
 profile), read-ahead, eviction policies, read paths and background CPU load (a busy thread of the
 process, a busy process) give every step's logits bit for bit as budget ``all``; the harness catches
-a read handed over before its bytes landed.
+a read handed over before its bytes landed; and generation keeps the intra-op thread count that
+``load`` found, since float32 kernels give other bits with another one.
 """
 
 import contextlib
@@ -185,3 +186,33 @@ def test_the_stress_harness_catches_a_read_handed_over_in_flight(model, monkeypa
     got, stats = run(path, cache_budget_gb="0.0002", learn_experts=False)
     assert stats.misses > 0
     assert first_difference(got, ref) is not None
+
+
+def test_generation_keeps_the_thread_count_of_load(model, capsys):
+    """PyTorch's float32 kernels give other bits with another intra-op thread count (on this
+    development machine: MKL's matmul of 5 to 11 rows, and decode attention, with 1 and 2 threads);
+    ``generate`` computes with the count ``load`` found, after ``torch.set_num_threads`` changed it,
+    and on a fresh thread (the server's), whose first matmuls PyTorch would otherwise run with MKL's
+    default count."""
+    path, _ = model
+    n = torch.get_num_threads()
+    engine = load(path, cache_budget_gb="0.0002", tokenizer=False, progress=False, learn_experts=False)
+    try:
+        def logits():
+            steps = generate(engine, PROMPT, 8, SamplingParams(), stop_at_eos=False, keep_logits=True)
+            return [s.logits for s in steps]
+
+        ref = logits()
+        torch.set_num_threads(2 if n == 1 else 1)
+        assert first_difference(logits(), ref) is None
+        assert torch.get_num_threads() == n
+        torch.set_num_threads(2 if n == 1 else 1)
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("logits", logits()))
+        t.start()
+        t.join()
+        assert first_difference(out["logits"], ref) is None
+        assert capsys.readouterr().err.count("intra-op thread count") == 1  # said once
+    finally:
+        engine.close()
+        torch.set_num_threads(n)
