@@ -78,11 +78,11 @@ class Engine:
         """Make the calling thread compute with :attr:`threads`, the intra-op count found at load.
 
         PyTorch's CPU kernels give other bits with another thread count (MKL's float32 matmul of
-        5 to 11 rows, attention over the KV cache: ``docs/reliability.md``, "Exactness"), and the
-        count belongs to each thread: ``torch.set_num_threads`` after load changes it, and a fresh
-        thread (the server's) runs its first matmuls with MKL's default until PyTorch sets the
-        thread up, which ``torch.get_num_threads`` does. Called before every forward pass; says
-        once on stderr when it had to set the count back.
+        5 to 11 rows, attention over the KV cache: ``docs/reliability.md``, "Exactness under
+        timing"), and the count belongs to each thread: ``torch.set_num_threads`` after load
+        changes it, and a fresh thread (the server's) runs its first matmuls with MKL's default
+        until PyTorch sets the thread up, which ``torch.get_num_threads`` does. Called before
+        every forward pass; says once on stderr when it had to set the count back.
         """
         if not self.threads or torch.get_num_threads() == self.threads:
             return
