@@ -4,9 +4,11 @@ A family computes one expert with its float expert function (``swiglu_expert`` f
 Qwen3-MoE, DeepSeek, Mixtral, ...). :func:`expert_fn_for` returns the function a MoE block
 uses for a layer whose experts are stored in :class:`~moestream.quant.formats.ExpertFormat`:
 
-* SwiGLU experts get :class:`QuantizedSwiGLU`: ``down(silu(gate x) * up x)`` with every
-  projection through :func:`~moestream.quant.kernels.qlinear` (no dequantized expert is
-  held; for gpt-oss-style interleaved ``gate_up``, gate is the even outputs, up the odd ones).
+* SwiGLU experts get :class:`QuantizedSwiGLU`: ``down(silu(gate x) * up x)`` in one call of
+  the compiled CPU kernels (:func:`moestream.quant.native.swiglu`) where they cover the
+  format, else every projection through :func:`~moestream.quant.kernels.qlinear` (no
+  dequantized expert is held; for an interleaved ``gate_up``, gate is the even outputs,
+  up the odd ones).
 * Any other family's expert function gets :class:`DequantizedExpert`: the expert's
   weights dequantized into the compute dtype for the call, then the float function.
   Correct for every family; a family with a non-SwiGLU expert can add its own fast form.
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.moe import swiglu_expert
+from . import native
 from .formats import ExpertFormat, is_quant_param
 from .kernels import dequantize_linear, qlinear
 
@@ -26,12 +29,19 @@ class QuantizedSwiGLU:
     """``down(silu(gate x) * up x)`` on quantized pieces: ``x`` [n, H] -> [n, H] in x.dtype.
 
     Math as :func:`moestream.models.moe.swiglu_expert` (transformers ``Qwen3MoeExperts``).
+    ``w``: the expert's stored pieces (``gate``, ``gate.scales``, ... as the store hands
+    them). On the CPU kernels (:func:`moestream.quant.native.swiglu`) the whole expert is
+    one call with a float32 intermediate; on the PyTorch path each projection's output is
+    rounded to x.dtype, as the float expert does.
     """
 
     def __init__(self, fmt: ExpertFormat):
         self.fmt = fmt
 
     def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = native.swiglu(x, w, self.fmt)
+        if y is not None:
+            return y
         lin = self.fmt.linears
         if self.fmt.fused_gate_up:
             gu = qlinear(x, w, lin["gate_up"])
