@@ -46,7 +46,9 @@ struct Codes2 {
     mask = _mm256_set1_epi32((1 << b) - 1);
     safe = rb < 16 ? 0 : std::min<int64_t>(nvec, (rb - 16) / b + 1);
   }
-  MS_INLINE __m256i get(const uint8_t* row, int64_t v) const {
+  MS_INLINE __m256i get(const uint8_t* row, int64_t v) const { return _mm256_and_si256(get_raw(row, v), mask); }
+  // codes in the low bits of each lane, higher bits holding the next codes (for table lookups)
+  MS_INLINE __m256i get_raw(const uint8_t* row, int64_t v) const {
     const uint8_t* p = row + v * bits;
     __m128i raw;
     if (__builtin_expect(v < safe, 1)) {
@@ -57,7 +59,7 @@ struct Codes2 {
       raw = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
     }
     __m256i win = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(raw), idx);
-    return _mm256_and_si256(_mm256_srlv_epi32(win, shift), mask);
+    return _mm256_srlv_epi32(win, shift);
   }
 };
 
@@ -73,10 +75,14 @@ struct Dec2 {
     __m256 s, b;    // affine scale and bias; fp8 scale
     __m256 lo, hi;  // the scaled value table (mxfp4, codebooks)
   };
+  __m256 iota;  // affine tables (<= 3 bits): code values 0..7, periodic
   explicit Dec2(const Lin& l)
       : L(l), codes(KIND == K_AFFINE || KIND == K_CB ? l.bits : 4, l.row_bytes, l.in / 8) {
     lut_lo = _mm256_loadu_ps(L.lut);
     lut_hi = _mm256_loadu_ps(L.lut + 8);
+    alignas(32) float io[8];
+    for (int i = 0; i < 8; ++i) io[i] = float(i & ((1 << std::min(3, L.bits)) - 1));
+    iota = _mm256_load_ps(io);
     if constexpr (KIND == K_CB3) {  // codes j = 8v + d in word j / 10 at bit 3 (j % 10); period 5 vectors
       for (int m = 0; m < 5; ++m) {
         alignas(32) int32_t ix[8], sh[8];
@@ -95,7 +101,10 @@ struct Dec2 {
     float s = group_scale<KIND>(L, r.q, g);
     if constexpr (KIND == K_FP8) s *= 256.0f;  // the fp16 view of e4m3 bits is value * 2^-8 (exact)
     r.s = _mm256_set1_ps(s);
-    if constexpr (KIND == K_AFFINE) r.b = _mm256_set1_ps(ld_dt(r.q.b, L.b_dt, g));
+    if constexpr (KIND == K_AFFINE) {
+      r.b = _mm256_set1_ps(ld_dt(r.q.b, L.b_dt, g));
+      if (L.bits <= 3) r.lo = _mm256_fmadd_ps(iota, r.s, r.b);  // fma(q, s, b) per code: the same bits
+    }
     if constexpr (KIND == K_MXFP4 || KIND == K_CB || KIND == K_CB3) {
       r.lo = _mm256_mul_ps(lut_lo, r.s);
       r.hi = _mm256_mul_ps(lut_hi, r.s);
@@ -103,6 +112,7 @@ struct Dec2 {
   }
   MS_INLINE __m256 load(const Row& r, int64_t v) const {
     if constexpr (KIND == K_AFFINE) {
+      if (L.bits <= 3) return _mm256_permutevar8x32_ps(r.lo, codes.get_raw(r.q.p, v));  // low 3 bits index
       return _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes.get(r.q.p, v)), r.s, r.b);
     } else if constexpr (KIND == K_FP8) {
       __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.q.p + v * 8)));

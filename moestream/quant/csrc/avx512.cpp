@@ -38,11 +38,12 @@ struct Codes5 {
     mask = _mm512_set1_epi32((1 << b) - 1);
     lmask = (__mmask64(1) << (2 * b)) - 1;  // 16 codes = 2b bytes
   }
-  MS_INLINE __m512i get(const uint8_t* row, int64_t v) const {
+  // codes in the low bits of each lane, higher bits holding the next codes (for table lookups)
+  MS_INLINE __m512i get_raw(const uint8_t* row, int64_t v) const {
     __m512i raw = _mm512_maskz_loadu_epi8(lmask, row + v * 2 * bits);
-    __m512i win = _mm512_permutexvar_epi8(idx, raw);
-    return _mm512_and_si512(_mm512_srlv_epi32(win, shift), mask);
+    return _mm512_srlv_epi32(_mm512_permutexvar_epi8(idx, raw), shift);
   }
+  MS_INLINE __m512i get(const uint8_t* row, int64_t v) const { return _mm512_and_si512(get_raw(row, v), mask); }
 };
 
 template <int KIND>
@@ -52,12 +53,18 @@ struct Dec5 {
   Codes5 codes;
   __m512 lut;
   __m512i tq_idx[5], tq_sh[5];
+  __m512 iota_lo, iota_hi;  // affine tables: code values 0..15 (periodic below 4 bits) and 16..31
   struct Row {
     RowPtrs q;
-    __m512 s, b;  // affine scale and bias; fp8 scale; the scaled value table (mxfp4, codebooks) in s
+    __m512 s, b;  // affine scale and bias (6, 8 bits) or its value table (<= 5 bits: s, b = codes 0-15,
+                  // 16-31); fp8 scale; the scaled value table (mxfp4, codebooks) in s
   };
   explicit Dec5(const Lin& l) : L(l), codes(KIND == K_AFFINE || KIND == K_CB ? l.bits : 4) {
     lut = _mm512_loadu_ps(L.lut);
+    alignas(64) float io[32];
+    for (int i = 0; i < 32; ++i) io[i] = float(L.bits < 5 ? (i & ((1 << L.bits) - 1)) : i);
+    iota_lo = _mm512_load_ps(io);
+    iota_hi = _mm512_load_ps(io + 16);
     if constexpr (KIND == K_CB3) {  // codes j = 16v + d in word j / 10 at bit 3 (j % 10): period 5 vectors
       for (int m = 0; m < 5; ++m) {
         alignas(64) int32_t ix[16], sh[16];
@@ -76,11 +83,20 @@ struct Dec5 {
     float s = group_scale<KIND>(L, r.q, g);
     if constexpr (KIND == K_FP8) s *= 256.0f;  // the fp16 view of e4m3 bits is value * 2^-8 (exact)
     r.s = _mm512_set1_ps(s);
-    if constexpr (KIND == K_AFFINE) r.b = _mm512_set1_ps(ld_dt(r.q.b, L.b_dt, g));
+    if constexpr (KIND == K_AFFINE) {
+      r.b = _mm512_set1_ps(ld_dt(r.q.b, L.b_dt, g));
+      if (L.bits <= 5) {  // the group's values fma(q, s, b) for every code: the same bits as per weight
+        __m512 lo = _mm512_fmadd_ps(iota_lo, r.s, r.b);
+        r.b = _mm512_fmadd_ps(iota_hi, r.s, r.b);
+        r.s = lo;
+      }
+    }
     if constexpr (KIND == K_MXFP4 || KIND == K_CB || KIND == K_CB3) r.s = _mm512_mul_ps(lut, r.s);
   }
   MS_INLINE __m512 load(const Row& r, int64_t v) const {
     if constexpr (KIND == K_AFFINE) {
+      if (L.bits <= 4) return _mm512_permutexvar_ps(codes.get_raw(r.q.p, v), r.s);  // low 4 bits index
+      if (L.bits == 5) return _mm512_permutex2var_ps(r.s, codes.get_raw(r.q.p, v), r.b);  // low 5 bits
       return _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes.get(r.q.p, v)), r.s, r.b);
     } else if constexpr (KIND == K_FP8) {
       __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.q.p + v * 16)));
