@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moestream.quant import affine, native
+from moestream.quant import affine, fp8, mxfp4, native
 from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
 
-from .quant_helpers import mlx_quantize
+from .quant_helpers import fp8_quantize, mlx_quantize, mxfp4_quantize
 
 BOUND = 1e-5
 PATHS = ("portable", "avx2", "avx512")
@@ -103,6 +103,93 @@ def test_simd_and_portable_agree(path):
         with native.use(path):
             got = native.linear(x, t, lf)
         assert rel_err(got, want.double()) <= 2 * BOUND, f"{path} vs portable, {bits}-bit"
+
+
+def fp8_linear(out_f, in_f, block, sdt=torch.float32, seed=0):
+    """An fp8 linear in blocks ``block`` ((128, 128); (1, 0) per channel; (0, 0) per tensor), its float64 weight."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    bn, bk = fp8.resolve_block(block, (out_f, in_f))
+    q, _, _ = fp8_quantize(w, max(bn, bk))  # the codes of one square block size, rescaled below
+    rows, cols = -(-out_f // bn), -(-in_f // bk)
+    scale = (torch.rand(rows, cols, generator=g) + 0.5) * 1e-3
+    t = {"w": q, "w.weight_scale_inv": scale.to(sdt) if block != (0, 0) else scale.reshape(1).to(sdt)}
+    lf = LinearFormat("w", Scheme("fp8", 8, bk, block), out_f, in_f)
+    return t, lf, fp8.dequantize(q, t["w.weight_scale_inv"], block, torch.float64)
+
+
+FP8_CASES = [((128, 128), torch.float32), ((128, 128), torch.bfloat16), ((32, 32), torch.float16),
+             ((1, 0), torch.float32), ((0, 0), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("block,sdt", FP8_CASES, ids=["b128-f32", "b128-bf16", "b32-f16", "channel", "tensor"])
+def test_fp8_odd_shapes(path, block, sdt):
+    """FP8 e4m3 with block, per-channel and per-tensor scales: 37 and 200 rows, one block and a partial one."""
+    with on(path):
+        for out_f, in_f in ((37, 128), (200, 352)):
+            t, lf, ref = fp8_linear(out_f, in_f, block, sdt, seed=out_f)
+            for n in (1, 2, 7, 64):
+                x = torch.randn(n, in_f, generator=torch.Generator().manual_seed(n))
+                for xd in (torch.float32, torch.bfloat16):
+                    xi = x.to(xd)
+                    err = rel_err(native.linear(xi, t, lf, out_dtype=torch.float32), xi.double() @ ref.t())
+                    assert err <= BOUND, f"{path} fp8 {block} [{out_f}, {in_f}] n={n} {xd}: {err:.2e}"
+
+
+def mxfp4_linear(out_f, in_f, packed=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks, scales, _ = mxfp4_quantize(torch.randn(out_f, in_f, generator=g) * 0.05)
+    w = blocks.reshape(out_f, in_f // 2) if packed else blocks  # compressed-tensors [out, in/2], gpt-oss blocks
+    t = {"w": w, "w.scales": scales}
+    return t, LinearFormat("w", Scheme("mxfp4", 4, 32), out_f, in_f), mxfp4.dequantize(blocks, scales, torch.float64)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("packed", [False, True], ids=["gpt-oss", "compressed-tensors"])
+def test_mxfp4_odd_shapes(path, packed):
+    with on(path):
+        for out_f, in_f in ((37, 32), (100, 96)):
+            t, lf, ref = mxfp4_linear(out_f, in_f, packed, seed=out_f)
+            for n in (1, 2, 7, 64):
+                x = torch.randn(n, in_f, generator=torch.Generator().manual_seed(n))
+                for xd in (torch.float32, torch.bfloat16):
+                    xi = x.to(xd)
+                    err = rel_err(native.linear(xi, t, lf, out_dtype=torch.float32), xi.double() @ ref.t())
+                    assert err <= BOUND, f"{path} mxfp4 [{out_f}, {in_f}] n={n} {xd}: {err:.2e}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp8_and_mxfp4_at_real_widths(path):
+    """Laguna-XS.2's FP8 expert gate [512, 2048] and Kimi K3's MXFP4 expert gate [3072, 3584]."""
+    with on(path):
+        cases = [fp8_linear(512, 2048, (128, 128), seed=1), mxfp4_linear(3072, 3584, True, seed=2)]
+        for t, lf, ref in cases:
+            for n in (1, 8, 19):
+                x = torch.randn(n, lf.in_features, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+                err = rel_err(native.linear(x, t, lf, out_dtype=torch.float32), x.double() @ ref.t())
+                assert err <= BOUND, f"{path} {lf.scheme.tag} n={n}: {err:.2e}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("linear_beta", [None, 4.0])
+def test_fused_situ_expert(path, linear_beta):
+    """Kimi K3's SiTU-GLU expert in one call on MXFP4 pieces, against float64 on the dequantized weights."""
+    with on(path):
+        pieces, lins, deq = {}, {}, {}
+        for i, (role, (o, k)) in enumerate((("gate", (96, 128)), ("up", (96, 128)), ("down", (128, 96)))):
+            t, lf, ref = mxfp4_linear(o, k, True, seed=i)
+            pieces[role], pieces[role + ".scales"] = t["w"], t["w.scales"]
+            lins[role], deq[role] = LinearFormat(role, lf.scheme, o, k), ref
+        fmt = ExpertFormat(lins)
+        beta = 3.0
+        for n in (1, 7):
+            x = torch.randn(n, 128, generator=torch.Generator().manual_seed(n))
+            g, u = x.double() @ deq["gate"].t(), x.double() @ deq["up"].t()
+            a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+            want = (a * (u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta))) @ deq["down"].t()
+            got = native.expert(x, pieces, fmt, "situ", beta=beta, linear_beta=linear_beta)
+            assert rel_err(got, want) <= BOUND, f"{path} situ n={n}"
 
 
 def swiglu_expert(bits, group, inter=768, hidden=2048, fused=False, seed=0):

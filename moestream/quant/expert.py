@@ -9,12 +9,15 @@ uses for a layer whose experts are stored in :class:`~moestream.quant.formats.Ex
   format, else every projection through :func:`~moestream.quant.kernels.qlinear` (no
   dequantized expert is held; for an interleaved ``gate_up``, gate is the even outputs,
   up the odd ones).
+* Kimi K3's SiTU-GLU experts get :class:`QuantizedGLU`: the same single call with its activation.
 * Any other family's expert function gets :class:`DequantizedExpert`: the expert's
   weights dequantized into the compute dtype for the call, then the float function.
   Correct for every family; a family with a non-SwiGLU expert can add its own fast form.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +54,20 @@ class QuantizedSwiGLU:
         return qlinear(F.silu(gate) * up, w, lin["down"])
 
 
+class QuantizedGLU:
+    """A gated expert ``down(act(gate x, up x))`` with a known activation (Kimi K3's SiTU-GLU) on quantized
+    pieces: one call of :func:`moestream.quant.native.expert` (float32 intermediate), else ``float_fn`` on
+    the dequantized weights (:class:`DequantizedExpert`). ``x`` [n, H] -> [n, H] in x.dtype."""
+
+    def __init__(self, fmt: ExpertFormat, float_fn, act: str, **params):
+        self.fmt, self.act, self.params = fmt, act, params
+        self.fallback = DequantizedExpert(fmt, float_fn)
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = native.expert(x, w, self.fmt, self.act, **self.params)
+        return self.fallback(x, w) if y is None else y
+
+
 class DequantizedExpert:
     """A family's float expert function applied to the expert's weights dequantized to x.dtype."""
 
@@ -75,4 +92,8 @@ def expert_fn_for(float_fn, fmt: ExpertFormat | None):
         return float_fn
     if float_fn is swiglu_expert:
         return QuantizedSwiGLU(fmt)
+    from ..models.kimi_linear import situ_expert
+
+    if isinstance(float_fn, functools.partial) and float_fn.func is situ_expert and not float_fn.args:
+        return QuantizedGLU(fmt, float_fn, "situ", **float_fn.keywords)
     return DequantizedExpert(fmt, float_fn)

@@ -81,7 +81,8 @@ def qlinear(x: torch.Tensor, t: dict[str, torch.Tensor], lf: LinearFormat) -> to
     out = xf.new_empty(x.shape[0], lf.out_features)
     step = _rows(lf)
     if s is not None and s.method == "fp8":
-        step = max(s.block[0], step // s.block[0] * s.block[0])
+        bn = fp8.resolve_block(s.block, (lf.out_features, lf.in_features))[0]
+        step = max(bn, step // bn * bn)
     for r0 in range(0, lf.out_features, step):
         r1 = min(r0 + step, lf.out_features)
         out[:, r0:r1] = xf @ dequantize_rows(t, lf, r0, r1).t()

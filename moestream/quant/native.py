@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from . import fp8, mxfp4
+
 ENV = "MOESTREAM_CPU_KERNELS"
 CHOICES = ("auto", "avx512", "avx2", "portable", "torch")
 CSRC = Path(__file__).parent / "csrc"
@@ -56,6 +58,7 @@ AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _PATH_CODE = {"portable": 0, "avx2": 1, "avx512": 2}
 _PATH_BITS = (("portable", 1), ("avx2", 2), ("avx512", 4))
+_FP4 = torch.tensor(mxfp4.FP4_VALUES, dtype=torch.float32)  # the e2m1 values, the kernels' table
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "error": None}
@@ -168,10 +171,10 @@ def _load() -> ctypes.CDLL:
         print(f"moestream: CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     dll = ctypes.CDLL(str(lib))
     dll.ms_paths.restype = ctypes.c_int
-    for fn in (dll.ms_linear, dll.ms_swiglu):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                       ctypes.c_void_p]
+    args = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    dll.ms_linear.restype = dll.ms_expert.restype = ctypes.c_int
+    dll.ms_linear.argtypes = args
+    dll.ms_expert.argtypes = args + [ctypes.c_int, ctypes.c_void_p]
     return dll
 
 
@@ -262,9 +265,14 @@ def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: t
 
     Args:
         lf: its :class:`~moestream.quant.formats.LinearFormat` ([out, in] and scheme; None: float).
-        t: the stored pieces. Affine: ``<role>`` uint32 [rows, in * bits / 32] (or its raw
-            bytes), ``<role>.scales`` and ``<role>.biases`` [rows, in / group] in float32,
-            bf16 or fp16.
+        t: the stored pieces (CPU tensors), by scheme:
+
+            - affine: ``<role>`` uint32 [rows, in * bits / 32] (or its raw bytes),
+              ``<role>.scales`` and ``<role>.biases`` [rows, in / group] in float32, bf16 or fp16;
+            - fp8: ``<role>`` float8_e4m3fn [rows, in] and ``<role>.<scale_param>``
+              [ceil(rows / bn), ceil(in / bk)] in float32, bf16 or fp16 (per-tensor: [1]);
+            - mxfp4: ``<role>`` uint8 [rows, in / 32, 16] (gpt-oss) or [rows, in / 2]
+              (compressed-tensors), ``<role>.<scale_param>`` uint8 e8m0 [rows, in / 32].
         role: the key of the weight in ``t`` (default ``lf.role``).
         rows: (first, step): output row ``r`` is stored row ``first + r * step`` (gate and up
             of an interleaved ``gate_up``).
@@ -277,24 +285,50 @@ def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: t
     role = role or lf.role
     out = out or lf.out_features
     inn = lf.in_features
-    if s is None or s.method != "affine" or s.bits not in AFFINE_BITS or inn % 32 or s.group_size % 32:
+    if s is None or s.method not in ("affine", "fp8", "mxfp4") or inn % 32:
         return None
-    w, sc, bi = t[role], t.get(role + ".scales"), t.get(role + ".biases")
-    if sc is None or bi is None or w.device.type != "cpu":
-        return None
-    if sc.dtype not in _DT or bi.dtype not in _DT:
+    w = t[role]
+    sc = t.get(role + "." + s.scale_param)
+    if sc is None or w.device.type != "cpu" or w.dim() < 2:
         return None
     need = rows[0] + (out - 1) * rows[1] + 1
-    _check(w.dim() >= 2 and w.shape[0] >= need, f"{role}: weight {list(w.shape)} holds fewer than {need} rows")
-    row_bytes = w.numel() * w.element_size() // w.shape[0]
-    _check(row_bytes == inn * s.bits // 8, f"{role}: weight {list(w.shape)} ({w.dtype}) has {row_bytes} bytes per "
-           f"row; {inn} inputs at {s.bits} bits need {inn * s.bits // 8}")
-    groups = inn // s.group_size
-    _check(sc.shape[-1] == groups and sc.numel() == w.shape[0] * groups and bi.shape == sc.shape,
-           f"{role}: scales {list(sc.shape)} and biases {list(bi.shape)} are not [{w.shape[0]}, {groups}]")
-    fields = [AFFINE, s.bits, s.group_size, 1, out, inn, rows[0], rows[1], 0, row_bytes, groups, _DT[sc.dtype],
-              _DT[bi.dtype]] + [0] * (SPEC - 13)
-    return Spec(fields, [_contig(w), _contig(sc), _contig(bi), None])
+    stored = w.shape[0]
+    _check(stored >= need, f"{role}: weight {list(w.shape)} holds fewer than {need} rows")
+    row_bytes = w.numel() * w.element_size() // stored
+    bias, table = None, None
+    if s.method == "affine":
+        bias = t.get(role + ".biases")
+        if s.bits not in AFFINE_BITS or s.group_size % 32 or bias is None or sc.dtype not in _DT \
+                or bias.dtype not in _DT:
+            return None
+        want, groups = inn * s.bits // 8, inn // s.group_size
+        _check(sc.shape[-1] == groups and sc.numel() == stored * groups and bias.shape == sc.shape,
+               f"{role}: scales {list(sc.shape)} and biases {list(bias.shape)} are not [{stored}, {groups}]")
+        head = [AFFINE, s.bits, s.group_size, 1]
+        tail = [groups, _DT[sc.dtype], _DT[bias.dtype]]
+    elif s.method == "fp8":
+        bn, bk = fp8.resolve_block(s.block, (stored, inn))
+        if bk % 16 or sc.dtype not in _DT or w.element_size() != 1:
+            return None
+        want = inn
+        brows, bcols = -(-stored // bn), -(-inn // bk)
+        _check(sc.numel() == brows * bcols, f"{role}: scales {list(sc.shape)} are not the {brows} x {bcols} blocks "
+               f"of {bn} x {bk} a [{stored}, {inn}] weight has")
+        head = [FP8, 8, bk, bn]
+        tail = [bcols, _DT[sc.dtype], 0]
+    else:
+        if w.element_size() != 1 or sc.element_size() != 1:
+            return None
+        want = inn // 2
+        _check(sc.numel() == stored * (inn // 32), f"{role}: scales {list(sc.shape)} are not [{stored}, {inn // 32}]")
+        head = [MXFP4, 4, 32, 1]
+        tail = [inn // 32, 0, 0]
+        table = _FP4
+    _check(row_bytes == want, f"{role}: weight {list(w.shape)} ({w.dtype}) has {row_bytes} bytes per row; "
+           f"[{out}, {inn}] as {s.tag} needs {want}")
+    fields = head + [out, inn, rows[0], rows[1], 0, row_bytes] + tail
+    fields += [0] * (SPEC - len(fields))
+    return Spec(fields, [_contig(w), _contig(sc), None if bias is None else _contig(bias), table])
 
 
 def _ready(x: torch.Tensor) -> str | None:
@@ -304,12 +338,13 @@ def _ready(x: torch.Tensor) -> str | None:
     return None if p == "torch" else p
 
 
-def _call(fn, path: str, specs: list[Spec], x: torch.Tensor, out: int, dtype: torch.dtype | None) -> torch.Tensor:
+def _call(fn, path: str, specs: list[Spec], x: torch.Tensor, out: int, dtype: torch.dtype | None, *extra
+          ) -> torch.Tensor:
     xf = _contig(x.float())
     y = torch.empty(x.shape[0], out, dtype=torch.float32)
     fields = (ctypes.c_int64 * (SPEC * len(specs)))(*(f for s in specs for f in s.fields))
     ptrs = (ctypes.c_void_p * (PTRS * len(specs)))(*(p for s in specs for p in s.ptrs()))
-    rc = fn(_PATH_CODE[path], fields, ptrs, xf.data_ptr(), x.shape[0], y.data_ptr())
+    rc = fn(_PATH_CODE[path], fields, ptrs, xf.data_ptr(), x.shape[0], y.data_ptr(), *extra)
     if rc:
         raise RuntimeError(f"moestream kernels: path {path} is not compiled in this build")
     dtype = dtype or x.dtype
@@ -338,21 +373,28 @@ def linear(x: torch.Tensor, t: dict[str, torch.Tensor], lf, out_dtype: torch.dty
     return _call(library().ms_linear, p, [spec], x, spec.out, out_dtype)
 
 
-def swiglu(x: torch.Tensor, t: dict[str, torch.Tensor], fmt, out_dtype: torch.dtype | None = None
-           ) -> torch.Tensor | None:
-    """One SwiGLU expert ``down(silu(gate x) * up x)`` in one call: ``x`` [n, H] -> [n, H] in ``out_dtype``.
+ACTIVATIONS = ("silu", "situ")
+
+
+def expert(x: torch.Tensor, t: dict[str, torch.Tensor], fmt, act: str = "silu", beta: float = 1.0,
+           linear_beta: float | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """One gated expert ``down(act(gate x, up x))`` in one call: ``x`` [n, H] -> [n, H] in ``out_dtype``.
 
     ``t``: the expert's stored pieces as the store hands them (``gate``, ``gate.scales``,
     ``gate.biases``, ``up...``, ``down...``; or an interleaved ``gate_up`` [2I, H] whose even
     rows are gate and odd rows up, when ``fmt.fused_gate_up``). ``fmt``: its
-    :class:`~moestream.quant.formats.ExpertFormat`. The gate and up outputs and their
-    product stay float32 inside; the result is rounded once to ``out_dtype`` (default
-    x.dtype). None when a
-    projection is not covered or the PyTorch path is selected (the caller computes it).
+    :class:`~moestream.quant.formats.ExpertFormat`. ``act``: ``silu`` (SwiGLU, ``silu(g) * u``)
+    or ``situ`` (Kimi K3's SiTU-GLU, ``beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u /
+    linear_beta)``, the up half as is without ``linear_beta``). The gate and up outputs and
+    their product stay float32 inside; the result is rounded once to ``out_dtype`` (default
+    x.dtype). None when a projection is not covered or the PyTorch path is selected (the
+    caller computes it).
 
     Raises:
-        ValueError: pieces whose shapes disagree with ``fmt`` (names the piece).
+        ValueError: pieces whose shapes disagree with ``fmt`` (names the piece), an unknown ``act``.
     """
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r}: expected one of {', '.join(ACTIVATIONS)}")
     p = _ready(x)
     if p is None:
         return None
@@ -370,7 +412,14 @@ def swiglu(x: torch.Tensor, t: dict[str, torch.Tensor], fmt, out_dtype: torch.dt
     _check(x.shape[1] == g.inn == u.inn and g.out == u.out == d.inn,
            f"input [{x.shape[1]}], gate [{g.out}, {g.inn}], up [{u.out}, {u.inn}] and down [{d.out}, {d.inn}] "
            "do not chain")
-    return _call(library().ms_swiglu, p, [g, u, d], x, d.out, out_dtype)
+    params = (ctypes.c_float * 2)(beta, float("nan") if linear_beta is None else linear_beta)
+    return _call(library().ms_expert, p, [g, u, d], x, d.out, out_dtype, ACTIVATIONS.index(act), params)
+
+
+def swiglu(x: torch.Tensor, t: dict[str, torch.Tensor], fmt, out_dtype: torch.dtype | None = None
+           ) -> torch.Tensor | None:
+    """One SwiGLU expert ``down(silu(gate x) * up x)``: :func:`expert` with ``act="silu"``."""
+    return expert(x, t, fmt, "silu", out_dtype=out_dtype)
 
 
 def main() -> int:

@@ -87,18 +87,29 @@ int ms_linear(int path, const int64_t* spec, const void* const* ptrs, const floa
   return 0;
 }
 
-// One SwiGLU expert: y [n, H] = down(silu(gate x) * up x) for x [n, H], all float32; specs and
-// ptrs of gate, up, down in that order. The intermediate [n, I] stays float32.
-int ms_swiglu(int path, const int64_t* specs, const void* const* ptrs, const float* x, int64_t n, float* y) {
+// One gated expert: y [n, H] = down(act(gate x, up x)) for x [n, H], all float32; specs and ptrs
+// of gate, up, down in that order. act 0: SwiGLU, silu(g) * u; 1: SiTU-GLU (Kimi K3),
+// beta tanh(g / beta) sigmoid(g) * (linear_beta tanh(u / linear_beta), or u when
+// linear_beta is NaN) with params = {beta, linear_beta}. The intermediate [n, I] stays float32.
+int ms_expert(int path, const int64_t* specs, const void* const* ptrs, const float* x, int64_t n, float* y, int act,
+              const float* params) {
   ms::RowsFn fn = ms::rows_fn(path);
-  if (fn == nullptr) return -1;
+  if (fn == nullptr || act < 0 || act > 1) return -1;
   ms::Lin G = ms::make_lin(specs, ptrs), U = ms::make_lin(specs + ms::SPEC, ptrs + ms::PTRS),
           D = ms::make_lin(specs + 2 * ms::SPEC, ptrs + 2 * ms::PTRS);
   const int64_t I = G.out;
   std::vector<float> g(size_t(n * I)), u(size_t(n * I));
   ms::run_linear(fn, G, x, n, g.data(), I);
   ms::run_linear(fn, U, x, n, u.data(), I);
-  for (int64_t i = 0; i < n * I; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  if (act == 0) {
+    for (int64_t i = 0; i < n * I; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  } else {
+    const float beta = params[0], lb = params[1];
+    for (int64_t i = 0; i < n * I; ++i) {
+      const float a = beta * std::tanh(g[i] / beta) * (1.0f / (1.0f + std::exp(-g[i])));
+      g[i] = a * (std::isnan(lb) ? u[i] : lb * std::tanh(u[i] / lb));
+    }
+  }
   ms::run_linear(fn, D, g.data(), n, y, D.out);
   return 0;
 }
