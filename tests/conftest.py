@@ -1,10 +1,17 @@
-"""Test-wide set-up: usage profiles go to a temporary user cache folder, never the real one."""
+"""Test-wide set-up: usage profiles go to a temporary user cache folder, never the real one; the CPU kernels'
+build (keyed by source and CPU, so safe to share) stays in the real one, so no test process rebuilds it."""
+
+import os
 
 import pytest
+
+KERNELS = os.environ.get("MOESTREAM_KERNEL_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moestream", "cpu-kernels")
 
 
 @pytest.fixture(autouse=True)
 def _user_cache_in_tmp(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    monkeypatch.setenv("MOESTREAM_KERNEL_CACHE", KERNELS)
     # tests written for the CPU stay on it on a machine with a GPU; the GPU tests name cuda
     monkeypatch.setenv("MOESTREAM_DEVICE", "cpu")

@@ -304,3 +304,83 @@ assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert run.returncode == 0, run.stderr
     notes = [ln for ln in run.stderr.splitlines() if "CPU kernels could not be built" in ln]
     assert len(notes) == 1 and "no C++ compiler" in notes[0], run.stderr
+
+
+# turboquant: codebook codes behind the blockwise Hadamard rotation (moestream.quant.turboquant)
+
+TQ_CODEBOOKS = {2: [-0.7979, 0.7979], 4: [-1.5107, -0.4529, 0.4529, 1.5107],
+                8: [-2.1523, -1.3438, -0.7559, -0.2451, 0.2451, 0.7559, 1.3438, 2.1523],
+                16: [round(-2.7 + 0.36 * i, 4) for i in range(16)], 3: [-1.2236, 0.0, 1.2236]}
+
+
+def tq_linear(out_f, in_f, levels, group, seed=0):
+    """Random codes and fp16 scales in the turboquant layout (packed by the test's own packer), its float64
+    rotated-domain weight, and fp16 +-1 signs."""
+    from .test_turboquant import pack
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, levels, (out_f, in_f), generator=g)
+    scales = (torch.rand(out_f, in_f // group, generator=g) * 0.05 + 0.01).half()
+    cb = torch.tensor(TQ_CODEBOOKS[levels], dtype=torch.float16)
+    w64 = cb.double()[codes] * scales.double().repeat_interleave(group, -1)
+    signs = (torch.randint(0, 2, (in_f,), generator=g) * 2 - 1).half()
+    return pack(codes.numpy(), levels), scales, cb, signs, w64
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("n_in", [2048, 2880, 768, 1792, 96, 240])
+def test_rotation_is_blockwise_hadamard_bit_for_bit(path, n_in):
+    """The kernels' input rotation gives blockwise_hadamard's bits for every block shape (m = 1, 12, 20, 28)."""
+    from moestream.quant.turboquant import blockwise_hadamard
+
+    with on(path):
+        x = torch.randn(3, n_in, generator=torch.Generator().manual_seed(n_in)).to(torch.bfloat16)
+        signs = (torch.randint(0, 2, (n_in,), generator=torch.Generator().manual_seed(1)) * 2 - 1).half()
+        assert torch.equal(native.rotate(x, signs), blockwise_hadamard(x.float() * signs.float()))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("levels", [2, 4, 8, 16, 3], ids=["1bit", "2bit", "3bit", "4bit", "ternary"])
+def test_codebook_odd_shapes(path, levels):
+    """Codebook codes of every width, groups of 16-128, 37 rows, rows whose words end mid-word (3-bit: 10
+    codes per word, ternary 20), 1, 2, 7, 64 tokens, float32 and bf16 inputs, rotated and not."""
+    from moestream.quant.turboquant import blockwise_hadamard
+
+    with on(path):
+        for in_f, group in ((48, 16), (96, 32), (320, 64), (384, 128)):
+            packed, scales, cb, signs, w64 = tq_linear(37, in_f, levels, group, seed=in_f + levels)
+            for n in (1, 2, 7, 64):
+                x = torch.randn(n, in_f, generator=torch.Generator().manual_seed(n))
+                for xd, rot in ((torch.float32, False), (torch.bfloat16, True)):
+                    xi = x.to(xd)
+                    spec = native.codebook_spec(packed, scales, cb, in_f, signs if rot else None)
+                    got = native.codebook_linear(xi, spec, torch.float32)
+                    xr = blockwise_hadamard(xi.float() * signs.float()) if rot else xi.float()
+                    err = rel_err(got, xr.double() @ w64.t())
+                    assert err <= BOUND, f"{path} levels {levels} [37, {in_f}] g{group} n={n} {xd}: {err:.2e}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("levels", [4, 8])
+def test_turboquant_expert_in_one_call(path, levels):
+    """A turboquant SwiGLU expert of the Qwen3.6-35B shape (512 x 2048, group 32) in one call, each projection
+    rotating its own input, with an expert bias on down, against float64 on the rotated reference inputs."""
+    from moestream.quant.turboquant import blockwise_hadamard
+
+    with on(path):
+        parts = {r: tq_linear(o, i, levels, 32, seed=k)
+                 for k, (r, (o, i)) in enumerate((("gate", (512, 2048)), ("up", (512, 2048)), ("down", (2048, 512))))}
+        bias = torch.randn(2048, generator=torch.Generator().manual_seed(3)).half()
+        specs = tuple(native.codebook_spec(p[0], p[1], p[2], p[4].shape[1], p[3], bias if r == "down" else None)
+                      for r, p in parts.items())
+        for n in (1, 8):
+            x = torch.randn(n, 2048, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+
+            def lin(v, role):
+                p = parts[role]
+                return blockwise_hadamard(v.float() * p[3].float()).double() @ p[4].t()
+
+            h = F.silu(lin(x, "gate")) * lin(x, "up")
+            want = lin(h.float(), "down") + bias.double()
+            err = rel_err(native.codebook_expert(x, specs, torch.float32), want)
+            assert err <= BOUND, f"{path} levels {levels} n={n}: {err:.2e}"

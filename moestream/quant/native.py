@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -53,7 +54,8 @@ FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off"]
 LIBRARY = "libmoestream_cpu.so"
 # kinds and the spec layout of csrc/capi.cpp (make_lin)
 AFFINE, FP8, MXFP4, CODEBOOK = 0, 1, 2, 3
-SPEC, PTRS = 16, 4
+SPEC, PTRS = 16, 8
+STREAM, TEN3, TRITS = 0, 1, 2  # codebook packings
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _PATH_CODE = {"portable": 0, "avx2": 1, "avx512": 2}
@@ -152,8 +154,10 @@ def _compile(cxx: str, out: Path, openmp: bool) -> None:
 
 def _load() -> ctypes.CDLL:
     where = cache_dir()
-    lib = where / LIBRARY
+    lib, failed = where / LIBRARY, where / "FAILED"
     if not lib.exists():
+        if failed.exists():  # this source, compiler and CPU failed before: do not retry in every process
+            raise RuntimeError(f"{failed.read_text().strip()} (delete {where} to retry)")
         cxx = _compiler()
         if cxx is None:
             raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++, g++ or clang++'}) found")
@@ -167,13 +171,15 @@ def _load() -> ctypes.CDLL:
             try:  # a compiler without OpenMP (Apple clang): one thread per linear
                 _compile(cxx, lib, openmp=False)
             except RuntimeError:
+                failed.write_text(str(first))
                 raise first from None
         print(f"moestream: CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     dll = ctypes.CDLL(str(lib))
     dll.ms_paths.restype = ctypes.c_int
     args = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    dll.ms_linear.restype = dll.ms_expert.restype = ctypes.c_int
+    dll.ms_linear.restype = dll.ms_expert.restype = dll.ms_rotate.restype = ctypes.c_int
     dll.ms_linear.argtypes = args
+    dll.ms_rotate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     dll.ms_expert.argtypes = args + [ctypes.c_int, ctypes.c_void_p]
     return dll
 
@@ -243,7 +249,7 @@ class Spec:
     __slots__ = ("fields", "tensors", "out", "inn")
 
     def __init__(self, fields: list[int], tensors: list[torch.Tensor | None]):
-        self.fields, self.tensors = fields, tensors
+        self.fields, self.tensors = fields, tensors + [None] * (PTRS - len(tensors))
         self.out, self.inn = fields[4], fields[5]
 
     def ptrs(self) -> list[int]:
@@ -329,6 +335,130 @@ def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: t
     fields = head + [out, inn, rows[0], rows[1], 0, row_bytes] + tail
     fields += [0] * (SPEC - len(fields))
     return Spec(fields, [_contig(w), _contig(sc), None if bias is None else _contig(bias), table])
+
+
+def _cached(t: torch.Tensor, make):
+    """``make(t)``, kept on the tensor until it changes (resident codebooks, signs, norms)."""
+    got = getattr(t, "_moestream_kernel_form", None)
+    if got is None or got[0] != t._version or got[1] is not make:
+        got = (t._version, make, make(t))
+        t._moestream_kernel_form = got
+    return got[2]
+
+
+def _code_table(codebook: torch.Tensor) -> torch.Tensor:
+    """A turboquant codebook as the kernels' 16-entry float32 table, periodic in the code width (the
+    kernels look codes up without masking the next code's bits away)."""
+    levels = codebook.shape[0]
+    width = 4 if levels == 3 else levels  # ternary: 2-bit codes 0..2 (3 unused, 0)
+    cb = torch.zeros(width)
+    cb[:levels] = codebook.detach().float().cpu()
+    return cb.repeat(16 // width).contiguous()
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().cpu().contiguous()
+
+
+def ones_column(t: torch.Tensor) -> torch.Tensor:
+    """float32 ones [len(t), 1]: unit scales, one group per row (turboquant's QJL sign bits)."""
+    return torch.ones(t.shape[0], 1)
+
+
+def _rotation(inn: int, signs: torch.Tensor, rot_half: bool = False) -> tuple[list[int], list]:
+    """Spec fields 13-15 and the signs and H_m tensors of turboquant's input rotation ``H_B(signs * x)``."""
+    from .turboquant import block_size, sloane_matrix
+
+    b, m = block_size(inn)
+    scale = torch.tensor(1.0 / math.sqrt(b), dtype=torch.float32)  # as blockwise_hadamard rounds it
+    bits = int(scale.view(torch.int32).item()) & 0xFFFFFFFF
+    sg = _cached(signs, _float32)
+    hm = sloane_matrix(m).contiguous() if m > 1 else None
+    return [b, m, bits | (int(rot_half) << 32)], [sg, hm]
+
+
+def codebook_spec(packed: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, inn: int,
+                  signs: torch.Tensor | None = None, bias: torch.Tensor | None = None, rot_half: bool = False
+                  ) -> Spec | None:
+    """The kernel's view of one turboquant linear (:mod:`.turboquant`), or None when not covered.
+
+    Args:
+        packed: uint32 codes [out, ceil(in / epw)] as stored (bit fields LSB-first, ten 3-bit codes
+            per word, or 20 base-3 trits per word).
+        scales: [out, in / group] (float16 as stored; float32, bf16 too).
+        codebook: [levels] (2, 4, 8, 16, or 3 for ternary): the code values.
+        inn: input features.
+        signs: [in] +-1 when the input is rotated (``H_B(signs * x)``, :func:`.turboquant.rotate`), else None.
+        bias: [out] added to the product (any float dtype), or None.
+        rot_half: round the rotated input to fp16 (the QJL term's ``sx``).
+
+    Raises:
+        ValueError: pieces whose shapes disagree (names them).
+    """
+    from .turboquant import LEVEL_BITS, TRIT, codes_per_word
+
+    levels = codebook.shape[0]
+    if packed.device.type != "cpu" or packed.dim() != 2 or scales.dtype not in _DT or inn % 16 \
+            or (levels != TRIT and levels not in LEVEL_BITS):
+        return None
+    out, groups = packed.shape[0], scales.shape[-1]
+    group = inn // groups
+    if group % 16 or inn % groups:
+        return None
+    epw = codes_per_word(levels)
+    row_bytes = packed.numel() * packed.element_size() // out
+    _check(row_bytes == 4 * -(-inn // epw), f"turboquant codes {list(packed.shape)}: {inn} inputs at {epw} "
+           f"codes per word need {-(-inn // epw)} words per row")
+    _check(scales.numel() == out * groups, f"turboquant scales {list(scales.shape)} are not [{out}, {groups}]")
+    bits = 2 if levels == TRIT else LEVEL_BITS[levels]
+    pack = TRITS if levels == TRIT else TEN3 if levels == 8 else STREAM
+    rot, extra = ([0, 1, 0], [None, None]) if signs is None else _rotation(inn, signs, rot_half)
+    ob = None if bias is None else _contig(bias.detach().float())
+    fields = [CODEBOOK, bits, group, 1, out, inn, 0, 1, pack, row_bytes, groups, _DT[scales.dtype], 0, *rot]
+    table = _cached(codebook, _code_table)
+    return Spec(fields, [_contig(packed), _contig(scales), None, table, *extra, ob])
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor | None:
+    """turboquant's input rotation ``H_B(signs * x)`` of ``x`` [n, in] in float32, the same bits as
+    :func:`.turboquant.blockwise_hadamard`; None on the PyTorch path."""
+    if _ready(x) is None:
+        return None
+    rot, extra = _rotation(x.shape[1], signs)
+    fields = (ctypes.c_int64 * SPEC)(*([CODEBOOK, 0, 16, 1, 0, x.shape[1], 0, 1, 0, 0, 0, 0, 0, *rot]))
+    ptrs = (ctypes.c_void_p * PTRS)(0, 0, 0, 0, extra[0].data_ptr(), 0 if extra[1] is None else extra[1].data_ptr())
+    xf = _contig(x.float())
+    out = torch.empty_like(xf)
+    library().ms_rotate(fields, ptrs, xf.data_ptr(), x.shape[0], out.data_ptr())
+    return out
+
+
+def codebook_linear(x: torch.Tensor, spec: Spec | None, out_dtype: torch.dtype | None = None
+                    ) -> torch.Tensor | None:
+    """``x`` [n, in] through one turboquant linear (:func:`codebook_spec`: rotation, product, bias): [n, out].
+
+    None on the PyTorch path or when ``spec`` is None.
+    """
+    p = _ready(x)
+    if p is None or spec is None:
+        return None
+    _check(x.shape[1] == spec.inn, f"turboquant linear: input has {x.shape[1]} features, the weight takes {spec.inn}")
+    return _call(library().ms_linear, p, [spec], x, spec.out, out_dtype)
+
+
+def codebook_expert(x: torch.Tensor, specs: tuple[Spec | None, Spec | None, Spec | None],
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """One turboquant SwiGLU expert in one call: ``down(silu(gate x) * up x)``, each projection rotating its
+    own input; ``specs`` from :func:`codebook_spec` (gate, up, down). [n, H] in ``out_dtype`` (x.dtype)."""
+    p = _ready(x)
+    if p is None or any(s is None for s in specs):
+        return None
+    g, u, d = specs
+    _check(x.shape[1] == g.inn == u.inn and g.out == u.out == d.inn,
+           f"input [{x.shape[1]}], gate [{g.out}, {g.inn}], up [{u.out}, {u.inn}] and down [{d.out}, {d.inn}] "
+           "do not chain")
+    params = (ctypes.c_float * 2)(1.0, float("nan"))
+    return _call(library().ms_expert, p, list(specs), x, d.out, out_dtype, 0, params)
 
 
 def _ready(x: torch.Tensor) -> str | None:

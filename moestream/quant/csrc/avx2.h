@@ -76,8 +76,11 @@ struct Dec2 {
     __m256 lo, hi;  // the scaled value table (mxfp4, codebooks)
   };
   __m256 iota;  // affine tables (<= 3 bits): code values 0..7, periodic
+  mutable TritScratch trits;
   explicit Dec2(const Lin& l)
-      : L(l), codes(KIND == K_AFFINE || KIND == K_CB ? l.bits : 4, l.row_bytes, l.in / 8) {
+      : L(l),
+        codes(KIND == K_TRIT ? 2 : (KIND == K_AFFINE || KIND == K_CB ? l.bits : 4),
+              KIND == K_TRIT ? l.in / 4 : l.row_bytes, l.in / 8) {
     lut_lo = _mm256_loadu_ps(L.lut);
     lut_hi = _mm256_loadu_ps(L.lut + 8);
     alignas(32) float io[8];
@@ -96,7 +99,10 @@ struct Dec2 {
       }
     }
   }
-  MS_INLINE void start(Row& r, int64_t row) const { r.q = row_ptrs(L, row); }
+  MS_INLINE void start(Row& r, int64_t row) const {
+    r.q = row_ptrs(L, row);
+    if constexpr (KIND == K_TRIT) r.q.p = trits.row(L, r.q.p);
+  }
   MS_INLINE void group(Row& r, int64_t g) const {
     float s = group_scale<KIND>(L, r.q, g);
     if constexpr (KIND == K_FP8) s *= 256.0f;  // the fp16 view of e4m3 bits is value * 2^-8 (exact)
@@ -105,7 +111,7 @@ struct Dec2 {
       r.b = _mm256_set1_ps(ld_dt(r.q.b, L.b_dt, g));
       if (L.bits <= 3) r.lo = _mm256_fmadd_ps(iota, r.s, r.b);  // fma(q, s, b) per code: the same bits
     }
-    if constexpr (KIND == K_MXFP4 || KIND == K_CB || KIND == K_CB3) {
+    if constexpr (KIND == K_MXFP4 || KIND == K_CB || KIND == K_CB3 || KIND == K_TRIT) {
       r.lo = _mm256_mul_ps(lut_lo, r.s);
       r.hi = _mm256_mul_ps(lut_hi, r.s);
     }
@@ -135,9 +141,10 @@ struct Dec2 {
       c = _mm256_srlv_epi32(c, tq_sh[m]);  // permutevar8x32 reads the low 3 bits: the code
       return _mm256_permutevar8x32_ps(r.lo, c);
     } else {
+      if (KIND == K_TRIT || (KIND == K_CB && L.bits <= 3))  // tables periodic in the code width: no mask
+        return _mm256_permutevar8x32_ps(r.lo, codes.get_raw(r.q.p, v));
       __m256i c = codes.get(r.q.p, v);
       __m256 lo = _mm256_permutevar8x32_ps(r.lo, c);
-      if (KIND == K_CB && L.bits <= 3) return lo;
       // 16 entries: 0-7 and 8-15 by the low 3 bits, chosen by bit 3
       __m256 hi = _mm256_permutevar8x32_ps(r.hi, c);
       return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));

@@ -59,7 +59,9 @@ struct Dec5 {
     __m512 s, b;  // affine scale and bias (6, 8 bits) or its value table (<= 5 bits: s, b = codes 0-15,
                   // 16-31); fp8 scale; the scaled value table (mxfp4, codebooks) in s
   };
-  explicit Dec5(const Lin& l) : L(l), codes(KIND == K_AFFINE || KIND == K_CB ? l.bits : 4) {
+  mutable TritScratch trits;
+  explicit Dec5(const Lin& l)
+      : L(l), codes(KIND == K_TRIT ? 2 : (KIND == K_AFFINE || KIND == K_CB ? l.bits : 4)) {
     lut = _mm512_loadu_ps(L.lut);
     alignas(64) float io[32];
     for (int i = 0; i < 32; ++i) io[i] = float(L.bits < 5 ? (i & ((1 << L.bits) - 1)) : i);
@@ -78,7 +80,10 @@ struct Dec5 {
       }
     }
   }
-  MS_INLINE void start(Row& r, int64_t row) const { r.q = row_ptrs(L, row); }
+  MS_INLINE void start(Row& r, int64_t row) const {
+    r.q = row_ptrs(L, row);
+    if constexpr (KIND == K_TRIT) r.q.p = trits.row(L, r.q.p);
+  }
   MS_INLINE void group(Row& r, int64_t g) const {
     float s = group_scale<KIND>(L, r.q, g);
     if constexpr (KIND == K_FP8) s *= 256.0f;  // the fp16 view of e4m3 bits is value * 2^-8 (exact)
@@ -91,7 +96,7 @@ struct Dec5 {
         r.s = lo;
       }
     }
-    if constexpr (KIND == K_MXFP4 || KIND == K_CB || KIND == K_CB3) r.s = _mm512_mul_ps(lut, r.s);
+    if constexpr (KIND == K_MXFP4 || KIND == K_CB || KIND == K_CB3 || KIND == K_TRIT) r.s = _mm512_mul_ps(lut, r.s);
   }
   MS_INLINE __m512 load(const Row& r, int64_t v) const {
     if constexpr (KIND == K_AFFINE) {
@@ -111,6 +116,8 @@ struct Dec5 {
       __m512i c = _mm512_permutexvar_epi32(tq_idx[m], _mm512_maskz_loadu_epi32(km, r.q.p + off));
       c = _mm512_srlv_epi32(c, tq_sh[m]);  // the table ignores bits above 3: entries 8-15 repeat 0-7
       return _mm512_permutexvar_ps(c, r.s);
+    } else if constexpr (KIND == K_CB || KIND == K_TRIT) {
+      return _mm512_permutexvar_ps(codes.get_raw(r.q.p, v), r.s);  // tables periodic in the code width
     } else {
       return _mm512_permutexvar_ps(codes.get(r.q.p, v), r.s);
     }

@@ -97,6 +97,44 @@ static MS_INLINE uint32_t stream_code(const uint8_t* p, const uint8_t* end, int6
   return (v >> (bit & 7)) & ((1u << bits) - 1);
 }
 
+// Base-3 trits (20 per uint32 word, t_i = word / 3^i % 3) of one row as a 2-bit code stream in `out`
+// (in / 4 bytes, plus 8 of slack): five trits at a time through a 243-entry table.
+struct TritTable {
+  uint16_t v[243];
+  TritTable() {
+    for (int c = 0; c < 243; ++c) {
+      int x = c, bits = 0;
+      for (int i = 0; i < 5; ++i, x /= 3) bits |= (x % 3) << (2 * i);
+      v[c] = uint16_t(bits);
+    }
+  }
+};
+
+static inline void trits_to_stream(const uint8_t* words, int64_t nwords, uint8_t* out) {
+  static const TritTable table;
+  for (int64_t i = 0; i < nwords; ++i) {
+    uint32_t w;
+    std::memcpy(&w, words + 4 * i, 4);
+    const uint32_t w1 = w / 243, w2 = w1 / 243, w3 = w2 / 243;
+    const uint64_t bits = uint64_t(table.v[w - 243 * w1]) | uint64_t(table.v[w1 - 243 * w2]) << 10 |
+                          uint64_t(table.v[w2 - 243 * w3]) << 20 | uint64_t(table.v[w3]) << 30;
+    std::memcpy(out + 5 * i, &bits, 8);  // 40 bits used; the next word overwrites the rest
+  }
+}
+
+// Per-decoder scratch rows for transcoded trits: a decoder keeps up to 4 rows in flight.
+struct TritScratch {
+  std::vector<uint8_t> buf[4];
+  int next = 0;
+  const uint8_t* row(const Lin& L, const uint8_t* words) {
+    std::vector<uint8_t>& b = buf[next++ & 3];
+    const int64_t nwords = L.row_bytes / 4;
+    b.resize(size_t(5 * nwords + 8));
+    trits_to_stream(words, nwords, b.data());
+    return b.data();
+  }
+};
+
 static MS_INLINE uint32_t tq3_code(const uint8_t* row, int64_t j) {
   uint32_t word;
   std::memcpy(&word, row + 4 * (j / 10), 4);
@@ -104,7 +142,7 @@ static MS_INLINE uint32_t tq3_code(const uint8_t* row, int64_t j) {
 }
 
 // Internal kinds: codebooks split by their packing.
-enum K : int { K_AFFINE = 0, K_FP8 = 1, K_MXFP4 = 2, K_CB = 3, K_CB3 = 4 };
+enum K : int { K_AFFINE = 0, K_FP8 = 1, K_MXFP4 = 2, K_CB = 3, K_CB3 = 4, K_TRIT = 5 };
 
 // Per-row state every decoder keeps: stored row pointer, scale (and bias) row pointers.
 struct RowPtrs {
@@ -190,10 +228,15 @@ struct DecP {
     const uint8_t* end;
     float s, b;
   };
+  mutable TritScratch trits;
   explicit DecP(const Lin& l) : L(l) {}
   MS_INLINE void start(Row& r, int64_t row) const {
     r.q = row_ptrs(L, row);
     r.end = r.q.p + L.row_bytes;
+    if constexpr (KIND == K_TRIT) {
+      r.q.p = trits.row(L, r.q.p);
+      r.end = r.q.p + L.in / 4;
+    }
   }
   MS_INLINE void group(Row& r, int64_t g) const {
     r.s = group_scale<KIND>(L, r.q, g);
@@ -209,8 +252,9 @@ struct DecP {
       for (int i = 0; i < 16; ++i) o.v[i] = t[r.q.p[j0 + i]] * r.s;
     } else if constexpr (KIND == K_MXFP4) {
       for (int i = 0; i < 16; ++i) o.v[i] = L.lut[stream_code(r.q.p, r.end, j0 + i, 4)] * r.s;
-    } else if constexpr (KIND == K_CB) {
-      for (int i = 0; i < 16; ++i) o.v[i] = L.lut[stream_code(r.q.p, r.end, j0 + i, L.bits)] * r.s;
+    } else if constexpr (KIND == K_CB || KIND == K_TRIT) {
+      const int bits = KIND == K_TRIT ? 2 : L.bits;
+      for (int i = 0; i < 16; ++i) o.v[i] = L.lut[stream_code(r.q.p, r.end, j0 + i, bits)] * r.s;
     } else {
       for (int i = 0; i < 16; ++i) o.v[i] = L.lut[tq3_code(r.q.p, j0 + i)] * r.s;
     }
@@ -372,7 +416,8 @@ static void rows_by_kind(const Lin& L, const float* x, int64_t n, int64_t r0, in
     case FP8: return rows_with<A, D<K_FP8>>(L, x, n, r0, r1, y, ldy);
     case MXFP4: return rows_with<A, D<K_MXFP4>>(L, x, n, r0, r1, y, ldy);
     default:
-      if (L.tq3) return rows_with<A, D<K_CB3>>(L, x, n, r0, r1, y, ldy);
+      if (L.pack == TEN3) return rows_with<A, D<K_CB3>>(L, x, n, r0, r1, y, ldy);
+      if (L.pack == TRITS) return rows_with<A, D<K_TRIT>>(L, x, n, r0, r1, y, ldy);
       return rows_with<A, D<K_CB>>(L, x, n, r0, r1, y, ldy);
   }
 }

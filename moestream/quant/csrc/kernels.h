@@ -64,9 +64,37 @@ struct Lin {
   int b_dt = BF16;
   float lut[16] = {0};  // codebook values (codebook kind), e2m1 values (mxfp4)
   int64_t row0 = 0, row_step = 1;  // row r is stored row row0 + r * row_step
-  bool tq3 = false;     // codebook: 3-bit codes, 10 per uint32 word (turboquant)
+  int pack = 0;         // codebook packing: 0 a bit stream, 1 ten 3-bit codes per uint32 word, 2 base-3
+                        // trits, 20 per uint32 word (turboquant)
+  // input rotation (turboquant): x -> H_B(signs * x), MLX's blockwise Hadamard; rot_b 0: none
+  int64_t rot_b = 0, rot_m = 1;
+  float rot_scale = 1.0f;
+  bool rot_half = false;  // the rotated input rounded to fp16 (turboquant's QJL term)
+  const float* signs = nullptr;  // [in], +-1
+  const float* hm = nullptr;     // H_m [m, m] (m > 1), row-major
+  const float* out_bias = nullptr;  // [out], added to the product
   int64_t stored(int64_t r) const { return row0 + r * row_step; }
 };
+
+enum Pack : int { STREAM = 0, TEN3 = 1, TRITS = 2 };
+
+// float32 rounded to the nearest fp16 value (ties to even), as float32 (PyTorch's .half().float())
+static inline float c10_half_round(float f) {
+#if defined(__F16C__)
+  return _cvtsh_ss(_cvtss_sh(f, 0));
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return f;  // inf, nan
+  if (a >= 0x477ff000u) return std::copysign(std::numeric_limits<float>::infinity(), f);  // >= 65520
+  if (a < 0x38800000u) return std::nearbyint(f * 16777216.0f) / 16777216.0f;  // subnormal: multiples of 2^-24
+  u = (u + 0xfffu + ((u >> 13) & 1u)) & ~0x1fffu;  // 10 mantissa bits, ties to even
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+#endif
+}
 
 
 constexpr int RB = 4;  // output rows per task unit
