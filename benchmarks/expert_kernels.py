@@ -206,7 +206,9 @@ def main() -> None:
             continue
         first = build(seed=0)
         nbytes = sum(t.numel() * t.element_size() for t in first[0].values())
-        copies = [first] + [build(seed=k) for k in range(1, max(2, -(-2 * llc // nbytes)))]
+        # copies in distinct memory (clones: the same codes, so the same compute), past twice the LLC
+        copies = [first] + [({k: t.clone() for k, t in first[0].items()}, first[1])
+                            for _ in range(1, max(2, -(-2 * llc // nbytes)))]
         read_ms = nbytes / (DISK_GBPS * 1e9) * 1e3
         for n in (1, 8):
             x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).bfloat16()

@@ -77,10 +77,12 @@ struct Dec2 {
   };
   __m256 iota;  // affine tables (<= 3 bits): code values 0..7, periodic
   mutable TritScratch trits;
+  int64_t group_bytes;  // stored bytes of one group's codes (about: ten-per-word packing)
   explicit Dec2(const Lin& l)
       : L(l),
         codes(KIND == K_TRIT ? 2 : (KIND == K_AFFINE || KIND == K_CB ? l.bits : 4),
               KIND == K_TRIT ? l.in / 4 : l.row_bytes, l.in / 8) {
+    group_bytes = L.row_bytes * L.group / std::max<int64_t>(1, L.in);
     lut_lo = _mm256_loadu_ps(L.lut);
     lut_hi = _mm256_loadu_ps(L.lut + 8);
     alignas(32) float io[8];
@@ -102,6 +104,9 @@ struct Dec2 {
   MS_INLINE void start(Row& r, int64_t row) const {
     r.q = row_ptrs(L, row);
     if constexpr (KIND == K_TRIT) r.q.p = trits.row(L, r.q.p);
+  }
+  MS_INLINE void prefetch(const Row& r, int64_t g) const {
+    if constexpr (KIND != K_TRIT) prefetch_ahead(r.q.p + g * group_bytes);
   }
   MS_INLINE void group(Row& r, int64_t g) const {
     float s = group_scale<KIND>(L, r.q, g);

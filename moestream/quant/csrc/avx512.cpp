@@ -60,8 +60,10 @@ struct Dec5 {
                   // 16-31); fp8 scale; the scaled value table (mxfp4, codebooks) in s
   };
   mutable TritScratch trits;
+  int64_t group_bytes;  // stored bytes of one group's codes (about: ten-per-word packing)
   explicit Dec5(const Lin& l)
       : L(l), codes(KIND == K_TRIT ? 2 : (KIND == K_AFFINE || KIND == K_CB ? l.bits : 4)) {
+    group_bytes = L.row_bytes * L.group / std::max<int64_t>(1, L.in);
     lut = _mm512_loadu_ps(L.lut);
     alignas(64) float io[32];
     for (int i = 0; i < 32; ++i) io[i] = float(L.bits < 5 ? (i & ((1 << L.bits) - 1)) : i);
@@ -83,6 +85,9 @@ struct Dec5 {
   MS_INLINE void start(Row& r, int64_t row) const {
     r.q = row_ptrs(L, row);
     if constexpr (KIND == K_TRIT) r.q.p = trits.row(L, r.q.p);
+  }
+  MS_INLINE void prefetch(const Row& r, int64_t g) const {
+    if constexpr (KIND != K_TRIT) prefetch_ahead(r.q.p + g * group_bytes);
   }
   MS_INLINE void group(Row& r, int64_t g) const {
     float s = group_scale<KIND>(L, r.q, g);

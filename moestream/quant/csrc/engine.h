@@ -144,6 +144,18 @@ static MS_INLINE uint32_t tq3_code(const uint8_t* row, int64_t j) {
 // Internal kinds: codebooks split by their packing.
 enum K : int { K_AFFINE = 0, K_FP8 = 1, K_MXFP4 = 2, K_CB = 3, K_CB3 = 4, K_TRIT = 5 };
 
+// How far ahead of the codes being decoded a row's bytes are prefetched (the streams of a few
+// rows at a time are too short for the hardware prefetchers to run ahead across pages).
+constexpr int64_t PREFETCH_BYTES = 768;
+
+static MS_INLINE void prefetch_ahead(const uint8_t* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p + PREFETCH_BYTES, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
 // Per-row state every decoder keeps: stored row pointer, scale (and bias) row pointers.
 struct RowPtrs {
   const uint8_t* p;  // the row's codes
@@ -238,6 +250,7 @@ struct DecP {
       r.end = r.q.p + L.in / 4;
     }
   }
+  MS_INLINE void prefetch(const Row&, int64_t) const {}
   MS_INLINE void group(Row& r, int64_t g) const {
     r.s = group_scale<KIND>(L, r.q, g);
     if constexpr (KIND == K_AFFINE) r.b = ld_dt(r.q.b, L.b_dt, g);
@@ -293,7 +306,10 @@ static void dot_rows(const D& dec, int64_t row, const float* x, int64_t ldx, int
     int64_t v = 0;
     for (int64_t g = 0; v < nvec; ++g) {
       MS_UNROLL
-      for (int r = 0; r < R; ++r) dec.group(st[r], g);
+      for (int r = 0; r < R; ++r) {
+        dec.prefetch(st[r], g);
+        dec.group(st[r], g);
+      }
       const int64_t end = std::min(nvec, v + vpg);
       for (; v + 1 < end; v += 2) {
         fma_step<A, D, R, T>(dec, st, v, x, ldx, acc0);
@@ -348,6 +364,7 @@ struct DecBuf {
   };
   MS_INLINE void start(Row& r, int64_t row) const { r.p = buf + (row - row0) * in; }
   MS_INLINE void group(Row&, int64_t) const {}
+  MS_INLINE void prefetch(const Row&, int64_t) const {}
   MS_INLINE V load(const Row& r, int64_t v) const { return A::loadu(r.p + v * A::W); }
 };
 
