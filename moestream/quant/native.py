@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -56,6 +57,7 @@ LIBRARY = "libmoestream_cpu.so"
 AFFINE, FP8, MXFP4, CODEBOOK = 0, 1, 2, 3
 SPEC, PTRS = 16, 8
 STREAM, TEN3, TRITS = 0, 1, 2  # codebook packings
+TRIT, LEVEL_BITS = 3, {2: 1, 4: 2, 8: 3, 16: 4}  # turboquant codebook length -> code bits (3: ternary)
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _PATH_CODE = {"portable": 0, "avx2": 1, "avx512": 2}
@@ -365,16 +367,20 @@ def ones_column(t: torch.Tensor) -> torch.Tensor:
     return torch.ones(t.shape[0], 1)
 
 
-def _rotation(inn: int, signs: torch.Tensor, rot_half: bool = False) -> tuple[list[int], list]:
-    """Spec fields 13-15 and the signs and H_m tensors of turboquant's input rotation ``H_B(signs * x)``."""
+@functools.lru_cache(maxsize=None)
+def _blocks(inn: int) -> tuple[int, int, int, torch.Tensor | None]:
+    """(B, m, float32 bits of 1/sqrt(B), H_m or None) of the blockwise Hadamard over ``inn`` inputs."""
     from .turboquant import block_size, sloane_matrix
 
     b, m = block_size(inn)
     scale = torch.tensor(1.0 / math.sqrt(b), dtype=torch.float32)  # as blockwise_hadamard rounds it
-    bits = int(scale.view(torch.int32).item()) & 0xFFFFFFFF
-    sg = _cached(signs, _float32)
-    hm = sloane_matrix(m).contiguous() if m > 1 else None
-    return [b, m, bits | (int(rot_half) << 32)], [sg, hm]
+    return b, m, int(scale.view(torch.int32).item()) & 0xFFFFFFFF, sloane_matrix(m).contiguous() if m > 1 else None
+
+
+def _rotation(inn: int, signs: torch.Tensor, rot_half: bool = False) -> tuple[list[int], list]:
+    """Spec fields 13-15 and the signs and H_m tensors of turboquant's input rotation ``H_B(signs * x)``."""
+    b, m, bits, hm = _blocks(inn)
+    return [b, m, bits | (int(rot_half) << 32)], [_cached(signs, _float32), hm]
 
 
 def codebook_spec(packed: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, inn: int,
@@ -395,8 +401,6 @@ def codebook_spec(packed: torch.Tensor, scales: torch.Tensor, codebook: torch.Te
     Raises:
         ValueError: pieces whose shapes disagree (names them).
     """
-    from .turboquant import LEVEL_BITS, TRIT, codes_per_word
-
     levels = codebook.shape[0]
     if packed.device.type != "cpu" or packed.dim() != 2 or scales.dtype not in _DT or inn % 16 \
             or (levels != TRIT and levels not in LEVEL_BITS):
@@ -405,7 +409,7 @@ def codebook_spec(packed: torch.Tensor, scales: torch.Tensor, codebook: torch.Te
     group = inn // groups
     if group % 16 or inn % groups:
         return None
-    epw = codes_per_word(levels)
+    epw = 20 if levels == TRIT else 32 // LEVEL_BITS[levels]
     row_bytes = packed.numel() * packed.element_size() // out
     _check(row_bytes == 4 * -(-inn // epw), f"turboquant codes {list(packed.shape)}: {inn} inputs at {epw} "
            f"codes per word need {-(-inn // epw)} words per row")

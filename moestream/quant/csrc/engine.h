@@ -122,12 +122,12 @@ static inline void trits_to_stream(const uint8_t* words, int64_t nwords, uint8_t
   }
 }
 
-// Per-decoder scratch rows for transcoded trits: a decoder keeps up to 4 rows in flight.
+// Per-decoder scratch rows for transcoded trits: a decoder keeps up to 8 rows in flight.
 struct TritScratch {
-  std::vector<uint8_t> buf[4];
+  std::vector<uint8_t> buf[8];
   int next = 0;
   const uint8_t* row(const Lin& L, const uint8_t* words) {
-    std::vector<uint8_t>& b = buf[next++ & 3];
+    std::vector<uint8_t>& b = buf[next++ & 7];
     const int64_t nwords = L.row_bytes / 4;
     b.resize(size_t(5 * nwords + 8));
     trits_to_stream(words, nwords, b.data());
@@ -290,6 +290,44 @@ static MS_INLINE void fma_step(const D& dec, const typename D::Row (&st)[R], int
   }
 }
 
+// Vectors [v0, v1) of R rows for T tokens into the accumulators: vector v goes to acc0 when v is
+// even, acc1 when odd; each row's group scale is set once per group (the group of v is v / vpg).
+template <class A, class D, int R, int T>
+static MS_INLINE void span(const D& dec, typename D::Row (&st)[R], int64_t v0, int64_t v1, int64_t vpg,
+                           const float* x, int64_t ldx, typename A::V (&acc0)[R][T], typename A::V (&acc1)[R][T]) {
+  int64_t v = v0;
+  if (vpg % 2 == 0 && v0 % vpg == 0) {  // whole groups of an even count: each starts on acc0
+    for (int64_t g = v0 / vpg; v < v1; ++g) {
+      MS_UNROLL
+      for (int r = 0; r < R; ++r) {
+        dec.prefetch(st[r], g);
+        dec.group(st[r], g);
+      }
+      const int64_t end = std::min(v1, v + vpg);
+      for (; v + 1 < end; v += 2) {
+        fma_step<A, D, R, T>(dec, st, v, x, ldx, acc0);
+        fma_step<A, D, R, T>(dec, st, v + 1, x, ldx, acc1);
+      }
+      if (v < end) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc0);  // a last partial group (v even)
+    }
+    return;
+  }
+  for (int64_t g = v0 / vpg; v < v1; ++g) {  // one division per span; groups then advance by one
+    const int64_t end = std::min(v1, (g + 1) * vpg);
+    MS_UNROLL
+    for (int r = 0; r < R; ++r) {
+      dec.prefetch(st[r], g);
+      dec.group(st[r], g);
+    }
+    if (v & 1) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc1);
+    for (; v + 1 < end; v += 2) {
+      fma_step<A, D, R, T>(dec, st, v, x, ldx, acc0);
+      fma_step<A, D, R, T>(dec, st, v + 1, x, ldx, acc1);
+    }
+    if (v < end) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc0);
+  }
+}
+
 template <class A, class D, int R, int T>
 static void dot_rows(const D& dec, int64_t row, const float* x, int64_t ldx, int64_t nvec, int64_t vpg, float* y,
                      int64_t ldy) {
@@ -302,39 +340,19 @@ static void dot_rows(const D& dec, int64_t row, const float* x, int64_t ldx, int
     MS_UNROLL
     for (int t = 0; t < T; ++t) acc0[r][t] = acc1[r][t] = A::zero();
   }
-  if (vpg % 2 == 0) {  // groups of an even number of vectors: each starts on accumulator 0
-    int64_t v = 0;
-    for (int64_t g = 0; v < nvec; ++g) {
-      MS_UNROLL
-      for (int r = 0; r < R; ++r) {
-        dec.prefetch(st[r], g);
-        dec.group(st[r], g);
-      }
-      const int64_t end = std::min(nvec, v + vpg);
-      for (; v + 1 < end; v += 2) {
-        fma_step<A, D, R, T>(dec, st, v, x, ldx, acc0);
-        fma_step<A, D, R, T>(dec, st, v + 1, x, ldx, acc1);
-      }
-      if (v < end) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc0);  // a last partial group (v even)
-    }
-  } else {
-    for (int64_t v = 0, g = 0, left = 0; v < nvec; ++v, --left) {
-      if (left == 0) {
-        MS_UNROLL
-        for (int r = 0; r < R; ++r) dec.group(st[r], g);
-        ++g;
-        left = vpg;
-      }
-      if (v & 1)
-        fma_step<A, D, R, T>(dec, st, v, x, ldx, acc1);
-      else
-        fma_step<A, D, R, T>(dec, st, v, x, ldx, acc0);
-    }
-  }
+  span<A, D, R, T>(dec, st, 0, nvec, vpg, x, ldx, acc0, acc1);
   MS_UNROLL
   for (int r = 0; r < R; ++r)
     MS_UNROLL
     for (int t = 0; t < T; ++t) y[t * ldy + row + r] = A::hsum2(acc0[r][t], acc1[r][t]);
+}
+
+// Rows [r0, r1) for T tokens, row by row. (Walking the columns in L1-sized chunks for wide
+// inputs, with partial sums parked per row, measured no faster on Zen 4.)
+template <class A, class D, int T>
+static void token_block(const D& dec, int64_t r0, int64_t r1, const float* x, int64_t in, int64_t nvec, int64_t vpg,
+                        float* y, int64_t ldy) {
+  for (int64_t r = r0; r < r1; ++r) dot_rows<A, D, 1, T>(dec, r, x, in, nvec, vpg, y, ldy);
 }
 
 // Weights of rows [row, row + R) decoded into `buf` [R][in]: the same vectors dot_rows makes.
@@ -368,26 +386,26 @@ struct DecBuf {
   MS_INLINE V load(const Row& r, int64_t v) const { return A::loadu(r.p + v * A::W); }
 };
 
-template <class A, class D, int R>
-static void dot_tokens(const D& dec, int64_t row, const float* x, int64_t n, int64_t in, int64_t nvec, int64_t vpg,
-                       float* y, int64_t ldy) {
+// Rows [r0, r1) for n tokens, in token blocks of TM, then 4, 2, 1 (a token's arithmetic is the same in any block).
+template <class A, class D>
+static void dot_tokens(const D& dec, int64_t r0, int64_t r1, const float* x, int64_t n, int64_t in, int64_t nvec,
+                       int64_t vpg, float* y, int64_t ldy) {
   constexpr int TM = A::TM;
   int64_t t = 0;
-  for (; t + TM <= n; t += TM) dot_rows<A, D, R, TM>(dec, row, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
-  // the tail in blocks of 4, 2, 1 (every token's arithmetic is the same in any block)
+  for (; t + TM <= n; t += TM) token_block<A, D, TM>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
   if constexpr (TM > 4) {
     if (n - t >= 4) {
-      dot_rows<A, D, R, 4>(dec, row, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
+      token_block<A, D, 4>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
       t += 4;
     }
   }
   if constexpr (TM > 2) {
     if (n - t >= 2) {
-      dot_rows<A, D, R, 2>(dec, row, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
+      token_block<A, D, 2>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
       t += 2;
     }
   }
-  if (n - t >= 1) dot_rows<A, D, R, 1>(dec, row, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
+  if (n - t >= 1) token_block<A, D, 1>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
 }
 
 // Output rows [r0, r1) of y [n, ldy] for n tokens x [n, in].
@@ -404,7 +422,7 @@ static void rows_range(const D& dec, const Lin& L, const float* x, int64_t n, in
       else if (n == 2)
         for (; r + 2 <= r1; r += 2) dot_rows<A, D, 2, 2>(dec, r, x, in, nvec, vpg, y, ldy);
     }
-    for (; r < r1; ++r) dot_tokens<A, D, 1>(dec, r, x, n, in, nvec, vpg, y, ldy);
+    if (r < r1) dot_tokens<A, D>(dec, r, r1, x, n, in, nvec, vpg, y, ldy);
     return;
   }
   // many tokens: RB rows decoded once into a buffer, then every token block from it
@@ -413,8 +431,7 @@ static void rows_range(const D& dec, const Lin& L, const float* x, int64_t n, in
     const int64_t m = std::min<int64_t>(RB, r1 - r);
     for (int64_t i = 0; i < m; ++i) decode_rows<A, D, 1>(dec, r + i, nvec, vpg, buf.data() + i * in, in);
     DecBuf<A> bd{buf.data(), in, r};
-    for (int64_t i = 0; i < m; ++i)
-      dot_tokens<A, DecBuf<A>, 1>(bd, r + i, x, n, in, nvec, int64_t(1) << 40, y, ldy);
+    dot_tokens<A, DecBuf<A>>(bd, r, r + m, x, n, in, nvec, int64_t(1) << 40, y, ldy);
   }
 }
 
