@@ -98,26 +98,26 @@ static MS_INLINE uint32_t stream_code(const uint8_t* p, const uint8_t* end, int6
 }
 
 // Base-3 trits (20 per uint32 word, t_i = word / 3^i % 3) of one row as a 2-bit code stream in `out`
-// (in / 4 bytes, plus 8 of slack): five trits at a time through a 243-entry table.
+// (in / 4 bytes, plus 8 of slack): ten trits at a time through a 3^10-entry table (236 KB).
 struct TritTable {
-  uint16_t v[243];
-  TritTable() {
-    for (int c = 0; c < 243; ++c) {
-      int x = c, bits = 0;
-      for (int i = 0; i < 5; ++i, x /= 3) bits |= (x % 3) << (2 * i);
-      v[c] = uint16_t(bits);
+  std::vector<uint32_t> v;
+  TritTable() : v(59049) {
+    for (int c = 0; c < 59049; ++c) {
+      uint32_t x = uint32_t(c), bits = 0;
+      for (int i = 0; i < 10; ++i, x /= 3) bits |= (x % 3) << (2 * i);
+      v[size_t(c)] = bits;
     }
   }
 };
 
 static inline void trits_to_stream(const uint8_t* words, int64_t nwords, uint8_t* out) {
   static const TritTable table;
+  const uint32_t* t = table.v.data();
   for (int64_t i = 0; i < nwords; ++i) {
     uint32_t w;
     std::memcpy(&w, words + 4 * i, 4);
-    const uint32_t w1 = w / 243, w2 = w1 / 243, w3 = w2 / 243;
-    const uint64_t bits = uint64_t(table.v[w - 243 * w1]) | uint64_t(table.v[w1 - 243 * w2]) << 10 |
-                          uint64_t(table.v[w2 - 243 * w3]) << 20 | uint64_t(table.v[w3]) << 30;
+    const uint32_t hi = w / 59049u;
+    const uint64_t bits = uint64_t(t[w - 59049u * hi]) | uint64_t(t[hi < 59049u ? hi : 0]) << 20;
     std::memcpy(out + 5 * i, &bits, 8);  // 40 bits used; the next word overwrites the rest
   }
 }
