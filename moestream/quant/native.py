@@ -1,4 +1,4 @@
-"""moestream's compiled CPU kernels: quantized linears and the SwiGLU expert on the stored bytes.
+"""moestream's compiled CPU kernels: quantized linears and gated experts on the stored bytes.
 
 ``csrc/`` (``kernels.h`` describes it) computes ``y = x W^T`` with ``W`` [out, in] in its stored form --
 MLX affine (2, 3, 4, 5, 6, 8 bits; bf16, fp16 or float32 scales and biases), FP8 e4m3 with
@@ -13,8 +13,9 @@ or number of tokens beside it: a cached and a just-read expert compute the same 
 Paths (``paths()``): ``avx512`` (AVX-512 F/BW/VL/VBMI), ``avx2`` (AVX2 + FMA + F16C) and
 ``portable`` (plain C++, auto-vectorized; compiles anywhere, ARM64 included). The build
 targets the machine it runs on (``-march=native``) and is cached under
-``~/.cache/moestream/cpu-kernels/<key>``, the key a hash of the source, the compiler, the
-torch version and the CPU's flags, so a build is never used on a CPU it was not made for.
+``~/.cache/moestream/cpu-kernels/<key>`` (or ``$MOESTREAM_KERNEL_CACHE``), the key a hash of
+the sources, flags, compiler and the CPU's model and flags, so a build is never used on a CPU
+it was not made for.
 It is a plain C library (no PyTorch headers: the four files compile in parallel in well under a
 minute) called through :mod:`ctypes`, which releases the GIL while it computes; output rows
 are split over OpenMP threads of the runtime PyTorch loaded, so ``torch.set_num_threads``

@@ -6,7 +6,7 @@
 //   portable.cpp: plain C++ over fixed 16-lane arrays (auto-vectorized where the compiler can),
 //   avx2.cpp:     AVX2 + FMA + F16C (8 lanes), compiled when the compiler targets them,
 //   avx512.cpp:   AVX-512 F/BW/VL/VBMI (16 lanes), compiled when the compiler targets all four.
-// bindings.cpp holds the Python entry points and splits the output rows over threads.
+// capi.cpp holds the C entry points (ctypes, from native.py) and splits the output rows over threads.
 //
 // Arithmetic (every path): each weight is dequantized in a float32 register (affine:
 // fma(q, scale, bias); fp8, mxfp4, codebooks: value * scale, one rounding) and multiplied
