@@ -111,8 +111,12 @@ def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def attach(net, store, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> None:
-    """Give each MoE block of ``net`` the expert function of its layer's format, and ``store`` its prepare hook."""
-    from .expert import DequantizedExpert, expert_fn_for
+    """Give each MoE block of ``net`` the expert function of its layer's format.
+
+    Experts compute on their pieces as the store read them (no per-read preparation);
+    ``store`` is kept in the signature for callers that pass it.
+    """
+    from .expert import expert_fn_for
     from .resident import QuantEmbedding
 
     for m in net.modules():
@@ -120,18 +124,9 @@ def attach(net, store, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> 
             m.dtype = dtype
     from .turboquant import TQExpertFormat, attach_experts
 
-    swiglu = {}  # layers whose experts run on the quantized kernels (the others dequantize, see .expert)
     for block in net.moe_blocks():
         fmt = formats.get(block.layer)
         if isinstance(fmt, TQExpertFormat):  # turboquant experts are attached by attach_experts below
             continue
         block.expert_fn = expert_fn_for(block.expert_fn, fmt)
-        if fmt is not None and not isinstance(block.expert_fn, DequantizedExpert):
-            swiglu[block.layer] = fmt
     attach_experts(net, formats)
-    if swiglu:
-        from .kernels import Prepare
-
-        prep = Prepare(store.layout, swiglu, dtype)
-        if prep.active:
-            store.prepare = prep
