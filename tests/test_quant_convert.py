@@ -14,6 +14,7 @@ from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 from moestream.quant.convert import ConvertSpec, convert
 from moestream.quant.formats import QuantError
+from moestream.quant.resident import QuantLinear
 
 from .helpers import make_qwen3_moe, read_all
 from .quant_helpers import mlx_dequantize
@@ -180,9 +181,7 @@ def test_bad_bits_names_the_flag_the_user_gave(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def real_width_q4(tmp_path_factory):
     """The real Qwen3-30B-A3B config (hidden 2048, top-8 routing) cut to 2 layers of 32 experts of width 128 and a
-    512-token vocabulary, synthesized in bf16 and converted to 4 bits: 32 experts x hidden 2048 is a router the
-    int4 kernel takes (out_features % 32 == 0), so the 8-bit router is repacked on first use and its ``weight``
-    dropped, which the tests' 4-expert routers never reach."""
+    512-token vocabulary, synthesized in bf16 and converted to 4 bits: a quantized router at the real width."""
     from moestream.synth import synth
 
     root = tmp_path_factory.mktemp("real-width")
@@ -195,8 +194,9 @@ def real_width_q4(tmp_path_factory):
 
 
 def test_prefetch_ahead_on_a_quantized_router_at_real_width(real_width_q4):
-    """--prefetch-ahead predicts with the next layer's router through its forward (the router was repacked
-    for the int4 kernel, so it has no ``weight``): the run streams with read-ahead hits and every step's
+    """--prefetch-ahead predicts with the next layer's router through its forward (the router is quantized:
+    its ``weight`` holds packed words, not a float matrix to read the expert count from): the run streams with
+    read-ahead hits and every step's
     logits are ``torch.equal`` to the same model with every expert resident."""
     prompt = [5, 17, 101, 300, 42]
     got = {}
@@ -207,7 +207,7 @@ def test_prefetch_ahead_on_a_quantized_router_at_real_width(real_width_q4):
             got[budget] = [s.logits for s in generate(engine, prompt, 4, SamplingParams(), stop_at_eos=False,
                                                       keep_logits=True)]
             router = engine.model.decoder.layers[1].mlp.gate
-            assert router._ready is not None and "weight" not in router._parameters  # the repacked router
+            assert isinstance(router, QuantLinear) and not router.weight.is_floating_point()  # packed words
             if ahead:
                 stats = engine.io.prefetcher.stats
                 assert stats.hits > 0 and engine.io.prefetcher.enabled, stats
