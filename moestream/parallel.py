@@ -45,7 +45,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import MoestreamError
-from .options import DEFAULT_DIST_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from .options import EP_COMBINES as COMBINES
 from .options import EP_PLACEMENTS as PLACEMENTS
 
@@ -666,41 +665,3 @@ def init_from_env(options) -> ExpertParallel | None:
                                  f"{world} within {timeout_s:g} s: {str(e).splitlines()[0][:300]}") from None
         ep._owns_group = True
     return ep
-
-
-class _Discard:
-    """A text stream that drops what is written (a follower rank's output)."""
-
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-
-def follower_args(args, out, err):
-    """``generate`` under torchrun: rank 0 reads the prompt and prints; the other ranks run rank
-    0's request (:meth:`ExpertParallel.agree_generation`) and print nothing. Returns the
-    ``(out, err)`` streams of this rank.
-
-    Raises:
-        MoestreamError: ``--chat`` (the turns come from one terminal; not supported under torchrun).
-    """
-    if args.chat:
-        raise MoestreamError("--chat is not supported under torchrun (expert parallelism); give --prompt or "
-                             "--prompt-file")
-    if int(os.environ.get("RANK", "0")) == 0:
-        return out, err
-    args.prompt, args.prompt_file = "(rank 0's prompt)", None  # replaced by rank 0's token ids
-    return _Discard(), _Discard()
-
-
-def add_parallel_args(p) -> None:
-    """The expert-parallel options (used only under torchrun, WORLD_SIZE > 1)."""
-    p.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="under torchrun: seconds a rank waits for the others before failing (default 60)")
-    p.add_argument("--ep-placement", default="auto", choices=PLACEMENTS,
-                   help="under torchrun: which rank owns which expert: balanced (from the usage profile), contiguous, "
-                   "or auto (balanced when a profile exists; default)")
-    p.add_argument("--ep-combine", default="allgather", choices=COMBINES,
-                   help="under torchrun: the collective that gathers expert outputs (default allgather)")
