@@ -21,6 +21,7 @@ from .errors import ConfigError, InputError
 from .memory import available_bytes, peak_rss_bytes
 from .models.layers import KVCache
 from .textstream import StopStrings
+from .tokenizer import StreamDecoder, current_turn, think_token_ids
 
 
 @dataclass(frozen=True)
@@ -519,15 +520,11 @@ def generate(
     stop_ids = eos if stop_at_eos else set()
     decoder = None
     if engine.tokenizer is not None:
-        from .tokenizer import StreamDecoder
-
         decoder = StreamDecoder(engine.tokenizer)
     stopper = StopStrings(stops)
     think_end = None
     think_closed = False
     if not multi_think and engine.tokenizer is not None:
-        from .tokenizer import current_turn, think_token_ids
-
         think_end = think_token_ids(engine.tokenizer)[1]
         think_closed = think_end is not None and think_end in current_turn(prompt_ids, eos)
     kv, reuse = _kv_cache(model, session, prompt_ids, max_tokens)

@@ -45,8 +45,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import MoestreamError
+from .generation import SamplingParams, generate
+from .models.moe import StreamedMoE
 from .options import EP_COMBINES as COMBINES
 from .options import EP_PLACEMENTS as PLACEMENTS
+from .tiered_cache import resolve_device
+from .usage import default_profile_path, model_identity, read_profile
 
 HEADER = 32  # bytes: int64 layer, slots (T*K), routing fingerprint, this rank's slot count
 SMALL_EXCHANGE = 256 * 1024  # bytes gathered at most in one step (decode); larger ones send headers first
@@ -435,8 +439,6 @@ class ExpertParallel:
         adopts rank 0's request), waiting as long as needed between them, until rank 0 calls
         :meth:`shutdown`. An error that rank 0 meets too (a bad request) is skipped; a failed
         collective ends the loop (:class:`ParallelError`). Returns the generations followed."""
-        from .generation import SamplingParams, generate
-
         self.serving = True
         n = 0
         while True:
@@ -465,8 +467,6 @@ class ExpertParallel:
         stop_at_eos, multi_think, prefill_chunk)``. With sampling on and no seed, rank 0 draws
         one, so every rank samples the same tokens."""
         from dataclasses import replace
-
-        from .generation import SamplingParams
 
         if self.rank == 0 and sampling.seed is None and sampling.temperature > 0:
             import secrets
@@ -605,9 +605,6 @@ def _read_profile(checkpoint, model, num_experts: dict[int, int], usage_file) ->
     """This machine's usage profile for the model (:mod:`moestream.usage`), or None (none, or a bad one)."""
     from pathlib import Path
 
-    from .models.moe import StreamedMoE
-    from .usage import default_profile_path, model_identity, read_profile
-
     router = next((n + ".gate.weight" for n, m in model.named_modules() if isinstance(m, StreamedMoE)), None)
     model_id = model_identity(checkpoint, router)
     path = Path(usage_file) if usage_file is not None else default_profile_path(checkpoint.path, model_id)
@@ -641,8 +638,6 @@ def init_from_env(options) -> ExpertParallel | None:
         raise MoestreamError(
             f"WORLD_SIZE={world} but RANK/LOCAL_RANK are missing or bad ({e}); launch with torchrun"
         ) from None
-    from .tiered_cache import resolve_device
-
     dev = resolve_device(device)
     if dev.type == "cuda":
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off (the device notes)

@@ -82,10 +82,16 @@ def add_parallel_args(p) -> None:
 def engine_options(args: argparse.Namespace, context: int | None = None):
     """The :class:`~moestream.options.EngineOptions` of the flags of :func:`add_engine_args`, checked
     before any loading; ``context``: tokens of context to leave room for (KV cache) when sizing
-    ``--cache-budget-gb auto``. Raises MoestreamError naming the flag."""
+    ``--cache-budget-gb auto``. ``--host-cache-gb`` needs ``--device cuda`` here (the Python API runs the
+    tier logic on the CPU too, for tests). Raises MoestreamError naming the flag."""
+    from ..errors import ConfigError
     from ..options import EngineOptions
+    from ..tiered_cache import resolve_device
 
-    return EngineOptions.from_args(args, context_tokens=context)
+    options = EngineOptions.from_args(args, context_tokens=context)  # the values first: "-1" is wrong anywhere
+    if options.host_cache is not None and resolve_device(options.device).type != "cuda":
+        raise ConfigError("--host-cache-gb needs --device cuda (on the CPU the expert cache is in host RAM already)")
+    return options
 
 
 def load_engine(args: argparse.Namespace, options, tokenizer: bool = True):

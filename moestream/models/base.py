@@ -19,6 +19,7 @@ from torch import nn
 
 from ..checkpoint import Checkpoint, torch_dtype
 from ..errors import CheckpointError, ConfigError
+from ..nnutil import set_submodule
 from .layers import Attention, KVCache, RMSNorm, RotaryEmbedding
 from .moe import StreamedMoE
 
@@ -142,8 +143,8 @@ class CausalLM(nn.Module):
         decoder.embed_tokens = nn.Embedding(vocab, hidden)
         decoder.layers = nn.ModuleList()
         decoder.norm = RMSNorm(hidden, eps)
-        _set_submodule(self, prefix, decoder)
-        _set_submodule(self, head, nn.Linear(hidden, vocab, bias=False))
+        set_submodule(self, prefix, decoder)
+        set_submodule(self, head, nn.Linear(hidden, vocab, bias=False))
         self.tie_word_embeddings = tie
         with torch.device("cpu"):
             self.rotary = RotaryEmbedding(rope_dim, rope_theta)
@@ -205,17 +206,6 @@ class CausalLM(nn.Module):
             h = h[-1:]
         kv.length = start + ids.shape[0]
         return self.head(decoder.norm(h))
-
-
-def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
-    """Place ``module`` at dotted ``path`` under ``root``, making empty parents as needed."""
-    *parents, leaf = path.split(".")
-    node = root
-    for name in parents:
-        if not hasattr(node, name):
-            setattr(node, name, nn.Module())
-        node = getattr(node, name)
-    setattr(node, leaf, module)
 
 
 def load_resident(
