@@ -26,6 +26,7 @@ from torch import nn
 
 from ..checkpoint import Checkpoint, torch_dtype
 from ..errors import CheckpointError, ConfigError
+from ..nnutil import set_submodule
 from .layers import Attention, KVCache, RMSNorm
 from .moe import StreamedMoE
 from .rope import rope_scaling_type, rope_theta
@@ -304,8 +305,8 @@ class CausalLM(nn.Module):
         decoder.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         decoder.layers = nn.ModuleList()
         decoder.norm = self.Norm(a.hidden_size, a.rms_norm_eps)
-        _set_submodule(self, prefix, decoder)
-        _set_submodule(self, head, nn.Linear(a.hidden_size, a.vocab_size, bias=False))
+        set_submodule(self, prefix, decoder)
+        set_submodule(self, head, nn.Linear(a.hidden_size, a.vocab_size, bias=False))
         self.tie_word_embeddings = a.tie_word_embeddings
         self.rotary = rotary
 
@@ -493,17 +494,6 @@ def meta_model(model_cls: type[CausalLM], args) -> CausalLM:
     """``model_cls(args)`` on the meta device: its names and shapes, no memory (what synth and the engine read)."""
     with torch.device("meta"):
         return model_cls(args)
-
-
-def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
-    """Place ``module`` at dotted ``path`` under ``root``, making empty parents as needed."""
-    *parents, leaf = path.split(".")
-    node = root
-    for name in parents:
-        if not hasattr(node, name):
-            setattr(node, name, nn.Module())
-        node = getattr(node, name)
-    setattr(node, leaf, module)
 
 
 def load_resident(
