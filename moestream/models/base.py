@@ -29,7 +29,7 @@ from ..errors import CheckpointError, ConfigError
 from ..nnutil import set_submodule
 from .layers import Attention, KVCache, RMSNorm
 from .moe import StreamedMoE
-from .rope import rope_scaling_type, rope_theta
+from .rope import make_rope, rope_scaling_type, rope_theta
 
 
 def field(cfg: dict, name: str, kind: type | tuple = int, default=...):
@@ -293,9 +293,9 @@ class CausalLM(nn.Module):
     # norm ("norm"), after the router ("router") or after everything else in the layer ("end")
     synth_biases_after = "norm"
 
-    def __init__(self, a: DecoderArgs, rotary: nn.Module | None, prefix: str = "model", head: str = "lm_head"):
-        """The skeleton for config ``a`` (vocab_size, hidden_size, rms_norm_eps, tie_word_embeddings,
-        max_position_embeddings), with ``rotary`` mapping positions to cos/sin (None: the family has none)."""
+    def __init__(self, a: DecoderArgs, prefix: str = "model", head: str = "lm_head"):
+        """The model of config ``a``: the skeleton (vocab_size, hidden_size, rms_norm_eps, tie_word_embeddings,
+        max_position_embeddings), :meth:`make_rotary` and ``num_hidden_layers`` of :meth:`make_layer`."""
         super().__init__()
         self.args = a
         self.vocab_size = a.vocab_size
@@ -308,7 +308,18 @@ class CausalLM(nn.Module):
         set_submodule(self, prefix, decoder)
         set_submodule(self, head, nn.Linear(a.hidden_size, a.vocab_size, bias=False))
         self.tie_word_embeddings = a.tie_word_embeddings
-        self.rotary = rotary
+        self.rotary = self.make_rotary(a)
+        self.decoder.layers.extend(self.make_layer(a, i) for i in range(a.num_hidden_layers))
+
+    def make_rotary(self, a: DecoderArgs) -> nn.Module | None:
+        """The rotary embedding, ``(positions [T], dtype) -> (cos, sin)`` for every layer: by default over
+        ``head_dim`` with base ``rope_theta`` (:func:`~moestream.models.rope.make_rope`); None where a family
+        has none."""
+        return make_rope(a.head_dim, a.rope_theta)
+
+    def make_layer(self, a: DecoderArgs, i: int) -> nn.Module:
+        """Decoder layer ``i``, called as ``layer(h, cos, sin, kv, i, start)`` -> the new hidden states."""
+        raise NotImplementedError
 
     @property
     def decoder(self) -> nn.Module:

@@ -38,7 +38,7 @@ from .base import (
 from .layers import MLP, DecoderLayer
 from .mla import MLAttention
 from .moe import Float32Router, StreamedMoE, sigmoid_group_topk, softmax_group_topk
-from .rope import make_rope, mla_softmax_scale, rope_parameters
+from .rope import RotaryEmbedding, make_rope, mla_softmax_scale, rope_parameters
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
@@ -162,25 +162,28 @@ class Model(CausalLM):
     float32_parameters = (".gate.weight", ".gate.e_score_correction_bias")
 
     def __init__(self, a: ModelArgs):
-        rotary = make_rope(a.qk_rope_head_dim, a.rope["rope_theta"], a.rope, a.max_position_embeddings)
-        super().__init__(a, rotary)
+        super().__init__(a)
         # experts of layers past the decoder (multi-token prediction) are not streamed
         self.unloaded_layers_from = a.num_hidden_layers
-        for i in range(a.num_hidden_layers):
-            if a.is_moe_layer(i):
-                mlp = SharedExpertMoE(
-                    a.hidden_size, a.n_routed_experts, i, a.router(), a.moe_intermediate_size * a.n_shared_experts,
-                    correction_bias=a.scoring_func == "sigmoid", renormalize=a.norm_topk_prob,
-                )
-            else:
-                mlp = MLP(a.hidden_size, a.intermediate_size)
-            attn = MLAttention(
-                a.hidden_size, a.num_attention_heads, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
-                a.v_head_dim, q_lora_rank=a.q_lora_rank, bias=a.attention_bias,
-                scale=mla_softmax_scale(a.qk_nope_head_dim + a.qk_rope_head_dim, a.rope),
-                rope="interleaved" if a.rope_interleave else "half",
+
+    def make_rotary(self, a: ModelArgs) -> RotaryEmbedding:
+        return make_rope(a.qk_rope_head_dim, a.rope["rope_theta"], a.rope, a.max_position_embeddings)
+
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        attn = MLAttention(
+            a.hidden_size, a.num_attention_heads, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
+            a.v_head_dim, q_lora_rank=a.q_lora_rank, bias=a.attention_bias,
+            scale=mla_softmax_scale(a.qk_nope_head_dim + a.qk_rope_head_dim, a.rope),
+            rope="interleaved" if a.rope_interleave else "half",
+        )
+        if a.is_moe_layer(i):
+            mlp = SharedExpertMoE(
+                a.hidden_size, a.n_routed_experts, i, a.router(), a.moe_intermediate_size * a.n_shared_experts,
+                correction_bias=a.scoring_func == "sigmoid", renormalize=a.norm_topk_prob,
             )
-            self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp))
+        else:
+            mlp = MLP(a.hidden_size, a.intermediate_size)
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp)
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """KV cache bytes per token over all layers: ``layers * (kv_lora_rank + qk_rope_head_dim) * itemsize``."""

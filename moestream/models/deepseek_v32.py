@@ -113,10 +113,10 @@ class Model(deepseek.Model):
 
     float32_parameters = deepseek.Model.float32_parameters + (".indexer.weights_proj.weight",)
 
-    def __init__(self, a: ModelArgs):
-        super().__init__(a)
-        for i, layer in enumerate(self.decoder.layers):
-            layer.self_attn = SparseMLAttention(a, i)
+    def make_layer(self, a: ModelArgs, i: int) -> nn.Module:
+        layer = super().make_layer(a, i)
+        layer.self_attn = SparseMLAttention(a, i)
+        return layer
 
     def new_kv_cache(self, capacity: int = 256) -> KVCache:
         """Slots 0..L-1: MLA latents and rope keys; L..2L-1: the indexer's keys."""

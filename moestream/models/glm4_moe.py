@@ -22,7 +22,7 @@ from .base import CausalLM, DecoderArgs, config_field, derived, synth_tensors_of
 from .deepseek import SharedExpertMoE, synth_config  # noqa: F401 (the same cut: no MTP layers, no quantization)
 from .layers import MLP, Attention, DecoderLayer
 from .moe import sigmoid_group_topk
-from .rope import make_rope, rope_parameters
+from .rope import RotaryEmbedding, make_rope, rope_parameters
 
 MODEL_TYPES = ("glm4_moe",)
 
@@ -104,18 +104,22 @@ class Model(CausalLM):
     float32_parameters = (".gate.weight", ".gate.e_score_correction_bias")
 
     def __init__(self, a: ModelArgs):
-        super().__init__(a, make_rope(a.rotary_dim, a.rope["rope_theta"], a.rope, a.max_position_embeddings))
+        super().__init__(a)
         self.unloaded_layers_from = a.num_hidden_layers  # the MTP layers follow the decoder layers
-        for i in range(a.num_hidden_layers):
-            attn = GlmAttention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                                a.attention_bias, a.rms_norm_eps if a.use_qk_norm else None)
-            if a.is_moe_layer(i):
-                mlp = SharedExpertMoE(a.hidden_size, a.n_routed_experts, i, _router(a),
-                                      a.moe_intermediate_size * a.n_shared_experts, correction_bias=True,
-                                      renormalize=a.norm_topk_prob)
-            else:
-                mlp = MLP(a.hidden_size, a.intermediate_size)
-            self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp))
+
+    def make_rotary(self, a: ModelArgs) -> RotaryEmbedding:
+        return make_rope(a.rotary_dim, a.rope["rope_theta"], a.rope, a.max_position_embeddings)
+
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        attn = GlmAttention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                            a.attention_bias, a.rms_norm_eps if a.use_qk_norm else None)
+        if a.is_moe_layer(i):
+            mlp = SharedExpertMoE(a.hidden_size, a.n_routed_experts, i, _router(a),
+                                  a.moe_intermediate_size * a.n_shared_experts, correction_bias=True,
+                                  renormalize=a.norm_topk_prob)
+        else:
+            mlp = MLP(a.hidden_size, a.intermediate_size)
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp)
 
     def synth_rank(self, name: str) -> int:
         """synth lists the q/k norms after the attention biases."""

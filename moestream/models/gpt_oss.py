@@ -29,7 +29,7 @@ from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field,
 from .layers import DecoderLayer, RMSNorm
 from .linear import linear
 from .moe import StreamedMoE
-from .rope import make_rope
+from .rope import RotaryEmbedding, make_rope
 from .variants import VariantAttention
 
 MODEL_TYPES = ("gpt_oss",)
@@ -170,15 +170,13 @@ class Model(CausalLM):
     Norm = GptOssRMSNorm
     synth_biases_after = "end"
 
-    def __init__(self, a: ModelArgs):
-        super().__init__(a, make_rope(a.head_dim, a.rope_theta, a.rope_parameters))
-        for i, kind in enumerate(a.layer_types):
-            attn = VariantAttention(
-                a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, bias=a.attention_bias,
-                window=a.sliding_window if kind == "sliding_attention" else None, sinks=True,
-            )
-            self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, GptOssMoE(a, i),
-                                                    norm=GptOssRMSNorm))
+    def make_rotary(self, a: ModelArgs) -> RotaryEmbedding:
+        return make_rope(a.head_dim, a.rope_theta, a.rope_parameters)
+
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        window = a.sliding_window if a.layer_types[i] == "sliding_attention" else None
+        attn = VariantAttention.of(a, bias=a.attention_bias, window=window, sinks=True)
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, GptOssMoE(a, i), norm=GptOssRMSNorm)
 
     def expert_shape(self) -> tuple[int, int]:
         """Shape of one routed expert's first piece, ``gate_up`` [H, 2I] (stored for ``x @ W``)."""

@@ -18,7 +18,6 @@ from torch import nn
 from .base import CausalLM, DecoderArgs, check_top_k, config_field, positive, synth_tensors_of
 from .layers import MLP, DecoderLayer
 from .moe import StreamedMoE, softmax_topk
-from .rope import make_rope
 from .variants import VariantAttention
 
 MODEL_TYPES = ("hunyuan_v1_moe",)
@@ -82,15 +81,10 @@ class Model(CausalLM):
 
     synth_biases_after = "router"
 
-    def __init__(self, a: ModelArgs):
-        super().__init__(a, make_rope(a.head_dim, a.rope_theta))
-        for i in range(a.num_hidden_layers):
-            attn = VariantAttention(
-                a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, bias=a.attention_bias,
-                qk_norm="head", norm_eps=a.rms_norm_eps, norm_after_rope=True,
-                norm_names=("query_layernorm", "key_layernorm"),
-            )
-            self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, HunYuanMoE(a, i)))
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        attn = VariantAttention.of(a, bias=a.attention_bias, qk_norm="head", norm_after_rope=True,
+                                   norm_names=("query_layernorm", "key_layernorm"))
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, HunYuanMoE(a, i))
 
     @property
     def top_k(self) -> int:

@@ -355,14 +355,19 @@ class Model(CausalLM):
 
     def __init__(self, a: ModelArgs):
         k3 = a.model_type == "kimi_k3"
-        super().__init__(a, None, prefix="language_model.model" if k3 else "model",  # no rotary embedding
+        super().__init__(a, prefix="language_model.model" if k3 else "model",
                          head="language_model.lm_head" if k3 else "lm_head")
-        self.decoder.layers.extend(DecoderLayer(a, i) for i in range(a.num_hidden_layers))
         if a.attn_res_block_size:
             self.decoder.output_attn_res_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
             self.decoder.output_attn_res_proj = nn.Linear(a.hidden_size, 1, bias=False)
         if a.has_vision:
             log.warning("Kimi K3: the vision tower (vision_config) is not loaded; moestream runs the text model only")
+
+    def make_rotary(self, a: ModelArgs) -> None:
+        return None  # MLA without rope, KDA
+
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        return DecoderLayer(a, i)
 
     def expert_shape(self) -> tuple[int, int]:
         """(intermediate, width) of one routed expert's gate projection (width: the latent width for K3)."""

@@ -146,24 +146,24 @@ class LagunaMoE(StreamedMoE):
 class Model(CausalLM):
     """Laguna causal LM with streamed experts."""
 
-    def __init__(self, a: ModelArgs):
+    def make_rotary(self, a: ModelArgs) -> PerTypeRope:
         # transformers reads YaRN's truncate from the top level of rope_parameters (True when absent)
         truncate = a.rope_parameters.get("truncate", True)
-        rotary = PerTypeRope({
+        return PerTypeRope({
             t: make_rope(a.rope_dim(t), a.rope_parameters[t].get("rope_theta", 10000.0),
                          dict(a.rope_parameters[t], truncate=truncate))
             for t in sorted(set(a.layer_types))
         })
-        super().__init__(a, rotary)
-        for i in range(a.num_hidden_layers):
-            kind = a.layer_types[i]
-            attn = VariantAttention(
-                a.hidden_size, a.num_attention_heads_per_layer[i], a.num_key_value_heads, a.head_dim,
-                bias=a.attention_bias, window=a.sliding_window if kind == "sliding_attention" else None,
-                qk_norm="head", norm_eps=a.rms_norm_eps, gate="per-head" if a.gate_per_head else "per-element",
-            )
-            mlp = LagunaMoE(a, i) if a.mlp_layer_types[i] == "sparse" else MLP(a.hidden_size, a.intermediate_size)
-            self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp, rope_key=kind))
+
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        kind = a.layer_types[i]
+        attn = VariantAttention(
+            a.hidden_size, a.num_attention_heads_per_layer[i], a.num_key_value_heads, a.head_dim,
+            bias=a.attention_bias, window=a.sliding_window if kind == "sliding_attention" else None,
+            qk_norm="head", norm_eps=a.rms_norm_eps, gate="per-head" if a.gate_per_head else "per-element",
+        )
+        mlp = LagunaMoE(a, i) if a.mlp_layer_types[i] == "sparse" else MLP(a.hidden_size, a.intermediate_size)
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp, rope_key=kind)
 
 
 def synth_config(cfg: dict, layers: int) -> dict:

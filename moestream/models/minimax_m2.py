@@ -22,7 +22,7 @@ from .base import CausalLM, DecoderArgs, check_top_k, config_field, synth_tensor
 from .laguna import laguna_sigmoid_topk
 from .layers import DecoderLayer
 from .moe import StreamedMoE
-from .rope import make_rope
+from .rope import RotaryEmbedding, make_rope
 from .variants import VariantAttention
 
 MODEL_TYPES = ("minimax_m2",)
@@ -85,13 +85,12 @@ class Model(CausalLM):
 
     expert_names = ("w1", "w3", "w2")
 
-    def __init__(self, a: ModelArgs):
-        super().__init__(a, make_rope(a.rotary_dim, a.rope_theta))
-        for i in range(a.num_hidden_layers):
-            attn = VariantAttention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                                    qk_norm="full", norm_eps=a.rms_norm_eps)
-            self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, MiniMaxM2MoE(a, i),
-                                                    mlp_name="block_sparse_moe"))
+    def make_rotary(self, a: ModelArgs) -> RotaryEmbedding:
+        return make_rope(a.rotary_dim, a.rope_theta)
+
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        attn = VariantAttention.of(a, qk_norm="full")
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, MiniMaxM2MoE(a, i), mlp_name="block_sparse_moe")
 
 
 def synth_config(cfg: dict, layers: int) -> dict:

@@ -17,7 +17,6 @@ import torch
 from .base import CausalLM, DecoderArgs, check_top_k, config_field, synth_tensors_of
 from .layers import Attention, DecoderLayer
 from .moe import StreamedMoE, softmax_topk
-from .rope import make_rope
 
 MODEL_TYPES = ("mixtral",)
 
@@ -54,15 +53,12 @@ class Model(CausalLM):
 
     expert_names = ("w1", "w3", "w2")
 
-    def __init__(self, a: ModelArgs):
-        super().__init__(a, make_rope(a.head_dim, a.rope_theta))
-        for i in range(a.num_hidden_layers):
-            attn = Attention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             window=a.sliding_window)
-            router = partial(mixtral_route, top_k=a.num_experts_per_tok)
-            moe = StreamedMoE(a.hidden_size, a.num_local_experts, i, router, renormalize=True)
-            self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, moe,
-                                                    mlp_name="block_sparse_moe"))
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        attn = Attention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                         window=a.sliding_window)
+        moe = StreamedMoE(a.hidden_size, a.num_local_experts, i, partial(mixtral_route, top_k=a.num_experts_per_tok),
+                          renormalize=True)
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, moe, mlp_name="block_sparse_moe")
 
 
 def synth_config(cfg: dict, layers: int) -> dict:

@@ -16,7 +16,6 @@ from ..errors import ConfigError
 from .base import CausalLM, DecoderArgs, check_top_k, config_field, synth_tensors_of
 from .layers import DecoderLayer
 from .moe import StreamedMoE, softmax_topk
-from .rope import make_rope
 from .variants import VariantAttention
 
 MODEL_TYPES = ("olmoe",)
@@ -53,16 +52,11 @@ class Model(CausalLM):
 
     synth_biases_after = "router"
 
-    def __init__(self, a: ModelArgs):
-        super().__init__(a, make_rope(a.head_dim, a.rope_theta))
-        for i in range(a.num_hidden_layers):
-            attn = VariantAttention(
-                a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, bias=a.attention_bias,
-                qk_norm="full", norm_eps=a.rms_norm_eps, clip_qkv=a.clip_qkv,
-            )
-            router = partial(softmax_topk, top_k=a.num_experts_per_tok, norm_topk_prob=a.norm_topk_prob)
-            moe = StreamedMoE(a.hidden_size, a.num_experts, i, router, renormalize=a.norm_topk_prob)
-            self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, moe))
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        attn = VariantAttention.of(a, bias=a.attention_bias, qk_norm="full", clip_qkv=a.clip_qkv)
+        router = partial(softmax_topk, top_k=a.num_experts_per_tok, norm_topk_prob=a.norm_topk_prob)
+        moe = StreamedMoE(a.hidden_size, a.num_experts, i, router, renormalize=a.norm_topk_prob)
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, moe)
 
 
 def synth_config(cfg: dict, layers: int) -> dict:

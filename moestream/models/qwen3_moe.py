@@ -16,7 +16,6 @@ from ..errors import ConfigError
 from .base import CausalLM, DecoderArgs, check_top_k, config_field, derived, positive, synth_tensors_of
 from .layers import MLP, Attention, DecoderLayer
 from .moe import StreamedMoE, softmax_topk
-from .rope import make_rope
 
 MODEL_TYPES = ("qwen3_moe",)
 
@@ -56,17 +55,15 @@ class ModelArgs(DecoderArgs):
 class Model(CausalLM):
     """Qwen3-MoE causal LM with streamed experts."""
 
-    def __init__(self, a: ModelArgs):
-        super().__init__(a, make_rope(a.head_dim, a.rope_theta))
-        for i in range(a.num_hidden_layers):
-            attn = Attention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             bias=a.attention_bias, qk_norm_eps=a.rms_norm_eps, window=a.sliding_window)
-            if a.is_moe_layer(i):
-                router = partial(softmax_topk, top_k=a.num_experts_per_tok, norm_topk_prob=a.norm_topk_prob)
-                mlp = StreamedMoE(a.hidden_size, a.num_experts, i, router, renormalize=a.norm_topk_prob)
-            else:
-                mlp = MLP(a.hidden_size, a.intermediate_size)
-            self.decoder.layers.append(DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp))
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        attn = Attention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                         bias=a.attention_bias, qk_norm_eps=a.rms_norm_eps, window=a.sliding_window)
+        if a.is_moe_layer(i):
+            router = partial(softmax_topk, top_k=a.num_experts_per_tok, norm_topk_prob=a.norm_topk_prob)
+            mlp = StreamedMoE(a.hidden_size, a.num_experts, i, router, renormalize=a.norm_topk_prob)
+        else:
+            mlp = MLP(a.hidden_size, a.intermediate_size)
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp)
 
 
 def synth_config(cfg: dict, layers: int) -> dict:

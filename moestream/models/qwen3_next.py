@@ -35,7 +35,7 @@ from .hybrid import (
 )
 from .layers import MLP
 from .moe import softmax_topk
-from .rope import make_rope
+from .rope import RotaryEmbedding, make_rope
 
 MODEL_TYPES = ("qwen3_next",)
 
@@ -134,9 +134,11 @@ class Model(CausalLM):
 
     Norm = ZeroCenteredRMSNorm
 
-    def __init__(self, a: ModelArgs, prefix: str = "model", head: str = "lm_head"):
-        super().__init__(a, make_rope(a.rotary_dim, a.rope_theta), prefix=prefix, head=head)
-        self.decoder.layers.extend(DecoderLayer(a, i) for i in range(a.num_hidden_layers))
+    def make_rotary(self, a: ModelArgs) -> RotaryEmbedding:
+        return make_rope(a.rotary_dim, a.rope_theta)
+
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        return DecoderLayer(a, i)
 
     def new_kv_cache(self, capacity: int = 256) -> HybridCache:
         """Keys/values for attention layers, convolution and recurrent state for DeltaNet layers."""

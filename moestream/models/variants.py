@@ -61,6 +61,13 @@ class VariantAttention(AttentionProjections):
         if gate is not None:
             self.g_proj = nn.Linear(hidden, heads if gate == "per-head" else heads * head_dim, bias=False)
 
+    @classmethod
+    def of(cls, a, **options) -> VariantAttention:
+        """The attention of config ``a`` (a :class:`~moestream.models.base.DecoderArgs`: its widths, heads and
+        norm eps) with ``options`` (the keyword arguments above)."""
+        return cls(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, norm_eps=a.rms_norm_eps,
+                   **options)
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, layer: int, start: int
     ) -> torch.Tensor:
