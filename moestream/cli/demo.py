@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-DEMO_CONFIG = Path(__file__).parent / "data" / "demo_config.json"
+DEMO_CONFIG = Path(__file__).parent.parent / "data" / "demo_config.json"
 PROMPT = "Explain in two sentences why streaming experts from disk lets a large MoE model run in little memory."
 
 
