@@ -30,7 +30,7 @@ from .models.linear import use_fast_linear
 from .options import DEFAULT_BUDGET_GB, EngineOptions
 from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline
 from .policies import make_policy
-from .store import MAX_READ_BYTES, ExpertStore
+from .store import BLOCK, MAX_READ_BYTES, ExpertStore
 from .tiered_cache import PinnedBufferPool, TieredExpertCache
 
 GB = 1e9
@@ -251,7 +251,8 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         dev = opened.device if parallel is None else parallel.device
         tiered = dev.type == "cuda" or options.host_cache is not None
         _check_device(ckpt, opened, dev, tiered, options)
-        io = plan_io(ckpt, options.workers, options.use_page_cache, options.prefetch_ahead, options.wire_memory)
+        io = plan_io(ckpt, options.workers, options.use_page_cache, options.prefetch_ahead, options.wire_memory,
+                     chunk_reads=not tiered)
         # tiered: the store reads into (pinned) host buffers; the cache copies them to the device
         store = ExpertStore(ckpt, opened.layout, opened.dtype, "cpu" if tiered else dev, options.workers,
                             reader=io.reader)
@@ -275,7 +276,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
             from .tokenizer import load_tokenizer
 
             tok = load_tokenizer(ckpt.path)
-        unused = _load_resident(ckpt, opened, progress)
+        unused = _load_resident(ckpt, opened, progress, io)
         net.to(dev).eval()
         use_fast_linear(net)  # wide bf16 matmuls in float32 on CPUs without native bf16 (models/linear.py)
         policy = make_policy(options.cache_policy, half_life=sum(opened.num_experts.values()))
@@ -389,19 +390,21 @@ def _plan_budget(net: CausalLM, store: ExpertStore, keys: list, dtype: torch.dty
     else:
         plan = plan_cpu_budget(net, options.cache_budget, dtype, experts, one, options.workers, io.use_page_cache,
                                options.prefetch_ahead, options.context_tokens, share, MAX_READ_BYTES,
-                               options.wire_memory)
+                               options.wire_memory, chunk_window=io.chunk_window,
+                               frame_slack=2 * BLOCK * max((len(store.layout.pieces(*k)) for k in keys[:1]), default=0))
     if tiered:
         plan.host = plan_host_budget(options.host_cache, experts, one, options.workers, share)
     return plan
 
 
-def _load_resident(ckpt: Checkpoint, opened: _Opened, progress) -> list[str]:
-    """Read the resident weights into the model; the checkpoint tensors it does not use (reported once)."""
+def _load_resident(ckpt: Checkpoint, opened: _Opened, progress, io: IOSettings) -> list[str]:
+    """Read the resident weights into the model; the checkpoint tensors it does not use (reported once).
+    (Their page cache is dropped as they load when expert reads bypass it: ``io.resident_progress``.)"""
     net, layout = opened.net, opened.layout
     total = sum(ckpt.tensors[n].nbytes for n, _ in net.named_parameters() if n in ckpt.tensors)
     with progress_bar(total, "loading resident weights", progress) as bar:
         skip = layout.expert_tensors | quant.padding_tensors(ckpt.tensors)  # padding: see quant.convert
-        unused = load_resident(net, ckpt, skip, opened.dtype, bar.update)
+        unused = load_resident(net, ckpt, skip, opened.dtype, io.resident_progress(ckpt, bar.update))
     describe = getattr(opened.family, "describe_skipped", None)  # parts a family leaves out on purpose
     if describe is not None:
         note, unused = describe(unused)

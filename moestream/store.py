@@ -66,6 +66,8 @@ MAX_READ_BYTES = 16 * 1024 * 1024
 MAX_READ_PARTS = 256
 # Reader-thread priorities: demand reads (a layer waits on them) before reads ahead.
 DEMAND, AHEAD = 0, 1
+# Bytes of one arena of the CPU buffer pool (experts of a size are slots of arenas this big).
+ARENA_BYTES = 64 * 1024 * 1024
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in at once (not in Python 3.11's mmap module)
 
 
@@ -184,7 +186,7 @@ class HugePagePool:
     size asked for, 4 KiB-aligned) is what :meth:`put` takes back.
     """
 
-    def __init__(self, arena_bytes: int = 64 * 1024 * 1024):
+    def __init__(self, arena_bytes: int = ARENA_BYTES):
         self.arena_bytes = arena_bytes
         self._free: dict[int, list[memoryview]] = {}
         self._arenas: list[mmap.mmap] = []
@@ -488,6 +490,11 @@ class ExpertStore:
     def reader_cpu_seconds(self) -> float:
         """CPU seconds used so far by the reader threads (their clocks, read now)."""
         return self._threads.cpu_seconds()
+
+    def compute_cpu_seconds(self) -> float:
+        """CPU seconds this process has used so far outside the reader threads (the compute thread,
+        its OpenMP threads, the rest): a clock for the CPU split of the stats."""
+        return time.process_time() - self._threads.cpu_seconds()
 
     def _allocate(self, key: Key) -> tuple[ExpertWeights, list[Extent]]:
         """A buffer for one expert laid out like the file: the expert and an extent per piece."""
