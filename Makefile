@@ -18,6 +18,8 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $@
+	@# moestream's CPU kernels for this CPU (cached per CPU; without a compiler the PyTorch path runs)
+	-$(BIN)/python -m moestream.quant.native
 
 demo: setup
 	$(BIN)/moestream demo

@@ -104,6 +104,8 @@ class Engine:
         load_seconds: wall time of :func:`load` (tokenizer included).
         tokenizer: a transformers tokenizer, or None when loaded without one.
         unused_tensors: checkpoint tensors the model does not use (reported once).
+        threads: PyTorch's intra-op thread count when loaded; every forward pass computes
+            with it (:meth:`hold_threads`).
     """
 
     checkpoint: Checkpoint
@@ -139,6 +141,27 @@ class Engine:
         if self.closed:
             raise EngineClosedError(f"the engine of {self.checkpoint.path} is closed (close() was called, or its "
                                     "with block ended): load the model again")
+    threads: int = 0  # 0: not held (an Engine built by hand)
+    _threads_noted: bool = field(default=False, repr=False)
+
+    def hold_threads(self) -> None:
+        """Make the calling thread compute with :attr:`threads`, the intra-op count found at load.
+
+        PyTorch's CPU kernels give other bits with another thread count (MKL's float32 matmul of
+        5 to 11 rows, attention over the KV cache: ``docs/reliability.md``, "Exactness under
+        timing"), and the count belongs to each thread: ``torch.set_num_threads`` after load
+        changes it, and a fresh thread (the server's) runs its first matmuls with MKL's default
+        until PyTorch sets the thread up, which ``torch.get_num_threads`` does. Called before
+        every forward pass; says once on stderr when it had to set the count back.
+        """
+        if not self.threads or torch.get_num_threads() == self.threads:
+            return
+        if not self._threads_noted:
+            self._threads_noted = True
+            print(f"moestream: note: PyTorch's intra-op thread count is {torch.get_num_threads()} here, "
+                  f"{self.threads} when the model was loaded; computing with {self.threads} "
+                  "(another count gives other bits)", file=sys.stderr, flush=True)
+        torch.set_num_threads(self.threads)
 
     def close(self) -> None:
         """Save the usage profile (when learning), close the trace, stop prefetch and reader threads, close shards.
@@ -259,7 +282,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         if dev.type == "cuda":
             store.pool = PinnedBufferPool(max_free=2 * options.workers)
         net = opened.net
-        quant_fns = quant.attach(net, store, opened.formats, opened.dtype)  # layer -> expert function on pieces
+        quant_fns = quant.attach(net, opened.formats, opened.dtype)  # layer -> expert function on stored pieces
         if options.fast:
             from .quant.turboquant import set_fast
 
@@ -305,7 +328,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
             checkpoint=ckpt, layout=opened.layout, store=store, cache=cache, model=net, family=opened.family,
             dtype=opened.dtype, device=dev, resident_bytes=resident_bytes(net),
             load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused, io=io, usage=usage_state,
-            parallel=parallel, pipeline=pipeline, options=options, budget=plan,
+            parallel=parallel, pipeline=pipeline, options=options, budget=plan, threads=torch.get_num_threads(),
         )
     except BaseException:
         if store is not None:

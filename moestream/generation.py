@@ -456,13 +456,15 @@ def _logprob(processed: torch.Tensor, token: int, n: int) -> TokenLogprob:
 
 
 @torch.inference_mode()
-def _forward(model, x: torch.Tensor, pos: int, kv, session: Session | None) -> torch.Tensor:
-    """``model(x, pos, kv)``; when it fails part-way (a failed expert read), some layers have
-    already written this step into ``kv`` and others not, so a ``session`` is emptied: its
+def _forward(engine: Engine, x: torch.Tensor, pos: int, kv, session: Session | None) -> torch.Tensor:
+    """``engine.model(x, pos, kv)`` with the intra-op thread count of load (:meth:`Engine.hold_threads`:
+    another count gives other bits); when it fails part-way (a failed expert read), some layers
+    have already written this step into ``kv`` and others not, so a ``session`` is emptied: its
     next call prefills from scratch instead of continuing from a half-updated cache. A Ctrl-C
     (KeyboardInterrupt) part-way is such a failure too."""
+    engine.hold_threads()
     try:
-        return model(x, pos, kv)
+        return engine.model(x, pos, kv)
     except BaseException:
         if session is not None:
             session.kv = None
@@ -605,7 +607,7 @@ def generate(
     stats.finish_reason = "length"
     try:  # the stats are filled in however it ends: done, failed or interrupted (Ctrl-C) in prefill or decode
         for s in range(reuse, len(prompt_ids), prefill_chunk):
-            logits = _forward(model, ids[s : s + prefill_chunk], s, kv, session)
+            logits = _forward(engine, ids[s : s + prefill_chunk], s, kv, session)
             if session is not None:
                 session.ids.extend(prompt_ids[s : s + prefill_chunk])
         stats.prefill_seconds = time.perf_counter() - t0
@@ -661,7 +663,7 @@ def generate(
                 break
             if par is not None and not par.flag(True):  # rank 0 goes on, or was cancelled
                 break
-            logits = _forward(model, torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv, session)
+            logits = _forward(engine, torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv, session)
             if session is not None:
                 session.ids.append(token)
             pos += 1

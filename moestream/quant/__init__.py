@@ -110,15 +110,16 @@ def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:
                      "pass dtype explicitly")
 
 
-def attach(net, store, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> dict:
-    """The expert function of each quantized MoE layer of ``net``, and ``store``'s prepare hook.
+def attach(net, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> dict:
+    """The expert function of each quantized MoE layer of ``net``.
 
     Returns layer -> expert function (``fn(x [n, H], tensors) -> [n, H]`` on the expert's
-    stored pieces) for every layer in ``formats``: the quantized SwiGLU kernels, turboquant's
-    :class:`~.turboquant.TQExperts`, or the family's float function on dequantized weights
-    (:mod:`.expert`). Sets the compute dtype of quantized embeddings.
+    pieces as the store read them; no per-read preparation) for every layer in ``formats``:
+    the compiled kernels' SwiGLU, turboquant's :class:`~.turboquant.TQExperts`, or the family's
+    float function on dequantized weights (:mod:`.expert`). Sets the compute dtype of
+    quantized embeddings.
     """
-    from .expert import DequantizedExpert, expert_fn_for
+    from .expert import expert_fn_for
     from .resident import QuantEmbedding
 
     for m in net.modules():
@@ -127,18 +128,9 @@ def attach(net, store, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> 
     from .turboquant import TQExpertFormat, expert_functions
 
     fns = expert_functions(net, formats)  # turboquant layers
-    swiglu = {}  # layers whose experts run on the quantized kernels (the others dequantize, see .expert)
     for block in net.moe_blocks():
         fmt = formats.get(block.layer)
         if fmt is None or isinstance(fmt, TQExpertFormat):
             continue
         fns[block.layer] = expert_fn_for(block.expert_fn, fmt)
-        if not isinstance(fns[block.layer], DequantizedExpert):
-            swiglu[block.layer] = fmt
-    if swiglu:
-        from .kernels import Prepare
-
-        prep = Prepare(store.layout, swiglu, dtype)
-        if prep.active:
-            store.prepare = prep
     return fns

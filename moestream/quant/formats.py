@@ -60,6 +60,10 @@ class Scheme:
         if self.method == "affine":
             return f"affine {self.bits}-bit, group {self.group_size}"
         if self.method == "fp8":
+            if self.block == (1, 0):
+                return "fp8 e4m3, per-channel scales"
+            if self.block == (0, 0):
+                return "fp8 e4m3, per-tensor scale"
             return f"fp8 e4m3, blocks {self.block[0]}x{self.block[1]}"
         return "mxfp4"
 

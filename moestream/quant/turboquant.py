@@ -485,6 +485,10 @@ def rotated_matmul(xr: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     return y
 
 
+# QJL sign bits as a 1-bit codebook: bit 0 is -1, bit 1 is +1 (spec section 5.4)
+_QJL_CODEBOOK = torch.tensor([-1.0, 1.0], dtype=torch.float16)
+
+
 def qjl_correction(xr: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, qsigns: torch.Tensor
                    ) -> torch.Tensor:
     """The QJL residual term [n, out] in float16 (spec section 5.4) for rotated input ``xr`` [n, in] float32."""
@@ -521,6 +525,9 @@ class TQLinear(nn.Module):
         if self._rot is None:
             self._rot = _rotated(self.signs, self.fmt.scheme.rotation)
         x2 = x.reshape(-1, x.shape[-1])
+        y = self._native(x2)
+        if y is not None:
+            return y.to(x.dtype).view(*x.shape[:-1], -1)
         xr = rotate(x2, self.signs, self._rot)
         y = rotated_matmul(xr, self.weight, self.scales, self.codebook)
         if self.fmt.scheme.qjl and self.use_qjl:
@@ -528,6 +535,30 @@ class TQLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+    def _native(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """The forward on moestream's CPU kernels (float32 [n, out]), or None on the PyTorch path."""
+        from . import native
+
+        if native._ready(x2) is None:
+            return None
+        inn = self.fmt.in_features
+        signs = self.signs if self._rot else None
+        if not (self.fmt.scheme.qjl and self.use_qjl):
+            spec = native.codebook_spec(self.weight, self.scales, self.codebook, inn, signs, self.bias)
+            return native.codebook_linear(x2, spec, torch.float32)
+        # QJL: y = W xr + fp16(c) * norms * fp16(fp16(H(qjl_signs * xr)) @ (2 bit - 1)^T), then the bias
+        xr = native.rotate(x2, self.signs) if self._rot else x2.float()
+        y = native.codebook_linear(xr, native.codebook_spec(self.weight, self.scales, self.codebook, inn),
+                                   torch.float32)
+        ones = native._cached(self.qjl_norms, native.ones_column)
+        sign_spec = native.codebook_spec(self.qjl_packed, ones, _QJL_CODEBOOK, inn, self.qjl_signs, rot_half=True)
+        t = native.codebook_linear(xr, sign_spec, torch.float32)
+        if y is None or t is None:
+            return None
+        scale = torch.tensor(math.sqrt(math.pi / 2) / math.sqrt(inn), dtype=torch.float16)
+        y = y + (scale * self.qjl_norms.half()) * t.half()
+        return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] in the input domain, ``W_rot H_B diag(signs)`` (for references)."""
@@ -604,7 +635,25 @@ class TQExperts:
             deq = blockwise_hadamard(deq, transpose=True) * h.signs.float()
         return deq
 
+    def _native(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The SwiGLU expert in one call of moestream's CPU kernels (float32), or None on the PyTorch path."""
+        from . import native
+
+        if native._ready(x) is None:
+            return None
+        specs = []
+        for role in ("gate", "up", "down"):
+            h, lf = self.holders[role], self.fmt.linears[role]
+            signs = h.signs if self._is_rotated(role) else None
+            specs.append(native.codebook_spec(w[role], w[role + ".scales"], h.codebook, lf.in_features, signs,
+                                              w.get(role + ".bias")))
+        return native.codebook_expert(x, tuple(specs), torch.float32)
+
     def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.float_fn is None:
+            y = self._native(x, w)
+            if y is not None:
+                return y
         if self.float_fn is not None:
             dense = {r: t for r, t in w.items() if r.split(".")[0] not in self.fmt.linears}
             for role in self.fmt.linears:
