@@ -156,3 +156,197 @@ def test_a_buffer_slot_is_recycled_not_returned(tmp_path):
     assert b is a and pool.nbytes == mapped  # the same slot, nothing mapped anew
     others = [pool.get(9 * 1024 * 1024 + 8192)[0] for _ in range(7)]
     assert pool.nbytes > mapped and len({direct_io._address(s) for s in [b, *others]}) == 8
+
+
+# -- the reader threads, prefill read-ahead, the CPU split, memory inside a cap --------------------------------
+
+
+def test_demand_reads_run_before_reads_ahead():
+    import threading
+
+    from moestream.store import AHEAD, DEMAND, ReaderThreads
+
+    threads = ReaderThreads(1)
+    gate, order = threading.Event(), []
+    try:
+        first = threads.submit(DEMAND, gate.wait)  # holds the one worker
+        later = [threads.submit(AHEAD, order.append, f"ahead {i}") for i in range(3)]
+        later += [threads.submit(DEMAND, order.append, f"demand {i}") for i in range(2)]
+        gate.set()
+        for f in [first, *later]:
+            f.result(timeout=10)
+        assert order == ["demand 0", "demand 1", "ahead 0", "ahead 1", "ahead 2"]
+        assert threads.cpu_seconds() >= 0.0
+    finally:
+        threads.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mid_model(checkpoints):
+    return checkpoints["synth, 48 KiB pieces"]
+
+
+def prefill_and_decode(model, budget, **kw):
+    from moestream.engine import load
+    from moestream.generation import GenerationStats, SamplingParams, generate
+
+    engine = load(model, cache_budget_gb=budget, workers=3, tokenizer=False, learn_experts=False, hotlist=False, **kw)
+    try:
+        prompt = torch.randint(0, 150000, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+        stats = GenerationStats()
+        steps = list(generate(engine, prompt, 6, SamplingParams(), stats, stop_at_eos=False, keep_logits=True,
+                              prefill_chunk=16))
+        return [s.logits for s in steps], stats, engine.io.prefetcher
+    finally:
+        engine.close()
+
+
+def test_prefill_reads_the_next_layer_ahead_and_the_bits_stay(mid_model, monkeypatch):
+    """A multi-token chunk reads the next layer's routed experts ahead (on by default when experts stream);
+    the logits are those of every expert resident, with the read-ahead on or off."""
+    import moestream.prefetch as prefetch
+
+    ref, _, _ = prefill_and_decode(mid_model, "all", use_page_cache=True)
+    from moestream.checkpoint import Checkpoint as C
+
+    with C(mid_model) as c:
+        one = discover_experts(c.tensors).expert_nbytes(0, 0)
+    budget = str(one * 6 / 1e9)  # 6 of the 32 experts
+    runs = {}
+    for window in (0, prefetch.CHUNK_WINDOW_PER_WORKER):
+        with monkeypatch.context() as mp:
+            mp.setattr(prefetch, "CHUNK_WINDOW_PER_WORKER", window)
+            runs[window] = prefill_and_decode(mid_model, budget, use_page_cache=False)
+    for window, (logits, _, _) in runs.items():
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref)) and len(logits) == len(ref), window
+    off, on = runs[0], runs[prefetch.CHUNK_WINDOW_PER_WORKER]
+    assert off[2] is None and off[1].prefill_read_ahead == 0  # no read-ahead at all: no prefetcher
+    s, pf = on[1], on[2]
+    assert pf.window == 6 and pf.ahead == 0
+    assert s.prefill_read_ahead > 0 and s.prefill_read_ahead_hits > 0
+    assert s.prefill_read_ahead == s.prefill_read_ahead_hits + s.prefill_read_ahead_wasted + pf.stats.outstanding
+    assert pf.stats.per_layer == {}  # no decode read-ahead (--prefetch-ahead 0)
+
+
+def test_the_cpu_split_of_a_decoded_token(mid_model, tmp_path):
+    """CPU per decoded token and its split (reads, expert kernels, the rest) in the stats and their JSON."""
+    import json
+
+    _, s, _ = prefill_and_decode(mid_model, "0", use_page_cache=False, prefetch_ahead=1)
+    assert s.decode_cpu_seconds > 0 and s.prefill_cpu_seconds > 0
+    assert s.cpu_s_per_decoded_token == pytest.approx(s.decode_cpu_seconds / 5)
+    assert s.cpu_reads_s_per_token > 0 and s.cpu_kernels_s_per_token > 0
+    assert s.cpu_reads_s_per_token + s.cpu_kernels_s_per_token + s.cpu_rest_s_per_token == pytest.approx(
+        s.cpu_s_per_decoded_token)
+    assert s.cpu_kernels_s_per_token < s.cpu_s_per_decoded_token
+    assert s.prefetch_per_layer and all(len(v) == 3 for v in s.prefetch_per_layer.values())
+    hits = sum(v[1] for v in s.prefetch_per_layer.values())
+    wasted = sum(v[2] for v in s.prefetch_per_layer.values())
+    assert s.prefetch_accuracy == pytest.approx(hits / (hits + wasted))
+    d = json.loads(s.to_json())
+    for k in ("cpu_s_per_decoded_token", "cpu_reads_s_per_token", "cpu_kernels_s_per_token", "cpu_rest_s_per_token",
+              "prefetch_accuracy", "prefetch_per_layer", "prefill_read_ahead"):
+        assert k in d
+    assert "CPU per token" in s.summary() and "accuracy" in s.summary()
+
+
+def cached_bytes(files) -> int:
+    """Bytes of ``files`` in the page cache (mincore(2) over a private mapping of each)."""
+    import ctypes
+    import mmap
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    total = 0
+    for f in files:
+        size = os.path.getsize(f)
+        with open(f, "rb") as fh:
+            m = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            vec = (ctypes.c_ubyte * (-(-size // page)))()
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+            total += sum(v & 1 for v in vec) * page
+        finally:
+            del addr
+            m.close()
+    return total
+
+
+@pytest.mark.parametrize("page_cache", [False, True], ids=["o_direct", "page-cache"])
+def test_the_resident_weights_page_cache_is_dropped_as_they_load(checkpoints, monkeypatch, page_cache):
+    """With expert reads bypassing the page cache, the shards' cached pages never pile up while the resident
+    weights load (a cap would be charged for them twice); through the page cache they stay."""
+    import os
+
+    import moestream.io_setup as io_setup
+    from moestream.engine import load
+    from moestream.io_setup import IOSettings
+
+    model = checkpoints["synth, 1 KiB pieces"]  # 20 MB of resident weights (embedding, LM head) in 8 shards
+    shards = sorted(model.glob("*.safetensors"))
+    for f in shards:  # written by the fixture: make the pages clean, then drop them
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    assert cached_bytes(shards) < 1 << 20
+    monkeypatch.setattr(io_setup, "DROP_EVERY", 1 << 20)
+    seen = []
+    real = IOSettings.resident_progress
+
+    def spying(self, ckpt, progress=None):
+        step = real(self, ckpt, progress)
+
+        def after_each_tensor(n):
+            (step or (lambda n: None))(n)
+            seen.append(cached_bytes(shards))
+
+        return after_each_tensor
+
+    monkeypatch.setattr(IOSettings, "resident_progress", spying)
+    engine = load(model, cache_budget_gb="0.0001", tokenizer=False, use_page_cache=page_cache,
+                  learn_experts=False, hotlist=False)
+    try:
+        resident = engine.resident_bytes
+        assert resident > 15e6 and seen
+        if page_cache:
+            assert max(seen) > 0.9 * resident  # the control: the measure sees the page cache
+        else:
+            largest = max(t.nbytes for t in engine.checkpoint.tensors.values())
+            assert max(seen) <= (1 << 20) + largest + (1 << 16), (max(seen), largest)
+            assert cached_bytes(shards) < 1 << 20
+    finally:
+        engine.close()
+
+
+def test_the_kv_cache_counts_in_the_reserve_of_any_budget(monkeypatch):
+    """A given budget is refused when resident weights, the budget, the KV cache of the context and the read
+    buffers exceed the memory available (the KV cache was counted for ``auto`` only)."""
+    import json
+    from pathlib import Path
+
+    from moestream.budget import plan_cpu_budget
+    from moestream.errors import BudgetError
+    from moestream.models import family_for
+
+    cfg = json.loads((Path(__file__).parent / "configs" / "Qwen3-30B-A3B.json").read_text())
+    family = family_for(cfg, "cfg")
+    with torch.device("meta"):
+        net = family.Model(family.ModelArgs.from_config(cfg))
+    one = 9_437_184
+    kw = dict(dtype=torch.bfloat16, experts=48 * 128 * one, one=one, workers=8, page_cache=False, prefetch_ahead=0)
+    monkeypatch.setattr("moestream.memory.available_bytes", lambda: 10**15)
+    short = plan_cpu_budget(net, 2 * 10**9, context_tokens=1000, **kw)
+    long = plan_cpu_budget(net, 2 * 10**9, context_tokens=32000, **kw)
+    per_token = 48 * 4 * 128 * 2 * 2  # layers x KV heads x head_dim x (K, V) x bf16
+    assert short.kv_cache == 2 * 1000 * per_token and long.kv_cache == 2 * 32000 * per_token
+    need = 2 * 10**9 + long.reserve + long.kv_cache  # the resident weights come on top
+    from moestream.budget import resident_bytes
+
+    resident = resident_bytes(net, torch.bfloat16)
+    monkeypatch.setattr("moestream.memory.available_bytes", lambda: resident + need - 1)
+    plan_cpu_budget(net, 2 * 10**9, context_tokens=1000, **kw)  # fits with a short context
+    with pytest.raises(BudgetError, match=r"KV cache \(6\.29 GB for 32000 tokens\)"):
+        plan_cpu_budget(net, 2 * 10**9, context_tokens=32000, **kw)
