@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; installed first so that no CUDA build is pulled in.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test lint clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check moestream tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info

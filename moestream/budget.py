@@ -16,11 +16,13 @@ None of this changes the output: it decides how many experts stay in memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import memory  # its functions looked up at call time (tests replace them)
 from .errors import BudgetError
+
+if TYPE_CHECKING:  # the CLI parses budgets before torch is imported
+    import torch
 
 GB = 1e9
 AUTO = "auto"
@@ -80,7 +82,7 @@ def resident_bytes(net: torch.nn.Module, dtype: torch.dtype | None = None) -> in
     size when it is floating point (it will be loaded in the compute dtype); a loaded one,
     or an integer one (packed quantized weights), at its own element size.
     """
-    itemsize = None if dtype is None else torch.tensor([], dtype=dtype).element_size()
+    itemsize = None if dtype is None else dtype.itemsize
     seen, total = set(), 0
     for p in net.parameters():
         if id(p) in seen:
@@ -93,7 +95,7 @@ def resident_bytes(net: torch.nn.Module, dtype: torch.dtype | None = None) -> in
 
 def kv_bytes_per_token(net: torch.nn.Module, dtype: torch.dtype) -> int:
     """KV cache bytes one token adds: the model's :meth:`~moestream.models.base.CausalLM.kv_bytes_per_token`."""
-    return net.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    return net.kv_bytes_per_token(dtype.itemsize)
 
 
 @dataclass
@@ -181,33 +183,49 @@ def _what(budget: int | None) -> str:
     return "every expert (--cache-budget-gb all)" if budget is None else f"a {budget / GB:.3g} GB cache budget"
 
 
-def read_reserve(net, one: int, workers: int, page_cache: bool, prefetch_ahead: int, max_read: int = 0,
-                 chunk_window: int = 0, frame_slack: int = 0, cached: int = 0) -> int:
+@dataclass(frozen=True)
+class ReadBuffers:
+    """The expert store's buffer sizes that the reserve counts, in bytes (the store's are
+    :meth:`moestream.store.ExpertStore.read_buffers`; the budget sits below the store and takes them as given).
+
+    Attributes:
+        max_read: the largest coalesced read (the store's ``MAX_READ_BYTES``; 0: one expert).
+        arena: one arena of the CPU buffer pool (``ARENA_BYTES``; 0: none beyond one expert).
+        huge_page: the pool's and the O_DIRECT scratch's page (``HUGE_PAGE``; 0: no scratch).
+        frame_slack: bytes at most an expert's buffer takes beyond its budget cost (block alignment).
+    """
+
+    max_read: int = 0
+    arena: int = 0
+    huge_page: int = 0
+    frame_slack: int = 0
+
+
+def read_reserve(net, one: int, workers: int, page_cache: bool, prefetch_ahead: int,
+                 buffers: ReadBuffers = ReadBuffers(), chunk_window: int = 0, cached: int = 0) -> int:
     """Bytes the reads need outside the cache budget (part of the reserve), for experts of ``one`` bytes at most.
 
-    * reads in flight: 2 x ``workers`` reads of up to ``max(max_read, one)`` bytes;
+    * reads in flight: 2 x ``workers`` reads of up to ``max(buffers.max_read, one)`` bytes;
     * read-ahead staging: ``chunk_window`` experts of the next layer during a prefill chunk, and
       ``prefetch_ahead`` x top-k experts in decode (:mod:`moestream.prefetch`);
     * the buffer pool's one partly used arena (:class:`moestream.store.HugePagePool`; its other
       slots hold cached, in-flight or staged experts, counted already);
-    * the block alignment of every buffer (``frame_slack`` bytes at most per expert, for the
+    * the block alignment of every buffer (``buffers.frame_slack`` bytes at most per expert, for the
       ``cached`` bytes of the budget and everything in flight or staged);
-    * O_DIRECT (``page_cache`` False): each reader thread's 2 MiB scratch for blocks two experts share.
+    * O_DIRECT (``page_cache`` False): each reader thread's huge-page scratch for blocks two experts share.
     """
-    from .store import ARENA_BYTES, HUGE_PAGE, MAX_READ_BYTES
-
-    in_flight = 2 * workers * max(max_read or MAX_READ_BYTES, one)
+    in_flight = 2 * workers * max(buffers.max_read, one)
     staged = (chunk_window + prefetch_ahead * net.top_k) * one
-    arena = max(ARENA_BYTES, one + HUGE_PAGE)
-    buffers = (cached // max(one, 1) + 2 * workers + chunk_window + prefetch_ahead * net.top_k) * frame_slack
-    scratch = 0 if page_cache else workers * HUGE_PAGE
-    return in_flight + staged + arena + buffers + scratch
+    arena = max(buffers.arena, one + buffers.huge_page)
+    slack = (cached // max(one, 1) + 2 * workers + chunk_window + prefetch_ahead * net.top_k) * buffers.frame_slack
+    scratch = 0 if page_cache else workers * buffers.huge_page
+    return in_flight + staged + arena + slack + scratch
 
 
 def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, workers: int,
                     page_cache: bool, prefetch_ahead: int, context_tokens: int | None, share: int = 1,
-                    max_read: int = 0, wire_memory: bool = False, chunk_window: int = 0,
-                    frame_slack: int = 0) -> BudgetPlan:
+                    buffers: ReadBuffers = ReadBuffers(), wire_memory: bool = False,
+                    chunk_window: int = 0) -> BudgetPlan:
     """The CPU expert cache budget, checked against the memory available (before any weight is read).
 
     Args:
@@ -218,10 +236,9 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
         prefetch_ahead: layers read ahead in decode; context_tokens: KV cache tokens (default:
             4096, or the model's context if smaller);
         share: processes of this machine that split its memory (expert parallelism);
-        max_read: the largest coalesced read in bytes (the store's ``MAX_READ_BYTES``).
+        buffers: the store's buffer sizes (:class:`ReadBuffers`: its largest read, arena, alignment slack).
         wire_memory: whether resident weights and cached experts will be locked (``--wire-memory``).
         chunk_window: experts read ahead for the next layer during a prefill chunk.
-        frame_slack: bytes an expert's buffer may take beyond its budget cost (block alignment).
 
     The reserve: the PyTorch runtime, the KV cache (twice its size for the context: it grows
     by doubling) and what the reads need outside the budget (:func:`read_reserve`). ``auto``
@@ -240,8 +257,8 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
     guess = experts if budget is None or budget == AUTO else min(budget, experts)
 
     def reads(cached: int) -> int:
-        return read_reserve(net, one, workers, page_cache, prefetch_ahead, max_read,
-                            chunk_window if streaming else 0, frame_slack, cached)
+        return read_reserve(net, one, workers, page_cache, prefetch_ahead, buffers,
+                            chunk_window if streaming else 0, cached)
 
     reserve = RUNTIME_RESERVE + reads(guess)
     auto = None

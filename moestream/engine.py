@@ -15,7 +15,6 @@ from types import ModuleType
 
 import torch
 
-from . import quant
 from .budget import BudgetPlan, plan_cpu_budget, plan_device_budget, plan_host_budget, resident_bytes
 from .cache import ExpertCache
 from .checkpoint import Checkpoint, resolve_model
@@ -27,11 +26,16 @@ from .mlx_format import open_checkpoint
 from .models import family_for
 from .models.base import CausalLM, checkpoint_dtype, load_resident
 from .models.linear import use_fast_linear
+from .models.moe import swiglu_expert
 from .options import DEFAULT_BUDGET_GB, EngineOptions
 from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline
 from .policies import make_policy
-from .store import BLOCK, MAX_READ_BYTES, ExpertStore
-from .tiered_cache import PinnedBufferPool, TieredExpertCache
+from .quant import model as quant
+from .quant.turboquant import set_fast
+from .store import ExpertStore
+from .tiered_cache import PinnedBufferPool, TieredExpertCache, device_free_bytes, resolve_device
+from .tokenizer import load_tokenizer
+from .usage import setup_cache_policy
 
 GB = 1e9
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -284,8 +288,6 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         net = opened.net
         quant_fns = quant.attach(net, opened.formats, opened.dtype)  # layer -> expert function on stored pieces
         if options.fast:
-            from .quant.turboquant import set_fast
-
             n = set_fast(net, True)
             print(f"note: --fast: the QJL residual correction of {n} linears is off; this changes the output"
                   if n else "note: --fast has no effect: this checkpoint stores no QJL residuals", file=sys.stderr)
@@ -296,8 +298,6 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         plan = _plan_budget(net, store, keys, opened.dtype, dev, tiered, io, options, parallel)
         tok = None
         if tokenizer:
-            from .tokenizer import load_tokenizer
-
             tok = load_tokenizer(ckpt.path)
         unused = _load_resident(ckpt, opened, progress, io)
         net.to(dev).eval()
@@ -316,8 +316,6 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
                 cache.preload(keys, bar.update)
         # every rank routes the same tokens: rank 0's trace is the whole trace
         trace = options.trace if parallel is None or parallel.rank == 0 else None
-        from .usage import setup_cache_policy
-
         usage_state = setup_cache_policy(ckpt, net, cache, opened.num_experts, options, trace=trace, owns=owns)
         batched = dev.type == "cuda" if options.batched_experts is None else options.batched_experts
         pipeline = ExpertPipeline(cache, expert_kernels(net, quant_fns, batched), options.max_active_experts,
@@ -379,8 +377,6 @@ def _open(ckpt: Checkpoint, options: EngineOptions) -> _Opened:
     if getattr(net, "unloaded_layers_from", None) is not None:
         layout = _drop_layers_from(layout, net.unloaded_layers_from)
     num_experts = _check_layout(net, layout, ckpt.path, formats)
-    from .tiered_cache import resolve_device
-
     return _Opened(family, net, layout, formats, quantized_resident, num_experts, dtype,
                    resolve_device(options.device))
 
@@ -406,15 +402,12 @@ def _plan_budget(net: CausalLM, store: ExpertStore, keys: list, dtype: torch.dty
     experts, one = sum(sizes), max(sizes, default=0)
     share = 1 if parallel is None else parallel.local_world
     if dev.type == "cuda":
-        from .tiered_cache import device_free_bytes
-
         plan = plan_device_budget(net, options.cache_budget, dtype, experts, one, device_free_bytes(dev), dev,
                                   options.context_tokens)
     else:
         plan = plan_cpu_budget(net, options.cache_budget, dtype, experts, one, options.workers, io.use_page_cache,
-                               options.prefetch_ahead, options.context_tokens, share, MAX_READ_BYTES,
-                               options.wire_memory, chunk_window=io.chunk_window,
-                               frame_slack=2 * BLOCK * max((len(store.layout.pieces(*k)) for k in keys[:1]), default=0))
+                               options.prefetch_ahead, options.context_tokens, share, store.read_buffers(keys),
+                               options.wire_memory, chunk_window=io.chunk_window)
     if tiered:
         plan.host = plan_host_budget(options.host_cache, experts, one, options.workers, share)
     return plan
@@ -440,8 +433,6 @@ def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool) -> dict:
     """layer -> the expert kernel of each MoE block, chosen once: the quantized layers' functions on
     their stored pieces (``quant_fns``), the batched SwiGLU chain where ``batched`` and the family's
     expert is the plain SwiGLU, else the family's own expert function."""
-    from .models.moe import swiglu_expert
-
     out = {}
     for block in net.moe_blocks():
         fn = quant_fns.get(block.layer)

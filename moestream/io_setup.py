@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from . import memory
+from . import memory, prefetch  # prefetch.CHUNK_WINDOW_PER_WORKER looked up at call time (tests set it)
+from .cache import ExpertCache
 from .checkpoint import Checkpoint
+from .direct_io import DirectReader
 from .memory import WiredMemory
+from .prefetch import Prefetcher
 from .store import PreadReader, Reader
 
 # Use the page cache (auto) only when the checkpoint is under this share of the memory
@@ -103,12 +106,8 @@ class IOSettings:
             self.wired = WiredMemory()
             self.wired.lock_tensors(net.parameters(), "the resident weights")
             store.wired = self.wired
-        from .cache import ExpertCache
-
         window = self.chunk_window if type(cache) is ExpertCache and cache.budget_bytes is not None else 0
         if self.prefetch_ahead > 0 or window > 0:
-            from .prefetch import Prefetcher
-
             self.prefetcher = Prefetcher(store, net.moe_blocks(), self.prefetch_ahead, owns=owns, window=window)
             self.prefetcher.attach(cache)
 
@@ -146,10 +145,6 @@ def plan_io(ckpt: Checkpoint, workers: int, use_page_cache: bool | None, prefetc
         reader: Reader = PreadReader()
         use_page_cache = True
     else:
-        from .direct_io import DirectReader
-
         reader = DirectReader()
-    from .prefetch import CHUNK_WINDOW_PER_WORKER
-
-    window = CHUNK_WINDOW_PER_WORKER * workers if chunk_reads else 0
+    window = prefetch.CHUNK_WINDOW_PER_WORKER * workers if chunk_reads else 0
     return IOSettings(reader, use_page_cache, reason, size, prefetch_ahead, wire_memory, window)

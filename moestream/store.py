@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from .budget import ReadBuffers
 from .checkpoint import Checkpoint, FileHandles, pread_full, torch_dtype
 from .errors import EngineClosedError, ReadError
 from .layout import QUANT_PARAMS, ExpertLayout, Piece
@@ -483,6 +484,13 @@ class ExpertStore:
         """Bytes of ``key``'s buffer beyond what it counts against the budget (block alignment)."""
         f = self.frame(key)
         return max(0, f.nbytes - f.cost)
+
+    def read_buffers(self, keys: list[Key]) -> ReadBuffers:
+        """This store's buffer sizes for the budget's reserve (:func:`moestream.budget.read_reserve`):
+        its largest read, arena and huge page, and an expert's alignment slack (up to a block at
+        either end of each of its pieces; ``keys[0]``'s pieces, as every expert of a model has)."""
+        pieces = max((len(self.layout.pieces(*k)) for k in keys[:1]), default=0)
+        return ReadBuffers(MAX_READ_BYTES, ARENA_BYTES, HUGE_PAGE, 2 * BLOCK * pieces)
 
     def reader_cpu_seconds(self) -> float:
         """CPU seconds used so far by the reader threads (their clocks, read now)."""

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import ExpertCache
+from .errors import ConfigError
 from .policies import EvictionPolicy
 from .store import BufferPool, ExpertStore, ExpertWeights, Key
 
@@ -476,8 +477,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         ConfigError: for a device that is not ``cpu``, ``cuda`` or ``cuda:N``, or CUDA asked for
             where none is available.
     """
-    from .errors import ConfigError
-
     if device is None or (isinstance(device, str) and device.strip().lower() == "auto"):
         device = os.environ.get("MOESTREAM_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     try:

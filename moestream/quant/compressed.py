@@ -84,6 +84,12 @@ class CompressedConfig(QuantConfig):
         self.groups, self.ignore, self.format = groups, ignore, fmt
         self.transforms, self.notes = transforms, notes
 
+    own_layer_rules = True
+
+    def layer_format(self, lay, shape: tuple[int, int], where) -> ExpertFormat | None:
+        """A MoE layer's :class:`ExpertFormat` by compressed-tensors' rules (:func:`expert_format`)."""
+        return expert_format(lay, self, shape, where)
+
     @classmethod
     def from_quantization_config(cls, qc: dict, where: str = "config.json") -> "CompressedConfig":
         """Parse a ``quantization_config`` block with the compressed-tensors library and check we read it.
@@ -328,3 +334,6 @@ def expert_format(lay, qcfg: CompressedConfig, shape: tuple[int, int], where) ->
 def module_pattern(name: str) -> str:
     """A tensor's module path with layer and expert numbers as ``*`` (to list quantized modules briefly)."""
     return re.sub(r"\.\d+(?=\.|$)", ".*", name.rsplit(".", 1)[0])
+
+
+QuantConfig.METHODS["compressed-tensors"] = CompressedConfig.from_quantization_config

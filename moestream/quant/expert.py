@@ -22,6 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..models.kimi_linear import situ_expert
 from ..models.moe import swiglu_expert
 from . import native
 from .formats import ExpertFormat, is_quant_param
@@ -92,8 +93,6 @@ def expert_fn_for(float_fn, fmt: ExpertFormat | None):
         return float_fn
     if float_fn is swiglu_expert:
         return QuantizedSwiGLU(fmt)
-    from ..models.kimi_linear import situ_expert
-
     if isinstance(float_fn, functools.partial) and float_fn.func is situ_expert and not float_fn.args:
         return QuantizedGLU(fmt, float_fn, "situ", **float_fn.keywords)
     return DequantizedExpert(fmt, float_fn)

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from . import fp8, mxfp4
+from .hadamard import block_size, sloane_matrix
 
 ENV = "MOESTREAM_CPU_KERNELS"
 CHOICES = ("auto", "avx512", "avx2", "portable", "torch")
@@ -371,8 +372,6 @@ def ones_column(t: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _blocks(inn: int) -> tuple[int, int, int, torch.Tensor | None]:
     """(B, m, float32 bits of 1/sqrt(B), H_m or None) of the blockwise Hadamard over ``inn`` inputs."""
-    from .turboquant import block_size, sloane_matrix
-
     b, m = block_size(inn)
     scale = torch.tensor(1.0 / math.sqrt(b), dtype=torch.float32)  # as blockwise_hadamard rounds it
     return b, m, int(scale.view(torch.int32).item()) & 0xFFFFFFFF, sloane_matrix(m).contiguous() if m > 1 else None

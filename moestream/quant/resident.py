@@ -14,6 +14,7 @@ from torch import nn
 
 from ..checkpoint import torch_dtype
 from . import affine
+from .compressed import linear_format
 from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8
 from .kernels import dequantize_linear, qlinear
 
@@ -73,8 +74,6 @@ class QuantEmbedding(nn.Module):
 def _format(path: str, tensors: dict, qcfg: QuantConfig | None, shape: tuple[int, int], where) -> tuple | None:
     """(LinearFormat, {param: (shape, dtype)}) for module ``path`` if the checkpoint stores it quantized."""
     if qcfg is not None and qcfg.method == "compressed-tensors":
-        from .compressed import linear_format
-
         return linear_format(path, tensors, qcfg, shape, where)
     w = tensors.get(path + ".weight")
     if w is None:

@@ -37,7 +37,6 @@ not with the Metal kernel's half-precision roundings.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -46,7 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import torch_dtype
+from ..nnutil import set_submodule
+from . import native
 from .formats import ExpertFormat, LinearFormat, QuantConfig, QuantError, Scheme, _affine_scheme
+from .hadamard import block_size, blockwise_hadamard, sloane_matrix  # noqa: F401  (turboquant's rotation)
 
 # codebook length -> bits per code (3: ternary, one base-3 digit)
 LEVEL_BITS = {2: 1, 4: 2, 8: 3, 16: 4}
@@ -56,139 +58,6 @@ ROTATIONS = ("hadamard", "blockwise_hadamard", "none")
 GROUP_SIZES = (16, 32, 64, 128)
 # float32 elements dequantized per chunk (1 MiB): no dequantized layer is ever held whole
 CHUNK_ELEMS = 256 * 1024
-
-# Hadamard matrices of orders 12, 20 and 28 as MLX uses them (mlx/backend/common/hadamard.h,
-# from N. J. A. Sloane's library of Hadamard matrices): row j, character i is H_m[j][i].
-_SLOANE = {
-    12: """
-+-++++++++++
---+-+-+-+-+-
-+++-++----++
-+---+--+-++-
-+++++-++----
-+-+---+--+-+
-++--+++-++--
-+--++---+--+
-++----+++-++
-+--+-++---+-
-++++----+++-
-+-+--+-++---
-""",
-    20: """
-+----+----++--++-++-
--+----+---+++---+-++
---+----+---+++-+-+-+
----+----+---+++++-+-
-----+----++--++-++-+
--+++++-----+--+++--+
-+-+++-+---+-+--+++--
-++-++--+---+-+--+++-
-+++-+---+---+-+--+++
-++++-----++--+-+--++
---++-+-++-+-----++++
----++-+-++-+---+-+++
-+---++-+-+--+--++-++
-++---++-+----+-+++-+
--++---++-+----+++++-
--+--+--++-+----+----
-+-+-----++-+----+---
--+-+-+---+--+----+--
---+-+++------+----+-
-+--+--++------+----+
-""",
-    28: """
-+------++----++-+--+-+--++--
--+-----+++-----+-+--+-+--++-
---+-----+++---+-+-+----+--++
----+-----+++---+-+-+-+--+--+
-----+-----+++---+-+-+++--+--
------+-----++++--+-+--++--+-
-------++----++-+--+-+--++--+
---++++-+-------++--+++-+--+-
----++++-+-----+-++--+-+-+--+
-+---+++--+----++-++--+-+-+--
-++---++---+----++-++--+-+-+-
-+++---+----+----++-++--+-+-+
-++++--------+-+--++-++--+-+-
--++++--------+++--++--+--+-+
--+-++-++--++--+--------++++-
-+-+-++--+--++--+--------++++
--+-+-++--+--++--+----+---+++
-+-+-+-++--+--+---+---++---++
-++-+-+-++--+------+--+++---+
--++-+-+-++--+------+-++++---
-+-++-+---++--+------+-++++--
--++--++-+-++-+++----++------
-+-++--++-+-++-+++-----+-----
-++-++---+-+-++-+++-----+----
--++-++-+-+-+-+--+++-----+---
---++-++++-+-+----+++-----+--
-+--++-+-++-+-+----+++-----+-
-++--++-+-++-+-+----++------+
-""",
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _sloane(m: int) -> torch.Tensor:
-    return sloane_matrix(m)
-
-
-def sloane_matrix(m: int) -> torch.Tensor:
-    """H_m (m in 12, 20, 28) as a float32 [m, m] tensor of +-1, rows as MLX stores them."""
-    rows = _SLOANE[m].split()
-    return torch.tensor([[1.0 if c == "+" else -1.0 for c in r] for r in rows], dtype=torch.float32)
-
-
-def block_size(n: int) -> tuple[int, int]:
-    """(B, m): the largest ``B = m * 2^k`` (m in 1, 12, 20, 28) dividing ``n``, and its m.
-
-    Examples: 2048 -> (2048, 1), 6656 -> (512, 1), 2880 -> (320, 20).
-    """
-    best = (1, 1)
-    for m in (1, 12, 20, 28):
-        if n % m:
-            continue
-        b = m
-        while n % (2 * b) == 0:
-            b *= 2
-        if b > best[0]:
-            best = (b, m)
-    return best
-
-
-def blockwise_hadamard(x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """The orthonormal blockwise Hadamard transform of ``x`` [..., n] along its last dim, in float32.
-
-    Each contiguous block of ``B`` values (:func:`block_size`) is viewed as m rows of 2^k
-    (row-major); each row gets the unscaled Sylvester transform (butterflies ``(a, b) ->
-    (a + b, a - b)`` at strides 1, 2, 4, ...: ``H[i, j] = (-1)^popcount(i & j)``), then each
-    column is mixed by ``H_m`` (summed i = 0..m-1 in order), then everything is multiplied
-    by ``fp32(1 / sqrt(B))``, as MLX's ``hadamard_transform``. ``transpose``: apply ``H^T``
-    (``H_m^T``; Sylvester is symmetric), the inverse, used to un-rotate weights.
-    """
-    n = x.shape[-1]
-    b, m = block_size(n)
-    p = b // m
-    v = x.float().reshape(-1, n // b, m, p)
-    h = 1
-    while h < p:  # Sylvester butterflies, stage h = 1, 2, 4, ...
-        v = v.reshape(*v.shape[:3], p // (2 * h), 2, h)
-        a, c = v[..., 0, :], v[..., 1, :]
-        v = torch.stack((a + c, a - c), -2).reshape(*v.shape[:3], p)
-        h *= 2
-    if m > 1:
-        hm = _sloane(m)
-        if transpose:
-            hm = hm.t()
-        # out[j] = sum_i H_m[j][i] v[i], accumulated i = 0..m-1 (multiplying by +-1 is exact)
-        acc = hm[:, 0, None] * v[:, :, :1]
-        for i in range(1, m):
-            acc = acc + hm[:, i, None] * v[:, :, i : i + 1]
-        v = acc
-    scale = torch.tensor(1.0 / math.sqrt(b), dtype=torch.float32)
-    return (v * scale).reshape(x.shape)
-
 
 def codes_per_word(levels: int) -> int:
     """Codes one uint32 word holds for a codebook of ``levels`` entries (20 for ternary)."""
@@ -538,8 +407,6 @@ class TQLinear(nn.Module):
 
     def _native(self, x2: torch.Tensor) -> torch.Tensor | None:
         """The forward on moestream's CPU kernels (float32 [n, out]), or None on the PyTorch path."""
-        from . import native
-
         if native._ready(x2) is None:
             return None
         inn = self.fmt.in_features
@@ -637,8 +504,6 @@ class TQExperts:
 
     def _native(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The SwiGLU expert in one call of moestream's CPU kernels (float32), or None on the PyTorch path."""
-        from . import native
-
         if native._ready(x) is None:
             return None
         specs = []
@@ -688,10 +553,9 @@ def quantize_resident(model: nn.Module, tensors: dict, cfg: TurboQuantConfig, wh
     """
     keep = set(getattr(model, "stored_dtype_parameters", ()))
     swapped = []
-    from ..models.moe import StreamedMoE
-
     modules = dict(model.named_modules())
-    blocks = {name: m for name, m in modules.items() if isinstance(m, StreamedMoE)}
+    moe = set(model.moe_blocks())
+    blocks = {name: m for name, m in modules.items() if m in moe}
     for path in sorted(n[: -len(".codebook")] for n in tensors if n.endswith(".codebook")):
         mod = modules.get(path)
         if isinstance(mod, nn.Linear):
@@ -712,9 +576,7 @@ def quantize_resident(model: nn.Module, tensors: dict, cfg: TurboQuantConfig, wh
                              "model (an embedding or router cannot be turboquant-quantized)")
         shapes = {n: (tensors[f"{path}.{n}"].shape, tensors[f"{path}.{n}"].dtype)
                   for n in ("codebook", "signs") if f"{path}.{n}" in tensors}
-        from ..models.base import _set_submodule
-
-        _set_submodule(blocks[block], path[len(block) + 1:], _holder(shapes))
+        set_submodule(blocks[block], path[len(block) + 1:], _holder(shapes))
         keep.update(f"{path}.{n}" for n in shapes)
     for path, mod in modules.items():
         w = tensors.get(path + ".weight")
@@ -724,27 +586,6 @@ def quantize_resident(model: nn.Module, tensors: dict, cfg: TurboQuantConfig, wh
                              "extra) but config.json quantization declares no affine_extras")
     model.stored_dtype_parameters = keep
     return swapped
-
-
-def expert_functions(model: nn.Module, formats: dict) -> dict:
-    """layer -> the :class:`TQExperts` function of each MoE block whose layer's format is turboquant."""
-    from ..models.moe import swiglu_expert
-
-    paths = {id(m): n for n, m in model.named_modules()}
-    out = {}
-    for block in model.moe_blocks():
-        fmt = formats.get(block.layer)
-        if not isinstance(fmt, TQExpertFormat):
-            continue
-        base = paths[id(block)]
-        holders = {}
-        for role, module in fmt.shared.items():
-            if not module.startswith(base + "."):
-                raise QuantError(f"turboquant experts {module!r} lie outside their MoE block {base!r}")
-            holders[role] = block.get_submodule(module[len(base) + 1:])
-        fn = block.expert_fn
-        out[block.layer] = TQExperts(fmt, holders, None if fn is swiglu_expert else fn)
-    return out
 
 
 def set_fast(model: nn.Module, fast: bool) -> int:
@@ -799,3 +640,6 @@ def describe(tensors: dict, cfg: TurboQuantConfig) -> str:
         if extras:
             text += f"; affine extras {cfg.default.bits}-bit g{cfg.default.group_size} ({', '.join(extras)})"
     return text
+
+
+QuantConfig.MODES["turboquant"] = TurboQuantConfig
