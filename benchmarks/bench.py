@@ -5,7 +5,7 @@ One command runs everything (root needed for the cgroup and for dropping the pag
     sudo .venv/bin/python benchmarks/bench.py --out /work/big/bench/out [--layers 12] [--cap 4G]
 
 1. Set-up: ``benchmarks/peers/setup_peers.sh`` (a venv with llama-cpp-python built from its
-   source package and accelerate; a converter venv for llama.cpp's ``convert_hf_to_gguf.py``).
+   source package, accelerate and ftllm; a converter venv for llama.cpp's ``convert_hf_to_gguf.py``).
 2. A synth checkpoint (``moestream synth``, default ``spread`` init, bf16) of a real config,
    the first ``--layers`` layers, the tokenizer files copied as they are; a GGUF made from it
    by llama.cpp's own converter.
@@ -14,7 +14,8 @@ One command runs everything (root needed for the cgroup and for dropping the pag
    cap, page cache dropped before it, the same token ids: a chat prompt of ``--prompt-tokens``
    tokens, then a fixed natural-language continuation fed one token per step
    (``--tokens`` steps). moestream at each budget with default options and with the best
-   options; llama.cpp with mmap and without; transformers with accelerate's disk offload.
+   options; llama.cpp with mmap and without; transformers with accelerate's disk offload;
+   fastllm (``ftllm``) with its disk MoE mode (its own greedy tokens: it cannot be fed a stream).
    A run that passes its wall-clock limit is stopped and reported over the tokens it made.
 5. Compute time per token with every expert resident (budget ``all``), for the floor:
    measured on the checkpoint itself when it fits the cap, else on 1- and 2-layer synths of
@@ -273,6 +274,12 @@ def summarize(run: dict, progress: Path, result: Path) -> None:
     if toks and "prefill" in by and "cpu_s" in toks[-1]:
         run["decode_cpu_s"] = toks[-1]["cpu_s"] - by["prefill"][0]["cpu_s"]
         run["cpu_s_per_token"] = run["decode_cpu_s"] / len(toks)
+        run["prefill_cpu_s"] = by["prefill"][0]["cpu_s"] - (by["loaded"][0]["cpu_s"] if "loaded" in by else 0.0)
+        if "kernel_cpu_s" in toks[-1]:  # moestream: the CPU split of a decoded token
+            p0 = by["prefill"][0]
+            reads = (toks[-1]["reader_cpu_s"] - p0["reader_cpu_s"]) / len(toks)
+            kernels = (toks[-1]["kernel_cpu_s"] - p0["kernel_cpu_s"]) / len(toks)
+            run["cpu_split"] = {"reads": reads, "kernels": kernels, "rest": run["cpu_s_per_token"] - reads - kernels}
     if toks and "prefill" in by:
         run["decode_read_bytes_per_token"] = (toks[-1]["read_bytes"] - by["prefill"][0]["read_bytes"]) / len(toks)
     run["read_bytes"] = res.get("read_bytes", max([e["read_bytes"] for e in events] + [run["polled_read_bytes"]]))
@@ -286,7 +293,9 @@ def summarize(run: dict, progress: Path, result: Path) -> None:
             if "loaded" in by and k in by["loaded"][0]:
                 run[k] = by["loaded"][0][k]
     for k in ("hit_rate", "distinct_experts", "experts_per_layer", "decode_bytes", "decode_prefetch_bytes",
-              "resident_gb", "cache_peak_gb", "budget_gb", "peak_rss_gb", "read_path", "placement"):
+              "resident_gb", "cache_peak_gb", "budget_gb", "peak_rss_gb", "read_path", "placement", "note",
+              "prefill_read_ahead", "decode_prefetch_per_layer", "decode_prefetch_accuracy",
+              "decode_prefetch_plan_cpu_s", "prefetch_status"):
         if k in res:
             run[k] = res[k]
     if "distinct_experts" in run:
@@ -345,15 +354,20 @@ def compute_estimate(res: dict) -> None:
         return (r["decode_s"] / r["decoded"] if r.get("decoded") else None), "wall time"
 
     res["compute_s_per_token"] = None
+    res["compute_cpu_s_per_token"] = None  # CPU seconds (all threads) per decoded token at budget all
+    cpus = [r.get("cpu_s_per_token") for r in runs]
     if len(runs) == 1:
         t, how = per_token(runs[0])
         res["compute_s_per_token"] = t
+        res["compute_cpu_s_per_token"] = cpus[0]
         res["compute_note"] = f"the checkpoint itself, budget all, inside the cap; {how}"
     elif len(runs) == 2:
         (t1, how), (t2, _) = per_token(runs[0]), per_token(runs[1])
         walls = [r["decode_s"] / r["decoded"] if r.get("decoded") else None for r in runs]
         if t1 and t2 and t2 > t1:
             res["compute_s_per_token"] = t1 + (t2 - t1) * (res["layers"] - 1)
+        if cpus[0] and cpus[1] and cpus[1] > cpus[0]:
+            res["compute_cpu_s_per_token"] = cpus[0] + (cpus[1] - cpus[0]) * (res["layers"] - 1)
         res["compute_note"] = (
             f"1- and 2-layer synths of the same config at budget all, no cap, {how}: {fmt(t1, 3)} / {fmt(t2, 3)} s "
             f"per token (wall {fmt(walls[0], 3)} / {fmt(walls[1], 3)}), extrapolated linearly to {res['layers']} "
@@ -373,8 +387,8 @@ def table(res: dict) -> str:
     best, compute = res.get("disk_best_gb_s"), res.get("compute_s_per_token")
     head = ("| run | status | load s | prefill tok/s | decode tok/s (tokens) | s / token | floor s / token "
             "(x floor) | peak charged GB | GB read (per decoded token) | hit rate | distinct experts / layer "
-            "| CPU s / token | load avg (min-max) |")
-    rows = [head, "|" + " --- |" * 13]
+            "| CPU s / token | CPU split: reads / kernels / rest | load avg (min-max) |")
+    rows = [head, "|" + " --- |" * 14]
     for r in res["runs"]:
         spt = r["decode_s"] / r["decoded"] if r.get("decoded") and r.get("decode_s") else None
         fl = floor_s(r, best, compute)
@@ -387,11 +401,15 @@ def table(res: dict) -> str:
         hit = fmt(r.get("hit_rate"), 1, pct=True) if "hit_rate" in r else "n/a"
         dist = (f"{r['distinct_mean']:.1f} of {r['experts_per_layer']} ({r['distinct_min']}-{r['distinct_max']})"
                 if "distinct_mean" in r else "n/a")
+        sp = r.get("cpu_split")
+        split = f"{sp['reads']:.3f} / {sp['kernels']:.3f} / {sp['rest']:.3f}" if sp else "n/a"
+        if r.get("note"):
+            status += f" ({r['note']})"
         rows.append(
             f"| {r['label']} | {status} | {fmt(r.get('load_s'), 1)} | {fmt(r.get('prefill_tok_s'), 2)} | {dec} | "
             f"{fmt(spt, 3)} | {fmt(fl, 3)}{f' ({spt / fl:.2f}x)' if fl and spt else ''} | "
             f"{fmt(gb(r.get('cap_peak_bytes')), 2)} | {fmt(gb(r.get('read_bytes')), 2)} "
-            f"({fmt(gb(per_tok), 3)}) | {hit} | {dist} | {fmt(r.get('cpu_s_per_token'), 3)} | "
+            f"({fmt(gb(per_tok), 3)}) | {hit} | {dist} | {fmt(r.get('cpu_s_per_token'), 3)} | {split} | "
             f"{r['load'][0]:.1f}-{r['load'][2]:.1f} |")
     return "\n".join(rows)
 
@@ -474,10 +492,19 @@ def targets(res: dict) -> list[str]:
                        + ("" if r["status"] == "finished" else f"; peer {r['status']} after {r['decoded']} tokens"))
         else:
             out.append(f"decode vs {r['label']}: the peer did not decode ({r['status']})")
-        if r["engine"] == "llama" and r.get("prefill_tok_s") and top.get("prefill_tok_s"):
+        if r.get("prefill_tok_s") and top.get("prefill_tok_s"):
             best_prefill = max(m["prefill_tok_s"] for m in ms if m.get("prefill_tok_s"))
             x = best_prefill / r["prefill_tok_s"]
-            out.append(f"prefill vs {r['label']}: {x:.1f}x (target >= 3x): {'met' if x >= 3 else 'missed'}")
+            tgt = " (target >= 2x)" if r["engine"] == "llama" else ""
+            verdict = f": {'met' if x >= 2 else 'missed'}" if tgt else ""
+            out.append(f"prefill vs {r['label']}: {x:.1f}x{tgt}{verdict}")
+    cpu_all = res.get("compute_cpu_s_per_token")
+    for r in ms:
+        b = r.get("budget")
+        if cpu_all and r.get("cpu_s_per_token") and isinstance(b, float) and 1 <= b <= 2:
+            x = r["cpu_s_per_token"] / cpu_all
+            out.append(f"CPU per token {r['label']}: {r['cpu_s_per_token']:.3f} s, {x:.2f}x budget all's {cpu_all:.3f} "
+                       f"(target <= 1.2x): {'met' if x <= 1.2 else 'missed'}")
     resident = next((r["resident_gb"] for r in res["runs"] if r.get("resident_gb")), None)
     for r in ms + [r for r in res["runs"] if r["engine"] == "moestream" and r["status"] == "killed (OOM)"]:
         if r.get("cap_peak_bytes") and isinstance(r.get("budget"), float) and resident:
@@ -505,7 +532,8 @@ def report(res: dict, out: Path) -> Path:
         f"Disk best (O_DIRECT, 16 MiB random reads into huge pages, one thread): {fmt(res.get('disk_best_gb_s'), 2)} "
         f"GB/s (before the runs {fmt(res.get('disk_before'), 2)}, after {fmt(res.get('disk_after'), 2)}).",
         f"Compute per decoded token at budget all: {fmt(res.get('compute_s_per_token'), 3)} s "
-        f"({res.get('compute_note', '')}).",
+        f"({res.get('compute_note', '')}); CPU per decoded token at budget all: "
+        f"{fmt(res.get('compute_cpu_s_per_token'), 3)} s.",
         "",
         table(res),
         "",
@@ -556,7 +584,9 @@ def main() -> int:
     p.add_argument("--greedy-budget", default="1", help="budget of the secondary greedy moestream run ('' = none)")
     p.add_argument("--limit", type=float, default=900, help="wall-clock limit of each moestream run, s")
     p.add_argument("--peer-limit", type=float, default=600, help="wall-clock limit of each peer run, s")
-    p.add_argument("--engines", default="moestream,llama,transformers")
+    p.add_argument("--engines", default="moestream,llama,transformers,fastllm")
+    p.add_argument("--fastllm-cache-gb", type=float, default=None,
+                   help="fastllm's RAM cache of disk experts (--moe_cpu_cache), GB (default: the largest best budget)")
     p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", "/work/big/peers")))
     p.add_argument("--no-setup", action="store_true", help="do not run benchmarks/peers/setup_peers.sh")
     p.add_argument("--transformers-cpu-gb", type=float, default=None,
@@ -621,7 +651,7 @@ def main() -> int:
 
     def peer_ready(eng: str) -> bool:
         """Whether the peers' venv can run ``eng``; records the skip (and says so) when not."""
-        mod = {"llama": "llama_cpp", "transformers": "accelerate"}[eng]
+        mod = {"llama": "llama_cpp", "transformers": "accelerate", "fastllm": "ftllm"}[eng]
         ok = peers_py.exists() and subprocess.run([str(peers_py), "-c", f"import {mod}"],
                                                   capture_output=True).returncode == 0
         if not ok:
@@ -761,6 +791,15 @@ def main() -> int:
         r["offload_gb"] = folder_bytes(off) / GB if off.exists() else None
         res["runs"].append(r)
         shutil.rmtree(off, ignore_errors=True)
+        save()
+
+    # 7b. fastllm, its disk MoE mode (experts read into a RAM cache)
+    if "fastllm" in engines and peer_ready("fastllm"):
+        fc = a.fastllm_cache_gb if a.fastllm_cache_gb is not None else max(budgets(a.best_budgets) or [1.0])
+        r = do_run(a, "fastllm-disk", "fastllm", str(peers_py), model, ["--moe-cpu-cache-gb", str(fc)],
+                   a.peer_limit, tokens_file, n_prompt, cap_or_none,
+                   {"label": f"fastllm, disk MoE (cache {fc:g} GB)", "mode": "forced"})
+        res["runs"].append(r)
         save()
 
     # 8. the secondary greedy line

@@ -10,7 +10,7 @@ prefill and after each decoded token, each with this process's ``/proc/self/io``
 read_bytes), so a run killed by the memory cap or stopped at the wall-clock limit still
 leaves its figures; the full result is written to ``--out`` at the end.
 
-    python bench_worker.py --engine moestream|llama|transformers --model PATH --tokens tokens.json \
+    python bench_worker.py --engine moestream|llama|transformers|fastllm --model PATH --tokens tokens.json \
         --progress progress.jsonl --out result.json [engine options]
 
 Engines (all with 2 compute threads):
@@ -20,6 +20,9 @@ Engines (all with 2 compute threads):
   ``use_mmap`` on (its default) or off.
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(device_map="auto",
   max_memory={"cpu": ...}, offload_folder=...)``: accelerate's disk offload.
+- ``fastllm``: ``ftllm``'s ``llm.model`` with its disk MoE mode (experts read into a RAM cache of
+  ``--moe-cpu-cache-gb``), bf16; it decodes its own greedy tokens after the prompt (see
+  :func:`run_fastllm`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,12 @@ def run_moestream(a, prompt: list[int], stream: list[int], progress: Progress) -
     progress(phase="loaded", load_s=load_s, resident_gb=eng.resident_bytes / 1e9,
              experts_per_layer=max(lay.num_experts for lay in eng.layout.layers.values()))
     model, cache, store = eng.model, eng.cache, eng.store
+    pipe, pf = eng.pipeline, eng.io.prefetcher if eng.io else None
+
+    def split() -> dict:
+        """CPU seconds so far of the reader threads and of the expert kernels (the rest is the difference)."""
+        return {"reader_cpu_s": store.reader_cpu_seconds(), "kernel_cpu_s": pipe.kernel_cpu_seconds}
+
     res: dict = {"load_s": load_s, "resident_gb": eng.resident_bytes / 1e9,
                  "experts_per_layer": max(lay.num_experts for lay in eng.layout.layers.values()),
                  "read_path": "page cache" if eng.io and eng.io.use_page_cache else "O_DIRECT"}
@@ -88,7 +97,8 @@ def run_moestream(a, prompt: list[int], stream: list[int], progress: Progress) -
         for s in range(0, len(prompt), 512):  # the CLI's prefill chunk
             logits = model(ids[s:s + 512], s, kv)
         prefill_s = time.perf_counter() - t0
-        progress(phase="prefill", prefill_s=prefill_s)
+        progress(phase="prefill", prefill_s=prefill_s, **split())
+        pf0 = pf.stats.as_dict() if pf is not None else None
         usage0 = {k: v.clone() for k, v in cache.usage.items()}
         h0, l0 = cache.stats.hits, cache.stats.lookups
         b0, p0 = store.stats.bytes_read, store.stats.prefetch_bytes
@@ -102,7 +112,8 @@ def run_moestream(a, prompt: list[int], stream: list[int], progress: Progress) -
             progress(phase="token", i=i + 1, decode_s=time.perf_counter() - t0, hits=cache.stats.hits - h0,
                      lookups=cache.stats.lookups - l0, decode_bytes=store.stats.bytes_read - b0,
                      decode_prefetch_bytes=store.stats.prefetch_bytes - p0,
-                     distinct_experts={int(k): int(((v - usage0[k]) > 0).sum()) for k, v in cache.usage.items()})
+                     distinct_experts={int(k): int(((v - usage0[k]) > 0).sum()) for k, v in cache.usage.items()},
+                     **split())
         decode_s = time.perf_counter() - t0
     lookups = cache.stats.lookups - l0
     distinct = {int(k): int(((v - usage0[k]) > 0).sum()) for k, v in cache.usage.items()}
@@ -115,6 +126,14 @@ def run_moestream(a, prompt: list[int], stream: list[int], progress: Progress) -
         cache_peak_gb=cache.peak_bytes / 1e9,
         budget_gb="all" if cache.budget_bytes is None else cache.budget_bytes / 1e9,
     )
+    if pf is not None:  # read-ahead: prefill's (chunks) and decode's accuracy per layer read for
+        now = pf.stats.as_dict()
+        per = {k: [a - b for a, b in zip(v, pf0["per_layer"].get(k, [0, 0, 0]))] for k, v in now["per_layer"].items()}
+        hits, wasted = sum(v[1] for v in per.values()), sum(v[2] for v in per.values())
+        res.update(prefill_read_ahead=[pf0["chunk_issued"], pf0["chunk_hits"], pf0["chunk_wasted"]],
+                   decode_prefetch_per_layer=per, decode_prefetch_accuracy=hits / (hits + wasted) if hits + wasted
+                   else None, decode_prefetch_plan_cpu_s=now["plan_cpu_seconds"] - pf0["plan_cpu_seconds"],
+                   prefetch_status=now["disabled"] or "on")
     eng.close()
     return res
 
@@ -171,7 +190,53 @@ def run_transformers(a, prompt: list[int], stream: list[int], progress: Progress
             "placement": placement}
 
 
-ENGINES = {"moestream": run_moestream, "llama": run_llama, "transformers": run_transformers}
+def run_fastllm(a, prompt: list[int], stream: list[int], progress: Progress) -> dict:
+    """fastllm (``ftllm``) with its disk MoE mode: experts stream from the safetensors into a RAM cache of
+    ``--moe-cpu-cache-gb`` (``--moe_device disk --moe_cpu_cache N`` of its CLI), bf16 weights and activations.
+
+    fastllm has no call that feeds a fixed continuation one token per step without recomputing (a launch per
+    step with its history cache took 3-3.6 s per step on a 2-layer synth against 1.1 s per token within one
+    generation), so it decodes its own greedy tokens for ``len(stream)`` steps after the same prompt: one
+    launch, the prompt prefilled (time to the first token), then one token per step.
+    """
+    import ctypes
+
+    from ftllm import llm
+    from ftllm.llm import fastllm_lib
+
+    llm.set_cpu_threads(THREADS)
+    llm.set_device_map("cpu")
+    if a.moe_cpu_cache_gb >= 0:
+        llm.set_moe_cpu_cache(int(a.moe_cpu_cache_gb * 1e9))
+        llm.set_device_map("disk", True)  # the MoE experts on "disk": read on demand into the RAM cache
+    t0 = time.perf_counter()
+    model = llm.model(a.model, dtype="bfloat16", moe_dtype="bfloat16")
+    model.set_atype("bfloat16")  # its default fp16 activations do not multiply bf16 weights
+    load_s = time.perf_counter() - t0
+    progress(phase="loaded", load_s=load_s)
+    stop_len, stop_list = model.stop_token_ctypes(None)
+    ids = (ctypes.c_int * len(prompt))(*prompt)
+    t0 = time.perf_counter()
+    handle = fastllm_lib.launch_response_llm_model(model.model, len(prompt), ids, len(stream) + 1, 0, False, 1.0, 1,
+                                                   1.0, 1.0, False, stop_len, stop_list)
+    tokens, prefill_s, t1 = [], None, None
+    while True:
+        tok = fastllm_lib.fetch_response_llm_model(model.model, handle)
+        now = time.perf_counter()
+        if tok <= -1:
+            break
+        if prefill_s is None:  # the first token comes out of the prefill
+            prefill_s, t1 = now - t0, now
+            progress(phase="prefill", prefill_s=prefill_s)
+            continue
+        tokens.append(tok)
+        progress(phase="token", i=len(tokens), decode_s=now - t1)
+    decode_s = (time.perf_counter() - t1) if t1 is not None else None
+    return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "decoded": len(tokens),
+            "note": "its own greedy tokens (no fed continuation)", "tokens": tokens}
+
+
+ENGINES = {"moestream": run_moestream, "llama": run_llama, "transformers": run_transformers, "fastllm": run_fastllm}
 
 
 def main() -> int:
@@ -188,6 +253,8 @@ def main() -> int:
     p.add_argument("--mmap", choices=("on", "off"), default="on", help="llama: use_mmap")
     p.add_argument("--cpu-gb", type=float, default=2.0, help="transformers: max_memory for the CPU, GB")
     p.add_argument("--offload-folder", default=None, help="transformers: accelerate's offload folder")
+    p.add_argument("--moe-cpu-cache-gb", type=float, default=2.0,
+                   help="fastllm: its RAM cache of disk experts, GB (--moe_cpu_cache; below 0: all in memory)")
     a = p.parse_args()
     toks = json.loads(a.tokens.read_text())
     progress = Progress(a.progress)

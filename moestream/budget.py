@@ -162,14 +162,16 @@ class BudgetPlan:
     Attributes:
         budget: the expert cache budget in bytes (None: every expert resident).
         auto: how ``auto`` was sized (None for a given budget).
-        reserve: bytes set aside for the runtime, reads in flight and read-ahead staging.
+        reserve: bytes set aside for the runtime, reads in flight, read-ahead staging and buffers.
         host: bytes of the pinned host tier behind a VRAM cache (0: none).
+        kv_cache: bytes set aside for the KV cache (twice the context's: it grows by doubling).
     """
 
     budget: int | None
     auto: AutoBudget | None = None
     reserve: int = 0
     host: int = 0
+    kv_cache: int = 0
 
 
 def context_tokens_for(net, context_tokens: int | None) -> int:
@@ -181,9 +183,49 @@ def _what(budget: int | None) -> str:
     return "every expert (--cache-budget-gb all)" if budget is None else f"a {budget / GB:.3g} GB cache budget"
 
 
+@dataclass(frozen=True)
+class ReadBuffers:
+    """The expert store's buffer sizes that the reserve counts, in bytes (the store's are
+    :meth:`moestream.store.ExpertStore.read_buffers`; the budget sits below the store and takes them as given).
+
+    Attributes:
+        max_read: the largest coalesced read (the store's ``MAX_READ_BYTES``; 0: one expert).
+        arena: one arena of the CPU buffer pool (``ARENA_BYTES``; 0: none beyond one expert).
+        huge_page: the pool's and the O_DIRECT scratch's page (``HUGE_PAGE``; 0: no scratch).
+        frame_slack: bytes at most an expert's buffer takes beyond its budget cost (block alignment).
+    """
+
+    max_read: int = 0
+    arena: int = 0
+    huge_page: int = 0
+    frame_slack: int = 0
+
+
+def read_reserve(net, one: int, workers: int, page_cache: bool, prefetch_ahead: int,
+                 buffers: ReadBuffers = ReadBuffers(), chunk_window: int = 0, cached: int = 0) -> int:
+    """Bytes the reads need outside the cache budget (part of the reserve), for experts of ``one`` bytes at most.
+
+    * reads in flight: 2 x ``workers`` reads of up to ``max(buffers.max_read, one)`` bytes;
+    * read-ahead staging: ``chunk_window`` experts of the next layer during a prefill chunk, and
+      ``prefetch_ahead`` x top-k experts in decode (:mod:`moestream.prefetch`);
+    * the buffer pool's one partly used arena (:class:`moestream.store.HugePagePool`; its other
+      slots hold cached, in-flight or staged experts, counted already);
+    * the block alignment of every buffer (``buffers.frame_slack`` bytes at most per expert, for the
+      ``cached`` bytes of the budget and everything in flight or staged);
+    * O_DIRECT (``page_cache`` False): each reader thread's huge-page scratch for blocks two experts share.
+    """
+    in_flight = 2 * workers * max(buffers.max_read, one)
+    staged = (chunk_window + prefetch_ahead * net.top_k) * one
+    arena = max(buffers.arena, one + buffers.huge_page)
+    slack = (cached // max(one, 1) + 2 * workers + chunk_window + prefetch_ahead * net.top_k) * buffers.frame_slack
+    scratch = 0 if page_cache else workers * buffers.huge_page
+    return in_flight + staged + arena + slack + scratch
+
+
 def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, workers: int,
                     page_cache: bool, prefetch_ahead: int, context_tokens: int | None, share: int = 1,
-                    max_read: int = 0, wire_memory: bool = False) -> BudgetPlan:
+                    buffers: ReadBuffers = ReadBuffers(), wire_memory: bool = False,
+                    chunk_window: int = 0) -> BudgetPlan:
     """The CPU expert cache budget, checked against the memory available (before any weight is read).
 
     Args:
@@ -191,16 +233,17 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
         budget: bytes, None (``all``) or ``"auto"``.
         dtype: the compute dtype; experts: bytes of every expert (of this rank); one: the largest.
         workers: reader threads; page_cache: whether reads go through the page cache;
-        prefetch_ahead: layers read ahead; context_tokens: KV cache tokens for ``auto``;
+        prefetch_ahead: layers read ahead in decode; context_tokens: KV cache tokens (default:
+            4096, or the model's context if smaller);
         share: processes of this machine that split its memory (expert parallelism);
-        max_read: the largest coalesced read in bytes (the store's ``MAX_READ_BYTES``).
+        buffers: the store's buffer sizes (:class:`ReadBuffers`: its largest read, arena, alignment slack).
         wire_memory: whether resident weights and cached experts will be locked (``--wire-memory``).
+        chunk_window: experts read ahead for the next layer during a prefill chunk.
 
-    The reserve: the PyTorch runtime, reads in flight (2 x workers reads), the store's free
-    buffers (2 x workers experts), O_DIRECT bounce buffers (a read plus 2 MiB per worker)
-    and the read-ahead staging area (``prefetch_ahead`` x top-k experts). ``auto`` takes what
-    is left of the memory available after the resident weights, twice the KV cache of the
-    context (it grows by doubling) and the reserve, capped at every expert.
+    The reserve: the PyTorch runtime, the KV cache (twice its size for the context: it grows
+    by doubling) and what the reads need outside the budget (:func:`read_reserve`). ``auto``
+    takes what is left of the memory available after the resident weights and the reserve,
+    capped at every expert; a given budget (or ``all``) is refused when it does not fit.
 
     Raises:
         BudgetError: when resident weights, the cached experts and the reserve exceed the
@@ -208,29 +251,35 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
             ``wire_memory``, when RLIMIT_MEMLOCK is below what must be locked.
     """
     resident = resident_bytes(net, dtype)
-    reserve = RUNTIME_RESERVE + 2 * workers * max(max_read, one) + 2 * workers * one
-    if not page_cache:
-        reserve += workers * (max_read + 2 * 1024 * 1024)
-    reserve += prefetch_ahead * net.top_k * one
+    ctx = context_tokens_for(net, context_tokens)
+    kv = 2 * ctx * kv_bytes_per_token(net, dtype)
+    streaming = budget is not None
+    guess = experts if budget is None or budget == AUTO else min(budget, experts)
+
+    def reads(cached: int) -> int:
+        return read_reserve(net, one, workers, page_cache, prefetch_ahead, buffers,
+                            chunk_window if streaming else 0, cached)
+
+    reserve = RUNTIME_RESERVE + reads(guess)
     auto = None
     if budget == AUTO:
-        ctx = context_tokens_for(net, context_tokens)
-        auto = auto_cache_budget(resident, 2 * ctx * kv_bytes_per_token(net, dtype), ctx, reserve, experts,
-                                 share=share)
+        auto = auto_cache_budget(resident, kv, ctx, reserve, experts, share=share)
         budget = auto.budget
     cached = experts if budget is None else min(budget, experts)
+    reserve = RUNTIME_RESERVE + reads(cached)
     avail = memory.available_bytes() // share
-    if resident + cached + reserve > avail:
+    if resident + cached + kv + reserve > avail:
         raise BudgetError(
-            f"resident weights ({resident / GB:.2f} GB) plus {_what(budget)} ({cached / GB:.2f} GB) plus the runtime "
-            f"and read buffers ({reserve / GB:.2f} GB) need {(resident + cached + reserve) / GB:.2f} GB, but only "
-            f"{avail / GB:.2f} GB of memory is available to this "
-            "process (cgroup limit included" + (f"; this rank's share of {share} on this machine" if share > 1 else "")
+            f"resident weights ({resident / GB:.2f} GB) plus {_what(budget)} ({cached / GB:.2f} GB) plus the KV cache "
+            f"({kv / GB:.2f} GB for {ctx} tokens) plus the runtime and read buffers ({reserve / GB:.2f} GB) need "
+            f"{(resident + cached + kv + reserve) / GB:.2f} GB, but only {avail / GB:.2f} GB of memory is available "
+            "to this process (cgroup limit included" + (f"; this rank's share of {share} on this machine"
+                                                        if share > 1 else "")
             + "); give a smaller --cache-budget-gb, or auto"
         )
     if wire_memory:
         memory.check_memlock(resident + cached + 2 * workers * one)
-    return BudgetPlan(budget, auto, reserve)
+    return BudgetPlan(budget, auto, reserve, kv_cache=kv)
 
 
 def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, free: int,

@@ -32,7 +32,7 @@ from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline
 from .policies import make_policy
 from .quant import model as quant
 from .quant.turboquant import set_fast
-from .store import MAX_READ_BYTES, ExpertStore
+from .store import ExpertStore
 from .tiered_cache import PinnedBufferPool, TieredExpertCache, device_free_bytes, resolve_device
 from .tokenizer import load_tokenizer
 from .usage import setup_cache_policy
@@ -278,7 +278,8 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         dev = opened.device if parallel is None else parallel.device
         tiered = dev.type == "cuda" or options.host_cache is not None
         _check_device(ckpt, opened, dev, tiered, options)
-        io = plan_io(ckpt, options.workers, options.use_page_cache, options.prefetch_ahead, options.wire_memory)
+        io = plan_io(ckpt, options.workers, options.use_page_cache, options.prefetch_ahead, options.wire_memory,
+                     chunk_reads=not tiered)
         # tiered: the store reads into (pinned) host buffers; the cache copies them to the device
         store = ExpertStore(ckpt, opened.layout, opened.dtype, "cpu" if tiered else dev, options.workers,
                             reader=io.reader)
@@ -298,7 +299,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         tok = None
         if tokenizer:
             tok = load_tokenizer(ckpt.path)
-        unused = _load_resident(ckpt, opened, progress)
+        unused = _load_resident(ckpt, opened, progress, io)
         net.to(dev).eval()
         use_fast_linear(net)  # wide bf16 matmuls in float32 on CPUs without native bf16 (models/linear.py)
         policy = make_policy(options.cache_policy, half_life=sum(opened.num_experts.values()))
@@ -405,20 +406,21 @@ def _plan_budget(net: CausalLM, store: ExpertStore, keys: list, dtype: torch.dty
                                   options.context_tokens)
     else:
         plan = plan_cpu_budget(net, options.cache_budget, dtype, experts, one, options.workers, io.use_page_cache,
-                               options.prefetch_ahead, options.context_tokens, share, MAX_READ_BYTES,
-                               options.wire_memory)
+                               options.prefetch_ahead, options.context_tokens, share, store.read_buffers(keys),
+                               options.wire_memory, chunk_window=io.chunk_window)
     if tiered:
         plan.host = plan_host_budget(options.host_cache, experts, one, options.workers, share)
     return plan
 
 
-def _load_resident(ckpt: Checkpoint, opened: _Opened, progress) -> list[str]:
-    """Read the resident weights into the model; the checkpoint tensors it does not use (reported once)."""
+def _load_resident(ckpt: Checkpoint, opened: _Opened, progress, io: IOSettings) -> list[str]:
+    """Read the resident weights into the model; the checkpoint tensors it does not use (reported once).
+    (Their page cache is dropped as they load when expert reads bypass it: ``io.resident_progress``.)"""
     net, layout = opened.net, opened.layout
     total = sum(ckpt.tensors[n].nbytes for n, _ in net.named_parameters() if n in ckpt.tensors)
     with progress_bar(total, "loading resident weights", progress) as bar:
         skip = layout.expert_tensors | quant.padding_tensors(ckpt.tensors)  # padding: see quant.convert
-        unused = load_resident(net, ckpt, skip, opened.dtype, bar.update)
+        unused = load_resident(net, ckpt, skip, opened.dtype, io.resident_progress(ckpt, bar.update))
     describe = getattr(opened.family, "describe_skipped", None)  # parts a family leaves out on purpose
     if describe is not None:
         note, unused = describe(unused)

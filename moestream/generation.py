@@ -214,13 +214,31 @@ class GenerationStats:
     read_busy_seconds: float = 0.0
     read_gb_per_s: float = 0.0
     read_path: str = ""
-    direct_read_seconds: float = 0.0  # O_DIRECT: time in reads and in bounce-buffer copies, summed over threads
+    direct_read_seconds: float = 0.0  # O_DIRECT: time in reads and in copies (shared blocks), summed over threads
     direct_copy_seconds: float = 0.0
+    # -- CPU time (user + system, every thread of the process, seconds). A decoded token's is split
+    # into the reader threads' (reads issued: syscalls, copies, checks), the expert kernels' (compute
+    # thread and its OpenMP threads) and the rest (attention, routers, LM head, sampling, bookkeeping)
+    prefill_cpu_seconds: float = 0.0
+    decode_cpu_seconds: float = 0.0
+    cpu_s_per_decoded_token: float = 0.0
+    cpu_reads_s_per_token: float = 0.0
+    cpu_kernels_s_per_token: float = 0.0
+    cpu_rest_s_per_token: float = 0.0
+    # -- read-ahead: decode's accuracy (hits / (hits + wasted)) overall and per layer read for
+    # ([issued, hits, wasted]), the CPU its predictions took per decoded token; prefill's reads ahead
+    prefetch_accuracy: float = 0.0
+    prefetch_per_layer: dict[int, list[int]] = field(default_factory=dict)
+    prefetch_plan_cpu_s_per_token: float = 0.0
+    prefill_read_ahead: int = 0
+    prefill_read_ahead_hits: int = 0
+    prefill_read_ahead_wasted: int = 0
 
     def to_json(self) -> str:
         """The stats as a JSON object (per-layer keys as strings)."""
         d = asdict(self)
         d["distinct_experts_per_layer"] = {str(k): v for k, v in self.distinct_experts_per_layer.items()}
+        d["prefetch_per_layer"] = {str(k): v for k, v in self.prefetch_per_layer.items()}
         return json.dumps(d, indent=2)
 
     def summary(self) -> str:
@@ -264,6 +282,19 @@ class GenerationStats:
                 f"prefetch             {self.prefetch_issued} experts read ahead, {self.prefetch_hits} used "
                 f"({self.prefetch_late} still in flight), {self.prefetch_wasted} wasted "
                 f"({self.prefetch_wasted_gb:.3f} GB)" + (f"; {self.prefetch_status}" if self.prefetch_status else "")
+            )
+            decode = self.prefetch_issued - self.prefill_read_ahead
+            if self.prefill_read_ahead:
+                lines.append(f"  in prefill         {self.prefill_read_ahead} read ahead for the next layer, "
+                             f"{self.prefill_read_ahead_hits} used, {self.prefill_read_ahead_wasted} wasted")
+            if decode > 0:
+                lines.append(f"  in decode          accuracy {self.prefetch_accuracy:.1%}, predictions "
+                             f"{1000 * self.prefetch_plan_cpu_s_per_token:.1f} ms CPU per token")
+        if self.decode_cpu_seconds:
+            lines.append(
+                f"CPU per token        {self.cpu_s_per_decoded_token:.3f} s (reads {self.cpu_reads_s_per_token:.3f}, "
+                f"expert kernels {self.cpu_kernels_s_per_token:.3f}, the rest {self.cpu_rest_s_per_token:.3f}); "
+                f"prefill {self.prefill_cpu_seconds:.2f} s"
             )
         return lines
 
@@ -656,6 +687,7 @@ class _Counters:
         self.usage = {k: v.clone() for k, v in cache.usage.items()}
         self.io = _io_snapshot(engine)
         self.t0, self.t1 = time.perf_counter(), None  # t1: the decode's start; None while prefilling
+        self.cpu0, self.cpu1 = _cpu_snapshot(engine), None  # CPU clocks at the start and the decode's start
         self.decode_hits, self.decode_lookups, self.decode_bytes = self.hits, self.lookups, self.bytes
 
     def decode_starts(self, stats: GenerationStats, prefilled: int) -> None:
@@ -666,6 +698,7 @@ class _Counters:
         self.decode_hits, self.decode_lookups, self.decode_bytes = \
             cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
         self.t1 = time.perf_counter()
+        self.cpu1 = _cpu_snapshot(self.engine)
 
     def fill(self, stats: GenerationStats) -> None:
         """The run's figures into ``stats``: times, rates, cache and read counters, distinct experts, memory."""
@@ -697,6 +730,37 @@ class _Counters:
         stats.peak_rss_gb = peak_rss_bytes() / GB
         stats.load_seconds = engine.load_seconds
         _fill_io_stats(stats, engine, self.io)
+        _fill_cpu_stats(stats, self.cpu0, self.cpu1, _cpu_snapshot(engine), decoded)
+
+
+def _cpu_snapshot(engine: Engine) -> dict:
+    """CPU clocks at one moment: the process (all threads), the reader threads, the expert kernels,
+    the read-ahead predictions (seconds)."""
+    pf = engine.io.prefetcher if engine.io is not None else None
+    pipe = engine.pipeline
+    reader = getattr(engine.store, "reader_cpu_seconds", None)
+    return dict(
+        process=time.process_time(), reads=reader() if reader is not None else 0.0,
+        kernels=getattr(pipe, "kernel_cpu_seconds", 0.0), plan=0.0 if pf is None else pf.stats.plan_cpu_seconds,
+    )
+
+
+def _fill_cpu_stats(stats: GenerationStats, cpu0: dict, cpu1: dict | None, cpu2: dict, decoded: int) -> None:
+    """The CPU figures into ``stats`` from :func:`_cpu_snapshot` at the start (``cpu0``), the decode's start
+    (``cpu1``, None when it ended in prefill) and the end (``cpu2``), over ``decoded`` tokens."""
+    stats.prefill_cpu_seconds = (cpu1 or cpu2)["process"] - cpu0["process"]
+    if cpu1 is None:
+        return
+    stats.decode_cpu_seconds = cpu2["process"] - cpu1["process"]
+    if decoded:
+        total = stats.decode_cpu_seconds / decoded
+        reads = (cpu2["reads"] - cpu1["reads"]) / decoded
+        kernels = (cpu2["kernels"] - cpu1["kernels"]) / decoded
+        stats.cpu_s_per_decoded_token = total
+        stats.cpu_reads_s_per_token = reads
+        stats.cpu_kernels_s_per_token = kernels
+        stats.cpu_rest_s_per_token = total - reads - kernels
+        stats.prefetch_plan_cpu_s_per_token = (cpu2["plan"] - cpu1["plan"]) / decoded
 
 
 def resolve_sampling(
@@ -764,3 +828,15 @@ def _fill_io_stats(stats: GenerationStats, engine: Engine, io0: dict) -> None:
             stats.prefetch_wasted = now["wasted"] - then.get("wasted", 0)
             stats.prefetch_wasted_gb = (now["wasted_bytes"] - then.get("wasted_bytes", 0)) / GB
             stats.prefetch_status = now["disabled"] or "on"
+            stats.prefill_read_ahead = now["chunk_issued"] - then.get("chunk_issued", 0)
+            stats.prefill_read_ahead_hits = now["chunk_hits"] - then.get("chunk_hits", 0)
+            stats.prefill_read_ahead_wasted = now["chunk_wasted"] - then.get("chunk_wasted", 0)
+            before = then.get("per_layer", {})
+            per = {}
+            for layer, (issued, hit, waste) in now["per_layer"].items():
+                b = before.get(layer, [0, 0, 0])
+                if issued - b[0] or hit - b[1] or waste - b[2]:
+                    per[layer] = [issued - b[0], hit - b[1], waste - b[2]]
+            stats.prefetch_per_layer = per
+            hits, wasted = sum(v[1] for v in per.values()), sum(v[2] for v in per.values())
+            stats.prefetch_accuracy = hits / (hits + wasted) if hits + wasted else 0.0

@@ -23,6 +23,7 @@ so every budget, reader count, prefetch setting and rank count gives the same bi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -199,6 +200,9 @@ class ExpertPipeline:
                  exchange=None, trace=None):
         self.cache, self.kernels, self.max_active = cache, kernels, max_active
         self.prefetcher, self.exchange, self.trace = prefetcher, exchange, trace
+        # CPU seconds in the expert kernels, outside the reader threads (the stats' split of CPU time)
+        self.kernel_cpu_seconds = 0.0
+        self._cpu = getattr(getattr(cache, "store", None), "compute_cpu_seconds", None) or time.process_time
 
     def __call__(self, block, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                  expert_input: torch.Tensor | None = None) -> torch.Tensor:
@@ -251,16 +255,21 @@ class ExpertPipeline:
         fill = x.new_zeros if owned is not None else x.new_empty
         slots = fill(groups.t * groups.k, x.shape[1])
         # even with nothing needed: the (empty) fetch lets the prefetcher retire this layer's reads ahead
+        cpu = self._cpu
         if kernel.batched:
             got = {}
             for e, ew in self.cache.fetch(layer, needed, counts):
                 got[e] = ew.tensors  # the dict stays alive here even if the cache evicts the expert
+            c0 = cpu()
             kernel.compute_layer(x, groups, got, weights, slots)
+            self.kernel_cpu_seconds += cpu() - c0
             return slots
         k = groups.k
         for e, ew in self.cache.fetch(layer, needed, counts):
+            c0 = cpu()
             sl = groups.span(row_of[e])
             # float32 routing weights (DeepSeek; Mixtral's reference scales in float32) multiply in float32
             # and round once, as transformers
             slots[sl] = (kernel.compute(x[sl // k], ew.tensors) * weights[sl, None]).to(slots.dtype)
+            self.kernel_cpu_seconds += cpu() - c0
         return slots

@@ -1,5 +1,13 @@
-"""Reading experts ahead (``--prefetch-ahead N``): while layer L computes, read what layers
-L+1..L+N will likely need.
+"""Reading experts ahead: while layer L computes, read what the next layers will likely need.
+
+Two cases, one mechanism:
+
+* **Decode** (``--prefetch-ahead N``, one token): the next N layers' top-k experts.
+* **Prefill** (a chunk of several tokens, on by default): nearly every expert of a layer
+  is used by a 512-token chunk, so while layer L computes, the next layer's experts are
+  read -- those its router picks for the chunk, most-used first, up to a window of
+  ``window`` experts -- filling the gap between L's last read and L+1's first, when the
+  disk would otherwise wait on attention and the router.
 
 The prediction applies each following layer's router (resident) to the hidden state
 that enters layer L's MoE block: the residual stream changes little from one layer to
@@ -9,31 +17,44 @@ Eliseev & Mazur 2023, "Fast inference of Mixture-of-Experts language models with
 offloading"). Prefetch only warms memory: each layer still computes its exact routing
 and fetches its experts through the cache, so the output does not change by a bit.
 
-Prefetched experts wait in a staging area outside the cache budget -- at most
-``ahead x top_k`` experts -- until the layer they were read for claims them (they then
-enter the cache like any read) or passes without them (their bytes are wasted). The
-prefetcher switches itself off when it has wasted more bytes than it saved.
+Reads ahead queue behind every demand read (the store's reader threads take a layer's own
+reads first). Prefetched experts wait in a staging area outside the cache budget -- at
+most ``ahead x top_k`` experts in decode, ``window`` in prefill -- until the layer they were
+read for claims them (they then enter the cache like any read) or passes without them
+(their bytes are wasted). Decode read-ahead switches itself off when it has wasted more
+bytes than it saved. Counters per layer (issued, hits, wasted) and the CPU time the
+predictions take are in :class:`PrefetchStats`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .errors import ReadError
 from .store import ExpertStore, ExpertWeights, Key, ReadBatch
 
+# Experts of the next layer read ahead in a multi-token chunk, per reader thread (2 x workers:
+# as many as the demand reads the store keeps in flight, which the reserve already counts).
+CHUNK_WINDOW_PER_WORKER = 2
+
 
 @dataclass
 class PrefetchStats:
-    """Prefetch counters, in experts and bytes.
+    """Prefetch counters, in experts, bytes and seconds.
 
     ``issued == hits + wasted + outstanding`` at any time. ``hits`` are experts a layer
     needed that were already read or being read ahead (``late`` of them still in
     flight when claimed); their bytes are ``saved_bytes``, taken off the critical path.
-    ``wasted`` experts were read ahead for a layer that did not use them.
+    ``wasted`` experts were read ahead for a layer that did not use them. ``chunk_*``: the
+    part of those counts read ahead for multi-token chunks (prefill). ``per_layer``: the
+    layer read for -> ``[issued, hits, wasted]`` of one-token (decode) reads ahead, so the
+    accuracy of each layer's guess is ``hits / (hits + wasted)``. ``plan_cpu_seconds``: CPU
+    time of the predictions (the next layers' routers), outside the reader threads;
+    ``plans``: how many predictions were made.
     """
 
     issued: int = 0
@@ -43,43 +64,58 @@ class PrefetchStats:
     saved_bytes: int = 0
     wasted_bytes: int = 0
     outstanding: int = 0
-    disabled: str = ""  # why prefetch switched itself off, if it did
+    disabled: str = ""  # why decode read-ahead switched itself off, if it did
+    chunk_issued: int = 0
+    chunk_hits: int = 0
+    chunk_wasted: int = 0
+    plans: int = 0
+    plan_cpu_seconds: float = 0.0
+    per_layer: dict[int, list[int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        d["per_layer"] = {k: list(v) for k, v in self.per_layer.items()}
+        return d
 
 
 class Prefetcher:
-    """Predicts and reads ahead the experts of the next ``ahead`` MoE layers.
+    """Predicts and reads ahead the experts of the next MoE layers.
 
     Args:
         store: the expert store (its reader threads do the reads, counted as prefetch).
         blocks: the model's :class:`~moestream.models.moe.StreamedMoE` blocks in layer order
             (their routers make the predictions).
-        ahead: how many following MoE layers to read for (N >= 1).
-        min_decided: prefetched experts (hits + wasted) to see before judging waste.
+        ahead: one-token (decode) steps: how many following MoE layers to read for (0: none).
+        min_decided: decode experts read ahead (hits + wasted) to see before judging waste.
         owns: expert parallelism: ``owns((layer, expert))`` says whether this rank reads it (None: all).
+        window: multi-token chunks (prefill): experts of the next layer to read ahead (0: none;
+            default ``CHUNK_WINDOW_PER_WORKER x`` the store's workers).
 
     Driven from the compute thread only: :meth:`plan` from a MoE block's forward,
     :meth:`retire`, :meth:`issue`, :meth:`pending` and :meth:`take` from
     :meth:`moestream.cache.ExpertCache.fetch`.
     """
 
-    def __init__(self, store: ExpertStore, blocks: list, ahead: int, min_decided: int = 32, owns=None):
-        if ahead < 1:
-            raise ValueError(f"ahead must be at least 1, got {ahead}")
+    def __init__(self, store: ExpertStore, blocks: list, ahead: int, min_decided: int = 32, owns=None,
+                 window: int | None = None):
+        if ahead < 0:
+            raise ValueError(f"ahead must be at least 0, got {ahead}")
         self.store = store
         self.ahead = ahead
+        self.window = CHUNK_WINDOW_PER_WORKER * store.workers if window is None else window
         self.min_decided = min_decided
-        self.enabled = True
+        self.enabled = True  # decode read-ahead (chunks are read ahead regardless)
         self.stats = PrefetchStats()
         order = list(blocks)
-        self._following = {b.layer: order[i + 1 : i + 1 + ahead] for i, b in enumerate(order)}
+        reach = max(ahead, 1)
+        self._following = {b.layer: order[i + 1 : i + 1 + reach] for i, b in enumerate(order)}
         self._planned: list[Key] = []
         self._staged: dict[Key, ReadBatch] = {}
+        self._chunk: set[Key] = set()  # staged (or planned) for a multi-token chunk
         self._claimed: dict[Key, ReadBatch] = {}  # claimed by the layer fetching now, not yet taken
         self._dropping: list[ReadBatch] = []
         self._cache = None
+        self._saved_bytes = self._lost_bytes = 0  # decode reads ahead only: the switch-off rule
         self.owns = owns  # expert parallelism: (layer, expert) -> whether this rank reads it
 
     def attach(self, cache) -> None:
@@ -88,37 +124,71 @@ class Prefetcher:
         cache.prefetcher = self
 
     # -- prediction ----------------------------------------------------------------------
+    def _wanted(self, key: Key) -> bool:
+        return ((self.owns is None or self.owns(key)) and key not in self._staged and key not in self._planned
+                and (self._cache is None or key not in self._cache))
+
     @torch.inference_mode()
     def plan(self, layer: int, x: torch.Tensor) -> None:
         """Predict the experts the layers after ``layer`` will use for ``x`` [T, H] (called by the
         expert pipeline once ``layer`` has routed).
 
-        For each following layer, its router is applied to ``x``; the ``top_k`` experts
-        with the largest summed routing weight over the T tokens are planned (for one
-        token, exactly its predicted top-k), unless cached or already read ahead.
+        One token (decode, ``ahead`` > 0): for each of the next ``ahead`` layers, its router is
+        applied to ``x`` and its ``top_k`` experts are planned, unless cached or already read
+        ahead. Several tokens (a prefill chunk, ``window`` > 0): the next layer's router is
+        applied to every token and the experts it routes them to are planned, most routings
+        first, up to ``window`` experts.
         """
-        if not self.enabled:
+        chunk = x.shape[0] > 1
+        if (chunk and self.window <= 0) or (not chunk and (not self.enabled or self.ahead <= 0)):
             return
-        for block in self._following.get(layer, ()):
+        c0, r0 = time.process_time(), self.store.reader_cpu_seconds()
+        if chunk:
+            self._plan_chunk(layer, x)
+        else:
+            self._plan_token(layer, x)
+        self.stats.plans += 1
+        self.stats.plan_cpu_seconds += max(0.0, (time.process_time() - c0) - (self.store.reader_cpu_seconds() - r0))
+
+    def _plan_token(self, layer: int, x: torch.Tensor) -> None:
+        for block in self._following.get(layer, ())[: self.ahead]:
             weights, idx = block.route(x)
             score = torch.zeros(block.num_experts, dtype=torch.float32, device=x.device)
             score.index_add_(0, idx.reshape(-1), weights.reshape(-1).float())
             top = torch.topk(score, min(idx.shape[1], score.numel())).indices.tolist()
             for e in top:
                 key = (block.layer, e)
-                if self.owns is not None and not self.owns(key):  # expert parallel: another rank reads it
-                    continue
-                if score[e] > 0 and key not in self._staged and key not in self._planned and (
-                    self._cache is None or key not in self._cache
-                ):
+                if score[e] > 0 and self._wanted(key):
                     self._planned.append(key)
 
+    def _plan_chunk(self, layer: int, x: torch.Tensor) -> None:
+        nxt = self._following.get(layer, ())
+        if not nxt:
+            return
+        block = nxt[0]
+        _, idx = block.route(x)
+        counts = torch.bincount(idx.reshape(-1).cpu(), minlength=block.num_experts)
+        order = torch.argsort(-counts, stable=True)  # most routings first, then by id
+        room = self.window - sum(1 for k in self._chunk if k[0] == block.layer)
+        for e, n in zip(order.tolist(), counts[order].tolist()):
+            if room <= 0 or n == 0:
+                break
+            key = (block.layer, e)
+            if self._wanted(key):
+                self._planned.append(key)
+                self._chunk.add(key)
+                room -= 1
+
     def issue(self) -> None:
-        """Start the planned reads (after the current layer's own reads, which go first)."""
+        """Start the planned reads (they queue behind every demand read)."""
         for key in self._planned:
             self._staged[key] = self.store.submit([key], max_inflight=8, prefetch=True)
             self.stats.issued += 1
             self.stats.outstanding += 1
+            if key in self._chunk:
+                self.stats.chunk_issued += 1
+            else:
+                self.stats.per_layer.setdefault(key[0], [0, 0, 0])[0] += 1
         self._planned.clear()
         self._reap()
 
@@ -145,24 +215,44 @@ class Prefetcher:
         over by :meth:`take`); those read ahead for it and not claimed are wasted."""
         self._dropping.extend(self._claimed.values())  # from a fetch abandoned before taking them
         self._claimed.clear()
+        s = self.stats
         for key in claimed:
             self._claimed[key] = self._staged.pop(key)
-            self.stats.outstanding -= 1
-            self.stats.hits += 1
-            self.stats.saved_bytes += self.store.expert_nbytes(key)
+            s.outstanding -= 1
+            s.hits += 1
+            n = self.store.expert_nbytes(key)
+            s.saved_bytes += n
+            if key in self._chunk:
+                self._chunk.discard(key)
+                s.chunk_hits += 1
+            else:
+                s.per_layer.setdefault(key[0], [0, 0, 0])[1] += 1
+                self._saved_bytes += n
         waste = [k for k in self._staged if k[0] == layer]
         for key in waste:
             self._dropping.append(self._staged.pop(key))
-            self.stats.outstanding -= 1
-            self.stats.wasted += 1
-            self.stats.wasted_bytes += self.store.expert_nbytes(key)
+            s.outstanding -= 1
+            s.wasted += 1
+            n = self.store.expert_nbytes(key)
+            s.wasted_bytes += n
+            if key in self._chunk:
+                self._chunk.discard(key)
+                s.chunk_wasted += 1
+            else:
+                s.per_layer.setdefault(key[0], [0, 0, 0])[2] += 1
+                self._lost_bytes += n
+        self._judge()
+
+    def _judge(self) -> None:
+        """Switch decode read-ahead off once it has wasted more bytes than it saved (chunks aside)."""
         s = self.stats
-        if self.enabled and s.hits + s.wasted >= self.min_decided and s.wasted_bytes > s.saved_bytes:
+        hits, wasted = s.hits - s.chunk_hits, s.wasted - s.chunk_wasted
+        if self.enabled and hits + wasted >= self.min_decided and self._lost_bytes > self._saved_bytes:
             self.enabled = False
-            self._planned.clear()
+            self._planned = [k for k in self._planned if k in self._chunk]
             s.disabled = (
-                f"switched off after {s.hits} hits and {s.wasted} wasted experts: {s.wasted_bytes / 1e9:.2f} GB "
-                f"read for nothing against {s.saved_bytes / 1e9:.2f} GB saved"
+                f"switched off after {hits} hits and {wasted} wasted experts: {self._lost_bytes / 1e9:.2f} GB "
+                f"read for nothing against {self._saved_bytes / 1e9:.2f} GB saved"
             )
 
     def _reap(self) -> None:
@@ -186,3 +276,4 @@ class Prefetcher:
         self._staged.clear()
         self._claimed.clear()
         self._dropping.clear()
+        self._chunk.clear()

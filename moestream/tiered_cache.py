@@ -213,7 +213,11 @@ class CopyEngine:
             self.stream.wait_stream(compute)
         if one:
             st = next(iter(tensors.values())).untyped_storage()
-            src = torch.empty(0, dtype=torch.uint8).set_(st)
+            # the span the tensors cover (the store lays a buffer out like the file, in whole blocks)
+            lo = min(t.storage_offset() * t.element_size() for t in tensors.values())
+            lo -= lo % 64  # each tensor keeps its alignment to 64 bytes (a CPU kernel's bits may depend on it)
+            hi = max((t.storage_offset() + t.numel()) * t.element_size() for t in tensors.values())
+            src = torch.empty(0, dtype=torch.uint8).set_(st)[lo:hi]
             dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
             if self.cuda:
                 with torch.cuda.stream(self.stream):
@@ -222,7 +226,7 @@ class CopyEngine:
                 dst.copy_(src)
             out = {}
             for role, t in tensors.items():
-                off = t.storage_offset() * t.element_size()
+                off = t.storage_offset() * t.element_size() - lo
                 n = t.numel() * t.element_size()
                 out[role] = dst[off : off + n].view(t.dtype).view(t.shape)
             nbytes = src.numel()

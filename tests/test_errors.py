@@ -170,7 +170,8 @@ def test_budgets_that_cannot_fit_are_refused_before_loading(good, monkeypatch):
     monkeypatch.setattr("moestream.memory.available_bytes", lambda: 100_000)
     read = []
     monkeypatch.setattr("moestream.checkpoint.Checkpoint.read_tensor", lambda self, name: read.append(name))
-    with pytest.raises(BudgetError, match=r"plus every expert \(--cache-budget-gb all\) \(0.00 GB\) plus the runtime "
+    with pytest.raises(BudgetError, match=r"plus every expert \(--cache-budget-gb all\) \(0.00 GB\) plus the KV cache "
+                                          r"\(0.00 GB for 512 tokens\) plus the runtime "
                                           r"and read buffers \(0.\d\d GB\) need 0.\d\d GB, "
                                           r"but only 0.00 GB of memory is available"):
         load(good, cache_budget_gb="all", tokenizer=False)

@@ -90,7 +90,8 @@ def test_tiered_cpu_bit_identical_to_plain(tiny, ref_cpu, vram, host, ahead):
     assert s.misses == t.host_hits + t.disk_reads  # a VRAM miss is served by the host tier or the disk
     assert t.h2d_copies == s.misses + s.prefetch_hits  # every expert entering VRAM (read ahead too) is one copy
     assert (s.prefetch_hits > 0) == bool(ahead)
-    assert t.h2d_bytes == t.h2d_copies * one
+    # each copy: the expert's pieces, from 64 bytes-aligned below the first (its tensors keep their alignment)
+    assert t.h2d_copies * one <= t.h2d_bytes < t.h2d_copies * (one + 64)
     assert cache.host.used_bytes <= cache.host.budget_bytes
     if host >= 100 and vram < 16:
         assert t.host_hits > 0
@@ -226,7 +227,8 @@ def test_copy_engine_cpu_one_copy_same_offsets():
     src = ExpertWeights((0, 1), tensors, 256, m)
     ce = CopyEngine("cpu")
     dev, event = ce.to_device(src)
-    assert event is None and dev.nbytes == 256 and ce.copies == 1 and dev.mapping is None
+    # one copy of the span the tensors cover (bytes 0-191 of the 256-byte buffer)
+    assert event is None and dev.nbytes == 192 and ce.copies == 1 and dev.mapping is None
     for r in tensors:
         assert torch.equal(dev.tensors[r], tensors[r]) and dev.tensors[r].data_ptr() != tensors[r].data_ptr()
     assert dev.tensors["down"].data_ptr() - dev.tensors["gate"].data_ptr() == 128

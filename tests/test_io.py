@@ -297,9 +297,11 @@ def test_wire_memory_locks_and_unlocks(model):
         resident = wired.locked_bytes
         assert resident >= engine.resident_bytes
         list(engine.cache.fetch(0, [0, 1, 2, 3, 4]))  # 5 read, 3 stay cached
-        assert wired.locked_bytes - resident == 3 * 4096 * -(-one // 4096)
+        buffer = engine.store.frame((0, 0)).nbytes  # each expert's buffer: its pieces' 4 KiB-rounded span
+        assert buffer % 4096 == 0 and one <= buffer < one + 2 * 4096
+        assert wired.locked_bytes - resident == 3 * buffer
         list(engine.cache.fetch(1, [0, 1, 2, 3, 4]))
-        assert wired.locked_bytes - resident == 3 * 4096 * -(-one // 4096)  # evicted experts were unlocked
+        assert wired.locked_bytes - resident == 3 * buffer  # evicted experts were unlocked
     finally:
         engine.close()
 

@@ -28,8 +28,10 @@ EXPERT = r"expert \(layer {layer}, expert \d+\).* from {file}"
 class FaultyDisk:
     """Replaces ``os.preadv``: reads that touch a chosen byte range fail (EIO) or come back short.
 
-    ``ranges``: (path, begin, end) byte ranges; ``mode``: ``"eio"`` or ``"short"``;
-    ``times``: how many faulty reads to serve before the disk heals (None: never heals).
+    ``ranges``: (path, begin, end) byte ranges; ``mode``: ``"eio"``, ``"short"`` (about half
+    the bytes, in 512-byte units) or ``"short-blocks"`` (half, in whole 4 KiB blocks: an O_DIRECT
+    read in place resumes after it, and finds the end of the file); ``times``: how many faulty
+    reads to serve before the disk heals (None: never heals).
     """
 
     def __init__(self, monkeypatch):
@@ -56,7 +58,8 @@ class FaultyDisk:
             if self.mode == "eio":
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             n = self.real(fd, buffers, offset, *flags)
-            half = max(1, n // 2) - max(1, n // 2) % 512 or 1
+            unit = 4096 if self.mode == "short-blocks" else 512
+            half = max(1, n // 2) - max(1, n // 2) % unit or 1
             self._short.add((fd, offset + half))
             return half
         return self.real(fd, buffers, offset, *flags)
@@ -127,9 +130,12 @@ def small_engine(ckpt, **kw):
                 learn_experts=False, hotlist=False, **kw)
 
 
-@pytest.mark.parametrize("mode, page_cache", [("eio", True), ("short", True), ("eio", False), ("short", False)],
-                         ids=["eio-pread", "short-pread", "eio-o_direct", "short-o_direct"])
+@pytest.mark.parametrize("mode, page_cache", [("eio", True), ("short", True), ("eio", False), ("short", False),
+                                              ("short-blocks", False)],
+                         ids=["eio-pread", "short-pread", "eio-o_direct", "short-o_direct", "short-blocks-o_direct"])
 def test_a_failing_read_fails_the_request_and_nothing_else(ckpt, reference, monkeypatch, mode, page_cache):
+    """O_DIRECT reads land in the experts' own buffers (in place): a failed one leaves a partly written
+    buffer, which is never cached or handed out."""
     engine = small_engine(ckpt, use_page_cache=page_cache)
     try:
         disk = FaultyDisk(monkeypatch)
@@ -144,6 +150,9 @@ def test_a_failing_read_fails_the_request_and_nothing_else(ckpt, reference, monk
         disk.heal()
         same_as_reference(engine, reference)  # the engine serves the next request, bit for bit
         assert_cache_holds_only_whole_experts(engine, ckpt)
+        reader = engine.store.reader
+        if not page_cache:  # the faults hit the in-place path (not a bounce buffer, not the fallback)
+            assert reader.in_place_bytes > 0 and not reader.fallback_files
     finally:
         engine.close()
 
@@ -190,11 +199,12 @@ def test_a_transient_fault_loses_one_request_only(ckpt, reference, monkeypatch):
         engine.close()
 
 
+@pytest.mark.parametrize("page_cache", [True, False], ids=["pread", "o_direct"])
 @pytest.mark.parametrize("change", ["replaced", "written"])
-def test_a_shard_changed_while_running_is_refused(ckpt, tmp_path, change):
+def test_a_shard_changed_while_running_is_refused(ckpt, tmp_path, change, page_cache):
     d = tmp_path / "m"
     shutil.copytree(ckpt, d)
-    engine = small_engine(d)
+    engine = small_engine(d, use_page_cache=page_cache)
     try:
         tokens_and_logits(engine)
         shard = d / "model-00002-of-00002.safetensors"

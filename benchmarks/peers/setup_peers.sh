@@ -1,8 +1,8 @@
 #!/bin/sh
 # Set up the peer engines for benchmarks/bench.py, once (idempotent; reruns skip finished steps).
 #   PEERS_DIR (default /work/big/peers): where the venvs, the sdist and the build live.
-# - $PEERS_DIR/venv: llama-cpp-python 0.3.36 built from its source package, and accelerate 1.15 for
-#   transformers' disk offload. It layers on the moestream venv (a .pth line) for torch and transformers,
+# - $PEERS_DIR/venv: llama-cpp-python 0.3.36 built from its source package, accelerate 1.15 for
+#   transformers' disk offload, and fastllm (ftllm 1.9.0, --no-deps, with numpy, pillow, jinja2). It layers on the moestream venv (a .pth line) for torch and transformers,
 #   so that no second torch is installed.
 # - $PEERS_DIR/convert-venv: llama.cpp's convert_hf_to_gguf.py (shipped in the sdist) with the
 #   transformers it pins (4.57) and gguf-py from the same sdist; torch again from the moestream venv.
@@ -13,6 +13,7 @@ BASE_PY=${BASE_PY:-$(cd "$(dirname "$0")/../.." && pwd)/.venv/bin/python}
 LLAMA_VERSION=0.3.36
 ACCELERATE_VERSION=1.15.0
 CONVERT_TRANSFORMERS=4.57.6
+FTLLM_VERSION=1.9.0
 for tool in gcc g++ cmake; do
   command -v "$tool" >/dev/null || { echo "setup_peers: $tool not found; llama-cpp-python needs gcc, g++ and cmake" >&2; exit 2; }
 done
@@ -35,6 +36,10 @@ if [ ! -f "llama_cpp_python-$LLAMA_VERSION.tar.gz" ]; then
 fi
 "$PEERS_DIR/venv/bin/python" -c "import accelerate" 2>/dev/null || \
   "$PEERS_DIR/venv/bin/pip" install -q --no-deps "accelerate==$ACCELERATE_VERSION" psutil
+# fastllm: its wheel carries its own CPU library; --no-deps keeps it from pulling a torch
+"$PEERS_DIR/venv/bin/python" -c "import ftllm" 2>/dev/null || \
+  { "$PEERS_DIR/venv/bin/pip" install -q --no-deps "ftllm==$FTLLM_VERSION" && \
+    "$PEERS_DIR/venv/bin/pip" install -q numpy pillow jinja2; }
 
 # The converter: unpack the sdist's llama.cpp tree (convert_hf_to_gguf.py + gguf-py).
 if [ ! -f "$PEERS_DIR/src/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
