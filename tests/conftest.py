@@ -1,6 +1,16 @@
-"""Test-wide set-up: usage profiles go to a temporary user cache folder, never the real one."""
+"""Test-wide set-up: usage profiles go to a temporary user cache folder, never the real one.
+
+Without a CUDA GPU, Triton kernels (moestream.fused_moe) run under Triton's interpreter: the
+variable must be set before Triton decorates them, so it is set here, at collection.
+"""
+
+import os
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

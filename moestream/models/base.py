@@ -129,6 +129,8 @@ class CausalLM(nn.Module):
     # the pieces each routed expert must have (see moestream.layout); a family with expert
     # biases or quantization scales lists more
     expert_roles: tuple[str, ...] = ("gate", "up", "down")
+    # one-token decode steps through static buffers (moestream.decode_graph.DecodeRunner), set by the engine
+    decode_runner = None
 
     def __init__(
         self, vocab: int, hidden: int, eps: float, rope_dim: int, rope_theta: float, tie: bool,
@@ -194,7 +196,14 @@ class CausalLM(nn.Module):
 
         Appends the chunk to ``kv``. Returns [T, vocab] when ``all_logits``, else [1, vocab]
         for the last position only (prefill needs no more), in the model's dtype.
+        One token goes to the engine's :attr:`decode_runner` when there is one (its static path, a
+        CUDA graph on the GPU), unless that declines (no KV cache yet to decode into).
         """
+        if self.decode_runner is not None and ids.shape[0] == 1:
+            out = self.decode_runner.step(ids, start, kv)
+            if out is not None:
+                kv.length = start + 1
+                return out
         decoder = self.decoder
         h = decoder.embed_tokens(ids)
         positions = torch.arange(start, start + ids.shape[0], device=ids.device)
