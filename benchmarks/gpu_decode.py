@@ -117,6 +117,9 @@ def main() -> None:
     p.add_argument("--tiered-warm", type=int, default=16, help="warm-up prefill tokens of the tiered runs")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--deadline", type=float, default=1e9, help="seconds after which no new stage starts")
+    p.add_argument("--skip-all", action="store_true",
+                   help="only the --tiered runs, against the budget-all results of an earlier run's --ref")
+    p.add_argument("--ref", type=Path, default=None, help="where budget all's time and logits are kept between runs")
     p.add_argument("--out", type=Path, default=Path("gpu_decode.json"))
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -150,6 +153,22 @@ def main() -> None:
     warm = [rng.randrange(1000, min(vocab, 150000)) for _ in range(max(a.warm, a.tiered_warm))]
     prompt = torch.tensor([rng.randrange(1000, min(vocab, 150000)) for _ in range(a.prefill)], device=dev)
 
+    if a.skip_all:
+        kept = torch.load(a.ref)
+        res |= kept["res"]
+        ref_logits = kept["logits"]
+    else:
+        ref_logits = all_resident(a, res, dev, tokens, warm, prompt, save)
+        if a.ref is not None:
+            torch.save({"res": {k: res[k] for k in ("all_graphs", "pinned_gb_s", "floor_ms")}, "logits": ref_logits},
+                       a.ref)
+    tiered(a, res, dev, tokens, warm, ref_logits, save)
+    report(res)
+    save()
+
+
+def all_resident(a, res, dev, tokens, warm, prompt, save):
+    """Budget all: decode as CUDA graphs and eagerly at the same positions, then the prefill."""
     t = time.perf_counter()
     engine = load(a.model, cache_budget_gb="all", device="cuda", tokenizer=False, hotlist=False,
                   learn_experts=False, workers=a.workers, progress=False)
@@ -197,7 +216,11 @@ def main() -> None:
         engine.close()
         del engine
         torch.cuda.empty_cache()
+    return ref_logits
 
+
+def tiered(a, res, dev, tokens, warm, ref_logits, save):
+    """Each ``--tiered`` configuration, against budget all's time and logits."""
     experts_total = None
     for spec in [s for s in a.tiered.split(",") if s]:
         if time.perf_counter() - T0 > a.deadline:
@@ -254,6 +277,8 @@ def main() -> None:
         res.setdefault("tiered", []).append(r)
         save()
 
+
+def report(res):
     g = res["all_graphs"]
     log("")
     log(f"{'configuration':<28} {'ms/token':>9} {'tok/s':>8} {'floor ms':>9} {'x floor':>8}")
@@ -265,8 +290,8 @@ def main() -> None:
     for r in res.get("tiered", []):
         log(f"{str(r['fraction']) + ' + ' + r['host']:<28} {r['ms_per_token']:9.2f} {r['tok_s']:8.1f} "
             f"{r.get('floor_ms', 0):9.2f} {r.get('ratio_to_floor', 0):8.2f}")
-    log(f"prefill {res['prefill']['tokens']} tokens: {res['prefill']['tok_s']:.0f} tok/s")
-    save()
+    if "prefill" in res:
+        log(f"prefill {res['prefill']['tokens']} tokens: {res['prefill']['tok_s']:.0f} tok/s")
 
 
 if __name__ == "__main__":
