@@ -39,6 +39,7 @@ from moestream.engine import load  # noqa: E402
 
 CONFIG = HERE / "benchmarks/configs/Qwen3-30B-A3B.json"
 T0 = time.perf_counter()
+KV_ROOM = 256  # decode positions the KV cache holds past the warm-up
 
 
 def log(*a):
@@ -95,6 +96,16 @@ def summary(times) -> dict:
             "tok_s": len(s) / sum(s)}
 
 
+def _ids(seed: int, n: int, top: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, top) for _ in range(n)]
+
+
+def _kv(net, a):
+    """A KV cache of one capacity for every stage and --tokens (the capacity sets the attention span)."""
+    return net.new_kv_cache(max(a.warm, a.tiered_warm) + a.warm_decode + KV_ROOM)
+
+
 def floor_bytes(engine) -> int:
     """Bytes one decode token reads: resident weights but the embedding table (one row), plus top-k experts
     per MoE layer."""
@@ -109,7 +120,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--tokens", type=int, default=48, help="timed decode steps")
+    p.add_argument("--tokens", type=int, default=48, help="timed decode steps (at most KV_ROOM, 256)")
     p.add_argument("--warm", type=int, default=256, help="warm-up prefill tokens")
     p.add_argument("--warm-decode", type=int, default=4)
     p.add_argument("--prefill", type=int, default=512)
@@ -147,11 +158,13 @@ def main() -> None:
     log(f"HBM {res['hbm_gb_s']:.0f} GB/s")
     save()
 
-    rng = random.Random(0)
+    # each list from its own generator, so the first steps are the same ids whatever --tokens says, and a
+    # later run's steps (--skip-all) can be compared with the reference's
     vocab = json.loads((a.model / "config.json").read_text())["vocab_size"]
-    tokens = [rng.randrange(1000, min(vocab, 150000)) for _ in range(a.tokens)]
-    warm = [rng.randrange(1000, min(vocab, 150000)) for _ in range(max(a.warm, a.tiered_warm))]
-    prompt = torch.tensor([rng.randrange(1000, min(vocab, 150000)) for _ in range(a.prefill)], device=dev)
+    top = min(vocab, 150000)
+    tokens = _ids(1, a.tokens, top)
+    warm = _ids(2, max(a.warm, a.tiered_warm), top)
+    prompt = torch.tensor(_ids(3, a.prefill, top), device=dev)
 
     if a.skip_all:
         kept = torch.load(a.ref)
@@ -180,7 +193,7 @@ def all_resident(a, res, dev, tokens, warm, prompt, save):
         res["pinned_gb_s"] = pinned_rate(dev, engine.store.cached_nbytes((0, 0)))
         res["floor_bytes"] = floor_bytes(engine)
         res["floor_ms"] = res["floor_bytes"] / (res["hbm_gb_s"] * 1e9) * 1e3
-        kv = net.new_kv_cache(len(warm) + a.warm_decode + a.tokens + 8)
+        kv = _kv(net, a)
         with torch.inference_mode():
             net(torch.tensor(warm[: a.warm], device=dev), 0, kv)
             pos = a.warm
@@ -244,7 +257,7 @@ def tiered(a, res, dev, tokens, warm, ref_logits, save):
         try:
             net, c = engine.model, engine.cache
             ts, st = c.tier_stats, engine.store.stats
-            kv = net.new_kv_cache(len(warm) + a.warm_decode + a.tokens + 8)
+            kv = _kv(net, a)
             with torch.inference_mode():
                 net(torch.tensor(warm[: a.tiered_warm], device=dev), 0, kv)
                 pos = a.tiered_warm
