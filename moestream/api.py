@@ -36,6 +36,7 @@ from .generation import (
 from .generation import generate as generate_tokens
 from .memory import peak_rss_bytes
 from .textstream import ReasoningSplitter
+from .tokenizer import chat_ids, encode_prompt, prompt_opens_thinking, think_token_ids
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,6 @@ def prompt_ids(
     Raises:
         InputError: an empty prompt, a prompt needing a tokenizer without one, bad messages.
     """
-    from .tokenizer import chat_ids, encode_prompt
-
     kwargs = dict(chat_template_kwargs or {})
     if no_think:
         kwargs["enable_thinking"] = False
@@ -149,8 +148,6 @@ def stream_generate(
         ReadError: when an expert read fails.
         EngineClosedError: the engine was closed.
     """
-    from .tokenizer import prompt_opens_thinking, think_token_ids
-
     engine.check_open()
 
     if sampling is None:

@@ -16,11 +16,13 @@ None of this changes the output: it decides how many experts stay in memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import memory  # its functions looked up at call time (tests replace them)
 from .errors import BudgetError
+
+if TYPE_CHECKING:  # the CLI parses budgets before torch is imported
+    import torch
 
 GB = 1e9
 AUTO = "auto"
@@ -80,7 +82,7 @@ def resident_bytes(net: torch.nn.Module, dtype: torch.dtype | None = None) -> in
     size when it is floating point (it will be loaded in the compute dtype); a loaded one,
     or an integer one (packed quantized weights), at its own element size.
     """
-    itemsize = None if dtype is None else torch.tensor([], dtype=dtype).element_size()
+    itemsize = None if dtype is None else dtype.itemsize
     seen, total = set(), 0
     for p in net.parameters():
         if id(p) in seen:
@@ -93,7 +95,7 @@ def resident_bytes(net: torch.nn.Module, dtype: torch.dtype | None = None) -> in
 
 def kv_bytes_per_token(net: torch.nn.Module, dtype: torch.dtype) -> int:
     """KV cache bytes one token adds: the model's :meth:`~moestream.models.base.CausalLM.kv_bytes_per_token`."""
-    return net.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    return net.kv_bytes_per_token(dtype.itemsize)
 
 
 @dataclass

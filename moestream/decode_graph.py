@@ -36,9 +36,10 @@ import torch
 from torch import nn
 
 from .models.base import CausalLM
-from .models.layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding
+from .models.layers import MLP, Attention, DecoderLayer, KVCache, RMSNorm
 from .models.linear import Linear
 from .models.moe import StreamedMoE
+from .models.rope import RotaryEmbedding
 
 MIN_BUCKET = 64
 
@@ -61,8 +62,6 @@ def graph_unsupported(model: nn.Module) -> str | None:
     (:class:`~moestream.models.layers.Attention`), norms, dense MLPs and streamed MoE blocks
     (Qwen3-MoE, Mixtral); other families decode eagerly as before.
     """
-    from .models import qwen3_moe, variants
-
     if not isinstance(model, CausalLM) or type(model).forward is not CausalLM.forward:
         return "the family's forward is its own"
     if type(model).new_kv_cache is not CausalLM.new_kv_cache:
@@ -71,7 +70,7 @@ def graph_unsupported(model: nn.Module) -> str | None:
         return "its rotary embedding is not the plain one"
     allowed = (Attention, RMSNorm, MLP, StreamedMoE, nn.Linear, Linear)
     for layer in model.decoder.layers:
-        if type(layer) not in (qwen3_moe.DecoderLayer, variants.DecoderLayer):
+        if type(layer) is not DecoderLayer:
             return f"decoder layer {type(layer).__name__} is not a plain one"
         for m in layer.modules():
             if m is not layer and type(m) not in allowed:

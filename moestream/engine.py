@@ -15,10 +15,11 @@ from types import ModuleType
 
 import torch
 
-from . import quant
+from . import fused_moe
 from .budget import BudgetPlan, plan_cpu_budget, plan_device_budget, plan_host_budget, resident_bytes
 from .cache import ExpertCache
 from .checkpoint import Checkpoint, resolve_model
+from .decode_graph import DecodeRunner, graph_unsupported
 from .errors import ConfigError, EngineClosedError, LayoutError, MoestreamError
 from .io_setup import IOSettings, plan_io
 from .layout import ExpertLayout, discover_experts
@@ -26,12 +27,18 @@ from .memory import reset_peak_rss
 from .mlx_format import open_checkpoint
 from .models import family_for
 from .models.base import CausalLM, checkpoint_dtype, load_resident
+from .models.layers import RMSNorm
 from .models.linear import use_fast_linear
+from .models.moe import swiglu_expert
 from .options import DEFAULT_BUDGET_GB, EngineOptions
 from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline, FusedSwiGLUKernel
 from .policies import make_policy
+from .quant import model as quant
+from .quant.turboquant import set_fast
 from .store import MAX_READ_BYTES, ExpertStore
-from .tiered_cache import PinnedBufferPool, TieredExpertCache
+from .tiered_cache import PinnedBufferPool, TieredExpertCache, device_free_bytes, resolve_device
+from .tokenizer import load_tokenizer
+from .usage import setup_cache_policy
 
 GB = 1e9
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -104,6 +111,8 @@ class Engine:
         load_seconds: wall time of :func:`load` (tokenizer included).
         tokenizer: a transformers tokenizer, or None when loaded without one.
         unused_tensors: checkpoint tensors the model does not use (reported once).
+        threads: PyTorch's intra-op thread count when loaded; every forward pass computes
+            with it (:meth:`hold_threads`).
     """
 
     checkpoint: Checkpoint
@@ -139,6 +148,27 @@ class Engine:
         if self.closed:
             raise EngineClosedError(f"the engine of {self.checkpoint.path} is closed (close() was called, or its "
                                     "with block ended): load the model again")
+    threads: int = 0  # 0: not held (an Engine built by hand)
+    _threads_noted: bool = field(default=False, repr=False)
+
+    def hold_threads(self) -> None:
+        """Make the calling thread compute with :attr:`threads`, the intra-op count found at load.
+
+        PyTorch's CPU kernels give other bits with another thread count (MKL's float32 matmul of
+        5 to 11 rows, attention over the KV cache: ``docs/reliability.md``, "Exactness under
+        timing"), and the count belongs to each thread: ``torch.set_num_threads`` after load
+        changes it, and a fresh thread (the server's) runs its first matmuls with MKL's default
+        until PyTorch sets the thread up, which ``torch.get_num_threads`` does. Called before
+        every forward pass; says once on stderr when it had to set the count back.
+        """
+        if not self.threads or torch.get_num_threads() == self.threads:
+            return
+        if not self._threads_noted:
+            self._threads_noted = True
+            print(f"moestream: note: PyTorch's intra-op thread count is {torch.get_num_threads()} here, "
+                  f"{self.threads} when the model was loaded; computing with {self.threads} "
+                  "(another count gives other bits)", file=sys.stderr, flush=True)
+        torch.set_num_threads(self.threads)
 
     def close(self) -> None:
         """Save the usage profile (when learning), close the trace, stop prefetch and reader threads, close shards.
@@ -261,10 +291,8 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         if dev.type == "cuda":
             store.pool = PinnedBufferPool(max_free=2 * options.workers)
         net = opened.net
-        quant_fns = quant.attach(net, store, opened.formats, opened.dtype)  # layer -> expert function on pieces
+        quant_fns = quant.attach(net, opened.formats, opened.dtype)  # layer -> expert function on stored pieces
         if options.fast:
-            from .quant.turboquant import set_fast
-
             n = set_fast(net, True)
             print(f"note: --fast: the QJL residual correction of {n} linears is off; this changes the output"
                   if n else "note: --fast has no effect: this checkpoint stores no QJL residuals", file=sys.stderr)
@@ -275,8 +303,6 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         plan = _plan_budget(net, store, keys, opened.dtype, dev, tiered, io, options, parallel)
         tok = None
         if tokenizer:
-            from .tokenizer import load_tokenizer
-
             tok = load_tokenizer(ckpt.path)
         unused = _load_resident(ckpt, opened, progress)
         net.to(dev).eval()
@@ -297,8 +323,6 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
                 cache.preload(keys, bar.update)
         # every rank routes the same tokens: rank 0's trace is the whole trace
         trace = options.trace if parallel is None or parallel.rank == 0 else None
-        from .usage import setup_cache_policy
-
         usage_state = setup_cache_policy(ckpt, net, cache, opened.num_experts, options, trace=trace, owns=owns)
         batched = dev.type == "cuda" if options.batched_experts is None else options.batched_experts
         kernels = expert_kernels(net, quant_fns, batched, fused)
@@ -314,7 +338,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
             checkpoint=ckpt, layout=opened.layout, store=store, cache=cache, model=net, family=opened.family,
             dtype=opened.dtype, device=dev, resident_bytes=resident_bytes(net),
             load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused, io=io, usage=usage_state,
-            parallel=parallel, pipeline=pipeline, options=options, budget=plan,
+            parallel=parallel, pipeline=pipeline, options=options, budget=plan, threads=torch.get_num_threads(),
         )
     except BaseException:
         if store is not None:
@@ -365,8 +389,6 @@ def _open(ckpt: Checkpoint, options: EngineOptions) -> _Opened:
     if getattr(net, "unloaded_layers_from", None) is not None:
         layout = _drop_layers_from(layout, net.unloaded_layers_from)
     num_experts = _check_layout(net, layout, ckpt.path, formats)
-    from .tiered_cache import resolve_device
-
     return _Opened(family, net, layout, formats, quantized_resident, num_experts, dtype,
                    resolve_device(options.device))
 
@@ -392,8 +414,6 @@ def _plan_budget(net: CausalLM, store: ExpertStore, keys: list, dtype: torch.dty
     experts, one = sum(sizes), max(sizes, default=0)
     share = 1 if parallel is None else parallel.local_world
     if dev.type == "cuda":
-        from .tiered_cache import device_free_bytes
-
         plan = plan_device_budget(net, options.cache_budget, dtype, experts, one, device_free_bytes(dev), dev,
                                   options.context_tokens)
     else:
@@ -425,8 +445,6 @@ def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool, fused: bool = 
     their stored pieces (``quant_fns``); for the plain SwiGLU expert the fused Triton kernel from VRAM
     slots where ``fused``, else the batched SwiGLU chain where ``batched``; else the family's own
     expert function."""
-    from .models.moe import swiglu_expert
-
     out = {}
     for block in net.moe_blocks():
         fn = quant_fns.get(block.layer)
@@ -450,9 +468,6 @@ def _use_fused(net: CausalLM, options: EngineOptions, dev: torch.device, tiered:
     Raises:
         ConfigError: ``fused_experts=True`` where the kernel cannot run.
     """
-    from . import fused_moe
-    from .models.moe import swiglu_expert
-
     want = options.fused_experts
     if want is False:
         return False
@@ -470,12 +485,9 @@ def _use_fused(net: CausalLM, options: EngineOptions, dev: torch.device, tiered:
 def _fuse_norms(net: CausalLM) -> None:
     """Every plain :class:`~moestream.models.layers.RMSNorm` of ``net`` computes with
     :func:`moestream.fused_moe.rms_norm` on CUDA (subclasses, such as norms of ``1 + w``, keep theirs)."""
-    from .fused_moe import rms_norm
-    from .models.layers import RMSNorm
-
     for m in net.modules():
         if type(m) is RMSNorm:
-            m.fused = rms_norm
+            m.fused = fused_moe.rms_norm
 
 
 def _attach_decode_runner(net: CausalLM, pipeline: ExpertPipeline, cache, kernels: dict, options: EngineOptions,
@@ -485,8 +497,6 @@ def _attach_decode_runner(net: CausalLM, pipeline: ExpertPipeline, cache, kernel
     while the host must act inside a step: a disk prefetcher, a lookahead or a routing trace."""
     if not kernels or not all(getattr(k, "slotted", False) for k in kernels.values()):
         return
-    from .decode_graph import DecodeRunner, graph_unsupported
-
     if graph_unsupported(net) is not None:
         return
     graphs = options.cuda_graphs and dev.type == "cuda" and io.prefetcher is None and trace is None and not lookahead

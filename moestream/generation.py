@@ -21,6 +21,7 @@ from .errors import ConfigError, InputError
 from .memory import available_bytes, peak_rss_bytes
 from .models.layers import KVCache
 from .textstream import StopStrings
+from .tokenizer import StreamDecoder, current_turn, think_token_ids
 
 
 @dataclass(frozen=True)
@@ -425,13 +426,15 @@ def _logprob(processed: torch.Tensor, token: int, n: int) -> TokenLogprob:
 
 
 @torch.inference_mode()
-def _forward(model, x: torch.Tensor, pos: int, kv, session: Session | None) -> torch.Tensor:
-    """``model(x, pos, kv)``; when it fails part-way (a failed expert read), some layers have
-    already written this step into ``kv`` and others not, so a ``session`` is emptied: its
+def _forward(engine: Engine, x: torch.Tensor, pos: int, kv, session: Session | None) -> torch.Tensor:
+    """``engine.model(x, pos, kv)`` with the intra-op thread count of load (:meth:`Engine.hold_threads`:
+    another count gives other bits); when it fails part-way (a failed expert read), some layers
+    have already written this step into ``kv`` and others not, so a ``session`` is emptied: its
     next call prefills from scratch instead of continuing from a half-updated cache. A Ctrl-C
     (KeyboardInterrupt) part-way is such a failure too."""
+    engine.hold_threads()
     try:
-        return model(x, pos, kv)
+        return engine.model(x, pos, kv)
     except BaseException:
         if session is not None:
             session.kv = None
@@ -505,82 +508,38 @@ def generate(
         EngineClosedError: the engine was closed.
     """
     engine.check_open()
-    model, cache, store = engine.model, engine.cache, engine.store
+    model = engine.model
     par = getattr(engine, "parallel", None)
     if par is not None:  # expert parallel (torchrun): every rank runs rank 0's request, its seed included
         prompt_ids, max_tokens, sampling, stop, stop_at_eos, multi_think, prefill_chunk = par.agree_generation(
             prompt_ids, max_tokens, sampling, stop, stop_at_eos, multi_think, prefill_chunk)
-    prompt_ids = list(prompt_ids)
-    if not prompt_ids:
-        raise InputError("the prompt is empty")
-    if max_tokens < 1:
-        raise InputError(f"max_tokens must be at least 1, got {max_tokens}")
-    if logprobs is not None and logprobs < 0:
-        raise InputError(f"logprobs must be >= 0, got {logprobs}")
-    stops = [s for s in stop if s]
-    if stops and engine.tokenizer is None:
-        raise InputError("stop strings need the tokenizer (load with tokenizer=True)")
-    bad = [t for t in prompt_ids if not 0 <= t < model.vocab_size]
-    if bad:
-        raise InputError(f"token id {bad[0]} is outside the model's vocabulary (vocab_size {model.vocab_size})")
-    if model.max_context is not None:
-        if len(prompt_ids) >= model.max_context:
-            raise InputError(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context holds {model.max_context} "
-                "(max_position_embeddings)"
-            )
-        max_tokens = min(max_tokens, model.max_context - len(prompt_ids))
+    prompt_ids, max_tokens, stops = _check_request(engine, prompt_ids, max_tokens, logprobs, stop)
     stats = stats if stats is not None else GenerationStats()
     sampler = Sampler(sampling)
     eos = eos_ids(engine)
     stop_ids = eos if stop_at_eos else set()
     decoder = None
     if engine.tokenizer is not None:
-        from .tokenizer import StreamDecoder
-
         decoder = StreamDecoder(engine.tokenizer)
     stopper = StopStrings(stops)
     think_end = None
     think_closed = False
     if not multi_think and engine.tokenizer is not None:
-        from .tokenizer import current_turn, think_token_ids
-
         think_end = think_token_ids(engine.tokenizer)[1]
         think_closed = think_end is not None and think_end in current_turn(prompt_ids, eos)
-    reuse = 0
-    if session is not None:
-        while reuse < min(len(session.ids), len(prompt_ids) - 1) and session.ids[reuse] == prompt_ids[reuse]:
-            reuse += 1
-        if session.kv is None:
-            session.kv = model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256))
-        del session.ids[reuse:]
-        kv = session.kv
-    else:
-        kv = model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256))  # grows as needed
+    kv, reuse = _kv_cache(model, session, prompt_ids, max_tokens)
     ids = torch.tensor(prompt_ids, dtype=torch.int64, device=engine.device)
     stats.prompt_tokens = len(prompt_ids)
     stats.prompt_cached_tokens = reuse
-    start_hits, start_lookups = cache.stats.hits, cache.stats.lookups
-    start_bytes, start_experts, start_reads = store.stats.bytes_read, store.stats.experts_read, store.stats.reads
-    usage_before = {k: v.clone() for k, v in cache.usage.items()}
-    io0 = _io_snapshot(engine)
-
-    t0 = time.perf_counter()
-    t1 = None  # the decode's start; None while prefilling
+    counters = _Counters(engine)
     logits = None
-    decode_hits0, decode_lookups0, decode_bytes0 = cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
     stats.finish_reason = "length"
     try:  # the stats are filled in however it ends: done, failed or interrupted (Ctrl-C) in prefill or decode
         for s in range(reuse, len(prompt_ids), prefill_chunk):
-            logits = _forward(model, ids[s : s + prefill_chunk], s, kv, session)
+            logits = _forward(engine, ids[s : s + prefill_chunk], s, kv, session)
             if session is not None:
                 session.ids.extend(prompt_ids[s : s + prefill_chunk])
-        stats.prefill_seconds = time.perf_counter() - t0
-        prefilled = len(prompt_ids) - reuse
-        stats.prefill_tok_s = prefilled / stats.prefill_seconds if stats.prefill_seconds else 0.0
-        decode_hits0, decode_lookups0, decode_bytes0 = cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
-
-        t1 = time.perf_counter()
+        counters.decode_starts(stats, len(prompt_ids) - reuse)
         pos = len(prompt_ids)
         context = list(prompt_ids) if sampling.penalized else []
         generated: list[int] = []
@@ -605,12 +564,7 @@ def generate(
             stats.generated_tokens = n + 1
             is_eos = token in stop_ids
             final = is_eos or n + 1 == max_tokens
-            text, hit = "", False
-            if decoder is not None:
-                text, hit = stopper.push("" if is_eos else decoder.push(token))
-                if final and not hit:
-                    more, hit = stopper.push(decoder.flush())
-                    text += more if hit else more + stopper.flush()
+            text, hit = _step_text(decoder, stopper, token, is_eos, final)
             reason = None
             if is_eos or hit:
                 stats.finish_reason = reason = "stop"
@@ -627,28 +581,113 @@ def generate(
                 break
             if par is not None and not par.flag(True):  # rank 0 goes on, or was cancelled
                 break
-            logits = _forward(model, torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv, session)
+            logits = _forward(engine, torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv, session)
             if session is not None:
                 session.ids.append(token)
             pos += 1
     finally:
-        if t1 is None:  # ended in prefill
-            stats.prefill_seconds = time.perf_counter() - t0
-        stats.decode_seconds = time.perf_counter() - t1 if t1 is not None else 0.0
+        counters.fill(stats)
+
+
+
+def _check_request(engine: Engine, prompt_ids, max_tokens: int, logprobs: int | None,
+                   stop: Sequence[str]) -> tuple[list[int], int, list[str]]:
+    """A request checked against the model: ``(prompt ids, max_tokens capped by the context, stop strings)``.
+
+    Raises:
+        InputError: see :func:`generate`.
+    """
+    model = engine.model
+    prompt_ids = list(prompt_ids)
+    if not prompt_ids:
+        raise InputError("the prompt is empty")
+    if max_tokens < 1:
+        raise InputError(f"max_tokens must be at least 1, got {max_tokens}")
+    if logprobs is not None and logprobs < 0:
+        raise InputError(f"logprobs must be >= 0, got {logprobs}")
+    stops = [s for s in stop if s]
+    if stops and engine.tokenizer is None:
+        raise InputError("stop strings need the tokenizer (load with tokenizer=True)")
+    bad = [t for t in prompt_ids if not 0 <= t < model.vocab_size]
+    if bad:
+        raise InputError(f"token id {bad[0]} is outside the model's vocabulary (vocab_size {model.vocab_size})")
+    if model.max_context is not None:
+        if len(prompt_ids) >= model.max_context:
+            raise InputError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context holds {model.max_context} "
+                "(max_position_embeddings)"
+            )
+        max_tokens = min(max_tokens, model.max_context - len(prompt_ids))
+    return prompt_ids, max_tokens, stops
+
+
+def _kv_cache(model, session: Session | None, prompt_ids: list[int], max_tokens: int):
+    """``(KV cache, prompt tokens it already holds)``: the session's, its shared prefix kept, or a new one."""
+    if session is None:
+        return model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256)), 0  # grows as needed
+    reuse = 0
+    while reuse < min(len(session.ids), len(prompt_ids) - 1) and session.ids[reuse] == prompt_ids[reuse]:
+        reuse += 1
+    if session.kv is None:
+        session.kv = model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256))
+    del session.ids[reuse:]
+    return session.kv, reuse
+
+
+def _step_text(decoder, stopper: StopStrings, token: int, is_eos: bool, final: bool) -> tuple[str, bool]:
+    """The text a step shows and whether a stop string ended it (no text without a tokenizer)."""
+    if decoder is None:
+        return "", False
+    text, hit = stopper.push("" if is_eos else decoder.push(token))
+    if final and not hit:
+        more, hit = stopper.push(decoder.flush())
+        text += more if hit else more + stopper.flush()
+    return text, hit
+
+
+class _Counters:
+    """The engine's counters at a generation's start (and its decode's), to fill its stats however it ends."""
+
+    def __init__(self, engine: Engine):
+        cache, store = engine.cache, engine.store
+        self.engine = engine
+        self.hits, self.lookups = cache.stats.hits, cache.stats.lookups
+        self.bytes, self.experts, self.reads = store.stats.bytes_read, store.stats.experts_read, store.stats.reads
+        self.usage = {k: v.clone() for k, v in cache.usage.items()}
+        self.io = _io_snapshot(engine)
+        self.t0, self.t1 = time.perf_counter(), None  # t1: the decode's start; None while prefilling
+        self.decode_hits, self.decode_lookups, self.decode_bytes = self.hits, self.lookups, self.bytes
+
+    def decode_starts(self, stats: GenerationStats, prefilled: int) -> None:
+        """Prefill is done (``prefilled`` tokens): its time and rate; the decode's counters start here."""
+        cache, store = self.engine.cache, self.engine.store
+        stats.prefill_seconds = time.perf_counter() - self.t0
+        stats.prefill_tok_s = prefilled / stats.prefill_seconds if stats.prefill_seconds else 0.0
+        self.decode_hits, self.decode_lookups, self.decode_bytes = \
+            cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
+        self.t1 = time.perf_counter()
+
+    def fill(self, stats: GenerationStats) -> None:
+        """The run's figures into ``stats``: times, rates, cache and read counters, distinct experts, memory."""
+        engine, cache, store = self.engine, self.engine.cache, self.engine.store
+        if self.t1 is None:  # ended in prefill
+            stats.prefill_seconds = time.perf_counter() - self.t0
+        stats.decode_seconds = time.perf_counter() - self.t1 if self.t1 is not None else 0.0
         decoded = max(0, stats.generated_tokens - 1)  # the first token comes from prefill
         stats.decode_tok_s = decoded / stats.decode_seconds if decoded and stats.decode_seconds else 0.0
-        lookups = cache.stats.lookups - start_lookups
-        hits = cache.stats.hits - start_hits
+        lookups = cache.stats.lookups - self.lookups
+        hits = cache.stats.hits - self.hits
         stats.cache_lookups, stats.cache_hits = lookups, hits
         stats.cache_hit_rate = hits / lookups if lookups else 0.0
-        d_lookups = cache.stats.lookups - decode_lookups0
-        stats.decode_hit_rate = (cache.stats.hits - decode_hits0) / d_lookups if d_lookups else 0.0
-        stats.experts_read = store.stats.experts_read - start_experts
-        stats.reads = store.stats.reads - start_reads
+        d_lookups = cache.stats.lookups - self.decode_lookups
+        stats.decode_hit_rate = (cache.stats.hits - self.decode_hits) / d_lookups if d_lookups else 0.0
+        stats.experts_read = store.stats.experts_read - self.experts
+        stats.reads = store.stats.reads - self.reads
         stats.experts_per_read = stats.experts_read / stats.reads if stats.reads else 0.0
-        stats.gb_read = (store.stats.bytes_read - start_bytes) / GB
-        stats.mb_read_per_decoded_token = (store.stats.bytes_read - decode_bytes0) / 1e6 / decoded if decoded else 0.0
-        distinct = {k: int(((v - usage_before[k]) > 0).sum()) for k, v in cache.usage.items()}
+        stats.gb_read = (store.stats.bytes_read - self.bytes) / GB
+        stats.mb_read_per_decoded_token = (store.stats.bytes_read - self.decode_bytes) / 1e6 / decoded if decoded \
+            else 0.0
+        distinct = {k: int(((v - self.usage[k]) > 0).sum()) for k, v in cache.usage.items()}
         stats.distinct_experts_per_layer = distinct
         stats.distinct_experts_per_layer_mean = sum(distinct.values()) / len(distinct) if distinct else 0.0
         stats.experts_per_layer = max(engine.layout.layers[k].num_experts for k in distinct) if distinct else 0
@@ -657,7 +696,7 @@ def generate(
         stats.cache_peak_gb = cache.peak_bytes / GB
         stats.peak_rss_gb = peak_rss_bytes() / GB
         stats.load_seconds = engine.load_seconds
-        _fill_io_stats(stats, engine, io0)
+        _fill_io_stats(stats, engine, self.io)
 
 
 def resolve_sampling(

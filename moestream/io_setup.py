@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from . import memory
 from .checkpoint import Checkpoint
+from .direct_io import DirectReader
 from .memory import WiredMemory
+from .prefetch import Prefetcher
 from .store import PreadReader, Reader
 
 # Use the page cache (auto) only when the checkpoint is under this share of the memory
@@ -64,8 +66,6 @@ class IOSettings:
             self.wired.lock_tensors(net.parameters(), "the resident weights")
             store.wired = self.wired
         if self.prefetch_ahead > 0:
-            from .prefetch import Prefetcher
-
             self.prefetcher = Prefetcher(store, net.moe_blocks(), self.prefetch_ahead, owns=owns)
             self.prefetcher.attach(cache)
 
@@ -101,7 +101,5 @@ def plan_io(ckpt: Checkpoint, workers: int, use_page_cache: bool | None, prefetc
         reader: Reader = PreadReader()
         use_page_cache = True
     else:
-        from .direct_io import DirectReader
-
         reader = DirectReader()
     return IOSettings(reader, use_page_cache, reason, size, prefetch_ahead, wire_memory)

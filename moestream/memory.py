@@ -12,6 +12,8 @@ import resource
 import threading
 from pathlib import Path
 
+from .errors import BudgetError
+
 _UNLIMITED = 1 << 60  # cgroup v1 writes a huge number for "no limit"
 
 
@@ -197,8 +199,6 @@ def check_memlock(need: int, root: Path | None = None) -> None:
         BudgetError: when RLIMIT_MEMLOCK is below ``need`` and the process lacks
             ``CAP_IPC_LOCK``, naming both numbers and how to raise the limit.
     """
-    from .errors import BudgetError
-
     limit = memlock_limit()
     if limit is None or limit >= need or has_cap_ipc_lock(root):
         return
@@ -239,8 +239,6 @@ class WiredMemory:
 
     def lock_range(self, addr: int, nbytes: int, what: str) -> int:
         """mlock ``nbytes`` at ``addr``; returns the bytes locked (whole pages)."""
-        from .errors import BudgetError
-
         start, length = self._span(addr, nbytes)
         if self._libc.mlock(self._ctypes.c_void_p(start), self._ctypes.c_size_t(length)) != 0:
             err = self._ctypes.get_errno()

@@ -65,6 +65,8 @@ import torch
 
 from .checkpoint import Checkpoint, TensorInfo, dtype_size, torch_dtype
 from .errors import CheckpointError
+from .quant import affine
+from .quant.formats import QuantConfig, check_affine
 
 FORMAT = "mlx"  # safetensors __metadata__ "format" that mlx's save writes
 
@@ -134,8 +136,6 @@ class MLXFormat:
 
     def describe(self, config: dict) -> str:
         """One line naming the format and its quantization, e.g. ``MLX (mlx-lm names); affine 4-bit, group 64``."""
-        from .quant.formats import QuantConfig
-
         text = "MLX (mlx-lm names, mapped by rule: " + "; ".join(self.rules) + ")"
         try:
             q = QuantConfig.from_config(config)
@@ -199,8 +199,6 @@ def adapt(ckpt) -> MLXFormat | None:
     fmt = MLXFormat(mt or "?", [RULES["shared"]])
     if mt in RULES:
         fmt.rules.append(RULES[mt])
-    from .quant.formats import QuantConfig
-
     # parsed only where a quantized router or embed_q needs it (on mlx names, before the overrides are renamed)
     qcfg = partial(QuantConfig.from_config, dict(ckpt.config), str(where / "config.json"))
     old = ckpt.tensors
@@ -285,8 +283,6 @@ def _kimi_renames(tensors: dict) -> list[tuple[re.Pattern, str]]:
 
 def _quant_scheme(qcfg, mlx_path: str, info: TensorInfo, index: dict, path: str, where):
     """The affine scheme of module ``mlx_path``, checked against its tensors' shapes."""
-    from .quant.formats import check_affine
-
     qcfg = qcfg()
     scheme = qcfg.scheme(mlx_path) if qcfg is not None and qcfg.method == "affine" else None
     if scheme is None:
@@ -331,8 +327,6 @@ def _merge_kv_b(ckpt, fmt: MLXFormat, index: dict, qcfg) -> None:
 
 def _kv_b(q_part, o_part, dtype: torch.dtype, ckpt) -> torch.Tensor:
     """kv_b_proj [H * (nope + v), rank] from embed_q [H, rank, nope] and unembed_out [H, v, rank]."""
-    from .quant import affine
-
     def read(part):
         info, scheme, extra, _ = part
         w = ckpt.read_info(info)
@@ -362,8 +356,6 @@ def _dequantize_routers(ckpt, fmt: MLXFormat, index: dict, qcfg, rename) -> None
 
 def _router(w: TensorInfo, scales: TensorInfo, biases: TensorInfo, scheme, ckpt) -> torch.Tensor:
     """A router's float weight [E, H] from its affine-quantized tensors (computed in the scales' dtype, as mlx)."""
-    from .quant import affine
-
     return affine.dequantize(ckpt.read_info(w), ckpt.read_info(scales), ckpt.read_info(biases), scheme.bits,
                              scheme.group_size)
 

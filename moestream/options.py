@@ -165,17 +165,9 @@ class EngineOptions:
         def get(name, default):
             return getattr(args, name, default)
 
-        host = get("host_cache_gb", None)
-        device = get("device", "auto")
-        if host is not None:
-            parse_host_budget(host)  # the value first: "-1" or "abc" is wrong on any device
-            from .tiered_cache import resolve_device
-
-            if resolve_device(device).type != "cuda":
-                raise ConfigError("--host-cache-gb needs --device cuda (on the CPU the expert cache is in host RAM "
-                                  "already)")
         return cls.make(
-            get("cache_budget_gb", DEFAULT_BUDGET_GB), host, workers=get("prefetch_workers", 8), device=device,
+            get("cache_budget_gb", DEFAULT_BUDGET_GB), get("host_cache_gb", None), workers=get("prefetch_workers", 8),
+            device=get("device", "auto"),
             use_page_cache=get("use_page_cache", None), prefetch_ahead=get("prefetch_ahead", 0),
             wire_memory=get("wire_memory", False), context_tokens=context_tokens, fast=get("fast", False),
             max_active_experts=get("max_active_experts", 0), hotlist=not get("no_hotlist", False),

@@ -45,9 +45,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import MoestreamError
-from .options import DEFAULT_DIST_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from .generation import SamplingParams, generate
+from .models.moe import StreamedMoE
 from .options import EP_COMBINES as COMBINES
 from .options import EP_PLACEMENTS as PLACEMENTS
+from .tiered_cache import resolve_device
+from .usage import default_profile_path, model_identity, read_profile
 
 HEADER = 32  # bytes: int64 layer, slots (T*K), routing fingerprint, this rank's slot count
 SMALL_EXCHANGE = 256 * 1024  # bytes gathered at most in one step (decode); larger ones send headers first
@@ -436,8 +439,6 @@ class ExpertParallel:
         adopts rank 0's request), waiting as long as needed between them, until rank 0 calls
         :meth:`shutdown`. An error that rank 0 meets too (a bad request) is skipped; a failed
         collective ends the loop (:class:`ParallelError`). Returns the generations followed."""
-        from .generation import SamplingParams, generate
-
         self.serving = True
         n = 0
         while True:
@@ -466,8 +467,6 @@ class ExpertParallel:
         stop_at_eos, multi_think, prefill_chunk)``. With sampling on and no seed, rank 0 draws
         one, so every rank samples the same tokens."""
         from dataclasses import replace
-
-        from .generation import SamplingParams
 
         if self.rank == 0 and sampling.seed is None and sampling.temperature > 0:
             import secrets
@@ -606,9 +605,6 @@ def _read_profile(checkpoint, model, num_experts: dict[int, int], usage_file) ->
     """This machine's usage profile for the model (:mod:`moestream.usage`), or None (none, or a bad one)."""
     from pathlib import Path
 
-    from .models.moe import StreamedMoE
-    from .usage import default_profile_path, model_identity, read_profile
-
     router = next((n + ".gate.weight" for n, m in model.named_modules() if isinstance(m, StreamedMoE)), None)
     model_id = model_identity(checkpoint, router)
     path = Path(usage_file) if usage_file is not None else default_profile_path(checkpoint.path, model_id)
@@ -642,8 +638,6 @@ def init_from_env(options) -> ExpertParallel | None:
         raise MoestreamError(
             f"WORLD_SIZE={world} but RANK/LOCAL_RANK are missing or bad ({e}); launch with torchrun"
         ) from None
-    from .tiered_cache import resolve_device
-
     dev = resolve_device(device)
     if dev.type == "cuda":
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off (the device notes)
@@ -666,41 +660,3 @@ def init_from_env(options) -> ExpertParallel | None:
                                  f"{world} within {timeout_s:g} s: {str(e).splitlines()[0][:300]}") from None
         ep._owns_group = True
     return ep
-
-
-class _Discard:
-    """A text stream that drops what is written (a follower rank's output)."""
-
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-
-def follower_args(args, out, err):
-    """``generate`` under torchrun: rank 0 reads the prompt and prints; the other ranks run rank
-    0's request (:meth:`ExpertParallel.agree_generation`) and print nothing. Returns the
-    ``(out, err)`` streams of this rank.
-
-    Raises:
-        MoestreamError: ``--chat`` (the turns come from one terminal; not supported under torchrun).
-    """
-    if args.chat:
-        raise MoestreamError("--chat is not supported under torchrun (expert parallelism); give --prompt or "
-                             "--prompt-file")
-    if int(os.environ.get("RANK", "0")) == 0:
-        return out, err
-    args.prompt, args.prompt_file = "(rank 0's prompt)", None  # replaced by rank 0's token ids
-    return _Discard(), _Discard()
-
-
-def add_parallel_args(p) -> None:
-    """The expert-parallel options (used only under torchrun, WORLD_SIZE > 1)."""
-    p.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="under torchrun: seconds a rank waits for the others before failing (default 60)")
-    p.add_argument("--ep-placement", default="auto", choices=PLACEMENTS,
-                   help="under torchrun: which rank owns which expert: balanced (from the usage profile), contiguous, "
-                   "or auto (balanced when a profile exists; default)")
-    p.add_argument("--ep-combine", default="allgather", choices=COMBINES,
-                   help="under torchrun: the collective that gathers expert outputs (default allgather)")

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .fused_moe import fused_moe
+
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
@@ -174,8 +176,6 @@ class FusedSwiGLUKernel:
                            views: dict[str, torch.Tensor]) -> torch.Tensor:
         """``x`` [T, H], ``weights`` [T, K], ``idx`` [T, K] int64, ``table`` int32 [E] (expert -> slot),
         ``views`` the pool's ``gate``/``up`` [S, I, H] and ``down`` [S, H, I] -> [T, H] in x's dtype."""
-        from .fused_moe import fused_moe
-
         return fused_moe(x.contiguous(), weights, idx, table, views["gate"], views["up"], views["down"])
 
 

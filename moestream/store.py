@@ -186,11 +186,8 @@ class ExpertStore:
 
     Quantized experts (see :mod:`moestream.quant`): packed integer and fp8 pieces and
     quantization parameters (scales, biases, ``weight_scale_inv``) keep their stored
-    dtype; ``prepare``, when set, turns a read expert's tensors into kernel-ready ones
-    (``prepare(key, tensors) -> tensors``; ``prepare.nbytes(key, stored)`` gives their bytes).
+    dtype; the kernels compute on them as read.
     """
-
-    prepare = None
 
     def __init__(
         self,
@@ -305,7 +302,7 @@ class ExpertStore:
                 total += math.prod(p.shape) * torch.tensor([], dtype=self.dtype).element_size()
             else:
                 total += -(-p.nbytes // PIECE_ALIGN) * PIECE_ALIGN
-        return total if self.prepare is None else self.prepare.nbytes(key, total)
+        return total
 
     def _finish(self, ew: ExpertWeights) -> ExpertWeights:
         """Cast float pieces to the compute dtype and move them to the device.
@@ -320,8 +317,6 @@ class ExpertStore:
             if t.device != self.device:
                 t = t.to(self.device)
             tensors[role] = t
-        if self.prepare is not None:
-            tensors = self.prepare(ew.key, tensors)
         kept = [r for r, t in tensors.items() if t is ew.tensors.get(r)]
         if self.wired is not None:
             self.wired.lock_expert(ew.key, [t for r, t in tensors.items() if r not in kept], ew.mapping)

@@ -49,6 +49,7 @@ import torch
 
 from .cache import ExpertCache
 from .checkpoint import torch_dtype
+from .errors import ConfigError
 from .policies import EvictionPolicy
 from .store import PIECE_ALIGN, BufferPool, ExpertStore, ExpertWeights, Key
 
@@ -885,8 +886,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         ConfigError: for a device that is not ``cpu``, ``cuda`` or ``cuda:N``, or CUDA asked for
             where none is available.
     """
-    from .errors import ConfigError
-
     if device is None or (isinstance(device, str) and device.strip().lower() == "auto"):
         device = os.environ.get("MOESTREAM_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from .errors import MoestreamError
+from .models.moe import StreamedMoE
 
 Key = tuple[int, int]
 DECAY = 0.5  # weight of the previous profile when a run's counts are merged in
@@ -336,8 +337,6 @@ def setup_cache_policy(checkpoint, model, cache, num_experts: dict[int, int], op
             )
         elif max_active_experts > top_k:
             warn(f"--max-active-experts {max_active_experts} is above the model's top-k {top_k}: it has no effect")
-    from .models.moe import StreamedMoE
-
     router = next((n + ".gate.weight" for n, m in model.named_modules() if isinstance(m, StreamedMoE)), None)
     model_id = model_identity(checkpoint, router)
     name = checkpoint.path.name

@@ -12,6 +12,7 @@ from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 
+from . import family_helpers as fh
 from .helpers import read_all, to_layout, write_checkpoint
 
 CONFIGS = Path("/work/shared/models/configs")
@@ -145,20 +146,8 @@ def test_logits_match_transformers_whole_and_chunked(family, capsys):
 
 
 def test_greedy_tokens_match_transformers(family):
-    name, ref, path = family
-    prompt = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        out = ref.generate(input_ids=prompt[None], max_new_tokens=32, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    want = out[0, 70:].tolist()
-    assert len(want) == 32
-    engine = load(path, cache_budget_gb=0.0001, tokenizer=False)
-    try:
-        got = [s.token for s in generate(engine, prompt.tolist(), 32, SamplingParams(), stop_at_eos=False,
-                                         prefill_chunk=48)]
-    finally:
-        engine.close()
-    assert got == want
+    _, ref, path = family
+    fh.assert_greedy_matches(path, ref, prompt_len=70, prefill_chunk=48)
 
 
 def test_streaming_at_a_tiny_budget_is_bit_identical(family, tmp_path):

@@ -14,6 +14,7 @@ from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 from moestream.quant.convert import ConvertSpec, convert
 from moestream.quant.formats import QuantError
+from moestream.quant.resident import QuantLinear
 
 from .helpers import make_qwen3_moe, read_all
 from .quant_helpers import mlx_dequantize
@@ -145,27 +146,27 @@ def test_convert_from_fp8(src, tmp_path):
 
 
 @pytest.mark.parametrize("bits", [4, 8, 3])
-def test_bf16_int4_path_streams_exactly(builds, bits):
-    """In bf16 the int4 kernel path (experts repacked per read, resident linears on first use)
-    gives the same bits at budget 0 as with every expert resident, and stays near float32."""
+def test_bf16_kernels_stream_exactly(builds, bits):
+    """In bf16 the experts compute on their pieces as read (nothing repacked per read, the cache holds the
+    stored form) and give the same bits at budget 0 as with every expert resident, near float32."""
     ids = torch.arange(3, 30)
     out = {}
     for budget in ("all", "0"):
         engine = load(builds[bits, 32], cache_budget_gb=budget, tokenizer=False, workers=2, dtype="bf16")
         try:
-            assert engine.store.prepare is not None
+            assert not hasattr(engine.store, "prepare")
             with torch.inference_mode():
                 out[budget] = engine.model(ids, 0, engine.model.new_kv_cache(), all_logits=True)
-            if budget == "all":  # the cache holds the repacked form
+            if budget == "all":  # the cache holds the stored pieces: packed codes, bf16 scales and biases
                 ew = next(iter(engine.cache._entries.values()))
-                assert any(k.endswith(".int4") for k in ew.tensors)
-            assert engine.model.decoder.layers[0].self_attn.q_proj._ready is not None
+                assert {k.split(".", 1)[-1] for k in ew.tensors} >= {"gate", "scales", "biases"}
+                assert ew.tensors["gate"].dtype == torch.uint32
         finally:
             engine.close()
     assert torch.equal(out["all"], out["0"])
     ref = logits(builds[bits, 32], ids)
     rms = ((out["all"].float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-    assert rms < 0.05, f"bf16 int4 path against float32 chunked path: RMS {rms:.3f}"
+    assert rms < 0.05, f"bf16 kernels against the float32 model: RMS {rms:.3f}"
 
 
 def test_bad_bits_names_the_flag_the_user_gave(tmp_path, capsys):
@@ -179,15 +180,13 @@ def test_bad_bits_names_the_flag_the_user_gave(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def real_width_q4(tmp_path_factory):
-    """The real Qwen3-30B-A3B config (hidden 2048, top-8 routing) cut to 2 layers of 64 experts of width 128 and a
-    512-token vocabulary, synthesized in bf16 and converted to 4 bits: 64 experts x hidden 2048 is a router the
-    int4 kernel takes (out_features a multiple of its row block, 32 or 64), so the 8-bit router is repacked on first use and its ``weight``
-    dropped, which the tests' 4-expert routers never reach."""
+    """The real Qwen3-30B-A3B config (hidden 2048, top-8 routing) cut to 2 layers of 32 experts of width 128 and a
+    512-token vocabulary, synthesized in bf16 and converted to 4 bits: a quantized router at the real width."""
     from moestream.synth import synth
 
     root = tmp_path_factory.mktemp("real-width")
     cfg = json.loads((Path(__file__).parent / "configs" / "Qwen3-30B-A3B.json").read_text())  # as published
-    cfg.update(num_experts=64, moe_intermediate_size=128, vocab_size=512)  # 64: a whole int4 row block on AVX2 and AVX-512
+    cfg.update(num_experts=32, moe_intermediate_size=128, vocab_size=512)
     (root / "config.json").write_text(json.dumps(cfg))
     src = synth(root / "config.json", root / "bf16", layers=2)
     assert main(["convert", "--model", str(src), "--bits", "4", "--out", str(root / "q4")]) == 0
@@ -195,8 +194,9 @@ def real_width_q4(tmp_path_factory):
 
 
 def test_prefetch_ahead_on_a_quantized_router_at_real_width(real_width_q4):
-    """--prefetch-ahead predicts with the next layer's router through its forward (the router was repacked
-    for the int4 kernel, so it has no ``weight``): the run streams with read-ahead hits and every step's
+    """--prefetch-ahead predicts with the next layer's router through its forward (the router is quantized:
+    its ``weight`` holds packed words, not a float matrix to read the expert count from): the run streams with
+    read-ahead hits and every step's
     logits are ``torch.equal`` to the same model with every expert resident."""
     prompt = [5, 17, 101, 300, 42]
     got = {}
@@ -207,7 +207,7 @@ def test_prefetch_ahead_on_a_quantized_router_at_real_width(real_width_q4):
             got[budget] = [s.logits for s in generate(engine, prompt, 4, SamplingParams(), stop_at_eos=False,
                                                       keep_logits=True)]
             router = engine.model.decoder.layers[1].mlp.gate
-            assert router._ready is not None and "weight" not in router._parameters  # the repacked router
+            assert isinstance(router, QuantLinear) and not router.weight.is_floating_point()  # packed words
             if ahead:
                 stats = engine.io.prefetcher.stats
                 assert stats.hits > 0 and engine.io.prefetcher.enabled, stats
@@ -300,7 +300,7 @@ def test_routers_of_other_names_take_8_bits_and_route_through_their_forward(tmp_
     """HunYuan's router ``mlp.gate.wg`` and Mixtral's ``block_sparse_moe.gate`` are routers too: 8 bits like the
     others, and HunYuan's routes through the quantized linear's forward (it cast the hidden states to the packed
     words' uint32): its routing equals the top-k of a float64 product of the dequantized router weight (float32
-    compute), and in bf16 at 32 experts the router is repacked for the int4 kernel and still routes."""
+    compute), and in bf16 the router, computed by the CPU kernels on its packed words, routes too."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from . import family_helpers as fh
@@ -329,8 +329,8 @@ def test_routers_of_other_names_take_8_bits_and_route_through_their_forward(tmp_
             if dtype == "fp32":
                 want = torch.topk(x.double() @ w.T, 2, dim=-1).indices
                 assert torch.equal(idx.sort(-1).values, want.sort(-1).values)
-            else:  # (the bf16 int4 kernel's values are checked in test_quant_kernels.py)
+            else:  # (the bf16 kernels' values are checked in test_quant_native.py)
                 router = block.gate.wg if family == "hunyuan_v1_moe" else block.gate
-                assert idx.shape == (6, 2) and "weight" not in router._parameters  # repacked, and it routed
+                assert idx.shape == (6, 2) and not router.weight.is_floating_point()  # packed words, and it routed
         finally:
             engine.close()

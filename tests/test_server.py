@@ -569,7 +569,7 @@ def test_the_bearer_scheme_is_case_insensitive(engine):
 
 
 def test_serve_checks_its_address_before_loading(ckpt, monkeypatch, capsys):
-    from moestream import cli
+    from moestream.cli import engine_args as cli
 
     monkeypatch.setattr(cli, "load_engine", lambda *a, **k: pytest.fail("the model was loaded before the bind"))
     with socket.socket() as busy:

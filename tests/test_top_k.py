@@ -60,7 +60,7 @@ def test_top_k_is_the_configs_own(family):
     model = _model(cfg)
     want = spelled(cfg)
     assert isinstance(want, int) and model.top_k == want
-    assert all(n == len(model.moe_blocks()[0].gate.weight) for n in model.experts_per_layer.values())
+    assert model.experts_per_layer == {b.layer: b.num_experts for b in model.moe_blocks()}
 
 
 @pytest.mark.parametrize("family", ["hunyuan_v1_moe", "kimi_k3"])

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ..errors import ConfigError
+from .base import check_shared_fields
 
 
 @cache
@@ -55,8 +56,6 @@ def family_for(cfg: dict, where: str = "config.json") -> ModuleType:
             f"{where}: model_type {mt!r} is not supported; moestream streams {', '.join(supported_model_types())}"
         )
     family = importlib.import_module(module)
-    from .base import check_shared_fields
-
     try:
         check_shared_fields(cfg)
     except ConfigError as e:

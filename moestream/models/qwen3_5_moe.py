@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .base import SynthTensor
+from .base import derived, synth_tensors_of
 from .qwen3_next import Model as NextModel
 from .qwen3_next import ModelArgs as NextArgs
-from .qwen3_next import hybrid_synth_tensors, skipped_note
+from .qwen3_next import skipped_note
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 TEXT_ONLY = "qwen3_5_moe_text"
@@ -45,24 +45,24 @@ def text_config(cfg: dict) -> dict:
     return text
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelArgs(NextArgs):
     """Qwen3-Next's fields, read from ``text_config`` (or the top level: ``text_only``)."""
 
-    text_only: bool = False
+    family = "qwen3_5_moe"
+    fixed = {"fused_projections": False, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": ()}
+
+    text_only: bool = derived(False)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
         """Parse and check a Qwen3.5/3.6 MoE config.json dict. Raises ConfigError naming the bad field."""
         text = text_config(cfg)
         text_only = text is cfg
+        # transformers ties the head by the top-level field of the multimodal config
+        tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
         try:
-            return cls.parse(
-                text, "qwen3_5_moe", fused_projections=False, norm_topk_prob=True, decoder_sparse_step=1,
-                mlp_only_layers=(), text_only=text_only,
-                # transformers ties the head by the top-level field of the multimodal config
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            )
+            return super().from_config(text, text_only=text_only, tie_word_embeddings=tie)
         except ConfigError as e:
             raise ConfigError(str(e) if text_only else f"text_config: {e}") from None
 
@@ -101,9 +101,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return text if text_only else {**cfg, "text_config": text}
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every text tensor of a Qwen3.5 MoE checkpoint of ``cfg``'s shapes, named as the
-    published checkpoints (``model.language_model.*``; ``model.*`` for ``qwen3_5_moe_text``;
-    per-expert experts); no vision tower, no MTP layer."""
-    a = ModelArgs.from_config(cfg)
-    return hybrid_synth_tensors(a, TEXT_PREFIX if a.text_only else PREFIX, HEAD)
+synth_tensors = synth_tensors_of(Model, ModelArgs)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import INDEX_FILE, Checkpoint, pread_full, resolve_model, safetensors_dtype, torch_dtype
+from ..checkpoint import INDEX_FILE, Checkpoint, dtype_size, pread_full, resolve_model, safetensors_dtype, torch_dtype
 from ..errors import ConfigError, MoestreamError
 from ..layout import discover_experts
 from ..mlx_format import open_checkpoint
@@ -95,8 +95,6 @@ class _Out:
 
     @property
     def nbytes(self) -> int:
-        from ..checkpoint import dtype_size
-
         return math.prod(self.shape) * dtype_size(self.dtype)
 
 

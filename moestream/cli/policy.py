@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import MoestreamError
-from .policies import POLICIES
+from ..errors import MoestreamError
+from ..policies import POLICIES
 
 # varied built-in prompts for `moestream hotlist`: code, maths, prose, facts, dialogue, other languages
 HOTLIST_PROMPTS = [
@@ -26,22 +26,6 @@ HOTLIST_PROMPTS = [
     "用三句话解释光合作用。",
     "List ten creative names for a coffee shop run by robots, with a one-line pitch each.",
 ]
-
-
-def add_cache_policy_args(p: argparse.ArgumentParser) -> None:
-    """The expert-usage and cache-policy options of ``engine.load``."""
-    p.add_argument("--max-active-experts", type=int, default=0, metavar="K",
-                   help="keep each token's K highest-weight routed experts, renormalized as the model does "
-                        "(0 = the model's own routing, default). Changes the output.")
-    p.add_argument("--no-hotlist", action="store_true", help="ignore hot_experts.json in the model folder")
-    p.add_argument("--pin-file", type=Path, default=None,
-                   help='preload and pin the experts of this {"pin": [[layer, expert], ...]} file')
-    p.add_argument("--usage-file", type=Path, default=None,
-                   help="usage profile to read and update (default: one per model in ~/.cache/moestream/usage)")
-    p.add_argument("--no-learn-experts", action="store_true",
-                   help="neither count expert usage into a profile nor pin hot experts from it")
-    p.add_argument("--trace", type=Path, default=None, help="write the routing trace (JSON lines) to this file")
-    p.add_argument("--cache-policy", default="lru", choices=POLICIES, help="eviction policy (default lru)")
 
 
 def add_commands(sub, add_engine_args) -> None:
@@ -65,7 +49,7 @@ def run_command(args: argparse.Namespace, out=None) -> bool:
     """Run ``hotlist`` or ``cache-sim`` (printing to ``out``, default stdout); False for other commands."""
     out = out or sys.stdout
     if args.command == "cache-sim":
-        from .cachesim import run_cache_sim
+        from ..cachesim import run_cache_sim
 
         try:
             budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
@@ -92,11 +76,11 @@ def run_hotlist(args: argparse.Namespace, out=None) -> list:
     """
     import torch
 
-    from .engine import load
-    from .generation import SamplingParams, generate
-    from .options import EngineOptions
-    from .tokenizer import encode_prompt
-    from .usage import default_profile_path, ranked, read_profile, warn, write_keys
+    from ..engine import load
+    from ..generation import SamplingParams, generate
+    from ..options import EngineOptions
+    from ..tokenizer import encode_prompt
+    from ..usage import default_profile_path, ranked, read_profile, warn, write_keys
 
     out = out or sys.stdout
     options = EngineOptions.from_args(args).replace(learn_experts=False, hotlist=False, pin_file=None)
