@@ -15,9 +15,11 @@ from types import ModuleType
 
 import torch
 
+from . import fused_moe
 from .budget import BudgetPlan, plan_cpu_budget, plan_device_budget, plan_host_budget, resident_bytes
 from .cache import ExpertCache
 from .checkpoint import Checkpoint, resolve_model
+from .decode_graph import DecodeRunner, graph_unsupported
 from .errors import ConfigError, EngineClosedError, LayoutError, MoestreamError
 from .io_setup import IOSettings, plan_io
 from .layout import ExpertLayout, discover_experts
@@ -25,10 +27,11 @@ from .memory import reset_peak_rss
 from .mlx_format import open_checkpoint
 from .models import family_for
 from .models.base import CausalLM, checkpoint_dtype, load_resident
+from .models.layers import RMSNorm
 from .models.linear import use_fast_linear
 from .models.moe import swiglu_expert
 from .options import DEFAULT_BUDGET_GB, EngineOptions
-from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline
+from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline, FusedSwiGLUKernel
 from .policies import make_policy
 from .quant import model as quant
 from .quant.turboquant import set_fast
@@ -183,6 +186,9 @@ class Engine:
         finally:
             if self.io is not None and self.io.prefetcher is not None:
                 self.io.prefetcher.close()
+            runner = getattr(self.model, "decode_runner", None)
+            if runner is not None:
+                runner.close()
             self.cache.close()
             self.store.close()
             self.checkpoint.close()
@@ -276,7 +282,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
     try:
         opened = _open(ckpt, options)
         dev = opened.device if parallel is None else parallel.device
-        tiered = dev.type == "cuda" or options.host_cache is not None
+        tiered = dev.type == "cuda" or options.host_cache is not None or bool(options.fused_experts)
         _check_device(ckpt, opened, dev, tiered, options)
         io = plan_io(ckpt, options.workers, options.use_page_cache, options.prefetch_ahead, options.wire_memory,
                      chunk_reads=not tiered)
@@ -303,9 +309,11 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         net.to(dev).eval()
         use_fast_linear(net)  # wide bf16 matmuls in float32 on CPUs without native bf16 (models/linear.py)
         policy = make_policy(options.cache_policy, half_life=sum(opened.num_experts.values()))
+        fused = _use_fused(net, options, dev, tiered, parallel, quant_fns)
         if tiered:
             cache = TieredExpertCache(store, plan.budget, opened.num_experts, policy=policy, device=dev,
-                                      host_budget_bytes=plan.host)
+                                      host_budget_bytes=plan.host, slots=fused)
+            fused = fused and cache.pool is not None  # experts of more than one layout: no slot pool
         else:
             cache = ExpertCache(store, plan.budget, opened.num_experts, policy=policy)
         owns = None if parallel is None else parallel.owns
@@ -318,10 +326,15 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         trace = options.trace if parallel is None or parallel.rank == 0 else None
         usage_state = setup_cache_policy(ckpt, net, cache, opened.num_experts, options, trace=trace, owns=owns)
         batched = dev.type == "cuda" if options.batched_experts is None else options.batched_experts
-        pipeline = ExpertPipeline(cache, expert_kernels(net, quant_fns, batched), options.max_active_experts,
-                                  io.prefetcher, parallel, usage_state.trace)
+        kernels = expert_kernels(net, quant_fns, batched, fused)
+        lookahead = options.prefetch_ahead if fused else 0
+        pipeline = ExpertPipeline(cache, kernels, options.max_active_experts, io.prefetcher, parallel,
+                                  usage_state.trace, lookahead=lookahead, blocks=net.moe_blocks())
         for block in net.moe_blocks():
             block.attach(pipeline)
+        _attach_decode_runner(net, pipeline, cache, kernels, options, dev, io, usage_state.trace, lookahead)
+        if fused:  # the norms in one launch each, as the fused experts (fewer kernels per decode step)
+            _fuse_norms(net)
         return Engine(
             checkpoint=ckpt, layout=opened.layout, store=store, cache=cache, model=net, family=opened.family,
             dtype=opened.dtype, device=dev, resident_bytes=resident_bytes(net),
@@ -429,20 +442,67 @@ def _load_resident(ckpt: Checkpoint, opened: _Opened, progress, io: IOSettings) 
     return unused
 
 
-def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool) -> dict:
+def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool, fused: bool = False) -> dict:
     """layer -> the expert kernel of each MoE block, chosen once: the quantized layers' functions on
-    their stored pieces (``quant_fns``), the batched SwiGLU chain where ``batched`` and the family's
-    expert is the plain SwiGLU, else the family's own expert function."""
+    their stored pieces (``quant_fns``); for the plain SwiGLU expert the fused Triton kernel from VRAM
+    slots where ``fused``, else the batched SwiGLU chain where ``batched``; else the family's own
+    expert function."""
     out = {}
     for block in net.moe_blocks():
         fn = quant_fns.get(block.layer)
         if fn is not None:
             out[block.layer] = ExpertKernel(fn)
+        elif fused and block.expert_fn is swiglu_expert:
+            out[block.layer] = FusedSwiGLUKernel()
         elif batched and block.expert_fn is swiglu_expert:
             out[block.layer] = BatchedSwiGLUKernel()
         else:
             out[block.layer] = ExpertKernel(block.expert_fn)
     return out
+
+
+def _use_fused(net: CausalLM, options: EngineOptions, dev: torch.device, tiered: bool, parallel,
+               quant_fns: dict) -> bool:
+    """Whether the SwiGLU experts run on the fused Triton kernel from a VRAM slot pool: on CUDA when Triton is
+    there (``fused_experts`` None), never under expert parallelism (its slot exchange needs the batched
+    chain's shapes) nor for quantized experts.
+
+    Raises:
+        ConfigError: ``fused_experts=True`` where the kernel cannot run.
+    """
+    want = options.fused_experts
+    if want is False:
+        return False
+    can = fused_moe.available(dev) and tiered and parallel is None and not quant_fns and any(
+        b.expert_fn is swiglu_expert for b in net.moe_blocks())
+    if want is None:  # by default on CUDA only: the CPU path keeps its per-expert kernels
+        return can and dev.type == "cuda"
+    if not can:
+        raise ConfigError("fused_experts: the fused MoE kernel needs Triton on a CUDA device (or TRITON_INTERPRET=1), "
+                          "the GPU tier (--device cuda or a host tier), SwiGLU experts in bf16/fp16/fp32 and no "
+                          "expert parallelism")
+    return can
+
+
+def _fuse_norms(net: CausalLM) -> None:
+    """Every plain :class:`~moestream.models.layers.RMSNorm` of ``net`` computes with
+    :func:`moestream.fused_moe.rms_norm` on CUDA (subclasses, such as norms of ``1 + w``, keep theirs)."""
+    for m in net.modules():
+        if type(m) is RMSNorm:
+            m.fused = fused_moe.rms_norm
+
+
+def _attach_decode_runner(net: CausalLM, pipeline: ExpertPipeline, cache, kernels: dict, options: EngineOptions,
+                          dev: torch.device, io: IOSettings, trace, lookahead: int) -> None:
+    """Decode steps through static buffers (CUDA graphs on the GPU) when every MoE layer runs the fused
+    kernel and the family is plain (:func:`moestream.decode_graph.graph_unsupported`). Graphs stay off
+    while the host must act inside a step: a disk prefetcher, a lookahead or a routing trace."""
+    if not kernels or not all(getattr(k, "slotted", False) for k in kernels.values()):
+        return
+    if graph_unsupported(net) is not None:
+        return
+    graphs = options.cuda_graphs and dev.type == "cuda" and io.prefetcher is None and trace is None and not lookahead
+    net.decode_runner = DecodeRunner(net, pipeline, cache, graphs)
 
 
 def _drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:

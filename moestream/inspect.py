@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 
 from .checkpoint import Checkpoint, TensorInfo, resolve_model, safetensors_dtype
+from .decode_graph import graph_unsupported
 from .errors import ConfigError, LayoutError, MoestreamError
 from .layout import discover_experts
 from .mlx_format import open_checkpoint
 from .models import family_for, supported_model_types
+from .models.moe import swiglu_expert
 from .quant import model as quant
 from .synth import DTYPES, plan_synth
 
@@ -64,6 +66,7 @@ class Inspection:
     checkpoint_format: str = ""  # an MLX build: its naming rules and quantization (moestream.mlx_format)
     quant_format: str = ""
     quantized_modules: list[str] = field(default_factory=list)
+    gpu_kernel: str = ""  # the expert kernel and decode path with --device cuda
 
     def to_text(self) -> str:
         lines = [f"source:             {self.source}", f"model_type:         {self.model_type}"]
@@ -90,6 +93,8 @@ class Inspection:
             lines.append(
                 f"not loaded:         {self.unused_bytes / GB:.2f} GB, such as {', '.join(self.unused_examples)}"
             )
+        if self.gpu_kernel:
+            lines.append(f"on a GPU:           {self.gpu_kernel}")
         lines.append("can stream:         yes")
         return "\n".join(lines)
 
@@ -217,6 +222,7 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
     top_k = _top_k(cfg)
     active = sum(top_k * layout.expert_nbytes(i, 0) for i in layout.layers)
     return Inspection(
+        gpu_kernel=gpu_kernel(net, bool(qfmt or quantization)),
         source=source, model_type=model_type, family=family.__name__, can_stream=True,
         layers=len(net.decoder.layers), moe_layers=len(layout.layers), experts_per_layer=first.num_experts,
         top_k=top_k, bytes_per_expert=per_expert, expert_bytes=layout.total_bytes, resident_bytes=resident,
@@ -225,3 +231,19 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         checkpoint_format=ckpt.source_format.describe(cfg) if ckpt is not None and ckpt.source_format else "",
         quant_format=qfmt, quantized_modules=qmods,
     )
+
+
+def gpu_kernel(net, quantized: bool) -> str:
+    """What runs a model's routed experts with ``--device cuda``: the fused Triton kernel for the plain SwiGLU
+    expert (with decode steps as CUDA graphs where the family is plain), the family's own function otherwise."""
+    if quantized:
+        return "not on the GPU tier (it takes float experts only; use --device cpu)"
+    blocks = net.moe_blocks()
+    if blocks and all(b.expert_fn is swiglu_expert for b in blocks):
+        why = graph_unsupported(net)
+        steps = "decode steps as CUDA graphs" if why is None else f"decode steps eager ({why})"
+        return ("experts by the fused SwiGLU kernel (Triton, in place from VRAM slots), " + steps +
+                "; the batched SwiGLU chain (torch.bmm) under expert parallelism or without Triton")
+    fn = next((b.expert_fn for b in blocks if b.expert_fn is not swiglu_expert), None)
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", type(fn).__name__)
+    return f"experts one by one with the family's own function ({name}): the fused kernels cover plain SwiGLU only"

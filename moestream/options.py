@@ -74,6 +74,12 @@ class EngineOptions:
         batched_experts: compute each layer's SwiGLU experts as one batched matmul chain
             (None: on CUDA only); its bits differ from the per-expert chain's, the same for
             every budget either way.
+        fused_experts: compute each layer's SwiGLU experts with the fused Triton kernel in place
+            from VRAM slots (:mod:`moestream.fused_moe`; None: on CUDA when Triton is present and
+            there is no expert parallelism; on the CPU only under ``TRITON_INTERPRET=1``, for tests).
+            Its bits differ from the other kernels', the same for every budget.
+        cuda_graphs: replay decode steps as CUDA graphs where the model allows
+            (:mod:`moestream.decode_graph`); False runs the same static steps eagerly (same bits).
         dist_timeout, ep_combine, ep_placement: expert parallelism under torchrun
             (:mod:`moestream.parallel`).
 
@@ -98,6 +104,8 @@ class EngineOptions:
     fast: bool = False
     host_cache: int | None | str = None
     batched_experts: bool | None = None
+    fused_experts: bool | None = None
+    cuda_graphs: bool = True
     dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
     ep_combine: str = "allgather"
     ep_placement: str = "auto"
@@ -167,6 +175,7 @@ class EngineOptions:
             learn_experts=not get("no_learn_experts", False), trace=get("trace", None),
             cache_policy=get("cache_policy", "lru"), dist_timeout=get("dist_timeout", DEFAULT_DIST_TIMEOUT_S),
             ep_combine=get("ep_combine", "allgather"), ep_placement=get("ep_placement", "auto"),
+            cuda_graphs=not get("no_cuda_graphs", False),
         )
 
     def replace(self, **changes) -> "EngineOptions":

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .fused_moe import fused_moe
+
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
@@ -157,6 +159,27 @@ class BatchedSwiGLUKernel:
         slots[order] = (y * weights[order, None]).to(slots.dtype)
 
 
+class FusedSwiGLUKernel:
+    """A layer's SwiGLU experts computed in place from their VRAM slots by the fused Triton kernel
+    (:func:`moestream.fused_moe.fused_moe`): gate/up, SiLU, down, the routing weights and the sum
+    over k in routing order, in two launches for a decode step and three (plus the device-side
+    grouping) for a prefill chunk. It reads the slot table on the device, so the pipeline needs
+    no routing on the host when every expert is resident. Its bits depend only on the inputs,
+    the routing and the shapes (never on the slot or tier an expert came from); they differ from
+    the other kernels'. Needs the cache's :class:`~moestream.tiered_cache.SlotPool`.
+    """
+
+    batched = True
+    slotted = True
+    name = "fused SwiGLU (Triton, in place from VRAM slots)"
+
+    def compute_from_slots(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: torch.Tensor,
+                           views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``x`` [T, H], ``weights`` [T, K], ``idx`` [T, K] int64, ``table`` int32 [E] (expert -> slot),
+        ``views`` the pool's ``gate``/``up`` [S, I, H] and ``down`` [S, H, I] -> [T, H] in x's dtype."""
+        return fused_moe(x.contiguous(), weights, idx, table, views["gate"], views["up"], views["down"])
+
+
 def keep_top_experts(
     weights: torch.Tensor, idx: torch.Tensor, k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,12 +220,18 @@ class ExpertPipeline:
     """
 
     def __init__(self, cache, kernels: dict[int, object], max_active: int = 0, prefetcher=None,
-                 exchange=None, trace=None):
+                 exchange=None, trace=None, lookahead: int = 0, blocks: list | None = None):
         self.cache, self.kernels, self.max_active = cache, kernels, max_active
         self.prefetcher, self.exchange, self.trace = prefetcher, exchange, trace
         # CPU seconds in the expert kernels, outside the reader threads (the stats' split of CPU time)
         self.kernel_cpu_seconds = 0.0
         self._cpu = getattr(getattr(cache, "store", None), "compute_cpu_seconds", None) or time.process_time
+        # slotted kernels: copy the host-tier experts the next ``lookahead`` layers' routers predict
+        # into VRAM while this layer computes (TieredExpertCache.stage)
+        order = list(blocks or [])
+        self.following = {b.layer: order[i + 1 : i + 1 + lookahead] for i, b in enumerate(order)} if lookahead else {}
+        self.capture = None  # a CUDA graph capture in progress (moestream.decode_graph): see _compute_in_slots
+        self._route_input = None
 
     def __call__(self, block, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                  expert_input: torch.Tensor | None = None) -> torch.Tensor:
@@ -230,6 +259,7 @@ class ExpertPipeline:
             self.trace.route(layer, idx)
         if self.prefetcher is not None:  # read the next layers' likely experts while this one computes
             self.prefetcher.plan(layer, x)
+        self._route_input = x  # what the next layers' routers guess from (lookahead)
         return self.compute(x if expert_input is None else expert_input, weights, idx, layer)
 
     def compute(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, layer: int) -> torch.Tensor:
@@ -237,6 +267,9 @@ class ExpertPipeline:
 
         ``x`` [T, H] the expert input, ``weights`` [T, K], ``idx`` [T, K] int64 -> [T, H] in x's dtype.
         """
+        kernel = self.kernels[layer]
+        if getattr(kernel, "slotted", False) and self.exchange is None:
+            return self._compute_in_slots(x, weights, idx, layer, kernel)
         groups = group_slots(idx)
         owned = None if self.exchange is None else self.exchange.owned_ids(layer)
         slots = self.compute_slots(x, weights.reshape(-1), groups, layer, self.kernels[layer], owned)
@@ -273,3 +306,68 @@ class ExpertPipeline:
             slots[sl] = (kernel.compute(x[sl // k], ew.tensors) * weights[sl, None]).to(slots.dtype)
             self.kernel_cpu_seconds += cpu() - c0
         return slots
+
+    # -- the slot pool's path (FusedSwiGLUKernel) --------------------------------------------------
+    def _compute_in_slots(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, layer: int,
+                          kernel) -> torch.Tensor:
+        """A layer on the fused kernel, reading the experts where the VRAM slot pool holds them.
+
+        Every expert resident: no host work at all (the routing is counted later from the device,
+        :meth:`TieredExpertCache.log_routing`). Otherwise the host learns the layer's routing with
+        one small device -> host copy, fetches what VRAM lacks into slots (host tier, then disk),
+        publishes the slot table and queues the kernel; during a CUDA graph capture that host part
+        is left to run between the captured segments (:mod:`moestream.decode_graph`).
+        """
+        cache = self.cache
+        pool = cache.pool
+        if cache.all_resident:
+            if pool.dirty:  # the preload's slots, once (never inside a graph capture: nothing changes after)
+                pool.flush()
+            cache.log_routing(layer, idx)
+            return kernel.compute_from_slots(x, weights, idx, pool.table[layer], pool.views)
+        if self.capture is not None:
+            self.capture.boundary(layer, idx)
+            return kernel.compute_from_slots(x, weights, idx, pool.table[layer], pool.views)
+        ahead = self.following.get(layer, ())
+        n = idx.numel()
+        if ahead:  # the next layers' routers on this layer's input, fetched in the same copy
+            guesses = [b.route(self._route_input)[1].reshape(-1) for b in ahead]
+            ids = torch.cat([idx.reshape(-1)] + guesses).tolist()
+        else:
+            ids = idx.reshape(-1).tolist()  # the layer's one device -> host copy
+        self.fetch_layer(layer, ids[:n])
+        try:
+            out = kernel.compute_from_slots(x, weights, idx, pool.table[layer], pool.views)
+        finally:
+            cache.end_layer()
+        if ahead:
+            at, keys = n, []
+            for b in ahead:
+                keys += [(b.layer, e) for e in ids[at : at + n]]
+                at += n
+            cache.stage(keys)
+        return out
+
+    def fetch_layer(self, layer: int, ids: list[int]) -> list[int]:
+        """Bring the experts of ``layer``'s routing ``ids`` (expert ids of its T*K slots, routing order)
+        into their slots and publish the slot table; they stay until the cache's ``end_layer``.
+
+        Returns the layer's distinct experts in order of first use.
+
+        Raises:
+            ReadError: an expert read failed (the layer is released).
+        """
+        counts: dict[int, int] = {}
+        for e in ids:
+            counts[e] = counts.get(e, 0) + 1
+        needed = list(counts)
+        cache = self.cache
+        cache.hold(layer, needed)
+        try:
+            for _ in cache.fetch(layer, needed, list(counts.values())):
+                pass
+            cache.ready()
+        except BaseException:
+            cache.end_layer()
+            raise
+        return needed

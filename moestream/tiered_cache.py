@@ -18,6 +18,14 @@ stream waits on that event, so the host thread never blocks on a copy and disk r
 later experts overlap the copies of earlier ones. A host buffer is reused or freed only
 after the event of its last copy has completed.
 
+With ``slots=True`` (the fused MoE kernel's cache, :mod:`moestream.fused_moe`) the VRAM tier is a
+:class:`SlotPool`: every expert of the model has the same byte layout, so the tier is one
+preallocated ``[capacity, slot_bytes]`` device buffer; the cache maps ``(layer, expert)`` to a
+slot and a device-side table gives each layer's expert -> slot (-1: not resident), which the
+kernel reads, so a hit costs the host nothing. A slot is refilled only after the event of its
+last use (the compute that read it) and its new contents are read only after the event of their
+copy, so copies for later layers (:meth:`TieredExpertCache.stage`) run beside compute.
+
 With ``device="cpu"`` the same class runs on the CPU: the "device" tier is a second set of
 host tensors and copies are synchronous. The tests drive the tier logic that way.
 
@@ -27,7 +35,9 @@ so the cache state never reaches the arithmetic.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import math
 import os
 import sys
 import threading
@@ -38,9 +48,12 @@ from dataclasses import dataclass
 import torch
 
 from .cache import ExpertCache
+from .checkpoint import torch_dtype
 from .errors import ConfigError
 from .policies import EvictionPolicy
-from .store import BufferPool, ExpertStore, ExpertWeights, Key
+from .store import PIECE_ALIGN, BufferPool, ExpertStore, ExpertWeights, Key
+
+SLOT_ALIGN = 256  # bytes: a slot's start, so every piece keeps the alignment it has in a read buffer
 
 
 @dataclass
@@ -57,6 +70,7 @@ class TierStats:
     h2d_bytes: int = 0
     h2d_copies: int = 0
     host_evictions: int = 0
+    staged: int = 0  # experts copied from the host tier ahead of their layer (TieredExpertCache.stage)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -251,6 +265,60 @@ class CopyEngine:
         self.copies += 1
         return ExpertWeights(ew.key, out, nbytes, None), event
 
+    def copy_into(self, ew: ExpertWeights, row: torch.Tensor, views: dict[str, torch.Tensor], after=None,
+                  wait: bool = True):
+        """Start copying expert ``ew`` (host tensors) into a device slot.
+
+        Args:
+            ew: the host expert (the store's buffer, or separate tensors).
+            row: uint8 [slot_bytes], the slot's bytes; views: role -> the slot's typed view of it.
+            after: an event the copy must wait for (the slot's last use by compute), or None.
+            wait: make the compute stream wait for the copy now (a fetch that computes next);
+                False leaves that to the caller, who waits on the returned event before the
+                kernel that reads the slot (a copy ahead of its layer, beside compute).
+
+        Returns:
+            the copy's event (None on the CPU). One copy of the whole buffer when its pieces
+            sit at the slot's offsets (the store's layout), else one per piece.
+
+        Raises:
+            ValueError: when ``ew``'s pieces are not the slot's.
+        """
+        tensors = ew.tensors
+        if set(tensors) != set(views):
+            raise ValueError(f"expert {ew.key} holds {sorted(tensors)}; its slot holds {sorted(views)}")
+        base = row.data_ptr()
+        storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
+        single = len(storages) == 1 and all(
+            t.is_contiguous() and t.storage_offset() * t.element_size() == views[r].data_ptr() - base
+            and t.dtype == views[r].dtype and t.shape == views[r].shape for r, t in tensors.items()
+        ) and next(iter(tensors.values())).untyped_storage().nbytes() <= row.numel()
+        if self.cuda:
+            if after is not None:
+                self.stream.wait_event(after)
+            ctx = torch.cuda.stream(self.stream)
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            if single:
+                src = torch.empty(0, dtype=torch.uint8).set_(next(iter(tensors.values())).untyped_storage())
+                nbytes = src.numel()
+                row[:nbytes].copy_(src, non_blocking=self.cuda)
+            else:
+                nbytes = 0
+                for role, t in tensors.items():
+                    views[role].copy_(t, non_blocking=self.cuda)
+                    nbytes += t.numel() * t.element_size()
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            if wait:
+                torch.cuda.current_stream(self.device).wait_event(event)
+        self.h2d_bytes += nbytes
+        self.copies += 1
+        return event
+
     @staticmethod
     def done(event) -> bool:
         return event is None or event.query()
@@ -371,6 +439,142 @@ class HostTier:
         self.used_bytes = 0
 
 
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where an expert's pieces sit in a VRAM slot.
+
+    Attributes:
+        roles: ``(role, dtype, shape, byte offset)`` per piece, in the store's piece order, at
+            offsets rounded up to :data:`~moestream.store.PIECE_ALIGN` as the store lays out a
+            read buffer (so a buffer goes over in one copy).
+        slot_bytes: bytes per slot (a multiple of :data:`SLOT_ALIGN`).
+    """
+
+    roles: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
+    slot_bytes: int
+
+    @classmethod
+    def of(cls, pieces: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> "SlotLayout":
+        """The layout of pieces ``(role, dtype, shape)``, in order."""
+        roles, at = [], 0
+        for role, dtype, shape in pieces:
+            roles.append((role, dtype, tuple(shape), at))
+            nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+            at += -(-nbytes // PIECE_ALIGN) * PIECE_ALIGN
+        return cls(tuple(roles), max(SLOT_ALIGN, -(-at // SLOT_ALIGN) * SLOT_ALIGN))
+
+    def views(self, storage: torch.Tensor) -> dict[str, torch.Tensor]:
+        """role -> a view [S, *shape] of ``storage`` (uint8 [S, slot_bytes]): slot ``s``'s piece is ``view[s]``."""
+        out = {}
+        for role, dtype, shape, off in self.roles:
+            nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+            out[role] = storage[:, off : off + nbytes].view(dtype).view(storage.shape[0], *shape)
+        return out
+
+
+def expert_slot_layout(store: ExpertStore, keys: list[Key]) -> SlotLayout | None:
+    """The one slot layout of experts ``keys`` as the store hands them out (after its cast to the compute
+    dtype), or None when they differ (or the store transforms experts: then no slot pool)."""
+    if getattr(store, "prepare", None) is not None or not keys:
+        return None
+    layout = None
+    for key in keys:
+        pieces = []
+        for p in store.layout.pieces(*key):
+            dt = store.dtype if store._converts(p.dtype, p.role) else torch_dtype(p.dtype)
+            pieces.append((p.role, dt, tuple(p.shape)))
+        this = SlotLayout.of(pieces)
+        if layout is None:
+            layout = this
+        elif this != layout:
+            return None
+    return layout
+
+
+class SlotPool:
+    """The VRAM expert tier as preallocated slots of one :class:`SlotLayout`.
+
+    Args:
+        layout: the slot layout; capacity: slots; num_experts: layer -> experts (sizes the table);
+        device: where the slots and the table live.
+
+    Attributes:
+        storage: uint8 [capacity, slot_bytes] on ``device``; views: role -> [capacity, *shape]
+            (what the fused kernel reads: ``gate``/``up`` [S, I, H], ``down`` [S, H, I]).
+        table: int32 [max layer + 1, max experts] on ``device``: ``table[layer, e]`` is expert
+            ``e``'s slot, -1 when not resident; written from :attr:`host_table` by :meth:`flush`.
+        slot_of: (layer, expert) -> slot, on the host.
+        last_use: per slot, the event after the last compute that read it (None: nothing pending);
+        ready: per slot, the event of a copy nothing has waited for yet.
+    """
+
+    def __init__(self, layout: SlotLayout, capacity: int, num_experts: dict[int, int],
+                 device: torch.device | str):
+        if capacity < 1:
+            raise ValueError(f"a slot pool needs at least one slot, got {capacity}")
+        self.layout, self.capacity, self.device = layout, capacity, torch.device(device)
+        self.storage = torch.empty(capacity, layout.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.views = layout.views(self.storage)
+        rows, cols = max(num_experts, default=0) + 1, max(num_experts.values(), default=1)
+        self.host_table = torch.full((rows, cols), -1, dtype=torch.int32)
+        self.table = torch.full((rows, cols), -1, dtype=torch.int32, device=self.device)
+        self.slot_of: dict[Key, int] = {}
+        self.key_of: list[Key | None] = [None] * capacity
+        self.last_use: list[object] = [None] * capacity
+        self.ready: list[object] = [None] * capacity
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out 0, 1, 2, ... first
+        self.dirty = False
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def take(self, key: Key) -> int:
+        """A free slot for ``key`` (which must not hold one); recorded in the host table."""
+        if key in self.slot_of:
+            raise ValueError(f"expert {key} already holds slot {self.slot_of[key]}")
+        if not self._free:
+            raise RuntimeError("no free VRAM slot (the cache evicts before it takes one)")
+        slot = self._free.pop()
+        self.slot_of[key], self.key_of[slot] = slot, key
+        self.host_table[key] = slot
+        self.dirty = True
+        return slot
+
+    def give(self, key: Key) -> int:
+        """Free ``key``'s slot (its table entry becomes -1); returns the slot."""
+        slot = self.slot_of.pop(key)
+        self.key_of[slot] = None
+        self.ready[slot] = None
+        self.host_table[key] = -1
+        self.dirty = True
+        self._free.append(slot)
+        return slot
+
+    def row(self, slot: int) -> torch.Tensor:
+        """uint8 [slot_bytes]: slot ``slot``'s bytes."""
+        return self.storage[slot]
+
+    def tensors(self, slot: int) -> dict[str, torch.Tensor]:
+        """role -> slot ``slot``'s piece (a view)."""
+        return {role: v[slot] for role, v in self.views.items()}
+
+    def flush(self) -> None:
+        """Write the host table to the device table (queued on the compute stream, before the kernels
+        launched after this), when it changed."""
+        if self.dirty:
+            # pageable source: the copy is staged before this returns, so the host table may change after
+            self.table.copy_(self.host_table, non_blocking=True)
+            self.dirty = False
+
+    def mark_used(self, keys, event) -> None:
+        """Compute that reads ``keys``' slots was queued before ``event``: refill them only after it."""
+        for key in keys:
+            slot = self.slot_of.get(key)
+            if slot is not None:
+                self.last_use[slot] = event
+
+
 class _TierReads:
     """A fetch's VRAM misses: host-tier hits first (no read), then the store's reads as they complete.
 
@@ -412,26 +616,129 @@ class TieredExpertCache(ExpertCache):
             the device tier).
         device: the compute device (``cuda``, or ``cpu`` to run the tier logic on the CPU).
         host_budget_bytes: bytes of experts kept in the host tier (LRU; 0: none).
+        slots: keep the device tier in a :class:`SlotPool` (the fused MoE kernel reads it in
+            place); needs every expert in one layout, else :attr:`pool` stays None.
 
-    The device tier keeps the base class's behaviour exactly (policy, pins, protection of
-    the fetch under way, counters); entering it is a host-to-device copy
-    (:class:`CopyEngine`). ``key in cache`` is true for experts held in either tier, so
-    the prefetcher (``--prefetch-ahead``) reads ahead from disk only what neither holds.
+    The device tier keeps the base class's behaviour (policy, pins, protection of the fetch
+    under way, counters); entering it is a host-to-device copy (:class:`CopyEngine`). ``key in
+    cache`` is true for experts held in either tier, so the prefetcher (``--prefetch-ahead``)
+    reads ahead from disk only what neither holds.
+
+    With a slot pool, a layer's experts stay in their slots from its fetch until
+    :meth:`end_layer` (the kernel that reads them is queued in between): between
+    :meth:`hold` and :meth:`end_layer` nothing of the fetch is evicted, and the cache can
+    exceed its budget by one layer's experts (the pool has at least that many slots, and pins
+    leave them free).
 
     Attributes:
         tier_stats: :class:`TierStats`; host: the :class:`HostTier`; copier: the
-            :class:`CopyEngine`.
+            :class:`CopyEngine`; pool: the :class:`SlotPool` or None.
     """
 
     def __init__(self, store: ExpertStore, budget_bytes: int | None, num_experts: dict[int, int],
                  policy: EvictionPolicy | None = None, device: torch.device | str = "cuda",
-                 host_budget_bytes: int = 0):
+                 host_budget_bytes: int = 0, slots: bool = False):
+        self._log: list[tuple[int, torch.Tensor]] = []  # routings of all-resident layers, not yet counted
+        self._host_log: list[tuple[list[tuple[int, int]], torch.Tensor]] = []
+        self._pending: list[tuple[list[tuple[int, int]], torch.Tensor, object]] = []
         super().__init__(store, budget_bytes, num_experts, policy)
         self.device = torch.device(device)
         self.copier = CopyEngine(self.device)
         self.host = HostTier(max(0, host_budget_bytes), store.release, max_pending=max(16, 2 * store.workers))
         self.tier_stats = TierStats()
+        self.pool: SlotPool | None = None
+        self._hold = False
+        self._held: list[Key] = []
+        self._staging: set[Key] = set()
+        self.total_experts = sum(num_experts.values())
+        self._widest = max(num_experts.values(), default=0)  # the most experts one layer's fetch can hold
+        if slots:
+            keys = [(layer, e) for layer, n in num_experts.items() for e in range(n)]
+            layout = expert_slot_layout(store, keys)
+            if layout is not None:
+                one = store.cached_nbytes(keys[0])
+                capacity = self.total_experts if budget_bytes is None else min(
+                    self.total_experts, max(budget_bytes // one, self._widest))
+                self.pool = SlotPool(layout, capacity, num_experts, self.device)
 
+    # -- counters of all-resident layers (counted from the device routing, lazily) -----------
+    @property
+    def stats(self):
+        if self._log or self._host_log or self._pending:
+            self._fold()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value) -> None:
+        self._stats = value
+
+    @property
+    def usage(self):
+        if self._log or self._host_log or self._pending:
+            self._fold()
+        return self._usage
+
+    @usage.setter
+    def usage(self, value) -> None:
+        self._usage = value
+
+    @property
+    def all_resident(self) -> bool:
+        """Every expert of the model is in its VRAM slot: a layer needs nothing from the host."""
+        return self.pool is not None and len(self._entries) == self.total_experts
+
+    def log_routing(self, layer: int, idx: torch.Tensor) -> None:
+        """Count ``layer``'s routing ``idx`` [T, K] (device, int64) as lookups and hits later, without a sync.
+
+        Only while :attr:`all_resident`: every expert is a hit and nothing is evicted, so only
+        the counters (``stats``, ``usage``) need the routing, and they fold it in when read.
+        """
+        self._log.append((layer, idx))
+
+    def take_log(self) -> list[tuple[int, torch.Tensor]]:
+        """The routings logged since the last call (a decode step's), for a caller that copies them to
+        the host itself (:meth:`log_pending`)."""
+        log, self._log = self._log, []
+        return log
+
+    def log_pending(self, sizes: list[tuple[int, int]], ids: torch.Tensor, event) -> None:
+        """``ids`` (host int64, pinned) will hold, once ``event`` completes, the routings of layers
+        ``sizes`` ((layer, slots) each), concatenated. Folded into the counters when read, or at
+        :meth:`settle` (before the buffer is written again)."""
+        self._pending.append((sizes, ids, event))
+
+    def settle(self) -> None:
+        """Copy the pending routings out of their buffers (waiting for their events), so the buffers can be
+        written again."""
+        for sizes, ids, event in self._pending:
+            CopyEngine.wait(event)
+            self._host_log.append((sizes, ids.clone()))
+        self._pending = []
+
+    def _fold(self) -> None:
+        self.settle()
+        log, self._log = self._log, []
+        parts = []
+        if log:
+            flat = torch.cat([i.reshape(-1) for _, i in log]).cpu()  # one sync, when the counters are read
+            parts.append(([(layer, i.numel()) for layer, i in log], flat))
+        parts += self._host_log
+        self._host_log = []
+        for sizes, flat in parts:
+            at = 0
+            for layer, n in sizes:
+                ids = flat[at : at + n].long()
+                at += n
+                use = self._usage.get(layer)
+                if use is None:
+                    continue
+                counts = torch.bincount(ids, minlength=use.numel())
+                use += counts
+                distinct = int((counts > 0).sum())
+                self._stats.lookups += distinct
+                self._stats.hits += distinct
+
+    # -- tiers ----------------------------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
         return key in self._entries or key in self.host
 
@@ -440,12 +747,57 @@ class TieredExpertCache(ExpertCache):
 
     def _insert(self, ew: ExpertWeights) -> ExpertWeights:
         """Copy the host expert ``ew`` to the device, keep or release its host buffer, and cache the device copy."""
-        dev, event = self.copier.to_device(ew)
-        self.tier_stats.h2d_bytes += dev.nbytes
+        if self.pool is None:
+            dev, event = self.copier.to_device(ew)
+            nbytes = dev.nbytes
+        else:
+            pool = self.pool
+            if not pool.free_slots:
+                self._evict_for_slot()
+            slot = pool.take(ew.key)
+            ahead = ew.key in self._staging  # copied ahead of its layer: compute waits at that layer
+            event = self.copier.copy_into(ew, pool.row(slot), pool.tensors(slot), after=pool.last_use[slot],
+                                          wait=not ahead)
+            pool.last_use[slot] = None
+            pool.ready[slot] = event if ahead else None
+            nbytes = ew.nbytes
+            dev = ExpertWeights(ew.key, pool.tensors(slot), nbytes, None)
+        self.tier_stats.h2d_bytes += nbytes
         self.tier_stats.h2d_copies += 1
-        self.host.copied(ew, event, self._protect)
+        self.host.copied(ew, event, self._protect | self._staging)
         self.tier_stats.host_evictions = self.host.evictions
         return super()._insert(dev)
+
+    def _busy(self, key: Key) -> bool:
+        """In use, part of the fetch under way (its kernel is yet to be queued), or being staged."""
+        return key in self._pins or key in self._protect or key in self._staging or key in self._held
+
+    def _evict(self, key: Key) -> None:
+        self.policy.remove(key)
+        ew = self._entries.pop(key)
+        self.used_bytes -= ew.nbytes
+        self._stats.evictions += 1
+        if self.pool is not None:
+            self.pool.give(key)
+        else:
+            self.store.release(ew)
+
+    def _evict_for_slot(self) -> None:
+        key = self.policy.victim(self._busy)
+        if key is None:
+            raise RuntimeError(f"every one of the {self.pool.capacity} VRAM slots holds an expert in use")
+        self._evict(key)
+
+    def _shrink(self) -> None:
+        if self.pool is None:
+            return super()._shrink()
+        if self._hold or self.budget_bytes is None:
+            return
+        while self.used_bytes > self.budget_bytes:
+            key = self.policy.victim(self._busy)
+            if key is None:
+                break
+            self._evict(key)
 
     def fetch(self, layer: int, experts: list[int], counts: list[int] | None = None):
         self.host.reap()
@@ -453,11 +805,72 @@ class TieredExpertCache(ExpertCache):
             self.host.touch((layer, e))
         return super().fetch(layer, experts, counts)
 
+    # -- the slot pool's layer protocol (moestream.pipeline) ------------------------------------
+    def hold(self, layer: int, experts: list[int]) -> None:
+        """A layer's fetch starts: keep its experts in their slots until :meth:`end_layer`."""
+        self._hold = True
+        self._held = [(layer, e) for e in experts]
+
+    def ready(self) -> None:
+        """Before the kernel of the layer just fetched: publish the slot table, and make the compute
+        stream wait for the copies of its experts that were staged ahead."""
+        pool = self.pool
+        for key in self._held:
+            slot = pool.slot_of.get(key)
+            if slot is not None and pool.ready[slot] is not None:
+                if self.copier.cuda:
+                    torch.cuda.current_stream(self.device).wait_event(pool.ready[slot])
+                pool.ready[slot] = None
+        pool.flush()
+
+    def end_layer(self) -> None:
+        """The kernel reading the held layer's slots is queued: their next copy waits for it; evict to
+        the budget."""
+        event = None
+        if self.copier.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self.pool.mark_used(self._held, event)
+        self._hold, self._held = False, []
+        self._shrink()
+        self.host.reap()
+
+    def stage(self, keys: list[Key]) -> int:
+        """Start copying those of ``keys`` that only the host tier holds into VRAM slots now, ahead of
+        their layer (beside the compute queued so far); returns how many. The compute stream waits
+        for each copy at its layer (:meth:`ready`)."""
+        if self.pool is None:
+            return 0
+        todo = [k for k in dict.fromkeys(keys) if k not in self._entries and k in self.host]
+        self._staging = set(todo)
+        n = 0
+        try:
+            for key in todo:
+                if not self.pool.free_slots and self.policy.victim(self._busy) is None:
+                    break
+                ew = self.host.get(key)
+                self._insert(ew)
+                self.tier_stats.staged += 1
+                n += 1
+                self._shrink()
+        finally:
+            self._staging = set()
+        return n
+
+    def pin(self, keys: list[Key], limit_bytes: int | None = None, progress=None) -> int:
+        """As :meth:`ExpertCache.pin`; with a slot pool, pins leave one layer's experts' slots free."""
+        if self.pool is not None and self.budget_bytes is not None:
+            one = self.store.cached_nbytes(keys[0]) if keys else 1
+            room = max(0, self.pool.capacity - self._widest) * one
+            limit_bytes = room if limit_bytes is None else min(limit_bytes, room)
+        return super().pin(keys, limit_bytes, progress)
+
     def describe_tiers(self) -> str:
         """One line on the tiers, for the user."""
         vram = "every expert" if self.budget_bytes is None else f"{self.budget_bytes / 1e9:.2f} GB"
         host = f"{self.host.budget_bytes / 1e9:.2f} GB pinned" if self.host.budget_bytes else "none"
-        return f"device {self.device}: expert cache {vram} in device memory, host tier {host}"
+        slots = f" ({self.pool.capacity} slots)" if self.pool is not None else ""
+        return f"device {self.device}: expert cache {vram}{slots} in device memory, host tier {host}"
 
     def close(self) -> None:
         """Wait for copies in flight, give every host buffer back, and unregister the pinned pool."""

@@ -2,7 +2,11 @@
 is imported before any test module imports torch, so the suite runs with the OpenMP wait policy a user
 gets (PASSIVE: spinning OpenMP threads made a streamed run of test_exact_under_timing.py cost 2.1-2.7 s
 of CPU instead of 0.2-0.4 s on this loaded 2-core machine); the CPU kernels' build (keyed by source and
-CPU, so safe to share) stays in the real user cache, so no test process rebuilds it."""
+CPU, so safe to share) stays in the real user cache, so no test process rebuilds it.
+
+Without a CUDA GPU, Triton kernels (moestream.fused_moe) run under Triton's interpreter: the
+variable must be set before Triton decorates them (when moestream.fused_moe is first imported), so
+it is set here, at collection."""
 
 import os
 
@@ -12,6 +16,16 @@ import moestream  # noqa: F401 -- sets OMP_WAIT_POLICY before torch loads (moest
 
 KERNELS = os.environ.get("MOESTREAM_KERNEL_CACHE") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moestream", "cpu-kernels")
+
+
+def _interpret_triton_without_a_gpu() -> None:
+    import torch  # here, not at the top: after moestream (above)
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
 
 
 @pytest.fixture(autouse=True)

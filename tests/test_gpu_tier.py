@@ -11,6 +11,7 @@ from moestream.cache import ExpertCache
 from moestream.engine import load
 from moestream.errors import BudgetError, ConfigError, MoestreamError
 from moestream.models.moe import swiglu_expert
+from moestream.options import EngineOptions
 from moestream.pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline
 from moestream.store import ExpertWeights
 from moestream.tiered_cache import (
@@ -273,6 +274,17 @@ def test_cli_refuses_host_tier_on_cpu():
     with pytest.raises(MoestreamError, match="--host-cache-gb needs --device cuda"):
         engine_options(args)
     engine_options(p.parse_args(["--model", "x", "--device", "cpu"]))
+
+
+def test_cli_no_cuda_graphs_is_the_engine_option():
+    """--no-cuda-graphs reaches EngineOptions.cuda_graphs (graphs on by default), and the API takes the field."""
+    from moestream.cli import add_engine_args, engine_options
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_options(p.parse_args(["--model", "x", "--device", "cpu"])).cuda_graphs is True
+    assert engine_options(p.parse_args(["--model", "x", "--device", "cpu", "--no-cuda-graphs"])).cuda_graphs is False
+    assert EngineOptions.make("all", cuda_graphs=False).cuda_graphs is False
 
 
 @pytest.mark.parametrize("value", ["-1", "abc", "nan", "1e12"])

@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-cache-gb", default=None,
                    help="with --device cuda: a second LRU tier of experts in pinned host RAM, in GB or 'auto' "
                    "(0.8 of the memory available less a reserve; default: none)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="with --device cuda: run decode steps eagerly instead of replaying them as CUDA graphs "
+                   "(the same kernels and bits; slower)")
     p.add_argument("--wire-memory", action="store_true",
                    help="lock the resident weights and the expert cache in RAM (mlock; needs RLIMIT_MEMLOCK)")
     p.add_argument("--fast", action="store_true",

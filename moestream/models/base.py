@@ -292,6 +292,8 @@ class CausalLM(nn.Module):
     # where synth lists a decoder layer's attention biases (see synth_rank): after the post-attention
     # norm ("norm"), after the router ("router") or after everything else in the layer ("end")
     synth_biases_after = "norm"
+    # one-token decode steps through static buffers (moestream.decode_graph.DecodeRunner), set by the engine
+    decode_runner = None
 
     def __init__(self, a: DecoderArgs, prefix: str = "model", head: str = "lm_head"):
         """The model of config ``a``: the skeleton (vocab_size, hidden_size, rms_norm_eps, tie_word_embeddings,
@@ -374,7 +376,14 @@ class CausalLM(nn.Module):
 
         Appends the chunk to ``kv``. Returns [T, vocab] when ``all_logits``, else [1, vocab]
         for the last position only (prefill needs no more), in the model's dtype.
+        One token goes to the engine's :attr:`decode_runner` when there is one (its static path, a
+        CUDA graph on the GPU), unless that declines (no KV cache yet to decode into).
         """
+        if self.decode_runner is not None and ids.shape[0] == 1:
+            out = self.decode_runner.step(ids, start, kv)
+            if out is not None:
+                kv.length = start + 1
+                return out
         decoder = self.decoder
         h = decoder.embed_tokens(ids)
         positions = torch.arange(start, start + ids.shape[0], device=ids.device)

@@ -28,8 +28,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.fused = None  # the same function in one GPU launch (moestream.fused_moe.rms_norm), set by the engine
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.is_cuda:
+            return self.fused(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -71,6 +74,11 @@ class KVCache:
         entry[0][:, start:end] = k
         entry[1][:, start:end] = v
         return entry[0][:, :end], entry[1][:, :end]
+
+    def attention_mask(self, start: int, t: int, window: int | None, device) -> torch.Tensor | None:
+        """The mask of :func:`attention_mask` for the keys :meth:`update` returned (a static decode
+        cache, :mod:`moestream.decode_graph`, computes it on the device instead)."""
+        return attention_mask(start, t, window, device)
 
     @property
     def nbytes(self) -> int:
@@ -158,7 +166,7 @@ class Attention(AttentionProjections):
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = kv.update(layer, start, k, v)
-        mask = attention_mask(start, t, self.window, x.device)
+        mask = kv.attention_mask(start, t, self.window, x.device)
         out = F.scaled_dot_product_attention(
             q[None], keys[None], values[None], attn_mask=mask, scale=self.scale,
             enable_gqa=self.heads != self.kv_heads,

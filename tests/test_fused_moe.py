@@ -1,0 +1,443 @@
+"""The GPU decode path's logic on the CPU: the fused MoE kernel (under Triton's interpreter), the
+VRAM slot pool and its layer protocol, the device-side grouping, the static decode path and its
+graph segments. The same on a GPU, at real shapes, with CUDA graphs: test_gpu_decode.py."""
+
+import math
+
+import pytest
+import torch
+
+from moestream import fused_moe as fm
+from moestream.decode_graph import (
+    MIN_BUCKET,
+    DecodeRunner,
+    StaticDecodeKV,
+    bucket_for,
+    graph_unsupported,
+    plan_segments,
+)
+from moestream.engine import load
+from moestream.models.layers import KVCache, attention_mask
+from moestream.store import ExpertStore
+from moestream.tiered_cache import CopyEngine, SlotLayout, SlotPool, TieredExpertCache, expert_slot_layout
+
+from .helpers import make_qwen3_moe
+
+interpreted = pytest.mark.skipif(fm.triton is None or not fm.interpreted(),
+                                 reason="needs Triton's interpreter (pip install triton; TRITON_INTERPRET=1)")
+
+
+def random_experts(s, i, h, dtype, g):
+    """A slot pool's views over one uint8 storage, filled with random experts."""
+    layout = SlotLayout.of([("gate", dtype, (i, h)), ("up", dtype, (i, h)), ("down", dtype, (h, i))])
+    storage = torch.zeros(s, layout.slot_bytes, dtype=torch.uint8)
+    views = layout.views(storage)
+    for role, v in views.items():
+        v.copy_((torch.randn(v.shape, generator=g) / (1 if role != "down" else math.sqrt(i))).to(dtype))
+    return storage, views
+
+
+def routing(t, k, e, g):
+    return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+
+
+# -- the device-side grouping ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t,k,e,bm", [(1, 1, 3, 16), (7, 3, 7, 16), (40, 4, 9, 16), (64, 8, 33, 32), (5, 2, 64, 16)])
+def test_align_blocks_places_every_slot_once_in_blocks_of_one_expert(t, k, e, bm):
+    g = torch.Generator().manual_seed(t * 31 + e)
+    flat = routing(t, k, e, g).reshape(-1)
+    tk = flat.numel()
+    rows, bexp = fm.align_blocks(flat, e, bm)
+    nblocks = -(-tk // bm) + min(e, tk)
+    assert rows.shape == (nblocks * bm,) and bexp.shape == (nblocks,)
+    blocks, experts = rows.view(nblocks, bm).tolist(), bexp.tolist()
+    seen, last_e, ended = [], -1, False
+    for b, ex in zip(blocks, experts):
+        if ex == e:  # past the end: padding only, and only at the end
+            ended = True
+            assert all(r == tk for r in b)
+            continue
+        assert not ended and ex >= last_e  # experts ascending, each in consecutive blocks
+        real = [r for r in b if r < tk]
+        assert real and all(int(flat[r]) == ex for r in real)
+        assert b[: len(real)] == real  # padding only after the slots
+        seen += real
+        last_e = ex
+    assert sorted(seen) == list(range(tk))
+    for ex in range(e):  # ascending slot order within an expert
+        mine = [r for r in seen if int(flat[r]) == ex]
+        assert mine == sorted(mine)
+
+
+def test_block_rows_depend_on_the_shapes_only():
+    assert fm.block_m(1, 8, 128) == 16 and fm.block_m(512, 8, 128) == 32 and fm.block_m(4096, 8, 128) == 64
+
+
+# -- the kernel, under the interpreter ---------------------------------------------------------
+
+
+@interpreted
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)])
+@pytest.mark.parametrize("t,k,e", [(1, 1, 3), (1, 2, 5), (3, 4, 7), (40, 2, 9), (17, 5, 11)])
+def test_fused_kernel_matches_float64(dtype, tol, t, k, e):
+    """Both paths (rows: T*K <= 64; blocks: above), odd widths (masks), against float64 expert by expert;
+    every output element written (a NaN-poisoned buffer); the bits independent of the slots."""
+    g = torch.Generator().manual_seed(t * 100 + k * 10 + e)
+    h, i, s = 48, 40, e + 4
+    storage, views = random_experts(s, i, h, dtype, g)
+    perm = torch.randperm(s, generator=g)[:e]
+    table = perm.to(torch.int32)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    idx = routing(t, k, e, g)
+    w = torch.rand(t, k, generator=g)
+    out = torch.full((t, h), float("nan"), dtype=dtype)
+    got = fm.fused_moe(x, w, idx, table, views["gate"], views["up"], views["down"], out=out)
+    assert got is out and not torch.isnan(out).any()
+    ref = fm.reference_moe(x, w, idx, {ex: {r: v[perm[ex]] for r, v in views.items()} for ex in range(e)})
+    assert float((out.double() - ref).norm() / ref.norm()) < tol
+    # the same experts in other slots: the same bits
+    moved = torch.randperm(s, generator=g)[:e]
+    storage2 = torch.zeros_like(storage)
+    storage2[moved] = storage[perm]
+    views2 = SlotLayout.of([("gate", dtype, (i, h)), ("up", dtype, (i, h)), ("down", dtype, (h, i))]).views(storage2)
+    again = fm.fused_moe(x, w, idx, moved.to(torch.int32), views2["gate"], views2["up"], views2["down"])
+    assert torch.equal(again, out)
+
+
+@interpreted
+def test_fused_kernel_checks_shapes():
+    g = torch.Generator().manual_seed(0)
+    _, views = random_experts(4, 8, 16, torch.float32, g)
+    with pytest.raises(ValueError, match="width"):
+        fm.fused_moe(torch.randn(1, 32), torch.rand(1, 1), torch.zeros(1, 1, dtype=torch.int64),
+                     torch.zeros(4, dtype=torch.int32), views["gate"], views["up"], views["down"])
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_is_the_norm(dtype):
+    """One launch of RMSNorm's function (float32 norm, rounded, times the weight), against float64."""
+    from moestream.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(48, 1e-6)
+    norm.weight.data = torch.randn(48, generator=g).to(dtype)
+    x = (3 * torch.randn(3, 5, 48, generator=g)).to(dtype)
+    got = fm.rms_norm(x, norm.weight, norm.eps)
+    xd = x.double()
+    want = norm.weight.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert got.dtype == norm(x).dtype and got.shape == x.shape
+    eps = torch.finfo(dtype).eps
+    assert float(((got.double() - want).abs() / (want.abs() + 1e-3)).max()) < 2 * eps
+    torch.testing.assert_close(got, norm(x), rtol=2 * eps, atol=1e-6)
+
+
+# -- the slot pool -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny float32 model: 2 layers x 8 experts, top-2."""
+    path = tmp_path_factory.mktemp("fused-tiny")
+    make_qwen3_moe(path, seed=7, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    return path
+
+
+def open_store(path):
+    from moestream.checkpoint import Checkpoint
+    from moestream.layout import discover_experts
+
+    ck = Checkpoint(path)
+    layout = discover_experts(ck.tensors)
+    return ck, ExpertStore(ck, layout, torch.float32, "cpu", 2)
+
+
+def test_slot_layout_is_the_store_buffer_layout(tiny):
+    """A read buffer goes into its slot in one copy, and the slot's views hold the expert's tensors."""
+    ck, store = open_store(tiny)
+    try:
+        keys = [(layer, e) for layer in store.layout.layers for e in range(8)]
+        layout = expert_slot_layout(store, keys)
+        assert layout is not None and layout.slot_bytes % 256 == 0
+        assert layout.slot_bytes >= store.cached_nbytes(keys[0])
+        ew = store.read_all([(1, 3)])[(1, 3)]
+        for role, dtype, shape, off in layout.roles:
+            t = ew.tensors[role]
+            assert (t.dtype, tuple(t.shape), t.storage_offset() * t.element_size()) == (dtype, shape, off)
+        pool = SlotPool(layout, 3, {0: 8, 1: 8}, "cpu")
+        slot = pool.take((1, 3))
+        copier = CopyEngine("cpu")
+        copier.copy_into(ew, pool.row(slot), pool.tensors(slot))
+        assert copier.h2d_bytes == ew.nbytes  # one copy of the whole buffer
+        for role, t in pool.tensors(slot).items():
+            assert torch.equal(t, ew.tensors[role])
+        # separate tensors (another layout) go piece by piece, to the same result
+        parts = type(ew)((1, 3), {r: t.clone() for r, t in ew.tensors.items()}, ew.nbytes)
+        pool.storage.zero_()
+        copier.copy_into(parts, pool.row(slot), pool.tensors(slot))
+        for role, t in pool.tensors(slot).items():
+            assert torch.equal(t, ew.tensors[role])
+        store.release(ew)
+    finally:
+        store.close()
+        ck.close()
+
+
+def test_slot_pool_table():
+    layout = SlotLayout.of([("gate", torch.float32, (2, 4)), ("up", torch.float32, (2, 4)),
+                            ("down", torch.float32, (4, 2))])
+    pool = SlotPool(layout, 2, {0: 3, 2: 5}, "cpu")
+    assert pool.table.shape == (3, 5) and bool((pool.table == -1).all())
+    a, b = pool.take((2, 4)), pool.take((0, 1))
+    assert {a, b} == {0, 1} and pool.free_slots == 0
+    with pytest.raises(RuntimeError, match="no free VRAM slot"):
+        pool.take((0, 2))
+    with pytest.raises(ValueError, match="already holds"):
+        pool.take((2, 4))
+    assert int(pool.table[2, 4]) == -1  # not published yet
+    pool.flush()
+    assert int(pool.table[2, 4]) == a and int(pool.table[0, 1]) == b and not pool.dirty
+    assert pool.give((2, 4)) == a and pool.free_slots == 1
+    pool.flush()
+    assert int(pool.table[2, 4]) == -1
+    assert pool.take((0, 2)) == a  # the freed slot serves the next expert
+    assert pool.views["down"].shape == (2, 4, 2) and pool.views["gate"].stride(0) == layout.slot_bytes // 4
+
+
+def slot_cache(path, budget_experts, host_experts=0):
+    ck, store = open_store(path)
+    one = store.cached_nbytes((0, 0))
+    budget = None if budget_experts is None else budget_experts * one
+    cache = TieredExpertCache(store, budget, {0: 8, 1: 8}, device="cpu", host_budget_bytes=host_experts * one,
+                              slots=True)
+    return ck, store, cache, one
+
+
+def test_held_layer_stays_in_its_slots_until_end_layer(tiny):
+    """A layer's experts are never evicted between its fetch and its kernel, even over the budget; after
+    end_layer the cache is back within budget and the evicted slots are -1 in the table."""
+    ck, store, cache, one = slot_cache(tiny, budget_experts=2)
+    try:
+        assert cache.pool.capacity == 8  # one layer's experts at least
+        needed = [5, 1, 7, 2, 0, 3]
+        cache.hold(0, needed)
+        got = {e: {r: t.clone() for r, t in ew.tensors.items()} for e, ew in cache.fetch(0, needed)}
+        cache.ready()
+        assert set(got) == set(needed) and len(cache) == 6  # over the budget while held
+        for e in needed:
+            slot = int(cache.pool.table[0, e])
+            assert slot == cache.pool.slot_of[(0, e)]
+            for role, t in cache.pool.tensors(slot).items():
+                assert torch.equal(t, got[e][role])  # nothing overwritten by a later expert of the layer
+        cache.end_layer()
+        assert cache.used_bytes <= 2 * one and len(cache) == 2
+        cache.pool.flush()
+        resident = {e for (layer, e) in cache.pool.slot_of}
+        assert all((int(cache.pool.table[0, e]) >= 0) == (e in resident) for e in range(8))
+        # the next layer refills freed slots; each expert's bytes are its own
+        cache.hold(1, [4, 6])
+        fresh = store.read_all([(1, 4), (1, 6)])
+        for e, ew in cache.fetch(1, [4, 6]):
+            for role, t in ew.tensors.items():
+                assert torch.equal(t, fresh[(1, e)].tensors[role])
+        cache.end_layer()
+        for ew in fresh.values():
+            store.release(ew)
+    finally:
+        cache.close()
+        store.close()
+        ck.close()
+
+
+def test_pins_leave_one_layer_of_slots_free(tiny):
+    ck, store, cache, one = slot_cache(tiny, budget_experts=10)
+    try:
+        assert cache.pool.capacity == 10
+        keys = [(layer, e) for layer in (0, 1) for e in range(8)]
+        assert cache.pin(keys) == 2  # 10 slots, 8 kept for a layer
+        cache.hold(0, list(range(8)))
+        assert len(list(cache.fetch(0, list(range(8))))) == 8  # a whole layer still fits
+        cache.end_layer()
+    finally:
+        cache.close()
+        store.close()
+        ck.close()
+
+
+def test_stage_copies_host_tier_experts_ahead(tiny):
+    """Experts held by the host tier enter VRAM before their layer asks; the layer then hits."""
+    ck, store, cache, one = slot_cache(tiny, budget_experts=8, host_experts=16)
+    try:
+        cache.hold(1, [0, 1, 2])
+        list(cache.fetch(1, [0, 1, 2]))
+        cache.ready()
+        cache.end_layer()
+        for e in range(8):  # fill VRAM with layer 0, pushing layer 1's experts to the host tier only
+            cache.hold(0, [e])
+            list(cache.fetch(0, [e]))
+            cache.end_layer()
+        assert (1, 0) not in cache._entries and (1, 0) in cache.host
+        assert cache.stage([(1, 0), (1, 1), (1, 5)]) == 2  # (1, 5) was never read: not staged
+        hits = cache.stats.hits
+        cache.hold(1, [0, 1])
+        list(cache.fetch(1, [0, 1]))
+        cache.ready()
+        cache.end_layer()
+        assert cache.stats.hits == hits + 2 and cache.tier_stats.staged == 2
+    finally:
+        cache.close()
+        store.close()
+        ck.close()
+
+
+def test_all_resident_counts_routing_from_the_device_log(tiny):
+    ck, store, cache, one = slot_cache(tiny, budget_experts=None)
+    try:
+        cache.preload([(layer, e) for layer in (0, 1) for e in range(8)])
+        assert cache.all_resident and cache.pool.capacity == 16
+        cache.log_routing(0, torch.tensor([[1, 2], [2, 5]]))
+        cache.log_routing(1, torch.tensor([[7, 0]]))
+        ids = torch.tensor([3, 3, 4], dtype=torch.int64)
+        cache.log_pending([(0, 3)], ids, None)
+        assert cache.stats.lookups == 3 + 2 + 2 and cache.stats.hits == 7
+        assert cache.usage[0].tolist() == [0, 1, 2, 2, 1, 1, 0, 0] and cache.usage[1].tolist()[7] == 1
+        assert not cache._log and not cache._pending  # folded once
+    finally:
+        cache.close()
+        store.close()
+        ck.close()
+
+
+# -- the static decode path ----------------------------------------------------------------------
+
+
+def test_buckets_and_segments(tiny):
+    assert bucket_for(1, 4096) == MIN_BUCKET and bucket_for(65, 4096) == 128 and bucket_for(300, 279) == 279
+    assert bucket_for(4097, 10000) == 8192
+    engine = load(tiny, tokenizer=False, device="cpu", hotlist=False, learn_experts=False)
+    try:
+        assert graph_unsupported(engine.model) is None
+        assert plan_segments(engine.model) == [0, 1]
+        assert engine.model.decode_runner is None  # the CPU path is untouched
+    finally:
+        engine.close()
+
+
+def test_families_that_cannot_take_the_static_path_say_why():
+    from moestream.models import family_for
+
+    cfg = {"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+           "kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+           "v_head_dim": 8, "n_group": 1, "topk_group": 1, "rope_theta": 10000.0}
+    fam = family_for(cfg, "config.json")
+    with torch.device("meta"):
+        net = fam.Model(fam.ModelArgs.from_config(cfg))
+    assert graph_unsupported(net)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_static_mask_is_the_attention_mask(window):
+    kv = KVCache(1, 16)
+    kv.update(0, 0, torch.zeros(1, 12, 4), torch.zeros(1, 12, 4))
+    for pos in (0, 3, 9, 11):
+        skv = StaticDecodeKV(kv, torch.tensor([pos]), 12)
+        got = skv.attention_mask(pos, 1, window, "cpu")
+        want = attention_mask(pos, 1, window, "cpu")
+        want = torch.ones(1, pos + 1, dtype=torch.bool) if want is None else want
+        assert torch.equal(got[:, : pos + 1], want) and not got[:, pos + 1 :].any()
+        k = torch.full((1, 1, 4), float(pos + 1))
+        keys, _ = skv.update(0, pos, k, k)
+        assert keys.shape == (1, 12, 4) and torch.equal(kv.layers[0][0][:, pos], k[:, 0])
+
+
+def run_steps(engine, prompt, steps):
+    kv = engine.model.new_kv_cache()
+    outs = []
+    with torch.inference_mode():
+        outs.append(engine.model(prompt, 0, kv, all_logits=True).cpu())
+        for i, tok in enumerate(steps):
+            outs.append(engine.model(torch.tensor([tok]), len(prompt) + i, kv).cpu())
+    return outs
+
+
+PROMPT = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3))  # 80 slots: the blocked path
+STEPS = [5, 77, 291, 5]
+
+
+def test_static_decode_steps_match_the_plain_path(tiny):
+    """The static path (device position, a fixed span of the cache, the mask on the device) computes the
+    model's decode steps: close to the plain path, and it declines a step with no KV cache to decode into."""
+    engine = load(tiny, tokenizer=False, device="cpu", hotlist=False, learn_experts=False, cache_budget_gb="all")
+    try:
+        ref = run_steps(engine, PROMPT, STEPS)
+        runner = DecodeRunner(engine.model, engine.pipeline, engine.cache, graphs=True)  # no CUDA: eager
+        assert not runner.graphs
+        engine.model.decode_runner = runner
+        got = run_steps(engine, PROMPT, STEPS)
+        assert runner.stats.eager == len(STEPS)
+        for a, b in zip(ref, got):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        kv = engine.model.new_kv_cache()
+        with torch.inference_mode():
+            engine.model(torch.tensor([3]), 0, kv)
+        assert runner.stats.declined == 1
+    finally:
+        engine.model.decode_runner = None
+        engine.close()
+
+
+# -- the pipeline on the fused kernel, end to end (interpreter) ----------------------------------
+
+
+def fused_run(path, **kw):
+    engine = load(path, tokenizer=False, device="cpu", hotlist=False, learn_experts=False, fused_experts=True, **kw)
+    try:
+        assert engine.model.decode_runner is not None
+        assert all(type(k).__name__ == "FusedSwiGLUKernel" for k in engine.pipeline.kernels.values())
+        return run_steps(engine, PROMPT, STEPS), engine.cache, engine.model.decode_runner.stats
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def fused_ref(tiny):
+    return fused_run(tiny, cache_budget_gb="all")
+
+
+@interpreted
+def test_fused_pipeline_all_resident_needs_no_host_routing(tiny, fused_ref):
+    out, cache, stats = fused_ref
+    plain = load(tiny, tokenizer=False, device="cpu", hotlist=False, learn_experts=False, cache_budget_gb="all")
+    try:
+        ref = run_steps(plain, PROMPT, STEPS)
+        for a, b in zip(ref, out):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert cache.stats.lookups == plain.cache.stats.lookups and cache.stats.misses == 0
+        assert [u.tolist() for u in cache.usage.values()] == [u.tolist() for u in plain.cache.usage.values()]
+    finally:
+        plain.close()
+    assert stats.eager == len(STEPS)
+
+
+@interpreted
+@pytest.mark.parametrize("vram,host,ahead", [(3, 16, 0), (0, 0, 0), (4, 16, 1)])
+def test_fused_pipeline_same_bits_for_every_budget(tiny, fused_ref, vram, host, ahead):
+    """VRAM slots below a layer's needs, the host tier, the disk and the lookahead copies: the bits of
+    budget all, and the counters add up."""
+    from .test_gpu_tier import expert_bytes
+
+    one = expert_bytes(tiny)
+    out, cache, _ = fused_run(tiny, cache_budget_gb=str(vram * one / 1e9), host_cache_gb=str(host * one / 1e9),
+                              prefetch_ahead=ahead)
+    ref = fused_ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+    s, t = cache.stats, cache.tier_stats
+    assert s.lookups == fused_ref[1].stats.lookups
+    assert s.misses == t.host_hits + t.disk_reads
+    assert t.h2d_copies == s.misses + s.prefetch_hits + t.staged
+    if ahead:
+        assert t.staged > 0
