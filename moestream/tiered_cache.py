@@ -289,10 +289,14 @@ class CopyEngine:
             raise ValueError(f"expert {ew.key} holds {sorted(tensors)}; its slot holds {sorted(views)}")
         base = row.data_ptr()
         storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
-        single = len(storages) == 1 and all(
-            t.is_contiguous() and t.storage_offset() * t.element_size() == views[r].data_ptr() - base
-            and t.dtype == views[r].dtype and t.shape == views[r].shape for r, t in tensors.items()
-        ) and next(iter(tensors.values())).untyped_storage().nbytes() <= row.numel()
+        # one copy when the pieces sit in one buffer at the slot's offsets plus one shift (the
+        # store's buffers hold each expert at its file offset modulo 4 KiB)
+        shifts = {t.storage_offset() * t.element_size() - (views[r].data_ptr() - base) for r, t in tensors.items()}
+        span = max(views[r].data_ptr() - base + t.numel() * t.element_size() for r, t in tensors.items())
+        single = len(storages) == 1 and len(shifts) == 1 and min(shifts) >= 0 and all(
+            t.is_contiguous() and t.dtype == views[r].dtype and t.shape == views[r].shape
+            for r, t in tensors.items()
+        ) and span <= row.numel() and min(shifts) + span <= next(iter(tensors.values())).untyped_storage().nbytes()
         if self.cuda:
             if after is not None:
                 self.stream.wait_event(after)
@@ -302,8 +306,8 @@ class CopyEngine:
         with ctx:
             if single:
                 src = torch.empty(0, dtype=torch.uint8).set_(next(iter(tensors.values())).untyped_storage())
-                nbytes = src.numel()
-                row[:nbytes].copy_(src, non_blocking=self.cuda)
+                nbytes, shift = span, min(shifts)
+                row[:nbytes].copy_(src[shift : shift + nbytes], non_blocking=self.cuda)
             else:
                 nbytes = 0
                 for role, t in tensors.items():
@@ -454,13 +458,17 @@ class SlotLayout:
     slot_bytes: int
 
     @classmethod
-    def of(cls, pieces: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> "SlotLayout":
-        """The layout of pieces ``(role, dtype, shape)``, in order."""
+    def of(cls, pieces: list[tuple[str, torch.dtype, tuple[int, ...]]],
+           frame: tuple[int, ...] | None = None) -> "SlotLayout":
+        """The layout of pieces ``(role, dtype, shape)``, in order: packed at
+        :data:`~moestream.store.PIECE_ALIGN` offsets, or at a store frame's piece offsets ``at``
+        less the first (as the pieces lie in the store's buffers: one copy moves an expert)."""
         roles, at = [], 0
-        for role, dtype, shape in pieces:
-            roles.append((role, dtype, tuple(shape), at))
+        first = min(frame) if frame else 0
+        for i, (role, dtype, shape) in enumerate(pieces):
             nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-            at += -(-nbytes // PIECE_ALIGN) * PIECE_ALIGN
+            roles.append((role, dtype, tuple(shape), frame[i] - first if frame else at))
+            at = max(at, frame[i] - first + nbytes) if frame else at + -(-nbytes // PIECE_ALIGN) * PIECE_ALIGN
         return cls(tuple(roles), max(SLOT_ALIGN, -(-at // SLOT_ALIGN) * SLOT_ALIGN))
 
     def views(self, storage: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -477,17 +485,25 @@ def expert_slot_layout(store: ExpertStore, keys: list[Key]) -> SlotLayout | None
     dtype), or None when they differ (or the store transforms experts: then no slot pool)."""
     if getattr(store, "prepare", None) is not None or not keys:
         return None
-    layout = None
+    layout, frames = None, set()
     for key in keys:
-        pieces = []
+        pieces, cast = [], False
         for p in store.layout.pieces(*key):
-            dt = store.dtype if store._converts(p.dtype, p.role) else torch_dtype(p.dtype)
-            pieces.append((p.role, dt, tuple(p.shape)))
+            converts = store._converts(p.dtype, p.role)
+            cast |= converts
+            pieces.append((p.role, store.dtype if converts else torch_dtype(p.dtype), tuple(p.shape)))
         this = SlotLayout.of(pieces)
         if layout is None:
             layout = this
         elif this != layout:
             return None
+        at = store.frame(key).at
+        frames.add(None if cast else tuple(a - min(at) for a in at))
+    # the store lays buffers out like the file, each expert at its file offset modulo 4 KiB: when
+    # the pieces lie alike relative to the first in every expert, a slot takes that layout and one
+    # copy of the buffer's span moves an expert
+    if len(frames) == 1 and None not in frames:
+        return SlotLayout.of(pieces, next(iter(frames)))
     return layout
 
 
