@@ -49,6 +49,30 @@ class PrefetchStats:
         return dict(self.__dict__)
 
 
+def following_blocks(blocks: list, ahead: int) -> dict[int, list]:
+    """Layer -> the ``ahead`` MoE blocks after it in the forward pass (fewer near the last layer)."""
+    order = list(blocks)
+    return {b.layer: order[i + 1 : i + 1 + ahead] for i, b in enumerate(order)}
+
+
+@torch.inference_mode()
+def predict_next(following: list, x: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """The experts each of the ``following`` blocks' routers picks for ``x`` [T, H].
+
+    Per block: its router on ``x``, the ``top_k`` experts with the largest summed routing
+    weight over the T tokens (for one token, exactly its predicted top-k), those with a
+    positive weight, largest first. Returns ``[(layer, [expert, ...]), ...]``.
+    """
+    out = []
+    for block in following:
+        weights, idx = block.route(x)
+        score = torch.zeros(block.gate.weight.shape[0], dtype=torch.float32, device=x.device)
+        score.index_add_(0, idx.reshape(-1), weights.reshape(-1).float())
+        top = torch.topk(score, min(idx.shape[1], score.numel())).indices.tolist()
+        out.append((block.layer, [e for e in top if score[e] > 0]))
+    return out
+
+
 class Prefetcher:
     """Predicts and reads ahead the experts of the next ``ahead`` MoE layers.
 
@@ -72,8 +96,7 @@ class Prefetcher:
         self.min_decided = min_decided
         self.enabled = True
         self.stats = PrefetchStats()
-        order = list(blocks)
-        self._following = {b.layer: order[i + 1 : i + 1 + ahead] for i, b in enumerate(order)}
+        self._following = following_blocks(blocks, ahead)
         self._planned: list[Key] = []
         self._staged: dict[Key, ReadBatch] = {}
         self._claimed: dict[Key, ReadBatch] = {}  # claimed by the layer fetching now, not yet taken
@@ -97,16 +120,12 @@ class Prefetcher:
         """
         if not self.enabled:
             return
-        for block in self._following.get(layer, ()):
-            weights, idx = block.route(x)
-            score = torch.zeros(block.gate.weight.shape[0], dtype=torch.float32, device=x.device)
-            score.index_add_(0, idx.reshape(-1), weights.reshape(-1).float())
-            top = torch.topk(score, min(idx.shape[1], score.numel())).indices.tolist()
-            for e in top:
-                key = (block.layer, e)
+        for nxt, experts in predict_next(self._following.get(layer, ()), x):
+            for e in experts:
+                key = (nxt, e)
                 if self.owns is not None and not self.owns(key):  # expert parallel: another rank reads it
                     continue
-                if score[e] > 0 and key not in self._staged and key not in self._planned and (
+                if key not in self._staged and key not in self._planned and (
                     self._cache is None or key not in self._cache
                 ):
                     self._planned.append(key)

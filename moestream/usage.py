@@ -9,9 +9,11 @@
   (``--pin-file``) are ``{"pin": [[layer, expert], ...]}``, hottest first, optionally with
   the ``model_id`` they were made for.
 - A **routing trace** (``--trace FILE``) is JSON lines: a header, then one record per
-  MoE layer per forward pass, ``{"token": t0, "layer": l, "experts": [[e, ...], ...]}``
-  (one row of top-k expert indices per token, tokens t0, t0+1, ...), which
-  ``moestream cache-sim`` replays.
+  MoE layer per forward pass, ``{"token": t0, "layer": l, "experts": [[e, ...], ...],
+  "ahead": [[l + 1, [e, ...]], [l + 2, [e, ...]]]}`` (one row of top-k expert indices per
+  token, tokens t0, t0+1, ...; ``ahead``: the experts the next two MoE layers' routers
+  predict from this layer's input, what ``--prefetch-ahead`` would read), which
+  ``moestream cache-sim`` replays (:mod:`moestream.traces` reads it and public formats).
 
 A profile, hot list or pin file that is not valid JSON, belongs to another model, or
 names layers or experts the model does not have is ignored with a warning naming the
@@ -32,13 +34,14 @@ from pathlib import Path
 import torch
 
 from .errors import MoestreamError
+from .traces import TRACE_FORMAT
 
 Key = tuple[int, int]
 DECAY = 0.5  # weight of the previous profile when a run's counts are merged in
 HOT_FRACTION = 0.5  # hot lists and usage profiles pin at most this share of the budget
 HOT_LIST = "hot_experts.json"
 PROFILE_FORMAT = "moestream-usage"
-TRACE_FORMAT = "moestream-trace"
+TRACE_AHEAD = 2  # following MoE layers whose predicted experts a trace records (cache-sim's prefetch depths)
 
 
 def warn(msg: str) -> None:
@@ -233,13 +236,18 @@ class TraceWriter:
         path: the file to create (replaced if it exists).
         header: model facts the simulator needs (``num_experts`` and ``expert_bytes`` per
             layer, ``top_k``, ``model_id``).
+        predict: ``predict(layer, x)`` -> the experts the following MoE layers' routers predict
+            from layer ``layer``'s input ``x`` [T, H] (``[(layer, [expert, ...]), ...]``, as
+            ``--prefetch-ahead`` would read them); recorded as ``ahead`` so that ``cache-sim``
+            can replay prefetch. None: not recorded.
 
     Raises:
         MoestreamError: the file cannot be created (naming it).
     """
 
-    def __init__(self, path: Path, header: dict):
+    def __init__(self, path: Path, header: dict, predict=None):
         self.path = Path(path)
+        self.predict = predict
         try:
             self._f = open(self.path, "w")  # noqa: SIM115 -- closed by close()
         except OSError as e:
@@ -248,12 +256,16 @@ class TraceWriter:
         self._token = 0
         self._last: tuple[int, int] | None = None  # (layer, tokens) of the last record
 
-    def route(self, layer: int, idx: torch.Tensor) -> None:
-        """Record that layer ``layer`` routed the tokens of this forward pass to ``idx`` [T, K]."""
+    def route(self, layer: int, idx: torch.Tensor, x: torch.Tensor | None = None) -> None:
+        """Record that layer ``layer`` routed the tokens of this forward pass to ``idx`` [T, K]
+        (``x`` [T, H]: the layer's MoE input, for the predictions of the following layers)."""
         if self._last is not None and layer <= self._last[0]:  # a new forward pass
             self._token += self._last[1]
         self._last = (layer, idx.shape[0])
-        self._f.write(json.dumps({"token": self._token, "layer": layer, "experts": idx.tolist()}) + "\n")
+        rec = {"token": self._token, "layer": layer, "experts": idx.tolist()}
+        if self.predict is not None and x is not None:
+            rec["ahead"] = [[nxt, es] for nxt, es in self.predict(layer, x)]
+        self._f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
         if not self._f.closed:
@@ -261,34 +273,21 @@ class TraceWriter:
 
 
 def read_trace(path: Path) -> tuple[dict, list[tuple[int, int, list[list[int]]]]]:
-    """Read a routing trace: ``(header, [(token, layer, experts [T][K]), ...])``.
+    """Read a moestream routing trace: ``(header, [(token, layer, experts [T][K]), ...])``.
+
+    Other formats (public JSON lines, FLAME-MoE parquet) and the recorded predictions:
+    :func:`moestream.traces.load_trace`.
 
     Raises:
-        MoestreamError: the file is missing or a line is malformed (naming file and line).
+        MoestreamError: the file is missing, not a moestream trace, or a line is malformed
+            (naming file and line).
     """
-    path = Path(path)
-    records = []
-    try:
-        with open(path) as f:
-            lines = iter(enumerate(f, 1))
-            try:
-                header = json.loads(next(lines)[1])
-            except StopIteration:
-                raise MoestreamError(f"trace {path}: empty") from None
-            except json.JSONDecodeError as e:
-                raise MoestreamError(f"trace {path}: line 1 is not JSON ({e})") from None
-            if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
-                raise MoestreamError(f"trace {path}: line 1 is not a moestream trace header")
-            for n, line in lines:
-                try:
-                    r = json.loads(line)
-                    rec = (int(r["token"]), int(r["layer"]), [[int(e) for e in row] for row in r["experts"]])
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                    raise MoestreamError(f"trace {path}: line {n} is not a routing record") from None
-                records.append(rec)
-    except OSError as e:
-        raise MoestreamError(f"trace {path}: cannot read: {e.strerror or e}") from None
-    return header, records
+    from .traces import load_trace
+
+    trace = load_trace(path)
+    if trace.format != "moestream":
+        raise MoestreamError(f"trace {path}: line 1 is not a moestream trace header")
+    return trace.header, trace.records
 
 
 class UsageState:
@@ -391,7 +390,11 @@ def setup_cache_policy(
             "model_id": model_id, "model": name, "top_k": top_k, "max_active_experts": max_active_experts,
             "num_experts": {str(k): v for k, v in num_experts.items()},
             "expert_bytes": {str(k): cache.store.cached_nbytes((k, 0)) for k in num_experts},
+            "ahead": TRACE_AHEAD,
         }
-        writer = TraceWriter(Path(trace), header)
+        from .prefetch import following_blocks, predict_next
+
+        following = following_blocks(blocks, TRACE_AHEAD)
+        writer = TraceWriter(Path(trace), header, lambda layer, x: predict_next(following.get(layer, ()), x))
         cache.trace = writer
     return UsageState(model_id, name, num_experts, profile_path, writer)

@@ -13,6 +13,7 @@ from moestream.cachesim import requests_of, simulate_policy
 from moestream.cli import main
 from moestream.engine import load
 from moestream.generation import SamplingParams, generate
+from moestream.traces import load_trace
 from moestream.usage import DECAY, default_profile_path, read_trace
 
 from .helpers import make_qwen3_moe, write_tiny_synth_config
@@ -190,6 +191,28 @@ def test_trace_replays_to_the_cache_hits(model, tmp_path):
     size = one_expert(model)
     sim = simulate_policy("lru", reqs, lambda k: size, budget_experts * size, decode)
     assert (sim.lookups, sim.hits) == (cache.stats.lookups, cache.stats.hits)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_trace_replays_prefetch_and_pins_to_the_cache_hits(model, tmp_path, ahead):
+    """The trace records what the prefetcher predicts; replaying it reads ahead, claims and wastes as the engine
+    did, so the simulated hits, prefetch hits and pinned hits are the cache's."""
+    budget_experts, size = 16, one_expert(model)
+    pins = [[0, 3], [2, 5], [1, 0]]
+    pin_file = tmp_path / "pins.json"
+    pin_file.write_text(json.dumps({"pin": pins}))
+    trace = tmp_path / "t.jsonl"
+    _, _, _, cache = run(model, str(size * budget_experts / 1e9), tokens=8, trace=trace, learn_experts=False,
+                         prefetch_ahead=ahead, pin_file=pin_file, workers=3)
+    tr = load_trace(trace)
+    assert tr.header["ahead"] == 2 and tr.has_ahead
+    assert [len(a) for a in tr.ahead[:3]] == [2, 1, 0]  # the next two MoE layers, fewer near the last
+    reqs, decode = requests_of(tr.records)
+    sim = simulate_policy("lru", reqs, lambda k: size, budget_experts * size, decode,
+                          pinned=[tuple(p) for p in pins], ahead=tr.ahead, depth=ahead)
+    assert cache.stats.prefetch_hits > 0 and cache.stats.pinned_hits > 0
+    assert (sim.lookups, sim.hits, sim.prefetch_hits, sim.pinned_hits) == (
+        cache.stats.lookups, cache.stats.hits, cache.stats.prefetch_hits, cache.stats.pinned_hits)
 
 
 def test_cli_hotlist_and_cache_sim(tmp_path, capsys):

@@ -271,7 +271,7 @@ class StreamedMoE(nn.Module):
             weights, idx = keep_top_experts(weights, idx, self.max_active, self.renormalize)
         trace = getattr(self.cache, "trace", None)
         if trace is not None:
-            trace.route(self.layer, idx)
+            trace.route(self.layer, idx, x)
         pf = getattr(self.cache, "prefetcher", None)
         if pf is not None:  # --prefetch-ahead: read the next layers' likely experts while this one computes
             pf.plan(self.layer, x)
