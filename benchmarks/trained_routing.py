@@ -61,9 +61,58 @@ def log(msg: str) -> None:
     print(f"[trained-routing {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def record(a) -> None:
+class StepTrace:
+    """The fast path's trace: the stream's tokens fed in prefill chunks, recorded as the one-token steps of a
+    decode run (a record of one row per token and layer, its predictions from that token's row alone), in the
+    order a decode run visits them (token by token, layer by layer); the prompt's chunks as they are."""
+
+    def __init__(self, writer, prompt_len: int):
+        self.writer, self.prompt_len, self.start = writer, prompt_len, 0
+        self.records: list[tuple[int, int, list, list]] = []
+
+    def route(self, layer, idx, x=None) -> None:
+        rows = idx.tolist()
+        if self.start < self.prompt_len:  # a prompt chunk: as the engine's prefill records it
+            self.records.append((self.start, layer, rows, self.writer.predict(layer, x)))
+            return
+        for j, row in enumerate(rows):
+            self.records.append((self.start + j, layer, [row], self.writer.predict(layer, x[j : j + 1])))
+
+    def flush(self) -> None:
+        for token, layer, rows, ahead in sorted(self.records, key=lambda r: (r[0], r[1])):
+            self.writer.record(token, layer, rows, ahead)
+        self.records.clear()
+
+
+def run_stream(engine, prompt: list[int], stream: list[int], fast: bool) -> float:
+    """Feed ``prompt`` (prefilled in the CLI's 512-token chunks) then ``stream``: one token per step, or with
+    ``fast`` in 512-token chunks traced as steps (:class:`StepTrace`). Returns seconds per fed token."""
     import torch
 
+    model, kv = engine.model, engine.model.new_kv_cache(len(prompt) + len(stream) + 1)
+    ids = torch.tensor(prompt + stream, dtype=torch.int64)
+    step = StepTrace(engine.cache.trace, len(prompt)) if fast else None
+    if step is not None:
+        engine.cache.trace = step
+    with torch.inference_mode():
+        for i in range(0, len(prompt), 512):
+            if step is not None:
+                step.start = i
+            model(ids[i : min(i + 512, len(prompt))], i, kv)
+        t0 = time.perf_counter()
+        if fast:
+            for i in range(len(prompt), len(ids), 512):
+                step.start = i
+                model(ids[i : i + 512], i, kv)
+            step.flush()
+            engine.cache.trace = step.writer
+        else:
+            for pos in range(len(prompt), len(ids)):
+                model(ids[pos : pos + 1], pos, kv)
+    return (time.perf_counter() - t0) / max(1, len(stream))
+
+
+def record(a) -> None:
     from moestream.engine import load
     from moestream.synth import synth
 
@@ -81,21 +130,12 @@ def record(a) -> None:
             t0 = time.perf_counter()
             engine = load(model, cache_budget_gb=a.budget, tokenizer=False, trace=trace, learn_experts=False)
             try:
-                with torch.inference_mode():
-                    kv = engine.model.new_kv_cache(len(s["prompt"]) + len(s["stream"]) + 1)
-                    ids = torch.tensor(s["prompt"], dtype=torch.int64)
-                    for i in range(0, len(ids), 512):
-                        engine.model(ids[i : i + 512], i, kv)
-                    pos = len(s["prompt"])
-                    t1 = time.perf_counter()
-                    for tok in s["stream"]:
-                        engine.model(torch.tensor([tok], dtype=torch.int64), pos, kv)
-                        pos += 1
-                    t2 = time.perf_counter()
+                per = run_stream(engine, s["prompt"], s["stream"], a.fast)
             finally:
                 engine.close()
-            log(f"trace {trace.name}: {len(s['prompt'])} prompt + {len(s['stream'])} fed tokens, load+prefill "
-                f"{t1 - t0:.0f} s, {(t2 - t1) / len(s['stream']) * 1e3:.0f} ms per fed token")
+            log(f"trace {trace.name}: {len(s['prompt'])} prompt + {len(s['stream'])} fed tokens "
+                f"({'in chunks, traced as steps' if a.fast else 'one per step'}), {time.perf_counter() - t0:.0f} s, "
+                f"{per * 1e3:.0f} ms per fed token")
         if not a.keep:
             shutil.rmtree(model)
 
@@ -172,6 +212,33 @@ def analyze(a) -> str:
     return "\n".join(out)
 
 
+def check(pa: Path, pb: Path) -> str:
+    """How many (token, layer) routings and predictions two traces of one stream share, and whether their
+    requests (what the cache sees, in order) are the same."""
+    from moestream.cachesim import requests_of
+    from moestream.traces import load_trace
+
+    ta, tb = load_trace(pa), load_trace(pb)
+
+    def per_token(tr):
+        out, pred = {}, {}
+        for (t0, layer, rows), ahead in zip(tr.records, tr.ahead):
+            for j, row in enumerate(rows):
+                out[(t0 + j, layer)] = row
+            if len(rows) == 1:
+                pred[(t0, layer)] = ahead
+        return out, pred
+
+    (ra, pa_), (rb, pb_) = per_token(ta), per_token(tb)
+    same = sum(ra[k] == rb.get(k) for k in ra)
+    sets = sum(set(ra[k]) == set(rb.get(k, ())) for k in ra)
+    keys = set(pa_) & set(pb_)
+    psame = sum(pa_[k] == pb_[k] for k in keys)
+    qa, qb = requests_of(ta.records), requests_of(tb.records)
+    return (f"{pa.name} vs {pb.name}: {same} of {len(ra)} (token, layer) routings identical in order, {sets} as sets; "
+            f"{psame} of {len(keys)} one-token predictions identical; requests identical: {qa == qb}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -185,6 +252,12 @@ def main() -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--tokens", type=Path, default=None, help="the streams as JSON (from `tokens`), else tokenized")
     r.add_argument("--keep", action="store_true")
+    r.add_argument("--fast", action="store_true",
+                   help="feed each stream in 512-token chunks, traced as one-token steps (the `check` command "
+                        "measures that it routes as one token per step)")
+    c = sub.add_parser("check", help="compare two traces of the same stream token by token (fast path vs steps)")
+    c.add_argument("a", type=Path)
+    c.add_argument("b", type=Path)
     t = sub.add_parser("tokens", help="write the streams' token ids as JSON (for a machine without ../shared)")
     t.add_argument("--out", type=Path, required=True)
     an = sub.add_parser("analyze")
@@ -193,6 +266,8 @@ def main() -> None:
     a = p.parse_args()
     if a.cmd == "record":
         record(a)
+    elif a.cmd == "check":
+        print(check(a.a, a.b))
     elif a.cmd == "tokens":
         a.out.write_text(json.dumps(streams()))
     else:

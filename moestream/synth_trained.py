@@ -4,37 +4,44 @@ Random weights route each token by its embedding alone, so consecutive tokens sh
 experts at chance (``spread``). A trained model's router also reads the context, which
 changes slowly from token to token. This init builds that into the weights, and nothing
 else changes: the model math, the tensor names and shapes are the family's own, so every
-engine reads the checkpoint.
+engine that reads the family reads the checkpoint.
 
-The residual stream (hidden size H) is laid out in four blocks of coordinates:
+The residual stream (hidden size H) is laid out in five blocks of coordinates:
 
-* ``T`` (the rest, about 72% of H): the token's embedding, unit variance, as ``spread``;
-* ``B`` (H/32): a constant 1 in every embedding row, which the first layer's queries and
-  keys read (so they do not depend on the token) and the routers read as a per-expert
-  bias;
+* ``T`` (the rest, about 66% of H): the token's embedding, unit variance, as ``spread``;
+* ``K`` (H/16): the token's cluster: each token id belongs to one of ``E / CLUSTER_EXPERTS``
+  clusters (E experts per layer), a unit direction of the block (rms 1 per coordinate);
+* ``B`` (H/32): a constant 1 in every embedding row, which layer 0's queries, keys, gates
+  and decays read (so they do not depend on the token);
 * ``F`` and ``S`` (H/8 each): a fast and a slow context, written by layer 0's token mixer:
   running averages of random projections of the past tokens' embeddings over about
-  ``FAST_WINDOWS`` and ``SLOW_WINDOWS`` tokens. In Qwen3-MoE (softmax attention) each
-  query head of layer 0 attends to the recent past through a positional kernel made
-  of RoPE frequencies (constant queries and keys: the score of a key depends only on
-  its distance), fitted to an exponential moving average. In the hybrid families
-  (Qwen3-Next, Qwen3.5) layer 0 is Gated DeltaNet: constant unit keys and queries make
-  its state an exact exponential moving average of the values, with ``beta`` and the
-  decay setting the window.
+  ``FAST_WINDOWS`` and ``SLOW_WINDOWS`` tokens, less ``MEAN_REMOVAL`` times the average over
+  ``LONG_WINDOW`` tokens (the text's persistent mean, which would otherwise favour the same
+  experts throughout and leave others unused). In Qwen3-MoE (softmax attention) each query
+  head of layer 0 attends to the past through a positional kernel made of RoPE
+  frequencies (constant queries and keys: a key's score depends only on its distance),
+  ``A exp(-d / tau)`` from a Lorentzian spectrum, whose softmax is an exponential moving
+  average. In the hybrids (Qwen3-Next, Qwen3.5) layer 0 is Gated DeltaNet: constant unit
+  keys and queries make its state an exact exponential moving average of the values, with
+  ``beta`` and the decay setting the window; its gated norm makes each head's output rms 1.
 
-Every router reads ``ROUTER_WEIGHTS`` of the current token, the fast and the slow
-context through rows of a random orthonormal frame (so no expert is favoured by
-construction), scaled to logits of about ``LOGIT_STD``. Deeper layers' attention and all
-experts keep the ``spread`` init; the experts add small noise to the stream. Each
-layer's router is drawn independently, so routing is uncorrelated across layers while
-each layer reuses experts over time.
+Every router reads, with ``ROUTER_WEIGHTS``, the current token, the fast and the slow
+context (through rows of a random orthonormal frame, so no expert is favoured by
+construction), and the token's cluster (``CLUSTER_EXPERTS`` experts of the layer prefer
+each cluster, a different pair in every layer); logits are about ``LOGIT_STD``. Deeper
+layers' token mixers and all experts keep the ``spread`` init (the experts add small noise
+to the stream). Each layer's router is drawn independently, so routing is uncorrelated
+across layers while each layer reuses experts over time.
 
-What it models: temporal locality of routing on a varied token stream (reuse at the next
-token and within a few tokens, LRU hit rates per layer), usage skewed by the text's
-frequent tokens, all experts used over a long run. What it does not: semantics (the text
-is still gibberish), domain-specialized experts, correlation of routing across layers,
-long-range structure beyond the slow window, load balancing learnt from data, or any
-property of trained models' expert weights.
+The constants were calibrated on the bench's token stream with layer 0's output and
+independent routers (docs/benchmarks.md, "Routing like trained models", has the figures of
+real runs). What it models: temporal locality of routing (reuse at the next token and
+within a few tokens, per-layer LRU hit rates), usage skewed by the text's frequent tokens,
+token-specific experts, every expert used over a long run. What it does not: meaning,
+domain-specialized experts, structure beyond a few hundred tokens, correlation of routing
+across layers, trained expert weights, or how well the next layers' routers predict
+their experts in a trained model (here the stream changes little between layers, so
+reading ahead predicts better).
 """
 
 from __future__ import annotations
@@ -57,7 +64,6 @@ LONG_WINDOW = 256.0  # tokens: the running average of the text, partly taken out
 MEAN_REMOVAL = 0.85  # how much of it
 ROUTER_WEIGHTS = {"token": 0.26, "fast": 0.1, "slow": 1.0, "cluster": 0.9}  # weight of each signal in the logits
 CLUSTER_EXPERTS = 2  # experts of each layer that prefer a token cluster
-ROUTER_BIAS = 0.0  # std of a per-expert bias, in logit units (usage skew beyond the text's own)
 LOGIT_STD = 1.5  # typical standard deviation of router logits
 V_PREACT = 0.5  # DeltaNet: std of the values before their SiLU (centred, see silu_centre)
 Z_PREACT = 2.0  # DeltaNet: the output gate's constant pre-activation
@@ -287,9 +293,6 @@ class TrainedInit:
         c, dirs = self._clusters(seed)
         mine = torch.randperm(e, generator=g) % c  # each expert's cluster in this layer
         out[:, b.cluster[0] : b.cluster[1]] = lam * w["cluster"] * dirs[mine] / math.sqrt(b.size(b.cluster))
-        if ROUTER_BIAS:
-            bias = torch.randn(e, generator=g) * ROUTER_BIAS
-            out[:, b.const[0] : b.const[1]] = bias[:, None] / b.size(b.const)
         return out
 
     def _const_reader(self, rows: torch.Tensor, pre: torch.Tensor | float) -> torch.Tensor:

@@ -262,9 +262,15 @@ class TraceWriter:
         if self._last is not None and layer <= self._last[0]:  # a new forward pass
             self._token += self._last[1]
         self._last = (layer, idx.shape[0])
-        rec = {"token": self._token, "layer": layer, "experts": idx.tolist()}
-        if self.predict is not None and x is not None:
-            rec["ahead"] = [[nxt, es] for nxt, es in self.predict(layer, x)]
+        ahead = self.predict(layer, x) if self.predict is not None and x is not None else None
+        self.record(self._token, layer, idx.tolist(), ahead)
+
+    def record(self, token: int, layer: int, experts: list[list[int]], ahead=None) -> None:
+        """Write one record: tokens ``token``.. routed at ``layer`` to ``experts`` [T][K]; ``ahead``: the
+        following layers' predicted experts ``[(layer, [expert, ...]), ...]`` (None: not recorded)."""
+        rec = {"token": token, "layer": layer, "experts": experts}
+        if ahead is not None:
+            rec["ahead"] = [[nxt, es] for nxt, es in ahead]
         self._f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:

@@ -166,6 +166,17 @@ def test_trained_weights_are_ordinary_weights(family, tmp_path):
     assert ((logits[0] - want).abs().max() / want.abs().max()) < 1e-5
 
 
+def test_synth_cli_writes_a_trained_checkpoint(tmp_path, capsys):
+    from moestream.cli import main
+
+    cfg = write_tiny_synth_config(tmp_path / "c.json", vocab_size=400, hidden_size=64)
+    assert main(["synth", "--config", str(cfg), "--out", str(tmp_path / "m"), "--init", "trained"]) == 0
+    assert main(["synth", "--config", str(cfg), "--out", str(tmp_path / "s")]) == 0
+    a, b = read_all(tmp_path / "m"), read_all(tmp_path / "s")
+    assert not torch.equal(a["model.layers.1.mlp.gate.weight"], b["model.layers.1.mlp.gate.weight"])
+    assert torch.equal(a["model.layers.1.mlp.experts.3.up_proj.weight"], b["model.layers.1.mlp.experts.3.up_proj.weight"])
+
+
 def test_trained_refuses_a_family_it_is_not_made_for(tmp_path):
     src = CONFIGS / "Mixtral-8x7B-v0.1.json"
     if not src.is_file():
