@@ -117,6 +117,9 @@ def record(a) -> None:
     from moestream.synth import synth
 
     toks = json.loads(a.tokens.read_text()) if a.tokens else streams()
+    toks = {n: s for n, s in toks.items() if a.streams is None or n in a.streams.split(",")}
+    if a.max_fed:
+        toks = {n: {"prompt": s["prompt"], "stream": s["stream"][: a.max_fed]} for n, s in toks.items()}
     a.out.mkdir(parents=True, exist_ok=True)
     shape = a.config.stem + f"-{a.layers}l"
     for init in a.inits.split(","):
@@ -140,12 +143,11 @@ def record(a) -> None:
             shutil.rmtree(model)
 
 
-def replay(traces: dict, residency: float, policy: str, depth: int = 0, hot: bool = False) -> tuple[float, float]:
+def replay(traces: dict, residency: float, policy: str, depth: int = 0, hot: float = 0.0) -> tuple[float, float]:
     """(decode hit rate, experts read per decode lookup) over ``traces`` (name -> Trace), each replayed from an empty
-    cache of ``residency`` x the model's expert bytes; ``hot``: pinned, up to ``HOT_FRACTION`` of the budget, the
-    hot list made from the other traces (as a usage profile learnt on other text)."""
+    cache of ``residency`` x the model's expert bytes; ``hot``: the share of the budget pinned with the hot list
+    made from the other traces (as a usage profile learnt on other text)."""
     from moestream.cachesim import hot_keys, requests_of, simulate_policy
-    from moestream.usage import HOT_FRACTION
 
     hits = looks = reads = 0
     for n, tr in traces.items():
@@ -155,7 +157,7 @@ def replay(traces: dict, residency: float, policy: str, depth: int = 0, hot: boo
         reqs, decode = requests_of(tr.records)
         pins = None
         if hot:
-            pins = hot_keys([t for m, t in traces.items() if m != n])[: int(HOT_FRACTION * budget) // one]
+            pins = hot_keys([t for m, t in traces.items() if m != n])[: int(hot * budget) // one]
         s = simulate_policy(policy, reqs, lambda k, s=sizes: s[k[0]], budget, decode, sum(tr.num_experts.values()),
                             pinned=pins, ahead=tr.ahead, depth=depth)
         hits, looks, reads = hits + s.decode_hits, looks + s.decode_lookups, reads + s.decode_reads
@@ -196,12 +198,11 @@ def analyze(a) -> str:
         for r in res:
             out.append(f"| {r:.0%} | " + " | ".join(f"{replay(t, r, p)[0]:.1%}" for t in inits.values()
                                                       for p in pols) + " |")
-        cols = [(p, d, h) for p in ("lru", "layer") for d, h in ((0, False), (0, True), (1, False), (2, False),
-                                                                 (1, True))]
+        cols = [(p, d, h) for p in ("lru", "layer") for d, h in ((0, 0.0), (0, 0.1), (0, 0.5), (1, 0.0), (2, 0.0))]
         for init, traces in inits.items():
             out += ["", f"`{init}`: prefetch depth and hot list (decode hit rate, prefetch hits counted as the engine "
                     "counts them / experts read per decode lookup):", "",
-                    "| residency | " + " | ".join(f"{p}{f' +{d} ahead' if d else ''}{' +hot' if h else ''}"
+                    "| residency | " + " | ".join(f"{p}{f' +{d} ahead' if d else ''}{f' +hot {h:.0%}' if h else ''}"
                                                  for p, d, h in cols) + " |", "|" + " --- |" * (1 + len(cols))]
             for r in res:
                 cells = []
@@ -234,9 +235,11 @@ def check(pa: Path, pb: Path) -> str:
     sets = sum(set(ra[k]) == set(rb.get(k, ())) for k in ra)
     keys = set(pa_) & set(pb_)
     psame = sum(pa_[k] == pb_[k] for k in keys)
+    pset = sum([(layer, set(es)) for layer, es in pa_[k]] == [(layer, set(es)) for layer, es in pb_[k]] for k in keys)
     qa, qb = requests_of(ta.records), requests_of(tb.records)
     return (f"{pa.name} vs {pb.name}: {same} of {len(ra)} (token, layer) routings identical in order, {sets} as sets; "
-            f"{psame} of {len(keys)} one-token predictions identical; requests identical: {qa == qb}")
+            f"{psame} of {len(keys)} one-token predictions identical in order, {pset} as sets; requests identical: "
+            f"{qa == qb}")
 
 
 def main() -> None:
@@ -252,6 +255,8 @@ def main() -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--tokens", type=Path, default=None, help="the streams as JSON (from `tokens`), else tokenized")
     r.add_argument("--keep", action="store_true")
+    r.add_argument("--streams", default=None, help="comma-separated: bench, keeper (default both)")
+    r.add_argument("--max-fed", type=int, default=None, help="feed only the first N tokens of each continuation")
     r.add_argument("--fast", action="store_true",
                    help="feed each stream in 512-token chunks, traced as one-token steps (the `check` command "
                         "measures that it routes as one token per step)")

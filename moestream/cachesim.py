@@ -25,7 +25,7 @@ from pathlib import Path
 from .errors import MoestreamError
 from .policies import POLICIES, EvictionPolicy, Key, PriorityPolicy, make_policy
 from .traces import Trace, load_trace
-from .usage import HOT_FRACTION
+from .usage import HOT_SHARE
 
 Request = tuple[int, list[int]]  # (layer, experts in order of first use)
 
@@ -373,7 +373,7 @@ def hot_keys(traces: list[Trace]) -> list[Key]:
 def run_cache_sim(traces: list[Path], budgets_gb: list[float] | None = None, policies: list[str] | None = None,
                   half_life: float | None = None, residencies: list[float] | None = None,
                   prefetch: list[int] | None = None, hot_from: list[Path] | None = None,
-                  max_tokens: int | None = None) -> str:
+                  max_tokens: int | None = None, hot_fraction: float = HOT_SHARE) -> str:
     """Replay ``traces`` (each from an empty cache) at each budget under each policy; markdown.
 
     Budgets are GB (``budgets_gb``; moestream traces, which record bytes per expert) or
@@ -382,7 +382,7 @@ def run_cache_sim(traces: list[Path], budgets_gb: list[float] | None = None, pol
     the LFU-based policies defaults to the number of routed experts in the model, as in the
     engine. ``prefetch``: read-ahead depths to replay (1 and 2 need traces that recorded
     predictions); ``hot_from``: traces whose usage makes a hot list, pinned up to
-    ``HOT_FRACTION`` of the budget as the engine pins one (tables with and without it).
+    ``hot_fraction`` of the budget as the engine pins one (tables with and without it).
     Each trace's locality statistics come first.
 
     Raises:
@@ -446,7 +446,8 @@ def run_cache_sim(traces: list[Path], budgets_gb: list[float] | None = None, pol
                         r = simulate_policy(
                             p, reqs, lambda k, s=sizes, o=one: s.get(k[0], o),
                             budget if pins is None else budget, decode, hl,
-                            pinned=_hot_share(pinned, sizes, one, budget), ahead=tr.ahead, depth=depth)
+                            pinned=_hot_share(pinned, sizes, one, budget, hot_fraction), ahead=tr.ahead,
+                            depth=depth)
                         agg.add(r)
                     cell = f"{agg.hit_rate:.1%} ({agg.decode_hit_rate:.1%})"
                     if depth:
@@ -461,14 +462,15 @@ def run_cache_sim(traces: list[Path], budgets_gb: list[float] | None = None, pol
     return "\n".join(lines)
 
 
-def _hot_share(keys: list[Key] | None, sizes: dict[int, int], one: int, budget: int) -> list[Key] | None:
-    """The hottest ``keys`` that fit in ``HOT_FRACTION`` of ``budget`` (as ``setup_cache_policy`` pins a hot list)."""
+def _hot_share(keys: list[Key] | None, sizes: dict[int, int], one: int, budget: int,
+               fraction: float) -> list[Key] | None:
+    """The hottest ``keys`` that fit in ``fraction`` of ``budget`` (as ``setup_cache_policy`` pins a hot list)."""
     if not keys:
         return None
     out, used = [], 0
     for k in keys:
         n = sizes.get(k[0], one)
-        if used + n > HOT_FRACTION * budget:
+        if used + n > fraction * budget:
             break
         out.append(k)
         used += n

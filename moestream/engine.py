@@ -137,6 +137,7 @@ def load(
     learn_experts: bool = True,
     trace: str | os.PathLike | None = None,
     cache_policy: str = "lru",
+    hot_fraction: float | None = None,
     fast: bool = False,
     host_cache_gb: str | float | None = None,
     parallel=None,
@@ -180,7 +181,10 @@ def load(
         usage_file: the usage profile to read and update (default: one per model in the
             user cache folder, :func:`moestream.usage.default_profile_path`).
         learn_experts: count which experts the traffic uses, save the profile on
-            :meth:`Engine.close`, and pin the hottest ones from it at start.
+            :meth:`Engine.close`, and (with ``hot_fraction``) pin the hottest ones from it at start.
+        hot_fraction: share of the budget the hot list and the usage profile may pin
+            (default :data:`moestream.usage.HOT_FRACTION`, 0: off, as measured on routing like
+            trained models').
         trace: write the routing trace (JSON lines) to this file.
         cache_policy: eviction policy, ``lru`` (default), ``lfu`` or ``layer``
             (:mod:`moestream.policies`).
@@ -219,6 +223,8 @@ def load(
         raise ValueError(f"workers must be at least 1, got {workers}")
     if prefetch_ahead < 0:
         raise ValueError(f"prefetch_ahead must be at least 0, got {prefetch_ahead}")
+    if hot_fraction is not None and not 0 <= hot_fraction <= 1:
+        raise ValueError(f"hot_fraction must be between 0 and 1, got {hot_fraction}")
     if cache_policy not in POLICIES:
         raise ConfigError(f"cache policy {cache_policy!r}: expected one of {', '.join(POLICIES)}")
     if not isinstance(max_active_experts, int) or max_active_experts < 0:
@@ -333,6 +339,7 @@ def load(
         usage_state = setup_cache_policy(
             ckpt, net, cache, num_experts, max_active_experts=max_active_experts, hotlist=hotlist,
             pin_file=pin_file, usage_file=usage_file, learn_experts=learn_experts, trace=trace,
+            **({} if hot_fraction is None else {"hot_fraction": hot_fraction}),
             owns=None if parallel is None else parallel.owns,
         )
         return Engine(

@@ -34,6 +34,9 @@ def add_cache_policy_args(p: argparse.ArgumentParser) -> None:
                    help="keep each token's K highest-weight routed experts, renormalized as the model does "
                         "(0 = the model's own routing, default). Changes the output.")
     p.add_argument("--no-hotlist", action="store_true", help="ignore hot_experts.json in the model folder")
+    p.add_argument("--hot-fraction", type=float, default=None, metavar="F",
+                   help="share of the budget the hot list and the usage profile may pin (default 0: off; recency "
+                        "beats pinning by frequency on trained models' routing)")
     p.add_argument("--pin-file", type=Path, default=None,
                    help='preload and pin the experts of this {"pin": [[layer, expert], ...]} file')
     p.add_argument("--usage-file", type=Path, default=None,
@@ -48,6 +51,9 @@ def check_cache_policy_args(args: argparse.Namespace) -> None:
     """Check the options of :func:`add_cache_policy_args` before loading. Raises MoestreamError."""
     if getattr(args, "max_active_experts", 0) < 0:
         raise MoestreamError(f"--max-active-experts must be >= 0, got {args.max_active_experts}")
+    hf = getattr(args, "hot_fraction", None)
+    if hf is not None and not 0 <= hf <= 1:
+        raise MoestreamError(f"--hot-fraction {hf}: give a share of the budget between 0 and 1")
     trace = getattr(args, "trace", None)
     if trace is not None and (trace.is_dir() or not trace.parent.is_dir()):
         raise MoestreamError(f"--trace {trace}: not a file in an existing folder")
@@ -63,6 +69,7 @@ def cache_policy_kwargs(args: argparse.Namespace) -> dict:
         learn_experts=not getattr(args, "no_learn_experts", False),
         trace=getattr(args, "trace", None),
         cache_policy=getattr(args, "cache_policy", "lru"),
+        hot_fraction=getattr(args, "hot_fraction", None),
     )
 
 
@@ -85,7 +92,10 @@ def add_commands(sub, add_engine_args) -> None:
     c.add_argument("--prefetch", default="0",
                    help="read-ahead depths to replay, comma-separated, 0-2 (default 0; 1 and 2 need a moestream trace)")
     c.add_argument("--hot-from", type=Path, nargs="+", default=None,
-                   help="traces whose usage makes a hot list, pinned up to half the budget (tables with and without)")
+                   help="traces whose usage makes a hot list, pinned up to --hot-fraction of the budget (tables with "
+                        "and without)")
+    c.add_argument("--hot-fraction", type=float, default=None,
+                   help="share of the budget the --hot-from list pins (default 0.5)")
     c.add_argument("--max-tokens", type=int, default=None, help="replay only each trace's first N tokens")
     c.add_argument("--policies", default=",".join([*POLICIES, "belady"]),
                    help="comma-separated, from lru, lfu, layer, belady (default all)")
@@ -98,6 +108,7 @@ def run_command(args: argparse.Namespace, out=None) -> bool:
     out = out or sys.stdout
     if args.command == "cache-sim":
         from .cachesim import run_cache_sim
+        from .usage import HOT_SHARE
 
         budgets = _numbers(args.budgets, "--budgets", "numbers of GB >= 0", 0, 1e9)
         residency = _numbers(args.residency, "--residency", "shares between 0 and 1", 0, 1, top=True)
@@ -113,8 +124,11 @@ def run_command(args: argparse.Namespace, out=None) -> bool:
         bad = [p for p in policies if p not in (*POLICIES, "belady")]
         if bad or not policies:
             raise MoestreamError(f"--policies: {bad or policies} not among {', '.join([*POLICIES, 'belady'])}")
+        hf = HOT_SHARE if args.hot_fraction is None else args.hot_fraction
+        if not 0 <= hf <= 1:
+            raise MoestreamError(f"--hot-fraction {hf}: give a share of the budget between 0 and 1")
         print(run_cache_sim(args.trace, budgets, policies, args.half_life, residency, depths or [0], args.hot_from,
-                            args.max_tokens), file=out)
+                            args.max_tokens, hf), file=out)
         return True
     if args.command == "hotlist":
         run_hotlist(args, out)

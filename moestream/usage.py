@@ -38,7 +38,12 @@ from .traces import TRACE_FORMAT
 
 Key = tuple[int, int]
 DECAY = 0.5  # weight of the previous profile when a run's counts are merged in
-HOT_FRACTION = 0.5  # hot lists and usage profiles pin at most this share of the budget
+# Share of the budget hot lists and usage profiles may pin (--hot-fraction). 0, off, by default: on routing that
+# reuses experts as trained models do, pinning by frequency loses to LRU's recency at every budget, by up to 45
+# points at 10% residency (docs/benchmarks.md, "Routing like trained models"; kekzl/imp#2061 measured the same on a
+# trained model). HOT_SHARE is the share a hot list gets when asked for without a number (cache-sim --hot-from).
+HOT_FRACTION = 0.0
+HOT_SHARE = 0.5
 HOT_LIST = "hot_experts.json"
 PROFILE_FORMAT = "moestream-usage"
 TRACE_AHEAD = 2  # following MoE layers whose predicted experts a trace records (cache-sim's prefetch depths)
@@ -318,13 +323,14 @@ class UsageState:
 def setup_cache_policy(
     checkpoint, model, cache, num_experts: dict[int, int], *, max_active_experts: int = 0, hotlist: bool = True,
     pin_file=None, usage_file=None, learn_experts: bool = True, trace=None, owns=None,
+    hot_fraction: float = HOT_FRACTION,
 ) -> UsageState:
     """Apply the expert-usage options of ``engine.load`` to a loaded model and its cache.
 
     Sets ``max_active`` on the MoE blocks (warning that the output changes below the
-    model's top-k); pins the experts of the pin file (up to the whole budget), then of the
-    hot list and the usage profile (up to ``HOT_FRACTION`` of the budget), saying how many;
-    opens the trace. Bad files are ignored with a warning naming them. ``owns`` (expert
+    model's top-k); pins the experts of the pin file (up to the whole budget), then, when
+    ``hot_fraction`` > 0, of the hot list and the usage profile (up to ``hot_fraction`` of the
+    budget), saying how many; opens the trace. Bad files are ignored with a warning naming them. ``owns`` (expert
     parallelism: this rank's ``(layer, expert) -> bool``) keeps pins to this rank's experts.
 
     Raises:
@@ -362,14 +368,18 @@ def setup_cache_policy(
                 note(f"pinned {n} of {len(keys)} experts from {pin_file} ({cache.pinned_bytes / 1e9:.2f} GB)")
         hot, sources = [], []
         hot_path = checkpoint.path / HOT_LIST
-        if hotlist and hot_path.exists():
+        if hot_fraction <= 0:  # off (the default): say so once if a hot list is there to be used
+            if hotlist and hot_path.exists():
+                note(f"hot list {hot_path} not pinned: --hot-fraction is 0 (the default; recency beats pinning "
+                     "by frequency on trained models' routing)")
+        elif hotlist and hot_path.exists():
             keys, problem = read_keys(hot_path, model_id, num_experts)
             if keys is None:
                 warn(f"hot list {hot_path} {problem}; ignored")
             else:
                 hot += keys
                 sources.append(str(hot_path))
-        if learn_experts:
+        if learn_experts and hot_fraction > 0:
             path = Path(usage_file) if usage_file is not None else default_profile_path(checkpoint.path, model_id)
             if path.exists():
                 counts, problem = read_profile(path, model_id, num_experts)
@@ -382,9 +392,9 @@ def setup_cache_policy(
             hot = [k for k in hot if owns(k)]
         if hot:
             before = cache.pinned_bytes
-            n = cache.pin(hot, int(HOT_FRACTION * budget))  # pins of the pin file count too
+            n = cache.pin(hot, int(hot_fraction * budget))  # pins of the pin file count too
             note(
-                f"pinned {n} hot experts ({(cache.pinned_bytes - before) / 1e9:.2f} GB, up to {HOT_FRACTION:.0%} "
+                f"pinned {n} hot experts ({(cache.pinned_bytes - before) / 1e9:.2f} GB, up to {hot_fraction:.0%} "
                 f"of the cache budget) from {' and '.join(sources)}"
             )
     profile_path = None

@@ -36,7 +36,7 @@ def test_statistics_on_a_hand_written_trace():
     # per-layer LRU of 2 experts (40% of 5): layer 0 hits 2 of 8 (token 1's 2, token 3's 4), layer 1 hits 6 of 8;
     # of 1 expert (20%): layer 0 hits token 1's 2 only, layer 1 keeps expert 1 and hits it 3 times
     assert lru_hits([[1, 2], [2, 3], [4, 1], [2, 4]], 2) == (2, 8)
-    assert lru_hits([[1, 2], [2, 3], [4, 1], [2, 4]], 2, warmup=2) == (1, 4)  # tokens 2-3 counted: the hit on 4 at token 3
+    assert lru_hits([[1, 2], [2, 3], [4, 1], [2, 4]], 2, warmup=2) == (1, 4)  # tokens 2-3 counted: 4 hits at 3
     assert locality(RECORDS, {0: 5, 1: 5}, residencies=(0.4,)).warmup == 2  # at most half the tokens
     assert loc.lru == {0.2: pytest.approx((1 + 3) / 16), 0.4: pytest.approx((2 + 6) / 16)}
     assert locality(RECORDS, {0: 5, 1: 5}, window=1, warmup=0).reuse_within == loc.next_token_reuse
