@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; installed first so that no CUDA build is pulled in.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test lint clean
 
 setup: $(VENV)/.installed
 
@@ -18,12 +18,17 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $@
+	@# moestream's CPU kernels for this CPU (cached per CPU; without a compiler the PyTorch path runs)
+	-$(BIN)/python -m moestream.quant.native
 
 demo: setup
 	$(BIN)/moestream demo
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check moestream tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info

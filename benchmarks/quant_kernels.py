@@ -4,8 +4,9 @@ For one expert of the Qwen3-30B-A3B shape (hidden 2048, moe_intermediate 768: ga
 [768, 2048], down [2048, 768]) stored as MLX affine at 8, 4, 3 and 2 bits (bf16 scales and
 biases), one decode token (x [1, 2048] bf16): the median time of the expert's SwiGLU on the
 quantized pieces (``moestream.quant.expert.QuantizedSwiGLU``, the path the engine uses),
-the per-read preparation where a path needs one (int4 repacking), and the time to read the
-expert's bytes at 3 GB/s (this machine's best disk rate). Compute must not exceed the read.
+on the kernels this process selects (``moestream.quant.native``; nothing is prepared per
+read), and the time to read the expert's bytes at 3 GB/s (this machine's best disk rate).
+Compute must not exceed the read. ``benchmarks/expert_kernels.py`` measures every format.
 
     python benchmarks/quant_kernels.py [--group-size 64] [--runs 200] [--threads 2] [--clock wall|cpu]
 
@@ -24,10 +25,9 @@ from pathlib import Path
 
 import torch
 
-from moestream.quant import affine
+from moestream.quant import affine, native
 from moestream.quant.expert import QuantizedSwiGLU
 from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
-from moestream.quant.kernels import prepare
 
 H, INTER = 2048, 768
 DISK_GBPS = 3.0
@@ -73,21 +73,14 @@ def main() -> None:
         pieces, fmt = expert(bits, args.group_size)
         nbytes = sum(t.numel() * t.element_size() for t in pieces.values())
         read_ms = nbytes / (DISK_GBPS * 1e9) * 1e3
-        ready = prepare(pieces, fmt, torch.bfloat16)
         fn = QuantizedSwiGLU(fmt)
         clock = time.perf_counter if args.clock == "wall" else time.process_time
-        compute = median_ms(lambda fn=fn, ready=ready: fn(x, ready), args.runs, clock)
-        prep = median_ms(lambda p=pieces, f=fmt: prepare(p, f, torch.bfloat16), max(10, args.runs // 10), clock)
-        path = "int4" if any(k.endswith(".int4") for k in ready) else "chunks"
-        miss = compute + (prep if path == "int4" else 0.0)
+        compute = median_ms(lambda fn=fn, p=pieces: fn(x, p), args.runs, clock)
+        path = native.selected()
         rows.append(dict(clock=args.clock, threads=args.threads, bits=bits, group=args.group_size, path=path,
-                         expert_mb=nbytes / 1e6, read_ms=read_ms,
-                         compute_ms=compute, prepare_ms=prep if path == "int4" else 0.0, miss_ms=miss,
-                         hit=compute <= read_ms, miss_hit=miss <= read_ms))
-        r = rows[-1]
-        print(f"{bits}-bit g{args.group_size} [{path}]: {r['expert_mb']:.2f} MB, read at 3 GB/s {read_ms:.3f} ms, "
-              f"compute {compute:.3f} ms, prepare per read {r['prepare_ms']:.3f} ms -> "
-              f"{'hit' if r['hit'] else 'MISS'} (cached), {'hit' if r['miss_hit'] else 'MISS'} (read + compute)")
+                         expert_mb=nbytes / 1e6, read_ms=read_ms, compute_ms=compute, hit=compute <= read_ms))
+        print(f"{bits}-bit g{args.group_size} [{path}]: {nbytes / 1e6:.2f} MB, read at 3 GB/s {read_ms:.3f} ms, "
+              f"compute {compute:.3f} ms -> {'hit' if compute <= read_ms else 'MISS'}")
     print(f"load average after: {os.getloadavg()}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

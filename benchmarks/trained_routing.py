@@ -91,9 +91,10 @@ def run_stream(engine, prompt: list[int], stream: list[int], fast: bool) -> floa
 
     model, kv = engine.model, engine.model.new_kv_cache(len(prompt) + len(stream) + 1)
     ids = torch.tensor(prompt + stream, dtype=torch.int64)
-    step = StepTrace(engine.cache.trace, len(prompt)) if fast else None
+    # the fast path stands in for the expert pipeline's trace writer, and hands it back when done
+    step = StepTrace(engine.pipeline.trace, len(prompt)) if fast else None
     if step is not None:
-        engine.cache.trace = step
+        engine.pipeline.trace = step
     with torch.inference_mode():
         for i in range(0, len(prompt), 512):
             if step is not None:
@@ -105,7 +106,7 @@ def run_stream(engine, prompt: list[int], stream: list[int], fast: bool) -> floa
                 step.start = i
                 model(ids[i : i + 512], i, kv)
             step.flush()
-            engine.cache.trace = step.writer
+            engine.pipeline.trace = step.writer
         else:
             for pos in range(len(prompt), len(ids)):
                 model(ids[pos : pos + 1], pos, kv)

@@ -4,11 +4,13 @@
 
     import moestream
 
-    engine = moestream.load("Qwen/Qwen3-30B-A3B", cache_budget_gb=3)
-    print(moestream.generate(engine, "Why is the sky blue?", max_tokens=200, hide_think=True))
-    for r in moestream.stream_generate(engine, "Tell me a story.", temp=0.7, stop=["THE END"]):
-        print(r.text, end="", flush=True)
-    engine.close()
+    with moestream.load("Qwen/Qwen3-30B-A3B", cache_budget_gb=3) as engine:
+        print(moestream.generate(engine, "Why is the sky blue?", max_tokens=200, hide_think=True))
+        for r in moestream.stream_generate(engine, "Tell me a story.", temp=0.7, stop=["THE END"]):
+            print(r.text, end="", flush=True)
+
+The engine closes when the ``with`` block ends (or call ``engine.close()``); a closed engine
+raises :class:`~moestream.errors.EngineClosedError` when used.
 
 Keyword names follow the CLI flags (``--rep-penalty`` is ``rep_penalty``); sampling
 defaults come from the checkpoint's ``generation_config.json`` as in the CLI. For a
@@ -34,6 +36,7 @@ from .generation import (
 from .generation import generate as generate_tokens
 from .memory import peak_rss_bytes
 from .textstream import ReasoningSplitter
+from .tokenizer import chat_ids, encode_prompt, prompt_opens_thinking, think_token_ids
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,6 @@ def prompt_ids(
     Raises:
         InputError: an empty prompt, a prompt needing a tokenizer without one, bad messages.
     """
-    from .tokenizer import chat_ids, encode_prompt
-
     kwargs = dict(chat_template_kwargs or {})
     if no_think:
         kwargs["enable_thinking"] = False
@@ -145,8 +146,9 @@ def stream_generate(
         InputError: bad options or prompt (see :class:`~moestream.generation.SamplingParams`
             and :func:`moestream.generation.generate`).
         ReadError: when an expert read fails.
+        EngineClosedError: the engine was closed.
     """
-    from .tokenizer import prompt_opens_thinking, think_token_ids
+    engine.check_open()
 
     if sampling is None:
         sampling = resolve_sampling(

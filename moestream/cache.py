@@ -19,30 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import BudgetError
 from .policies import EvictionPolicy, LRUPolicy
 from .store import ExpertStore, ExpertWeights, Key
 
 GB = 1e9
-
-
-def parse_budget(text: str | float | None) -> int | None:
-    """Parse a ``--cache-budget-gb`` value: a number of GB (10^9 bytes) or ``"all"``.
-
-    Returns the budget in bytes, or ``None`` for ``all`` (every expert resident).
-
-    Raises:
-        BudgetError: for a negative, non-finite or unparsable value.
-    """
-    if text is None or (isinstance(text, str) and text.strip().lower() == "all"):
-        return None
-    try:
-        gb = float(text)
-    except (TypeError, ValueError):
-        raise BudgetError(f"--cache-budget-gb: {text!r} is not a number of GB, 'all' or 'auto'") from None
-    if not (gb >= 0 and gb < 1e9):  # a billion GB is more than any machine
-        raise BudgetError(f"--cache-budget-gb: {text!r} must be a number of GB between 0 and 1e9")
-    return int(gb * GB)
 
 
 @dataclass
@@ -93,7 +73,6 @@ class ExpertCache:
         self.pinned_keys: set[Key] = set()  # pinned for good: never evicted
         self.pinned_bytes = 0
         self._protect: set[Key] = set()  # the experts of the fetch under way: evicted last
-        self.trace = None  # a moestream.usage.TraceWriter, fed by the MoE blocks
         self.budget_bytes = budget_bytes
         self.device = store.device
         self.stats = CacheStats()

@@ -364,8 +364,9 @@ class Checkpoint:
         tensors: tensor name -> :class:`TensorInfo`, across all shards.
         shards: the shard files, in index order.
         metadata: shard file name -> its safetensors ``__metadata__``.
-        source_format: a :class:`moestream.mlx_format.MLXFormat` when the checkpoint is an
-            mlx-lm build (its names are then mapped onto Hugging Face names), else None.
+        source_format: a :class:`moestream.mlx_format.MLXFormat` once
+            :func:`moestream.mlx_format.open_checkpoint` (or ``adapt``) found an mlx-lm build and
+            mapped its names onto Hugging Face names, else None.
         derived: tensor name -> function of the checkpoint computing it (an MLX build's
             tensors whose values differ from the Hugging Face ones); read by :meth:`read_tensor`.
 
@@ -394,9 +395,7 @@ class Checkpoint:
         self.derived: dict = {}  # tensor name -> fn(checkpoint) computing it (moestream.mlx_format)
         self._index_tensors()
         self._files = FileHandles()
-        from .mlx_format import adapt  # mlx-lm names and layouts -> Hugging Face names, by rule
-
-        self.source_format = adapt(self)  # an MLXFormat, or None for a Hugging Face checkpoint
+        self.source_format = None  # set by moestream.mlx_format.adapt for an mlx-lm build
 
     # -- discovery ---------------------------------------------------------------------
     def _find_shards(self) -> list[Path]:

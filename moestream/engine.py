@@ -15,30 +15,86 @@ from types import ModuleType
 
 import torch
 
-from . import quant
-from .cache import ExpertCache, parse_budget
+from .budget import BudgetPlan, plan_cpu_budget, plan_device_budget, plan_host_budget, resident_bytes
+from .cache import ExpertCache
 from .checkpoint import Checkpoint, resolve_model
-from .errors import BudgetError, ConfigError, LayoutError, MoestreamError
-from .io_setup import IOSettings, is_auto, plan_io
+from .errors import ConfigError, EngineClosedError, LayoutError, MoestreamError
+from .io_setup import IOSettings, plan_io
 from .layout import ExpertLayout, discover_experts
-from .memory import available_bytes, reset_peak_rss
+from .memory import reset_peak_rss
+from .mlx_format import open_checkpoint
 from .models import family_for
-from .models.base import CausalLM, checkpoint_dtype, load_resident, resident_nbytes
+from .models.base import CausalLM, checkpoint_dtype, load_resident
 from .models.linear import use_fast_linear
-from .policies import POLICIES, make_policy
-from .store import ExpertStore
+from .models.moe import swiglu_expert
+from .options import DEFAULT_BUDGET_GB, EngineOptions
+from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline
+from .policies import make_policy
+from .quant import model as quant
+from .quant.turboquant import set_fast
+from .store import MAX_READ_BYTES, ExpertStore
+from .tiered_cache import PinnedBufferPool, TieredExpertCache, device_free_bytes, resolve_device
+from .tokenizer import load_tokenizer
+from .usage import setup_cache_policy
 
 GB = 1e9
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
 
 
-def progress_bar(total: int, desc: str, enabled: bool | None = None):
-    """A tqdm byte-progress bar shown only on a terminal (``enabled=None``)."""
+def progress_bar(total: int, desc: str, enabled: bool | None = None, log_lines: bool = False):
+    """A tqdm byte-progress bar shown only on a terminal (``enabled=None``).
+
+    With ``log_lines`` (long jobs: ``synth``, ``convert``), when stderr is not a terminal
+    (a log file, a CI job, ``nohup``), progress goes to stderr as :class:`LineProgress`
+    lines instead of nothing.
+    """
     from tqdm.auto import tqdm
 
+    if log_lines and enabled is None and not sys.stderr.isatty():
+        return LineProgress(total, desc)
     disable = (not sys.stderr.isatty()) if enabled is None else not enabled
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=disable, leave=False)
+
+
+class LineProgress:
+    """Byte progress as plain lines on ``out`` (default stderr), for logs without a terminal.
+
+    One line when the work starts, then at most one every ``interval`` seconds (done, total,
+    percent, rate in MB/s, elapsed and remaining seconds), and one when it ends without an
+    error. Used as tqdm is: a context manager with ``update(nbytes)``. GB = 10^9 bytes.
+    """
+
+    def __init__(self, total: int, desc: str, interval: float = 5.0, out=None, clock=time.monotonic):
+        self.total, self.desc, self.interval = total, desc, interval
+        self.out, self.clock = out, clock
+        self.done = 0
+        self.start = self.last = None
+
+    def _print(self, text: str) -> None:
+        print(f"{self.desc}: {text}", file=self.out or sys.stderr, flush=True)
+
+    def __enter__(self) -> "LineProgress":
+        self.start = self.last = self.clock()
+        self._print(f"{self.total / GB:.2f} GB to go")
+        return self
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = self.clock()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        took = now - self.start
+        rate = self.done / took if took > 0 else 0.0
+        left = f", about {(self.total - self.done) / rate:.0f} s left" if rate and self.done < self.total else ""
+        pct = self.done / self.total if self.total else 1.0
+        self._print(f"{self.done / GB:.2f} of {self.total / GB:.2f} GB ({pct:.0%}), {rate / 1e6:.0f} MB/s, "
+                    f"{took:.0f} s{left}")
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self._print(f"done, {self.done / GB:.2f} GB in {self.clock() - self.start:.0f} s")
 
 
 @dataclass
@@ -52,6 +108,8 @@ class Engine:
         load_seconds: wall time of :func:`load` (tokenizer included).
         tokenizer: a transformers tokenizer, or None when loaded without one.
         unused_tensors: checkpoint tensors the model does not use (reported once).
+        threads: PyTorch's intra-op thread count when loaded; every forward pass computes
+            with it (:meth:`hold_threads`).
     """
 
     checkpoint: Checkpoint
@@ -69,9 +127,54 @@ class Engine:
     io: IOSettings | None = None  # the read path, prefetch, wiring and auto budget in use
     usage: object = None  # moestream.usage.UsageState: the usage profile to save, the trace to close
     parallel: object = None  # moestream.parallel.ExpertParallel under torchrun (this rank's experts only)
+    pipeline: object = None  # moestream.pipeline.ExpertPipeline: every MoE layer's expert work
+    options: EngineOptions | None = None  # the options it was loaded with
+    budget: BudgetPlan | None = None  # the cache budget as sized (auto's numbers, the reserve, the host tier)
+    closed: bool = False  # close() was called: generating raises EngineClosedError
+
+    def __enter__(self) -> "Engine":
+        """``with moestream.load(...) as engine:`` closes the engine when the block ends."""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check_open(self) -> None:
+        """Raises EngineClosedError once :meth:`close` was called (every expert may be resident
+        still, but the usage profile, the trace and the reader threads are gone)."""
+        if self.closed:
+            raise EngineClosedError(f"the engine of {self.checkpoint.path} is closed (close() was called, or its "
+                                    "with block ended): load the model again")
+    threads: int = 0  # 0: not held (an Engine built by hand)
+    _threads_noted: bool = field(default=False, repr=False)
+
+    def hold_threads(self) -> None:
+        """Make the calling thread compute with :attr:`threads`, the intra-op count found at load.
+
+        PyTorch's CPU kernels give other bits with another thread count (MKL's float32 matmul of
+        5 to 11 rows, attention over the KV cache: ``docs/reliability.md``, "Exactness under
+        timing"), and the count belongs to each thread: ``torch.set_num_threads`` after load
+        changes it, and a fresh thread (the server's) runs its first matmuls with MKL's default
+        until PyTorch sets the thread up, which ``torch.get_num_threads`` does. Called before
+        every forward pass; says once on stderr when it had to set the count back.
+        """
+        if not self.threads or torch.get_num_threads() == self.threads:
+            return
+        if not self._threads_noted:
+            self._threads_noted = True
+            print(f"moestream: note: PyTorch's intra-op thread count is {torch.get_num_threads()} here, "
+                  f"{self.threads} when the model was loaded; computing with {self.threads} "
+                  "(another count gives other bits)", file=sys.stderr, flush=True)
+        torch.set_num_threads(self.threads)
 
     def close(self) -> None:
-        """Save the usage profile (when learning), close the trace, stop prefetch and reader threads, close shards."""
+        """Save the usage profile (when learning), close the trace, stop prefetch and reader threads, close shards.
+
+        A second call does nothing.
+        """
+        if self.closed:
+            return
+        self.closed = True
         try:
             if self.parallel is not None and self.usage is not None:
                 _merge_rank_usage(self)
@@ -98,7 +201,7 @@ def _check_layout(model: CausalLM, layout: ExpertLayout, where, quantized: dict 
         )
     inter, hidden = model.expert_shape()
     for i, lay in layout.layers.items():
-        want = blocks[i].gate.weight.shape[0]
+        want = blocks[i].num_experts
         if lay.num_experts != want:
             raise LayoutError(f"{where}: {lay.block} holds {lay.num_experts} experts; the config says {want}")
         if quantized and i in quantized:
@@ -118,92 +221,38 @@ def _check_layout(model: CausalLM, layout: ExpertLayout, where, quantized: dict 
     return {i: lay.num_experts for i, lay in layout.layers.items()}
 
 
-def load(
-    model: str | os.PathLike,
-    cache_budget_gb: str | float | None = 3,
-    workers: int = 8,
-    device: str = "auto",
-    dtype: str = "auto",
-    tokenizer: bool = True,
-    progress: bool | None = None,
-    use_page_cache: bool | None = None,
-    prefetch_ahead: int = 0,
-    wire_memory: bool = False,
-    context_tokens: int | None = None,
-    max_active_experts: int = 0,
-    hotlist: bool = True,
-    pin_file: str | os.PathLike | None = None,
-    usage_file: str | os.PathLike | None = None,
-    learn_experts: bool = True,
-    trace: str | os.PathLike | None = None,
-    cache_policy: str = "lru",
-    hot_fraction: float | None = None,
-    fast: bool = False,
-    host_cache_gb: str | float | None = None,
-    parallel=None,
-) -> Engine:
+def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT_BUDGET_GB, *,
+         options: EngineOptions | None = None, tokenizer: bool = True, progress: bool | None = None,
+         parallel=None, **engine_options) -> Engine:
     """Open a checkpoint and make it ready to generate.
 
     Args:
         model: a checkpoint folder or a Hugging Face Hub id.
-        cache_budget_gb: expert cache budget in GB (10^9 bytes), or ``"all"`` / None to
-            keep every expert resident (preloaded here).
-        workers: reader threads for expert reads.
-        device: compute device: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"``,
-            ``"cuda"`` or ``"cuda:N"``. On CUDA the resident weights and the KV cache live on
-            the GPU, ``cache_budget_gb`` is the VRAM expert cache
-            (:class:`~moestream.tiered_cache.TieredExpertCache`), expert reads land in pinned
-            host buffers and go to the GPU on a side stream, and each layer's experts are one
-            batched matmul chain; ``auto`` sizes the budget from the free VRAM.
-        dtype: compute dtype (``"auto"``: the checkpoint's embedding dtype; or bf16, fp16,
-            fp32). Another dtype than the checkpoint's changes the output.
+        cache_budget_gb: expert cache budget in GB (10^9 bytes), ``"all"`` / None to keep
+            every expert resident (preloaded here), or ``"auto"`` to size it from the memory
+            available (cgroup limits included) less resident weights, the KV cache and a
+            reserve (:func:`moestream.budget.plan_cpu_budget`; the numbers are in
+            ``engine.budget.auto``). On CUDA it is the VRAM expert cache.
+        options: an :class:`~moestream.options.EngineOptions` (the CLI's and the server's way
+            in); or give its fields as keywords (``workers=2``, ``prefetch_ahead=1``,
+            ``host_cache_gb="auto"``, ...; see :meth:`EngineOptions.make`), not both.
         tokenizer: also load the checkpoint's tokenizer (before the weights, so a missing
             one fails fast).
         progress: show progress bars (None: only on a terminal).
-        use_page_cache: read experts through the OS page cache (True), or bypass it with
-            ``O_DIRECT`` into huge-page buffers (False; ``posix_fadvise(DONTNEED)`` after
-            each read where ``O_DIRECT`` is refused); None: only when the checkpoint is
-            under 0.6 of the memory available.
-        prefetch_ahead: while layer L computes, read the experts layers L+1..L+N will
-            likely need (0: off); see :mod:`moestream.prefetch`.
-        wire_memory: lock the resident weights and the cached experts in RAM (mlock).
-        context_tokens: tokens of context the KV cache must hold, for the ``auto``
-            budget (default 4096, or the model's context if smaller).
-
-        ``cache_budget_gb="auto"`` sizes the cache from the memory available (cgroup
-        limits included) less resident weights, the KV cache and a runtime reserve
-        (:meth:`moestream.io_setup.IOSettings.size_budget`; the numbers are in ``engine.io.auto``).
-        max_active_experts: keep at most this many routed experts per token, the
-            highest-weight ones, renormalized as the family does (0: the model's own
-            routing). Below the model's top-k this changes the output (a warning says so).
-        hotlist: preload and pin the experts of ``hot_experts.json`` in the model folder.
-        pin_file: a ``{"pin": [[layer, expert], ...]}`` file of experts to preload and pin.
-        usage_file: the usage profile to read and update (default: one per model in the
-            user cache folder, :func:`moestream.usage.default_profile_path`).
-        learn_experts: count which experts the traffic uses, save the profile on
-            :meth:`Engine.close`, and (with ``hot_fraction``) pin the hottest ones from it at start.
-        hot_fraction: share of the budget the hot list and the usage profile may pin
-            (default :data:`moestream.usage.HOT_FRACTION`, 0: off, as measured on routing like
-            trained models').
-        trace: write the routing trace (JSON lines) to this file.
-        cache_policy: eviction policy, ``lru`` (default), ``lfu`` or ``layer``
-            (:mod:`moestream.policies`).
-        fast: skip the QJL residual correction of turboquant linears (``--fast``; changes the
-            output, with a note; :mod:`moestream.quant.turboquant`).
-        host_cache_gb: the host-RAM tier behind the VRAM cache, in GB or ``"auto"`` (None:
-            none); experts kept there in pinned memory cost a copy instead of a read. On the
-            CPU it runs the same tier logic with a CPU "device" tier (for tests); the output
-            is unchanged either way.
         parallel: a :class:`moestream.parallel.ExpertParallel` (torchrun): this process owns a
             share of each layer's experts (placed by rank 0, balanced from the usage profile
             when one exists); the budget, preloads, pins and read-ahead cover owned experts
-            only; ``auto`` takes this rank's share of the machine's memory; ``device`` is the
+            only; ``auto`` takes this rank's share of the machine's memory; the device is the
             rank's (``cuda:LOCAL_RANK`` or the CPU). Only rank 0 writes the trace and saves the
             usage profile (the ranks' counts summed at close).
-        None of these but ``max_active_experts`` and ``fast`` changes the output. Pins take at most the
-        budget (pin file) or half of it (hot list and usage profile, after the pin file);
-        a bad profile, hot list or pin file is ignored with a warning naming it
-        (:mod:`moestream.usage`).
+
+    On CUDA the resident weights and the KV cache live on the GPU, expert reads land in
+    pinned host buffers and go to the GPU on a side stream
+    (:class:`~moestream.tiered_cache.TieredExpertCache`), and each layer's experts are one
+    batched matmul chain. None of the options but ``max_active_experts``, ``fast`` and
+    ``dtype`` changes the output. Pins take at most the budget (pin file) or half of it (hot
+    list and usage profile, after the pin file); a bad profile, hot list or pin file is ignored
+    with a warning naming it (:mod:`moestream.usage`).
 
     A family that leaves checkpoint parts out on purpose (a vision tower, an MTP layer)
     names them in one note on stderr (its ``describe_skipped``); they are not listed in
@@ -214,139 +263,69 @@ def load(
         BudgetError: when resident weights plus the cache budget (or every expert, for
             ``all``) exceed the memory available to this process (cgroup limits
             included), checked before any weight is read, with the numbers.
+        TypeError: an unknown keyword, or both ``options`` and option keywords.
     """
+    if options is None:
+        options = EngineOptions.make(cache_budget_gb, **engine_options)
+    elif engine_options or cache_budget_gb != DEFAULT_BUDGET_GB:
+        raise TypeError("give load() either options= or option keywords, not both")
     t0 = time.perf_counter()
     reset_peak_rss()
-    auto = is_auto(cache_budget_gb)
-    budget = None if auto else parse_budget(cache_budget_gb)
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
-    if prefetch_ahead < 0:
-        raise ValueError(f"prefetch_ahead must be at least 0, got {prefetch_ahead}")
-    if hot_fraction is not None and not 0 <= hot_fraction <= 1:
-        raise ValueError(f"hot_fraction must be between 0 and 1, got {hot_fraction}")
-    if cache_policy not in POLICIES:
-        raise ConfigError(f"cache policy {cache_policy!r}: expected one of {', '.join(POLICIES)}")
-    if not isinstance(max_active_experts, int) or max_active_experts < 0:
-        raise ConfigError(f"max_active_experts must be an integer >= 0, got {max_active_experts!r}")
-    ckpt = Checkpoint(resolve_model(model))
+    ckpt = open_checkpoint(resolve_model(model))  # an mlx-lm build's names mapped onto Hugging Face ones
     store = None
     try:
-        cfg_path = ckpt.path / "config.json"
-        family = family_for(ckpt.config, str(cfg_path))
-        try:
-            args = family.ModelArgs.from_config(ckpt.config)
-        except ConfigError as e:
-            raise ConfigError(f"{cfg_path}: {e}") from None
-        layout = discover_experts(ckpt.tensors)
-        with torch.device("meta"):
-            net = family.Model(args)
-        if ckpt.source_format is not None:  # an MLX build whose layout the family must follow (gpt-oss experts)
-            ckpt.source_format.adapt_model(net)
-        formats = quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path)  # quantized experts
-        quantized_resident = quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears, on meta
-        if dtype == "auto":
-            compute_dtype = quant.float_dtype(ckpt, net.embed_name, checkpoint_dtype(ckpt, net.embed_name))
-        elif dtype in _DTYPES:
-            compute_dtype = _DTYPES[dtype]
-        else:
-            raise ConfigError(f"dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
-        from .tiered_cache import PinnedBufferPool, TieredExpertCache, parse_host_budget, resolve_device
-
-        dev = resolve_device(device) if parallel is None else parallel.device
-        tiered = dev.type == "cuda" or host_cache_gb is not None
-        if tiered and (formats or quantized_resident):
-            raise ConfigError(f"{ckpt.path}: quantized weights are not supported on the GPU tier yet; use --device cpu")
-        if tiered and wire_memory:
-            raise ConfigError("--wire-memory applies to the CPU expert cache; with --device cuda use --host-cache-gb")
-        if dev.type == "cuda":
-            # cuDNN's attention kernels gave different bits from run to run for the same inputs on an H200
-            # (torch 2.11, measured by benchmarks/gpu_tiers.py); flash / memory-efficient attention did not
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        if getattr(net, "unloaded_layers_from", None) is not None:
-            layout = _drop_layers_from(layout, net.unloaded_layers_from)
-        num_experts = _check_layout(net, layout, ckpt.path, formats)
-        io = plan_io(ckpt, workers, use_page_cache, prefetch_ahead, wire_memory)
+        opened = _open(ckpt, options)
+        dev = opened.device if parallel is None else parallel.device
+        tiered = dev.type == "cuda" or options.host_cache is not None
+        _check_device(ckpt, opened, dev, tiered, options)
+        io = plan_io(ckpt, options.workers, options.use_page_cache, options.prefetch_ahead, options.wire_memory)
         # tiered: the store reads into (pinned) host buffers; the cache copies them to the device
-        store = ExpertStore(ckpt, layout, compute_dtype, "cpu" if tiered else dev, workers, reader=io.reader)
+        store = ExpertStore(ckpt, opened.layout, opened.dtype, "cpu" if tiered else dev, options.workers,
+                            reader=io.reader)
         if dev.type == "cuda":
-            store.pool = PinnedBufferPool(max_free=2 * workers)
-        quant.attach(net, store, formats, compute_dtype)
-        if fast:
-            from .quant.turboquant import set_fast
-
+            store.pool = PinnedBufferPool(max_free=2 * options.workers)
+        net = opened.net
+        quant_fns = quant.attach(net, opened.formats, opened.dtype)  # layer -> expert function on stored pieces
+        if options.fast:
             n = set_fast(net, True)
             print(f"note: --fast: the QJL residual correction of {n} linears is off; this changes the output"
                   if n else "note: --fast has no effect: this checkpoint stores no QJL residuals", file=sys.stderr)
-        keys = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
-        share = 1
+        keys = [(i, e) for i, lay in opened.layout.layers.items() for e in range(lay.num_experts)]
         if parallel is not None:  # this rank's experts only; rank 0 places them
-            parallel.place(ckpt, net, num_experts, usage_file, learn_experts)
+            parallel.place(ckpt, net, opened.num_experts, options.usage_file, options.learn_experts)
             keys = [key for key in keys if parallel.owns(key)]
-            share = parallel.local_world
-            if parallel.rank != 0:
-                trace = None  # every rank routes the same tokens: rank 0's trace is the whole trace
-        if dev.type == "cuda":
-            budget = _device_budget(net, store, keys, budget, compute_dtype, auto, dev, context_tokens)
-            io.budget = budget
-        else:
-            budget = io.size_budget(net, store, keys, budget, compute_dtype, auto, context_tokens, share)
-            _check_fit(net, store, keys, budget, compute_dtype, io.reserve_bytes, share)
-        host_budget = 0
-        if tiered:
-            from .memory import RUNTIME_RESERVE
-
-            experts_bytes = sum(store.cached_nbytes(k) for k in keys)
-            host_budget = parse_host_budget(host_cache_gb, experts_bytes, RUNTIME_RESERVE + 2 * 2 * workers * max(
-                (store.cached_nbytes(k) for k in keys), default=0))
-            if host_budget and share > 1 and is_auto(host_cache_gb):
-                host_budget //= share  # the ranks of this machine share its host RAM
+        plan = _plan_budget(net, store, keys, opened.dtype, dev, tiered, io, options, parallel)
         tok = None
         if tokenizer:
-            from .tokenizer import load_tokenizer
-
             tok = load_tokenizer(ckpt.path)
-        resident_names = [n for n, _ in net.named_parameters()]
-        total = sum(ckpt.tensors[n].nbytes for n in resident_names if n in ckpt.tensors)
-        with progress_bar(total, "loading resident weights", progress) as bar:
-            skip = layout.expert_tensors | quant.padding_tensors(ckpt.tensors)  # padding: see quant.convert
-            unused = load_resident(net, ckpt, skip, compute_dtype, bar.update)
-        describe = getattr(family, "describe_skipped", None)  # parts a family leaves out on purpose
-        if describe is not None:
-            note, unused = describe(unused)
-            if note:
-                print(f"note: {note}", file=sys.stderr)
+        unused = _load_resident(ckpt, opened, progress)
         net.to(dev).eval()
         use_fast_linear(net)  # wide bf16 matmuls in float32 on CPUs without native bf16 (models/linear.py)
-        from .usage import setup_cache_policy
-
-        policy = make_policy(cache_policy, half_life=sum(num_experts.values()))
+        policy = make_policy(options.cache_policy, half_life=sum(opened.num_experts.values()))
         if tiered:
-            cache = TieredExpertCache(store, budget, num_experts, policy=policy, device=dev,
-                                      host_budget_bytes=host_budget)
+            cache = TieredExpertCache(store, plan.budget, opened.num_experts, policy=policy, device=dev,
+                                      host_budget_bytes=plan.host)
         else:
-            cache = ExpertCache(store, budget, num_experts, policy=policy)
-        for block in net.moe_blocks():
-            block.attach(cache)
-            block.batched = dev.type == "cuda"
-        io.start(ckpt, net, store, cache)
-        if parallel is not None:
-            parallel.attach(net, io.prefetcher)
-        if budget is None:
+            cache = ExpertCache(store, plan.budget, opened.num_experts, policy=policy)
+        owns = None if parallel is None else parallel.owns
+        io.start(ckpt, net, store, cache, owns=owns)
+        if plan.budget is None:
             need = sum(store.cached_nbytes(k) for k in keys)
             with progress_bar(need, "preloading every expert", progress) as bar:
                 cache.preload(keys, bar.update)
-        usage_state = setup_cache_policy(
-            ckpt, net, cache, num_experts, max_active_experts=max_active_experts, hotlist=hotlist,
-            pin_file=pin_file, usage_file=usage_file, learn_experts=learn_experts, trace=trace,
-            **({} if hot_fraction is None else {"hot_fraction": hot_fraction}),
-            owns=None if parallel is None else parallel.owns,
-        )
+        # every rank routes the same tokens: rank 0's trace is the whole trace
+        trace = options.trace if parallel is None or parallel.rank == 0 else None
+        usage_state = setup_cache_policy(ckpt, net, cache, opened.num_experts, options, trace=trace, owns=owns)
+        batched = dev.type == "cuda" if options.batched_experts is None else options.batched_experts
+        pipeline = ExpertPipeline(cache, expert_kernels(net, quant_fns, batched), options.max_active_experts,
+                                  io.prefetcher, parallel, usage_state.trace)
+        for block in net.moe_blocks():
+            block.attach(pipeline)
         return Engine(
-            checkpoint=ckpt, layout=layout, store=store, cache=cache, model=net, family=family,
-            dtype=compute_dtype, device=dev, resident_bytes=resident_nbytes(net),
+            checkpoint=ckpt, layout=opened.layout, store=store, cache=cache, model=net, family=opened.family,
+            dtype=opened.dtype, device=dev, resident_bytes=resident_bytes(net),
             load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused, io=io, usage=usage_state,
-            parallel=parallel,
+            parallel=parallel, pipeline=pipeline, options=options, budget=plan, threads=torch.get_num_threads(),
         )
     except BaseException:
         if store is not None:
@@ -355,44 +334,113 @@ def load(
         raise
 
 
-def _device_budget(net: CausalLM, store: ExpertStore, keys: list, budget: int | None, dtype: torch.dtype,
-                   auto: bool, dev: torch.device, context_tokens: int | None) -> int | None:
-    """The VRAM expert budget on a CUDA device: ``budget`` as given (refused, before any weight is
-    read, when resident weights plus it exceed the free device memory), or for ``auto`` the free
-    memory less resident weights, the KV cache (twice its size for ``context_tokens``, default
-    4096) and a reserve (1 GB plus four layers' worth of experts for stacking and activations)."""
-    from .io_setup import DEFAULT_CONTEXT_TOKENS, _kv_bytes_per_token
-    from .tiered_cache import device_free_bytes
+@dataclass
+class _Opened:
+    """A checkpoint's model before any weight is read: its family, the meta-device model (quantized
+    resident linears swapped in), the expert layout checked against the config, the experts'
+    formats, the compute dtype and the device the options name."""
 
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    seen, resident = set(), 0
-    for p in net.parameters():  # on the meta device: shapes only
-        if id(p) not in seen:
-            seen.add(id(p))
-            resident += p.numel() * (itemsize if p.is_floating_point() else p.element_size())
-    experts = sum(store.cached_nbytes(k) for k in keys)
-    one = max((store.cached_nbytes(k) for k in keys), default=0)
-    top_k = getattr(getattr(net, "args", None), "num_experts_per_tok", 8)
-    ctx = context_tokens or min(DEFAULT_CONTEXT_TOKENS, net.max_context or DEFAULT_CONTEXT_TOKENS)
-    reserve = int(1e9) + 4 * top_k * one + 2 * ctx * _kv_bytes_per_token(net, dtype)
-    free = device_free_bytes(dev)
-    if auto:
-        left = free - resident - reserve
-        if left <= 0:
-            raise BudgetError(
-                f"--cache-budget-gb auto: {dev} has {free / GB:.2f} GB free; resident weights ({resident / GB:.2f} GB) "
-                f"and a {reserve / GB:.2f} GB reserve leave nothing for experts"
-            )
-        return min(left, experts)
-    cached = experts if budget is None else min(budget, experts)
-    if resident + cached > free:
-        what = "every expert (--cache-budget-gb all)" if budget is None else f"a {budget / GB:.3g} GB cache budget"
-        raise BudgetError(
-            f"resident weights ({resident / GB:.2f} GB) plus {what} ({cached / GB:.2f} GB) need "
-            f"{(resident + cached) / GB:.2f} GB, but {dev} has {free / GB:.2f} GB free; "
-            "give a smaller --cache-budget-gb"
-        )
-    return budget
+    family: ModuleType
+    net: CausalLM
+    layout: ExpertLayout
+    formats: dict
+    quantized_resident: list
+    num_experts: dict
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _open(ckpt: Checkpoint, options: EngineOptions) -> _Opened:
+    """The family, model (on the meta device), layout and formats of an opened checkpoint.
+
+    Raises ConfigError, LayoutError, QuantError naming the file, field or tensor.
+    """
+    cfg_path = ckpt.path / "config.json"
+    family = family_for(ckpt.config, str(cfg_path))
+    try:
+        args = family.ModelArgs.from_config(ckpt.config)
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_path}: {e}") from None
+    layout = discover_experts(ckpt.tensors)
+    with torch.device("meta"):
+        net = family.Model(args)
+    adapt = getattr(family, "adapt_to_source", None)  # an MLX build whose layout the family follows (gpt-oss)
+    if ckpt.source_format is not None and adapt is not None:
+        adapt(net, ckpt.source_format)
+    formats = quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path)  # quantized experts
+    quantized_resident = quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears, on meta
+    if options.dtype == "auto":
+        dtype = quant.float_dtype(ckpt, net.embed_name, checkpoint_dtype(ckpt, net.embed_name))
+    else:
+        dtype = _DTYPES[options.dtype]
+    if getattr(net, "unloaded_layers_from", None) is not None:
+        layout = _drop_layers_from(layout, net.unloaded_layers_from)
+    num_experts = _check_layout(net, layout, ckpt.path, formats)
+    return _Opened(family, net, layout, formats, quantized_resident, num_experts, dtype,
+                   resolve_device(options.device))
+
+
+def _check_device(ckpt: Checkpoint, opened: _Opened, dev: torch.device, tiered: bool,
+                  options: EngineOptions) -> None:
+    """Refuse what the GPU tier does not do yet, and set what CUDA needs for exact bits."""
+    if tiered and (opened.formats or opened.quantized_resident):
+        raise ConfigError(f"{ckpt.path}: quantized weights are not supported on the GPU tier yet; use --device cpu")
+    if tiered and options.wire_memory:
+        raise ConfigError("--wire-memory applies to the CPU expert cache; with --device cuda use --host-cache-gb")
+    if dev.type == "cuda":
+        # cuDNN's attention kernels gave different bits from run to run for the same inputs on an H200
+        # (torch 2.11, measured by benchmarks/gpu_tiers.py); flash / memory-efficient attention did not
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def _plan_budget(net: CausalLM, store: ExpertStore, keys: list, dtype: torch.dtype, dev: torch.device,
+                 tiered: bool, io: IOSettings, options: EngineOptions, parallel) -> BudgetPlan:
+    """The cache budget (and host tier) of this model's experts ``keys``, refused before any weight is read
+    when it cannot fit (:mod:`moestream.budget`)."""
+    sizes = [store.cached_nbytes(k) for k in keys]
+    experts, one = sum(sizes), max(sizes, default=0)
+    share = 1 if parallel is None else parallel.local_world
+    if dev.type == "cuda":
+        plan = plan_device_budget(net, options.cache_budget, dtype, experts, one, device_free_bytes(dev), dev,
+                                  options.context_tokens)
+    else:
+        plan = plan_cpu_budget(net, options.cache_budget, dtype, experts, one, options.workers, io.use_page_cache,
+                               options.prefetch_ahead, options.context_tokens, share, MAX_READ_BYTES,
+                               options.wire_memory)
+    if tiered:
+        plan.host = plan_host_budget(options.host_cache, experts, one, options.workers, share)
+    return plan
+
+
+def _load_resident(ckpt: Checkpoint, opened: _Opened, progress) -> list[str]:
+    """Read the resident weights into the model; the checkpoint tensors it does not use (reported once)."""
+    net, layout = opened.net, opened.layout
+    total = sum(ckpt.tensors[n].nbytes for n, _ in net.named_parameters() if n in ckpt.tensors)
+    with progress_bar(total, "loading resident weights", progress) as bar:
+        skip = layout.expert_tensors | quant.padding_tensors(ckpt.tensors)  # padding: see quant.convert
+        unused = load_resident(net, ckpt, skip, opened.dtype, bar.update)
+    describe = getattr(opened.family, "describe_skipped", None)  # parts a family leaves out on purpose
+    if describe is not None:
+        note, unused = describe(unused)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    return unused
+
+
+def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool) -> dict:
+    """layer -> the expert kernel of each MoE block, chosen once: the quantized layers' functions on
+    their stored pieces (``quant_fns``), the batched SwiGLU chain where ``batched`` and the family's
+    expert is the plain SwiGLU, else the family's own expert function."""
+    out = {}
+    for block in net.moe_blocks():
+        fn = quant_fns.get(block.layer)
+        if fn is not None:
+            out[block.layer] = ExpertKernel(fn)
+        elif batched and block.expert_fn is swiglu_expert:
+            out[block.layer] = BatchedSwiGLUKernel()
+        else:
+            out[block.layer] = ExpertKernel(block.expert_fn)
+    return out
 
 
 def _drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:
@@ -401,39 +449,6 @@ def _drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:
     keep = {i: lay for i, lay in layout.layers.items() if i < first}
     dropped = {p.source for i, lay in layout.layers.items() if i >= first for ex in lay.experts for p in ex}
     return ExpertLayout(keep, layout.expert_tensors - dropped)
-
-
-def _check_fit(net: CausalLM, store: ExpertStore, keys: list, budget: int | None, dtype: torch.dtype,
-               reserve: int = 0, share: int = 1) -> None:
-    """Refuse, before reading weights, a budget that cannot fit in the memory available.
-
-    Counts the resident weights, the cached experts (``budget``, or every expert for
-    None) and ``reserve`` bytes (the runtime, read buffers and prefetch staging the auto
-    budget also sets aside, :meth:`moestream.io_setup.IOSettings.size_budget`): a budget
-    that leaves no room for them is OOM-killed inside a cgroup cap during prefill.
-    ``share``: processes of this machine (expert parallelism) that split its memory.
-
-    Raises:
-        BudgetError: with the numbers, in GB (10^9 bytes).
-    """
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    seen, resident = set(), 0
-    for p in net.parameters():  # on the meta device: shapes only
-        if id(p) not in seen:
-            seen.add(id(p))
-            resident += p.numel() * (itemsize if p.is_floating_point() else p.element_size())
-    experts = sum(store.cached_nbytes(k) for k in keys)
-    cached = experts if budget is None else min(budget, experts)
-    avail = available_bytes() // share
-    if resident + cached + reserve > avail:
-        what = "every expert (--cache-budget-gb all)" if budget is None else f"a {budget / GB:.3g} GB cache budget"
-        raise BudgetError(
-            f"resident weights ({resident / GB:.2f} GB) plus {what} ({cached / GB:.2f} GB) plus the runtime and "
-            f"read buffers ({reserve / GB:.2f} GB) need {(resident + cached + reserve) / GB:.2f} GB, but only "
-            f"{avail / GB:.2f} GB of memory is available to this "
-            "process (cgroup limit included" + (f"; this rank's share of {share} on this machine" if share > 1 else "")
-            + "); give a smaller --cache-budget-gb, or auto"
-        )
 
 
 def _merge_rank_usage(engine: Engine) -> None:

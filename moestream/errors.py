@@ -34,3 +34,20 @@ class InputError(MoestreamError, ValueError):
 
 class BudgetError(MoestreamError):
     """A cache budget is malformed or cannot fit in the memory available."""
+
+
+class EngineClosedError(MoestreamError):
+    """An engine (or its expert store) was used after ``close()``."""
+
+
+class TemplateVariableError(InputError):
+    """A chat-template variable a caller may not set: it names the template itself, an argument of the
+    renderer, or a value the renderer defines (``messages``, a special token). ``key`` is its name."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
+
+
+class PromptTooLongError(InputError):
+    """A prompt refused by its length in bytes, before it was tokenized (see ``tokenizer.PromptLimit``)."""

@@ -21,6 +21,7 @@ from .errors import ConfigError, InputError
 from .memory import available_bytes, peak_rss_bytes
 from .models.layers import KVCache
 from .textstream import StopStrings
+from .tokenizer import StreamDecoder, current_turn, think_token_ids
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,22 @@ class Sampler:
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """The float32 logits [vocab] sampling draws from: divided by the temperature, with the tokens
-        that top-k, top-p and min-p remove at -inf (temperature > 0 only)."""
+        that top-k, top-p and min-p remove at -inf (temperature > 0 only).
+
+        A temperature so small that the division overflows float32 (1e-40 for logits near 1) is
+        sampled at its limit: every token below the top logit has probability
+        exp(-(top - logit) / temperature), which is exactly 0 in float32 and float64 once
+        top / temperature overflows (the gap is at least one float32 step of ``top``, about
+        6e-8 * top, so the exponent is below -2e31), so the draw is uniform over the tokens tied at
+        the top (the argmax when there is one). Top-p keeps at least the most likely token, as
+        transformers' ``TopPLogitsWarper(min_tokens_to_keep=1)``, whatever ``top_p`` rounds to in
+        float32 (1e-300 is 0 there). Neither changes a draw that worked before, bit for bit.
+        """
         p = self.params
-        logits = logits.float().cpu() / p.temperature
+        raw = logits.float().cpu()
+        logits = raw / p.temperature
+        if not torch.isfinite(logits.max()):  # overflowed (+inf, or NaN from 0 / a temperature 0 in float32)
+            logits = torch.zeros_like(raw).masked_fill(raw != raw.max(), float("-inf"))
         if p.top_k and p.top_k < logits.shape[0]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -136,6 +150,7 @@ class Sampler:
             sorted_logits, order = torch.sort(logits, descending=True)
             cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
             drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest set reaching top_p
+            drop[0] = False  # and at least the most likely token
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
         if p.min_p > 0:
@@ -342,11 +357,21 @@ def generation_defaults(folder: str | Path) -> dict:
 
 
 def _generation_eos(folder: Path) -> list:
+    """generation_config.json's ``eos_token_id`` as a list (empty without the file or the field).
+
+    Raises:
+        ConfigError: naming the file and field, when it is not a token id or a list of them.
+    """
+    path = folder / GENERATION_CONFIG
     try:
-        v = json.loads((folder / GENERATION_CONFIG).read_text()).get("eos_token_id")
+        v = json.loads(path.read_text()).get("eos_token_id")
     except (OSError, ValueError, AttributeError):
-        return []
-    return v if isinstance(v, list) else [v]
+        return []  # no file, or not a JSON object: generation_defaults names that one
+    ids = v if isinstance(v, list) else [v]
+    if v is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+        raise ConfigError(f"{path}: field 'eos_token_id' = {shown} is not a token id or a list of them")
+    return ids
 
 
 def eos_ids(engine: Engine) -> set[int]:
@@ -354,7 +379,7 @@ def eos_ids(engine: Engine) -> set[int]:
     ids: set[int] = set()
     cfg_eos = engine.checkpoint.config.get("eos_token_id")
     for v in (cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]) + _generation_eos(engine.checkpoint.path):
-        if isinstance(v, int) and not isinstance(v, bool):
+        if isinstance(v, int) and not isinstance(v, bool):  # config.json's was checked at load
             ids.add(v)
     tok = engine.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
@@ -401,13 +426,16 @@ def _logprob(processed: torch.Tensor, token: int, n: int) -> TokenLogprob:
 
 
 @torch.inference_mode()
-def _forward(model, x: torch.Tensor, pos: int, kv, session: Session | None) -> torch.Tensor:
-    """``model(x, pos, kv)``; when it fails part-way (a failed expert read), some layers have
-    already written this step into ``kv`` and others not, so a ``session`` is emptied: its
-    next call prefills from scratch instead of continuing from a half-updated cache."""
+def _forward(engine: Engine, x: torch.Tensor, pos: int, kv, session: Session | None) -> torch.Tensor:
+    """``engine.model(x, pos, kv)`` with the intra-op thread count of load (:meth:`Engine.hold_threads`:
+    another count gives other bits); when it fails part-way (a failed expert read), some layers
+    have already written this step into ``kv`` and others not, so a ``session`` is emptied: its
+    next call prefills from scratch instead of continuing from a half-updated cache. A Ctrl-C
+    (KeyboardInterrupt) part-way is such a failure too."""
+    engine.hold_threads()
     try:
-        return model(x, pos, kv)
-    except Exception:
+        return engine.model(x, pos, kv)
+    except BaseException:
         if session is not None:
             session.kv = None
             session.ids.clear()
@@ -477,84 +505,44 @@ def generate(
             vocabulary, a prompt that fills the model's context, stop strings without a
             tokenizer, ``logprobs`` < 0.
         ReadError: when an expert read fails (naming the expert and file).
+        EngineClosedError: the engine was closed.
     """
-    model, cache, store = engine.model, engine.cache, engine.store
+    engine.check_open()
+    model = engine.model
     par = getattr(engine, "parallel", None)
     if par is not None:  # expert parallel (torchrun): every rank runs rank 0's request, its seed included
         prompt_ids, max_tokens, sampling, stop, stop_at_eos, multi_think, prefill_chunk = par.agree_generation(
             prompt_ids, max_tokens, sampling, stop, stop_at_eos, multi_think, prefill_chunk)
-    prompt_ids = list(prompt_ids)
-    if not prompt_ids:
-        raise InputError("the prompt is empty")
-    if max_tokens < 1:
-        raise InputError(f"max_tokens must be at least 1, got {max_tokens}")
-    if logprobs is not None and logprobs < 0:
-        raise InputError(f"logprobs must be >= 0, got {logprobs}")
-    stops = [s for s in stop if s]
-    if stops and engine.tokenizer is None:
-        raise InputError("stop strings need the tokenizer (load with tokenizer=True)")
-    bad = [t for t in prompt_ids if not 0 <= t < model.vocab_size]
-    if bad:
-        raise InputError(f"token id {bad[0]} is outside the model's vocabulary (vocab_size {model.vocab_size})")
-    if model.max_context is not None:
-        if len(prompt_ids) >= model.max_context:
-            raise InputError(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context holds {model.max_context} "
-                "(max_position_embeddings)"
-            )
-        max_tokens = min(max_tokens, model.max_context - len(prompt_ids))
+    prompt_ids, max_tokens, stops = _check_request(engine, prompt_ids, max_tokens, logprobs, stop)
     stats = stats if stats is not None else GenerationStats()
     sampler = Sampler(sampling)
     eos = eos_ids(engine)
     stop_ids = eos if stop_at_eos else set()
     decoder = None
     if engine.tokenizer is not None:
-        from .tokenizer import StreamDecoder
-
         decoder = StreamDecoder(engine.tokenizer)
     stopper = StopStrings(stops)
     think_end = None
     think_closed = False
     if not multi_think and engine.tokenizer is not None:
-        from .tokenizer import current_turn, think_token_ids
-
         think_end = think_token_ids(engine.tokenizer)[1]
         think_closed = think_end is not None and think_end in current_turn(prompt_ids, eos)
-    reuse = 0
-    if session is not None:
-        while reuse < min(len(session.ids), len(prompt_ids) - 1) and session.ids[reuse] == prompt_ids[reuse]:
-            reuse += 1
-        if session.kv is None:
-            session.kv = model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256))
-        del session.ids[reuse:]
-        kv = session.kv
-    else:
-        kv = model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256))  # grows as needed
+    kv, reuse = _kv_cache(model, session, prompt_ids, max_tokens)
     ids = torch.tensor(prompt_ids, dtype=torch.int64, device=engine.device)
     stats.prompt_tokens = len(prompt_ids)
     stats.prompt_cached_tokens = reuse
-    start_hits, start_lookups = cache.stats.hits, cache.stats.lookups
-    start_bytes, start_experts, start_reads = store.stats.bytes_read, store.stats.experts_read, store.stats.reads
-    usage_before = {k: v.clone() for k, v in cache.usage.items()}
-    io0 = _io_snapshot(engine)
-
-    t0 = time.perf_counter()
+    counters = _Counters(engine)
     logits = None
-    for s in range(reuse, len(prompt_ids), prefill_chunk):
-        logits = _forward(model, ids[s : s + prefill_chunk], s, kv, session)
-        if session is not None:
-            session.ids.extend(prompt_ids[s : s + prefill_chunk])
-    stats.prefill_seconds = time.perf_counter() - t0
-    prefilled = len(prompt_ids) - reuse
-    stats.prefill_tok_s = prefilled / stats.prefill_seconds if stats.prefill_seconds else 0.0
-    decode_hits0, decode_lookups0, decode_bytes0 = cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
-
-    t1 = time.perf_counter()
-    pos = len(prompt_ids)
-    context = list(prompt_ids) if sampling.penalized else []
-    generated: list[int] = []
     stats.finish_reason = "length"
-    try:
+    try:  # the stats are filled in however it ends: done, failed or interrupted (Ctrl-C) in prefill or decode
+        for s in range(reuse, len(prompt_ids), prefill_chunk):
+            logits = _forward(engine, ids[s : s + prefill_chunk], s, kv, session)
+            if session is not None:
+                session.ids.extend(prompt_ids[s : s + prefill_chunk])
+        counters.decode_starts(stats, len(prompt_ids) - reuse)
+        pos = len(prompt_ids)
+        context = list(prompt_ids) if sampling.penalized else []
+        generated: list[int] = []
         digest = hashlib.sha256()
         for n in range(max_tokens):
             last = logits[-1].float()
@@ -576,12 +564,7 @@ def generate(
             stats.generated_tokens = n + 1
             is_eos = token in stop_ids
             final = is_eos or n + 1 == max_tokens
-            text, hit = "", False
-            if decoder is not None:
-                text, hit = stopper.push("" if is_eos else decoder.push(token))
-                if final and not hit:
-                    more, hit = stopper.push(decoder.flush())
-                    text += more if hit else more + stopper.flush()
+            text, hit = _step_text(decoder, stopper, token, is_eos, final)
             reason = None
             if is_eos or hit:
                 stats.finish_reason = reason = "stop"
@@ -598,26 +581,113 @@ def generate(
                 break
             if par is not None and not par.flag(True):  # rank 0 goes on, or was cancelled
                 break
-            logits = _forward(model, torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv, session)
+            logits = _forward(engine, torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv, session)
             if session is not None:
                 session.ids.append(token)
             pos += 1
     finally:
-        stats.decode_seconds = time.perf_counter() - t1
+        counters.fill(stats)
+
+
+
+def _check_request(engine: Engine, prompt_ids, max_tokens: int, logprobs: int | None,
+                   stop: Sequence[str]) -> tuple[list[int], int, list[str]]:
+    """A request checked against the model: ``(prompt ids, max_tokens capped by the context, stop strings)``.
+
+    Raises:
+        InputError: see :func:`generate`.
+    """
+    model = engine.model
+    prompt_ids = list(prompt_ids)
+    if not prompt_ids:
+        raise InputError("the prompt is empty")
+    if max_tokens < 1:
+        raise InputError(f"max_tokens must be at least 1, got {max_tokens}")
+    if logprobs is not None and logprobs < 0:
+        raise InputError(f"logprobs must be >= 0, got {logprobs}")
+    stops = [s for s in stop if s]
+    if stops and engine.tokenizer is None:
+        raise InputError("stop strings need the tokenizer (load with tokenizer=True)")
+    bad = [t for t in prompt_ids if not 0 <= t < model.vocab_size]
+    if bad:
+        raise InputError(f"token id {bad[0]} is outside the model's vocabulary (vocab_size {model.vocab_size})")
+    if model.max_context is not None:
+        if len(prompt_ids) >= model.max_context:
+            raise InputError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context holds {model.max_context} "
+                "(max_position_embeddings)"
+            )
+        max_tokens = min(max_tokens, model.max_context - len(prompt_ids))
+    return prompt_ids, max_tokens, stops
+
+
+def _kv_cache(model, session: Session | None, prompt_ids: list[int], max_tokens: int):
+    """``(KV cache, prompt tokens it already holds)``: the session's, its shared prefix kept, or a new one."""
+    if session is None:
+        return model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256)), 0  # grows as needed
+    reuse = 0
+    while reuse < min(len(session.ids), len(prompt_ids) - 1) and session.ids[reuse] == prompt_ids[reuse]:
+        reuse += 1
+    if session.kv is None:
+        session.kv = model.new_kv_cache(len(prompt_ids) + min(max_tokens, 256))
+    del session.ids[reuse:]
+    return session.kv, reuse
+
+
+def _step_text(decoder, stopper: StopStrings, token: int, is_eos: bool, final: bool) -> tuple[str, bool]:
+    """The text a step shows and whether a stop string ended it (no text without a tokenizer)."""
+    if decoder is None:
+        return "", False
+    text, hit = stopper.push("" if is_eos else decoder.push(token))
+    if final and not hit:
+        more, hit = stopper.push(decoder.flush())
+        text += more if hit else more + stopper.flush()
+    return text, hit
+
+
+class _Counters:
+    """The engine's counters at a generation's start (and its decode's), to fill its stats however it ends."""
+
+    def __init__(self, engine: Engine):
+        cache, store = engine.cache, engine.store
+        self.engine = engine
+        self.hits, self.lookups = cache.stats.hits, cache.stats.lookups
+        self.bytes, self.experts, self.reads = store.stats.bytes_read, store.stats.experts_read, store.stats.reads
+        self.usage = {k: v.clone() for k, v in cache.usage.items()}
+        self.io = _io_snapshot(engine)
+        self.t0, self.t1 = time.perf_counter(), None  # t1: the decode's start; None while prefilling
+        self.decode_hits, self.decode_lookups, self.decode_bytes = self.hits, self.lookups, self.bytes
+
+    def decode_starts(self, stats: GenerationStats, prefilled: int) -> None:
+        """Prefill is done (``prefilled`` tokens): its time and rate; the decode's counters start here."""
+        cache, store = self.engine.cache, self.engine.store
+        stats.prefill_seconds = time.perf_counter() - self.t0
+        stats.prefill_tok_s = prefilled / stats.prefill_seconds if stats.prefill_seconds else 0.0
+        self.decode_hits, self.decode_lookups, self.decode_bytes = \
+            cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
+        self.t1 = time.perf_counter()
+
+    def fill(self, stats: GenerationStats) -> None:
+        """The run's figures into ``stats``: times, rates, cache and read counters, distinct experts, memory."""
+        engine, cache, store = self.engine, self.engine.cache, self.engine.store
+        if self.t1 is None:  # ended in prefill
+            stats.prefill_seconds = time.perf_counter() - self.t0
+        stats.decode_seconds = time.perf_counter() - self.t1 if self.t1 is not None else 0.0
         decoded = max(0, stats.generated_tokens - 1)  # the first token comes from prefill
         stats.decode_tok_s = decoded / stats.decode_seconds if decoded and stats.decode_seconds else 0.0
-        lookups = cache.stats.lookups - start_lookups
-        hits = cache.stats.hits - start_hits
+        lookups = cache.stats.lookups - self.lookups
+        hits = cache.stats.hits - self.hits
         stats.cache_lookups, stats.cache_hits = lookups, hits
         stats.cache_hit_rate = hits / lookups if lookups else 0.0
-        d_lookups = cache.stats.lookups - decode_lookups0
-        stats.decode_hit_rate = (cache.stats.hits - decode_hits0) / d_lookups if d_lookups else 0.0
-        stats.experts_read = store.stats.experts_read - start_experts
-        stats.reads = store.stats.reads - start_reads
+        d_lookups = cache.stats.lookups - self.decode_lookups
+        stats.decode_hit_rate = (cache.stats.hits - self.decode_hits) / d_lookups if d_lookups else 0.0
+        stats.experts_read = store.stats.experts_read - self.experts
+        stats.reads = store.stats.reads - self.reads
         stats.experts_per_read = stats.experts_read / stats.reads if stats.reads else 0.0
-        stats.gb_read = (store.stats.bytes_read - start_bytes) / GB
-        stats.mb_read_per_decoded_token = (store.stats.bytes_read - decode_bytes0) / 1e6 / decoded if decoded else 0.0
-        distinct = {k: int(((v - usage_before[k]) > 0).sum()) for k, v in cache.usage.items()}
+        stats.gb_read = (store.stats.bytes_read - self.bytes) / GB
+        stats.mb_read_per_decoded_token = (store.stats.bytes_read - self.decode_bytes) / 1e6 / decoded if decoded \
+            else 0.0
+        distinct = {k: int(((v - self.usage[k]) > 0).sum()) for k, v in cache.usage.items()}
         stats.distinct_experts_per_layer = distinct
         stats.distinct_experts_per_layer_mean = sum(distinct.values()) / len(distinct) if distinct else 0.0
         stats.experts_per_layer = max(engine.layout.layers[k].num_experts for k in distinct) if distinct else 0
@@ -626,7 +696,7 @@ def generate(
         stats.cache_peak_gb = cache.peak_bytes / GB
         stats.peak_rss_gb = peak_rss_bytes() / GB
         stats.load_seconds = engine.load_seconds
-        _fill_io_stats(stats, engine, io0)
+        _fill_io_stats(stats, engine, self.io)
 
 
 def resolve_sampling(

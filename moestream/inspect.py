@@ -15,10 +15,13 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import Checkpoint, TensorInfo, resolve_model
+from .checkpoint import Checkpoint, TensorInfo, resolve_model, safetensors_dtype
 from .errors import ConfigError, LayoutError, MoestreamError
 from .layout import discover_experts
+from .mlx_format import open_checkpoint
 from .models import family_for, supported_model_types
+from .quant import model as quant
+from .synth import DTYPES, plan_synth
 
 GB = 1e9
 MB = 1e6
@@ -118,9 +121,6 @@ def _not_streamable(cfg: dict) -> str | None:
 
 def _synth_index(config: Path, dtype: str) -> tuple[dict, dict[str, TensorInfo]]:
     """The config (as synth would write it) and a header-like index of its tensors at full size."""
-    from .checkpoint import safetensors_dtype
-    from .synth import DTYPES, plan_synth
-
     plan = plan_synth(config, None, dtype)
     itemsize = plan.itemsize
     st_dtype = safetensors_dtype(DTYPES[dtype])
@@ -154,7 +154,7 @@ def inspect(model: str | None = None, config: str | Path | None = None, dtype: s
             raise ConfigError(f"{path}: not a JSON object")
         source, ckpt = str(path), None
     else:
-        ckpt = Checkpoint(resolve_model(model))
+        ckpt = open_checkpoint(resolve_model(model))
         raw, source = ckpt.config, str(ckpt.path)
     try:
         return _inspect(raw, source, ckpt, config, dtype)
@@ -187,14 +187,10 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
     with torch.device("meta"):
         net = family.Model(args)
     if ckpt is not None:
-        from . import quant
-
         quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears: their scales are resident too
     layout = discover_experts(tensors)
     qfmt, qmods = "", []
     if ckpt is not None and layout.layers:
-        from . import quant
-
         qfmt, qmods = quant.describe(ckpt, layout, net)
     blocks = net.moe_blocks()
     if not blocks or not layout.layers:
@@ -213,8 +209,6 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
     resident = sum(tensors[n].nbytes for n in params if n in tensors)
     padding, quantization = set(), ""
     if ckpt is not None:
-        from . import quant
-
         padding = quant.padding_tensors(tensors)  # alignment filler that `moestream convert` writes
         quantization = quant.summary(ckpt, ckpt.path)
     unused = sorted(n for n in tensors if n not in params and n not in layout.expert_tensors and n not in padding)

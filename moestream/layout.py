@@ -165,66 +165,14 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
     expert_tensors: set[str] = set()
     unknown: list[str] = []
     for name, info in tensors.items():
-        if (m := _PER_EXPERT.match(name)) and m["proj"] in ROLE_OF_PROJ:
-            parts, role = _slot(found, m, "per-expert", name), _role(m)
-            if m["param"] in WEIGHT_PARAMS:
-                _check_rank(info, 2, name)
-            piece = Piece(role, info.file, info.offset, info.nbytes, info.dtype, info.shape, name)
-            parts[int(m["expert"])][role] = piece
-        elif (m := _STACKED.match(name)) and m["proj"] in ROLE_OF_PROJ and m["param"] not in SHARED_PARAMS:
-            parts, role = _slot(found, m, "stacked", name), _role(m)
-            if m["param"] == "weight":
-                _check_rank(info, 3, name)
-            for e in range(info.shape[0]):
-                parts[e][role] = _piece(role, info, e)
-        elif (m := _MXFP4.match(name)) and (m["param"] != "bias" or name[: -len("bias")] + "blocks" in tensors):
-            parts = _slot(found, m, "mxfp4", name)
-            role = "gate_up" if m["proj"] == "gate_up_proj" else "down"
-            role += "" if m["param"] == "blocks" else "." + m["param"]
-            for e in range(info.shape[0]):
-                parts[e][role] = _piece(role, info, e)
-        elif (m := _FUSED.match(name)) and _fused_in_out(name, tensors):
-            # gpt-oss orientation, x @ W: gate_up_proj [E, H, 2I] with gate and up columns
-            # interleaved (one piece, split by the expert function), down_proj [E, I, H]
-            parts = _slot(found, m, "fused", name)
-            _check_rank(info, 3, name)
-            role = "gate_up" if m["proj"] == "gate_up_proj" else "down"
-            for e in range(info.shape[0]):
-                parts[e][role] = _piece(role, info, e)
-        elif m := _FUSED_BIAS.match(name):
-            parts = _slot(found, m, "fused", name)
-            _check_rank(info, 2, name)
-            base = name[: -len("_bias")]
-            split = m["proj"] == "gate_up_proj" and not _fused_in_out(base, tensors)
-            half = info.shape[1] // 2
-            for e in range(info.shape[0]):
-                if not split:
-                    role = ("gate_up" if m["proj"] == "gate_up_proj" else "down") + ".bias"
-                    parts[e][role] = _piece(role, info, e)
-                    continue
-                for role, cols in (("gate.bias", slice(0, half)), ("up.bias", slice(half, 2 * half))):
-                    parts[e][role] = _piece1d(role, info, e, cols)
-        elif m := _FUSED.match(name):
-            parts = _slot(found, m, "fused", name)
-            _check_rank(info, 3, name)
-            two_i = info.shape[1]
-            if m["proj"] == "gate_up_proj" and two_i % 2:
-                raise LayoutError(f"{name}: gate_up_proj has an odd row count {two_i}; expected [E, 2I, H]")
-            for e in range(info.shape[0]):
-                if m["proj"] == "down_proj":
-                    parts[e]["down"] = _piece("down", info, e)
-                    continue
-                for role, rows in (("gate", slice(0, two_i // 2)), ("up", slice(two_i // 2, two_i))):
-                    parts[e][role] = _piece(role, info, e, rows)
-        else:
-            if (
-                _EXPERTISH.search(name)
-                and not _RESIDENT_UNDER_EXPERTS.search(name)
-                and any(name.startswith(p + ".") for p in LAYER_PREFIXES)
-            ):
-                unknown.append(name)
-            continue
-        expert_tensors.add(name)
+        if any(read(found, name, info, tensors) for read in _READERS):
+            expert_tensors.add(name)
+        elif (
+            _EXPERTISH.search(name)
+            and not _RESIDENT_UNDER_EXPERTS.search(name)
+            and any(name.startswith(p + ".") for p in LAYER_PREFIXES)
+        ):
+            unknown.append(name)
     if unknown:
         raise LayoutError(
             f"unknown expert layout: found {len(unknown)} tensors such as {sorted(unknown)[:3]}; moestream "
@@ -238,54 +186,168 @@ def discover_experts(tensors: dict[str, TensorInfo]) -> ExpertLayout:
         path = f"{prefix}.{layer}.{block}"
         if layer in layers:
             raise LayoutError(f"layer {layer} holds experts under both {layers[layer].block} and {path}")
-        parts = slot["parts"]
-        count = max(parts) + 1
-        missing = [e for e in range(count) if e not in parts]
-        if missing:
-            raise LayoutError(f"{path}: experts {missing[:5]} are missing (found {len(parts)} of {count})")
-        experts = []
-        for e in range(count):
-            roles = parts[e]
-            required = FUSED_IO_ROLES if "gate_up" in roles else ROLES
-            lacking = [r for r in required if r not in roles]
-            if lacking:
-                where = next(iter(roles.values())).file
-                who = "every expert (stacked)" if slot["kind"] == "stacked" else f"expert {e}"
-                raise LayoutError(f"{where}: {path}: {who} lacks {', '.join(lacking)} "
-                                  f"(found {', '.join(sorted(roles))})")
-            order = list(required) + sorted(r for r in roles if r not in required)
-            experts.append(tuple(roles[r] for r in order))
-        ref = [(p.role, p.shape, p.dtype) for p in experts[0]]
-        for e, pieces in enumerate(experts):
-            extra = sorted({r for r, _, _ in ref} - {p.role for p in pieces})
-            if extra:  # e.g. a quantized expert missing its scales
-                own = {p.role: p.source for p in pieces}.get(extra[0].split(".")[0], f"expert {e}")
-                raise LayoutError(f"{path}: tensor {own!r} has no {extra[0].split('.', 1)[-1]} piece, which "
-                                  f"expert 0 has ({next(p.source for p in experts[0] if p.role == extra[0])})")
-            for p, (role, shape, dt) in zip(pieces, ref):
-                if (p.role, p.shape, p.dtype) != (role, shape, dt):
-                    raise LayoutError(
-                        f"{path}: expert {e} {p.role} is {p.dtype} {list(p.shape)} but expert 0's is "
-                        f"{dt} {list(shape)} ({p.source})"
-                    )
-        if _quantized(experts[0]):
-            pass  # packed shapes: moestream.quant.formats.expert_format checks them against the config
-        elif experts[0][0].role == "gate_up":
-            gate_up, down = experts[0][:2]
-            if len(down.shape) != 2 or gate_up.shape != (down.shape[1], 2 * down.shape[0]):
-                raise LayoutError(
-                    f"{path}: expert shapes gate_up {gate_up.shape}, down {down.shape} do not form a fused "
-                    "expert (gate_up [H, 2I], down [I, H])"
-                )
-        else:
-            gate, up, down = experts[0][:3]
-            if gate.shape != up.shape or down.shape[::-1] != gate.shape:
-                raise LayoutError(
-                    f"{path}: expert shapes gate {gate.shape}, up {up.shape}, down {down.shape} do not form a "
-                    "SwiGLU expert (gate and up [I, H], down [H, I])"
-                )
+        experts = _experts(path, slot)
+        _check_alike(path, experts)
+        _check_shapes(path, experts[0])
         layers[layer] = MoELayerLayout(layer, path, slot["kind"], experts)
     return ExpertLayout(layers, expert_tensors)
+
+
+# Each reader takes one tensor of one expert layout into ``found`` (block -> its experts' pieces by role) and
+# says whether it did; discover_experts tries them in this order, the first that takes a tensor wins.
+
+def _read_per_expert(found: dict, name: str, info: TensorInfo, tensors: dict) -> bool:
+    """``...experts.E.{gate,up,down}_proj.<param>`` (Mixtral's w1/w3/w2): one piece as stored."""
+    if not ((m := _PER_EXPERT.match(name)) and m["proj"] in ROLE_OF_PROJ):
+        return False
+    parts, role = _slot(found, m, "per-expert", name), _role(m)
+    if m["param"] in WEIGHT_PARAMS:
+        _check_rank(info, 2, name)
+    parts[int(m["expert"])][role] = Piece(role, info.file, info.offset, info.nbytes, info.dtype, info.shape, name)
+    return True
+
+
+def _read_stacked(found: dict, name: str, info: TensorInfo, tensors: dict) -> bool:
+    """mlx-lm's ``...switch_mlp.{gate,up,down}_proj.<param>`` [E, ...]: one piece per expert row."""
+    if not ((m := _STACKED.match(name)) and m["proj"] in ROLE_OF_PROJ and m["param"] not in SHARED_PARAMS):
+        return False
+    parts, role = _slot(found, m, "stacked", name), _role(m)
+    if m["param"] == "weight":
+        _check_rank(info, 3, name)
+    for e in range(info.shape[0]):
+        parts[e][role] = _piece(role, info, e)
+    return True
+
+
+def _read_mxfp4(found: dict, name: str, info: TensorInfo, tensors: dict) -> bool:
+    """gpt-oss's MXFP4 ``...experts.{gate_up,down}_proj_{blocks,scales,bias}`` (a bias only beside blocks)."""
+    if not ((m := _MXFP4.match(name)) and (m["param"] != "bias" or name[: -len("bias")] + "blocks" in tensors)):
+        return False
+    parts = _slot(found, m, "mxfp4", name)
+    role = "gate_up" if m["proj"] == "gate_up_proj" else "down"
+    role += "" if m["param"] == "blocks" else "." + m["param"]
+    for e in range(info.shape[0]):
+        parts[e][role] = _piece(role, info, e)
+    return True
+
+
+def _read_fused_in_out(found: dict, name: str, info: TensorInfo, tensors: dict) -> bool:
+    """gpt-oss orientation, x @ W: gate_up_proj [E, H, 2I] with gate and up columns interleaved (one piece,
+    split by the expert function), down_proj [E, I, H]."""
+    if not ((m := _FUSED.match(name)) and _fused_in_out(name, tensors)):
+        return False
+    parts = _slot(found, m, "fused", name)
+    _check_rank(info, 3, name)
+    role = "gate_up" if m["proj"] == "gate_up_proj" else "down"
+    for e in range(info.shape[0]):
+        parts[e][role] = _piece(role, info, e)
+    return True
+
+
+def _read_fused_bias(found: dict, name: str, info: TensorInfo, tensors: dict) -> bool:
+    """``...experts.{gate_up,down}_proj_bias`` [E, n]: whole per expert, or split into gate and up halves when
+    the fused weights are in nn.Linear orientation."""
+    if not (m := _FUSED_BIAS.match(name)):
+        return False
+    parts = _slot(found, m, "fused", name)
+    _check_rank(info, 2, name)
+    split = m["proj"] == "gate_up_proj" and not _fused_in_out(name[: -len("_bias")], tensors)
+    half = info.shape[1] // 2
+    for e in range(info.shape[0]):
+        if not split:
+            role = ("gate_up" if m["proj"] == "gate_up_proj" else "down") + ".bias"
+            parts[e][role] = _piece(role, info, e)
+            continue
+        for role, cols in (("gate.bias", slice(0, half)), ("up.bias", slice(half, 2 * half))):
+            parts[e][role] = _piece1d(role, info, e, cols)
+    return True
+
+
+def _read_fused(found: dict, name: str, info: TensorInfo, tensors: dict) -> bool:
+    """transformers 5's fused experts in nn.Linear orientation: gate_up_proj [E, 2I, H] (gate rows first, cut
+    into two pieces), down_proj [E, H, I]."""
+    if not (m := _FUSED.match(name)):
+        return False
+    parts = _slot(found, m, "fused", name)
+    _check_rank(info, 3, name)
+    two_i = info.shape[1]
+    if m["proj"] == "gate_up_proj" and two_i % 2:
+        raise LayoutError(f"{name}: gate_up_proj has an odd row count {two_i}; expected [E, 2I, H]")
+    for e in range(info.shape[0]):
+        if m["proj"] == "down_proj":
+            parts[e]["down"] = _piece("down", info, e)
+            continue
+        for role, rows in (("gate", slice(0, two_i // 2)), ("up", slice(two_i // 2, two_i))):
+            parts[e][role] = _piece(role, info, e, rows)
+    return True
+
+
+_READERS = (_read_per_expert, _read_stacked, _read_mxfp4, _read_fused_in_out, _read_fused_bias, _read_fused)
+
+
+def _experts(path: str, slot: dict) -> list[tuple[Piece, ...]]:
+    """Every expert of the block at ``path`` as its pieces, required roles first, the rest sorted.
+
+    Raises:
+        LayoutError: an expert number missing, or an expert lacking a required role.
+    """
+    parts = slot["parts"]
+    count = max(parts) + 1
+    missing = [e for e in range(count) if e not in parts]
+    if missing:
+        raise LayoutError(f"{path}: experts {missing[:5]} are missing (found {len(parts)} of {count})")
+    experts = []
+    for e in range(count):
+        roles = parts[e]
+        required = FUSED_IO_ROLES if "gate_up" in roles else ROLES
+        lacking = [r for r in required if r not in roles]
+        if lacking:
+            where = next(iter(roles.values())).file
+            who = "every expert (stacked)" if slot["kind"] == "stacked" else f"expert {e}"
+            raise LayoutError(f"{where}: {path}: {who} lacks {', '.join(lacking)} "
+                              f"(found {', '.join(sorted(roles))})")
+        order = list(required) + sorted(r for r in roles if r not in required)
+        experts.append(tuple(roles[r] for r in order))
+    return experts
+
+
+def _check_alike(path: str, experts: list[tuple[Piece, ...]]) -> None:
+    """Every expert of a layer has expert 0's roles, shapes and dtypes. Raises LayoutError naming the tensor."""
+    ref = [(p.role, p.shape, p.dtype) for p in experts[0]]
+    for e, pieces in enumerate(experts):
+        extra = sorted({r for r, _, _ in ref} - {p.role for p in pieces})
+        if extra:  # e.g. a quantized expert missing its scales
+            own = {p.role: p.source for p in pieces}.get(extra[0].split(".")[0], f"expert {e}")
+            raise LayoutError(f"{path}: tensor {own!r} has no {extra[0].split('.', 1)[-1]} piece, which "
+                              f"expert 0 has ({next(p.source for p in experts[0] if p.role == extra[0])})")
+        for p, (role, shape, dt) in zip(pieces, ref):
+            if (p.role, p.shape, p.dtype) != (role, shape, dt):
+                raise LayoutError(
+                    f"{path}: expert {e} {p.role} is {p.dtype} {list(p.shape)} but expert 0's is "
+                    f"{dt} {list(shape)} ({p.source})"
+                )
+
+
+def _check_shapes(path: str, pieces: tuple[Piece, ...]) -> None:
+    """An unquantized expert's pieces form a SwiGLU expert (gate and up [I, H], down [H, I]) or a fused one
+    (gate_up [H, 2I], down [I, H]); packed shapes are checked against the config by
+    ``moestream.quant.formats.expert_format``. Raises LayoutError naming the shapes."""
+    if _quantized(pieces):
+        return
+    if pieces[0].role == "gate_up":
+        gate_up, down = pieces[:2]
+        if len(down.shape) != 2 or gate_up.shape != (down.shape[1], 2 * down.shape[0]):
+            raise LayoutError(
+                f"{path}: expert shapes gate_up {gate_up.shape}, down {down.shape} do not form a fused "
+                "expert (gate_up [H, 2I], down [I, H])"
+            )
+        return
+    gate, up, down = pieces[:3]
+    if gate.shape != up.shape or down.shape[::-1] != gate.shape:
+        raise LayoutError(
+            f"{path}: expert shapes gate {gate.shape}, up {up.shape}, down {down.shape} do not form a "
+            "SwiGLU expert (gate and up [I, H], down [H, I])"
+        )
 
 
 def _slot(found: dict, m: re.Match, kind: str, name: str) -> dict:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import resource
 import threading
-from dataclasses import dataclass
 from pathlib import Path
+
+from .errors import BudgetError
 
 _UNLIMITED = 1 << 60  # cgroup v1 writes a huge number for "no limit"
 
@@ -152,42 +153,6 @@ def current_rss_bytes() -> int:
 # -- the cache budget "auto" -------------------------------------------------------------
 # Tests point this at a fake tree (proc/self/cgroup, proc/meminfo, sys/fs/cgroup/...).
 SYSTEM_ROOT = Path("/")
-# What the PyTorch runtime, the interpreter and activations take beyond the weights (bytes),
-# measured as about 0.5 GB on the development machine; part of the auto budget's reserve.
-RUNTIME_RESERVE = 500_000_000
-
-
-@dataclass
-class AutoBudget:
-    """How ``--cache-budget-gb auto`` was sized. Every figure is in bytes.
-
-    ``budget = available - resident - kv_cache - reserve``, at least 0 and at most
-    ``experts_total``; ``available`` is the memory this process can still take
-    (:func:`available_bytes`: MemAvailable, or a cgroup limit less this process's RSS,
-    whichever is smaller), ``source`` says which.
-    """
-
-    available: int
-    source: str
-    resident: int
-    kv_cache: int
-    kv_tokens: int
-    reserve: int
-    experts_total: int
-    budget: int
-
-    def describe(self) -> str:
-        """One line with the numbers, for the user."""
-        g = 1e9
-        capped = self.budget == self.experts_total
-        return (
-            f"cache budget auto: {self.budget / g:.2f} GB = {self.available / g:.2f} GB available ({self.source}) "
-            f"- {self.resident / g:.2f} GB resident weights - {self.kv_cache / g:.2f} GB KV cache "
-            f"({self.kv_tokens} tokens) - {self.reserve / g:.2f} GB runtime reserve"
-            + (f" (capped at every expert, {self.experts_total / g:.2f} GB)" if capped else "")
-        )
-
-
 def available_with_source(root: Path | None = None) -> tuple[int, str]:
     """(bytes this process can still take, where the figure comes from), as :func:`available_bytes`."""
     root = SYSTEM_ROOT if root is None else root
@@ -203,37 +168,6 @@ def available_with_source(root: Path | None = None) -> tuple[int, str]:
             avail = max(0, limit - rss)
             source = f"{where} limit {limit / 1e9:.2f} GB less this process's RSS {rss / 1e9:.2f} GB"
     return avail, source
-
-
-def auto_cache_budget(
-    resident: int, kv_cache: int, kv_tokens: int, reserve: int, experts_total: int, root: Path | None = None,
-    share: int = 1,
-) -> AutoBudget:
-    """Size the expert cache from the memory really available (``--cache-budget-gb auto``).
-
-    Args (bytes): ``resident`` weights not yet loaded, ``kv_cache`` for the context of
-    ``kv_tokens`` tokens, ``reserve`` for the runtime and reads in flight,
-    ``experts_total`` every expert (the budget never exceeds it). ``root``: a fake
-    ``/`` for tests (default :data:`SYSTEM_ROOT`). ``share``: processes on this machine that
-    split its memory (expert parallelism under torchrun); each takes ``available / share``.
-
-    Raises:
-        BudgetError: when nothing is left for the cache, with the numbers.
-    """
-    from .errors import BudgetError
-
-    avail, source = available_with_source(root)
-    if share > 1:
-        avail, source = avail // share, f"{source}, split between {share} local ranks"
-    left = avail - resident - kv_cache - reserve
-    out = AutoBudget(avail, source, resident, kv_cache, kv_tokens, reserve, experts_total,
-                     max(0, min(left, experts_total)))
-    if left <= 0:
-        raise BudgetError(
-            f"--cache-budget-gb auto: no memory left for the expert cache: {out.describe()}; the resident weights, "
-            "KV cache and runtime need more than this process may use (raise the memory limit, or shorten the context)"
-        )
-    return out
 
 
 # -- --wire-memory: mlock -------------------------------------------------------------------
@@ -265,8 +199,6 @@ def check_memlock(need: int, root: Path | None = None) -> None:
         BudgetError: when RLIMIT_MEMLOCK is below ``need`` and the process lacks
             ``CAP_IPC_LOCK``, naming both numbers and how to raise the limit.
     """
-    from .errors import BudgetError
-
     limit = memlock_limit()
     if limit is None or limit >= need or has_cap_ipc_lock(root):
         return
@@ -307,8 +239,6 @@ class WiredMemory:
 
     def lock_range(self, addr: int, nbytes: int, what: str) -> int:
         """mlock ``nbytes`` at ``addr``; returns the bytes locked (whole pages)."""
-        from .errors import BudgetError
-
         start, length = self._span(addr, nbytes)
         if self._libc.mlock(self._ctypes.c_void_p(start), self._ctypes.c_size_t(length)) != 0:
             err = self._ctypes.get_errno()

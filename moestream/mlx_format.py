@@ -63,8 +63,10 @@ from functools import partial
 
 import torch
 
-from .checkpoint import TensorInfo, dtype_size, torch_dtype
+from .checkpoint import Checkpoint, TensorInfo, dtype_size, torch_dtype
 from .errors import CheckpointError
+from .quant import affine
+from .quant.formats import QuantConfig, check_affine
 
 FORMAT = "mlx"  # safetensors __metadata__ "format" that mlx's save writes
 
@@ -130,15 +132,10 @@ class MLXFormat:
     renamed: int = 0
     derived: list[str] = field(default_factory=list)
 
-    def adapt_model(self, net) -> None:
-        """Adjust a family model built on the meta device to this checkpoint's layout (gpt-oss's experts)."""
-        if self.model_type == "gpt_oss":
-            _gpt_oss_linear_experts(net)
+    name = "mlx"  # what a family's ``adapt_to_source`` is told
 
     def describe(self, config: dict) -> str:
         """One line naming the format and its quantization, e.g. ``MLX (mlx-lm names); affine 4-bit, group 64``."""
-        from .quant.formats import QuantConfig
-
         text = "MLX (mlx-lm names, mapped by rule: " + "; ".join(self.rules) + ")"
         try:
             q = QuantConfig.from_config(config)
@@ -169,11 +166,24 @@ def _model_type(cfg: dict) -> str | None:
     return mt if isinstance(mt, str) else None
 
 
+def open_checkpoint(path) -> Checkpoint:
+    """A :class:`~moestream.checkpoint.Checkpoint` of folder ``path``, an mlx-lm build's names and layouts
+    mapped onto Hugging Face ones (:func:`adapt`). Raises what those raise."""
+    ckpt = Checkpoint(path)
+    try:
+        adapt(ckpt)
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt
+
+
 def adapt(ckpt) -> MLXFormat | None:
     """Map an MLX-format checkpoint's tensor index onto Hugging Face names, in place; None if not MLX.
 
     Rewrites ``ckpt.tensors`` (renames, reshapes, derived tensors registered in
-    ``ckpt.derived``) and the per-module overrides of ``ckpt.config["quantization"]``.
+    ``ckpt.derived``) and the per-module overrides of ``ckpt.config["quantization"]``, and sets
+    ``ckpt.source_format`` to the returned :class:`MLXFormat`.
 
     Raises:
         CheckpointError: an MLX checkpoint of a family mlx-lm has no model for, or tensors
@@ -189,8 +199,6 @@ def adapt(ckpt) -> MLXFormat | None:
     fmt = MLXFormat(mt or "?", [RULES["shared"]])
     if mt in RULES:
         fmt.rules.append(RULES[mt])
-    from .quant.formats import QuantConfig
-
     # parsed only where a quantized router or embed_q needs it (on mlx names, before the overrides are renamed)
     qcfg = partial(QuantConfig.from_config, dict(ckpt.config), str(where / "config.json"))
     old = ckpt.tensors
@@ -226,6 +234,7 @@ def adapt(ckpt) -> MLXFormat | None:
     _dequantize_routers(ckpt, fmt, new, qcfg, rename)
     ckpt.tensors = new
     _rename_overrides(ckpt.config, rename)
+    ckpt.source_format = fmt
     return fmt
 
 
@@ -274,8 +283,6 @@ def _kimi_renames(tensors: dict) -> list[tuple[re.Pattern, str]]:
 
 def _quant_scheme(qcfg, mlx_path: str, info: TensorInfo, index: dict, path: str, where):
     """The affine scheme of module ``mlx_path``, checked against its tensors' shapes."""
-    from .quant.formats import check_affine
-
     qcfg = qcfg()
     scheme = qcfg.scheme(mlx_path) if qcfg is not None and qcfg.method == "affine" else None
     if scheme is None:
@@ -320,8 +327,6 @@ def _merge_kv_b(ckpt, fmt: MLXFormat, index: dict, qcfg) -> None:
 
 def _kv_b(q_part, o_part, dtype: torch.dtype, ckpt) -> torch.Tensor:
     """kv_b_proj [H * (nope + v), rank] from embed_q [H, rank, nope] and unembed_out [H, v, rank]."""
-    from .quant import affine
-
     def read(part):
         info, scheme, extra, _ = part
         w = ckpt.read_info(info)
@@ -351,8 +356,6 @@ def _dequantize_routers(ckpt, fmt: MLXFormat, index: dict, qcfg, rename) -> None
 
 def _router(w: TensorInfo, scales: TensorInfo, biases: TensorInfo, scheme, ckpt) -> torch.Tensor:
     """A router's float weight [E, H] from its affine-quantized tensors (computed in the scales' dtype, as mlx)."""
-    from .quant import affine
-
     return affine.dequantize(ckpt.read_info(w), ckpt.read_info(scales), ckpt.read_info(biases), scheme.bits,
                              scheme.group_size)
 
@@ -366,16 +369,4 @@ def _rename_overrides(cfg: dict, rename) -> None:
                         for k, v in q.items()}
 
 
-def _gpt_oss_linear_experts(net) -> None:
-    """gpt-oss experts as mlx-lm stores them: gate, up and down in nn.Linear orientation, each with a bias."""
-    from .models.gpt_oss import clamped_swiglu_linear_expert
-
-    a = net.args
-    net.expert_roles = ("gate", "up", "down", "down.bias", "gate.bias", "up.bias")
-    net.expert_shape = lambda: (a.intermediate_size, a.hidden_size)
-    fn = partial(clamped_swiglu_linear_expert, alpha=a.swiglu_alpha, limit=a.swiglu_limit)
-    for block in net.moe_blocks():
-        block.expert_fn = fn
-
-
-__all__ = ["FORMAT", "MLXFormat", "adapt", "is_mlx"]
+__all__ = ["FORMAT", "MLXFormat", "adapt", "is_mlx", "open_checkpoint"]

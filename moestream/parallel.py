@@ -6,15 +6,15 @@ attention, norms, shared experts, LM head) itself on the same tokens, so every r
 routes for itself and the layer input is already on every expert owner. A MoE layer then
 costs one collective, the *combine*:
 
-1. each rank computes, exactly as :func:`moestream.models.moe.streamed_experts` does (the
-   same token subsets, so the same bits), the weighted outputs of the routing slots
-   ``(t, k)`` whose expert it owns, reading only its own experts through its own cache (on a
-   GPU, as :func:`moestream.models.moe.batched_swiglu_experts` does: the layer's batched
-   matmuls at the whole layer's shapes, zero weights in the rows of others' experts);
+1. each rank's :class:`~moestream.pipeline.ExpertPipeline` computes, exactly as one process
+   does (the same token subsets through the same kernel, so the same bits), the weighted
+   outputs of the routing slots ``(t, k)`` whose expert it owns (:meth:`ExpertParallel.owned_ids`),
+   reading only its own experts through its own cache (on a GPU the batched kernel runs at
+   the whole layer's shapes, zero weights in the rows of others' experts);
 2. the ranks exchange those slots (``all_gather_single`` into a padded buffer, or
    ``all_to_all_single`` with exact split sizes: :data:`COMBINES`), so every rank holds
    all ``T x K`` slots;
-3. every rank sums the slots over ``k = 0..K-1`` in routing order.
+3. every rank's pipeline sums the slots over ``k = 0..K-1`` in routing order.
 
 So with the same routing the logits are ``torch.equal`` to the single-process run on the
 same device type, dtype and thread count (tested on the CPU; measured on 2 H200s).
@@ -45,12 +45,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import MoestreamError
+from .generation import SamplingParams, generate
+from .models.moe import StreamedMoE
+from .options import EP_COMBINES as COMBINES
+from .options import EP_PLACEMENTS as PLACEMENTS
+from .tiered_cache import resolve_device
+from .usage import default_profile_path, model_identity, read_profile
 
-COMBINES = ("allgather", "alltoall")
-PLACEMENTS = ("auto", "balanced", "contiguous")
 HEADER = 32  # bytes: int64 layer, slots (T*K), routing fingerprint, this rank's slot count
 SMALL_EXCHANGE = 256 * 1024  # bytes gathered at most in one step (decode); larger ones send headers first
-DEFAULT_TIMEOUT_S = 60.0
 
 
 class ParallelError(MoestreamError):
@@ -268,37 +271,31 @@ class ExpertParallel:
                   f"{min(num_experts[layer] for layer in layers)} experts per layer); it still runs the dense part",
                   file=sys.stderr)
 
-    def attach(self, model, prefetcher=None) -> None:
-        """Route every MoE block of ``model`` through this rank's combine; read ahead owned experts only."""
-        for block in model.moe_blocks():
-            block.parallel = self
-        if prefetcher is not None:
-            prefetcher.owns = self.owns
+    def owned_ids(self, layer: int) -> set[int]:
+        """The expert ids of ``layer`` this rank computes (the pipeline fetches only these)."""
+        owned = self._owned_ids.get(layer)
+        if owned is None:
+            owned = self._owned_ids[layer] = set(torch.nonzero(self.owners[layer] == self.rank).view(-1).tolist())
+        return owned
 
     # -- the combine ---------------------------------------------------------------------------
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, layer: int, cache,
-                 expert_fn, batched: bool = False) -> torch.Tensor:
-        """The routed experts' weighted sum for ``x`` [T, H], bit-identical to
-        :func:`moestream.models.moe.streamed_experts` on one process (with ``batched``, on a GPU:
-        to :func:`moestream.models.moe.batched_swiglu_experts`, the one-GPU path: each rank runs
-        the layer's batched matmuls at the whole layer's shapes, its own experts' weights in
-        their rows and zeros in the others', so its slots have the one-GPU bits).
+    def gather_slots(self, slots: torch.Tensor, idx: torch.Tensor, layer: int) -> torch.Tensor:
+        """Every rank's slots in one [T*K, H] buffer: this rank's own slots from ``slots``, the
+        others' from their ranks, as raw bytes (no arithmetic touches a value).
 
         Args:
-            x: [T, H] expert input; weights: [T, K] routing weights (x's dtype or float32);
-            idx: [T, K] int64 expert ids (the same on every rank); layer: the MoE layer;
-            cache: this rank's expert cache (only owned experts are fetched);
-            expert_fn: one expert's computation.
-            batched: SwiGLU experts computed as one batched matmul chain (set on a GPU).
+            slots: [T*K, H]: the weighted outputs of this rank's experts' slots (the others' are
+                ignored), as :meth:`moestream.pipeline.ExpertPipeline.compute_slots` made them.
+            idx: [T, K] int64 expert ids (the same on every rank); layer: the MoE layer.
 
         Returns:
-            [T, H] in x's dtype, summed over k = 0..K-1 in routing order.
+            [T*K, H] in slots' dtype, every slot filled, for the routing-order sum.
 
         Raises:
-            ParallelError: a rank died or diverged. ReadError: an expert read failed.
+            ParallelError: a rank died or diverged.
         """
         t, k = idx.shape
-        h = x.shape[1]
+        h = slots.shape[1]
         flat = idx.reshape(-1)
         slot_rank = self.owners[layer][flat]  # [T*K]: who computes each slot
         n_slots = t * k
@@ -306,48 +303,15 @@ class ExpertParallel:
         meta = torch.cat([torch.bincount(slot_rank, minlength=self.world), fp.view(1)]).tolist()
         counts, fingerprint = meta[: self.world], meta[self.world]
         mine = torch.nonzero(slot_rank == self.rank).squeeze(1)  # ascending slot positions owned here
-        rows = x.new_empty(counts[self.rank], h)
-        # even with no owned slot: the (empty) fetch lets the prefetcher retire this layer's reads ahead
-        if batched:
-            from .models.moe import batched_swiglu_slots
-
-            owned = self._owned_ids.get(layer)
-            if owned is None:
-                owned = self._owned_ids[layer] = set(torch.nonzero(self.owners[layer] == self.rank).view(-1).tolist())
-            rows.copy_(batched_swiglu_slots(x, weights, idx, layer, cache, owned)[mine])
-        else:
-            self._compute(x, weights.reshape(-1), flat, mine, k, layer, cache, expert_fn, rows)
+        rows = slots[mine]
         self.stats.slots_computed += mine.numel()
-        row_bytes = h * x.element_size()
+        row_bytes = h * slots.element_size()
         header = torch.tensor([layer, n_slots, fingerprint, counts[self.rank]], dtype=torch.int64)
         gathered = self._exchange(header, rows, counts, row_bytes, layer)
         by_rank = torch.argsort(slot_rank, stable=True)  # positions grouped by rank, ascending within
-        slots = x.new_empty(n_slots, h)
-        slots[by_rank] = torch.cat([g.view(x.dtype).view(-1, h) for g in gathered])
-        slots = slots.view(t, k, h)
-        out = slots[:, 0].clone()
-        for j in range(1, k):
-            out += slots[:, j]
+        out = slots.new_empty(n_slots, h)
+        out[by_rank] = torch.cat([g.view(slots.dtype).view(-1, h) for g in gathered])
         return out
-
-    @staticmethod
-    def _compute(x, flat_w, flat, mine, k, layer, cache, expert_fn, rows) -> None:
-        """The owned slots' weighted outputs into ``rows`` [n_mine, H] (row j = slot ``mine[j]``),
-        each expert on the same tokens, in the same order, as ``streamed_experts``."""
-        sub = flat[mine]
-        order = torch.argsort(sub, stable=True)  # owned slots grouped by expert, ascending slot within
-        experts, counts = torch.unique_consecutive(sub[order], return_counts=True)
-        starts = torch.cumsum(counts, 0) - counts
-        span = {e: (s, c) for e, s, c in zip(experts.tolist(), starts.tolist(), counts.tolist())}
-        first = {}
-        for e in sub.tolist():  # order of first use in routing order, as streamed_experts fetches
-            first.setdefault(e, len(first))
-        needed = sorted(span, key=first.__getitem__)
-        for e, ew in cache.fetch(layer, needed, [span[e][1] for e in needed]):
-            s, c = span[e]
-            r = order[s : s + c]
-            sl = mine[r]
-            rows[r] = (expert_fn(x[sl // k], ew.tensors) * flat_w[sl, None]).to(rows.dtype)
 
     def _exchange(self, header: torch.Tensor, rows: torch.Tensor, counts: list[int], row_bytes: int,
                   layer: int) -> list[torch.Tensor]:
@@ -475,8 +439,6 @@ class ExpertParallel:
         adopts rank 0's request), waiting as long as needed between them, until rank 0 calls
         :meth:`shutdown`. An error that rank 0 meets too (a bad request) is skipped; a failed
         collective ends the loop (:class:`ParallelError`). Returns the generations followed."""
-        from .generation import SamplingParams, generate
-
         self.serving = True
         n = 0
         while True:
@@ -505,8 +467,6 @@ class ExpertParallel:
         stop_at_eos, multi_think, prefill_chunk)``. With sampling on and no seed, rank 0 draws
         one, so every rank samples the same tokens."""
         from dataclasses import replace
-
-        from .generation import SamplingParams
 
         if self.rank == 0 and sampling.seed is None and sampling.temperature > 0:
             import secrets
@@ -645,9 +605,6 @@ def _read_profile(checkpoint, model, num_experts: dict[int, int], usage_file) ->
     """This machine's usage profile for the model (:mod:`moestream.usage`), or None (none, or a bad one)."""
     from pathlib import Path
 
-    from .models.moe import StreamedMoE
-    from .usage import default_profile_path, model_identity, read_profile
-
     router = next((n + ".gate.weight" for n, m in model.named_modules() if isinstance(m, StreamedMoE)), None)
     model_id = model_identity(checkpoint, router)
     path = Path(usage_file) if usage_file is not None else default_profile_path(checkpoint.path, model_id)
@@ -657,22 +614,22 @@ def _read_profile(checkpoint, model, num_experts: dict[int, int], usage_file) ->
     return counts
 
 
-def init_from_env(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, combine: str = "allgather",
-                  placement_mode: str = "auto") -> ExpertParallel | None:
+def init_from_env(options) -> ExpertParallel | None:
     """Join the process group torchrun described (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``); None when ``WORLD_SIZE`` <= 1.
 
-    Backend gloo on the CPU, NCCL on CUDA (device ``cuda:LOCAL_RANK``; NVLink multicast off,
-    ``NCCL_NVLS_ENABLE=0``). ``timeout_s`` bounds every collective.
+    ``options``: the :class:`~moestream.options.EngineOptions` (``device``, ``dist_timeout``, which
+    bounds every collective, ``ep_combine``, ``ep_placement``). Backend gloo on the CPU, NCCL on
+    CUDA (device ``cuda:LOCAL_RANK``; NVLink multicast off, ``NCCL_NVLS_ENABLE=0``).
 
     Raises:
-        MoestreamError: a bad environment, device or option, or the group cannot be formed.
+        MoestreamError: a bad environment or device, or the group cannot be formed.
     """
     world = world_size_from_env()
     if world <= 1:
         return None
-    if not timeout_s > 0:
-        raise MoestreamError(f"--dist-timeout must be a positive number of seconds, got {timeout_s}")
+    device, timeout_s = options.device, options.dist_timeout
+    combine, placement_mode = options.ep_combine, options.ep_placement
     try:
         rank = int(os.environ["RANK"])
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -681,8 +638,6 @@ def init_from_env(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, co
         raise MoestreamError(
             f"WORLD_SIZE={world} but RANK/LOCAL_RANK are missing or bad ({e}); launch with torchrun"
         ) from None
-    from .tiered_cache import resolve_device
-
     dev = resolve_device(device)
     if dev.type == "cuda":
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off (the device notes)
@@ -705,41 +660,3 @@ def init_from_env(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, co
                                  f"{world} within {timeout_s:g} s: {str(e).splitlines()[0][:300]}") from None
         ep._owns_group = True
     return ep
-
-
-class _Discard:
-    """A text stream that drops what is written (a follower rank's output)."""
-
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-
-def follower_args(args, out, err):
-    """``generate`` under torchrun: rank 0 reads the prompt and prints; the other ranks run rank
-    0's request (:meth:`ExpertParallel.agree_generation`) and print nothing. Returns the
-    ``(out, err)`` streams of this rank.
-
-    Raises:
-        MoestreamError: ``--chat`` (the turns come from one terminal; not supported under torchrun).
-    """
-    if args.chat:
-        raise MoestreamError("--chat is not supported under torchrun (expert parallelism); give --prompt or "
-                             "--prompt-file")
-    if int(os.environ.get("RANK", "0")) == 0:
-        return out, err
-    args.prompt, args.prompt_file = "(rank 0's prompt)", None  # replaced by rank 0's token ids
-    return _Discard(), _Discard()
-
-
-def add_parallel_args(p) -> None:
-    """The expert-parallel options (used only under torchrun, WORLD_SIZE > 1)."""
-    p.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="under torchrun: seconds a rank waits for the others before failing (default 60)")
-    p.add_argument("--ep-placement", default="auto", choices=PLACEMENTS,
-                   help="under torchrun: which rank owns which expert: balanced (from the usage profile), contiguous, "
-                   "or auto (balanced when a profile exists; default)")
-    p.add_argument("--ep-combine", default="allgather", choices=COMBINES,
-                   help="under torchrun: the collective that gathers expert outputs (default allgather)")

@@ -66,7 +66,7 @@ def predict_next(following: list, x: torch.Tensor) -> list[tuple[int, list[int]]
     out = []
     for block in following:
         weights, idx = block.route(x)
-        score = torch.zeros(block.gate.weight.shape[0], dtype=torch.float32, device=x.device)
+        score = torch.zeros(block.num_experts, dtype=torch.float32, device=x.device)
         score.index_add_(0, idx.reshape(-1), weights.reshape(-1).float())
         top = torch.topk(score, min(idx.shape[1], score.numel())).indices.tolist()
         out.append((block.layer, [e for e in top if score[e] > 0]))
@@ -82,13 +82,14 @@ class Prefetcher:
             (their routers make the predictions).
         ahead: how many following MoE layers to read for (N >= 1).
         min_decided: prefetched experts (hits + wasted) to see before judging waste.
+        owns: expert parallelism: ``owns((layer, expert))`` says whether this rank reads it (None: all).
 
     Driven from the compute thread only: :meth:`plan` from a MoE block's forward,
     :meth:`retire`, :meth:`issue`, :meth:`pending` and :meth:`take` from
     :meth:`moestream.cache.ExpertCache.fetch`.
     """
 
-    def __init__(self, store: ExpertStore, blocks: list, ahead: int, min_decided: int = 32):
+    def __init__(self, store: ExpertStore, blocks: list, ahead: int, min_decided: int = 32, owns=None):
         if ahead < 1:
             raise ValueError(f"ahead must be at least 1, got {ahead}")
         self.store = store
@@ -102,7 +103,7 @@ class Prefetcher:
         self._claimed: dict[Key, ReadBatch] = {}  # claimed by the layer fetching now, not yet taken
         self._dropping: list[ReadBatch] = []
         self._cache = None
-        self.owns = None  # expert parallelism: (layer, expert) -> whether this rank reads it (set by engine.load)
+        self.owns = owns  # expert parallelism: (layer, expert) -> whether this rank reads it
 
     def attach(self, cache) -> None:
         """Hook into ``cache`` (an :class:`~moestream.cache.ExpertCache`)."""
@@ -112,7 +113,8 @@ class Prefetcher:
     # -- prediction ----------------------------------------------------------------------
     @torch.inference_mode()
     def plan(self, layer: int, x: torch.Tensor) -> None:
-        """Predict the experts the layers after ``layer`` will use for ``x`` [T, H].
+        """Predict the experts the layers after ``layer`` will use for ``x`` [T, H] (called by the
+        expert pipeline once ``layer`` has routed).
 
         For each following layer, its router is applied to ``x``; the ``top_k`` experts
         with the largest summed routing weight over the T tokens are planned (for one

@@ -6,29 +6,36 @@ text format), ``GET /stats`` (JSON for the chat page) and ``GET /`` (a small cha
 
 One model runs one generation at a time. Requests wait in a FIFO of at most
 ``max_queue`` entries; one more gets 429 with ``Retry-After``. A generation runs on its
-own thread and hands its tokens to the event loop; a client that disconnects mid-stream
-sets a flag the thread checks at the next token, and the queue moves on only once that
-thread has stopped, so two generations never share the model.
+own thread and hands its tokens to the event loop; a client that disconnects (streamed
+or not) sets a flag the thread checks at the next token, and the queue moves on only once
+that thread has stopped, so two generations never share the model. A request whose client
+disconnects while it waits leaves the queue.
 
 Request and response shapes follow OpenAI's chat and completions APIs (as llama.cpp's
 and vLLM's servers implement them); the text between ``<think>`` and ``</think>`` is
 returned as ``reasoning_content`` (vLLM's field), and Qwen3-style ``<tool_call>`` JSON
 blocks as ``tool_calls``. Errors have OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``; bad input is a 4xx, never a 500.
+``{"error": {"message", "type", "param", "code"}}``; bad input is a 4xx, never a 500, and
+any other failure a JSON 500 in that shape (or, mid-stream, an error event then ``[DONE]``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import logging
 import re
+import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,14 +44,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
-from .errors import InputError, MoestreamError
-from .generation import GenerationStats, SamplingParams, Step, generate, generation_defaults
-from .serverguard import DEFAULT_MAX_BODY_BYTES, BodyLimit, api_key_matches
+from .errors import InputError, MoestreamError, PromptTooLongError, TemplateVariableError
+from .generation import GenerationStats, SamplingParams, Step, eos_ids, generate, generation_defaults
+from .serverguard import (
+    DEFAULT_MAX_BODY_BYTES,
+    TRIM_AFTER_BYTES,
+    BodyLimit,
+    ServerErrors,
+    api_key_matches,
+    internal_error_message,
+    release_freed_memory,
+)
 from .textstream import ReasoningSplitter
-from .tokenizer import chat_ids, prompt_opens_thinking, think_token_ids
+from .tokenizer import PromptLimit, chat_ids, encode_text, prompt_opens_thinking, think_token_ids
 
 GB = 1e9
+log = logging.getLogger("moestream.server")
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -353,35 +371,276 @@ class ServerOptions:
     max_prompt_tokens: int | None = None
 
 
-def create_app(engine, options: ServerOptions) -> FastAPI:
-    """The FastAPI app serving ``engine`` (a loaded :class:`~moestream.engine.Engine` with its tokenizer)."""
-    app = FastAPI(title="moestream", docs_url=None, redoc_url=None)
-    metrics = Metrics(engine)
-    runner = Runner(engine, options.max_queue, metrics)
-    tok = engine.tokenizer
-    defaults = generation_defaults(engine.checkpoint.path)
-    think_ids = think_token_ids(tok)
-    from .generation import eos_ids
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
 
-    end_of_turn = eos_ids(engine)
-    app.state.runner, app.state.metrics = runner, metrics
-    app.add_middleware(BodyLimit, limit=options.max_body_bytes)
-    encode_lock = threading.Lock()  # one tokenization at a time, off the event loop
 
-    async def off_loop(text: object, fn, *args):
-        """Run ``fn`` (tokenizing ``text``, a prompt of up to --max-body-mb) on a worker thread, so a
-        long prompt does not stall the event loop that answers everyone else."""
-        def locked():
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first: then ``work`` is cancelled (a queued
+    request leaves the queue, a running generation stops at its next token) and
+    :class:`ClientGone` is raised. The request's body must have been read already."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if gone.done() and not gone.cancelled():
+        gone.exception()  # retrieved: a receive that failed counts as gone
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+class _RunStream(StreamingResponse):
+    """A streamed answer whose generation is cancelled whenever the response ends: finished,
+    failed, or its client gone (before the first event too, when the body never starts)."""
+
+    def __init__(self, run: Run, body: AsyncIterator[str]):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.cancelled.set()
+
+
+def _gone() -> Response:
+    return Response(status_code=499)  # nginx's "client closed request": nobody reads it; /metrics counts it
+
+
+def route_template(router, scope) -> str:
+    """The template of the route ``scope`` goes to (``/v1/models/{model_id}``), or ``unmatched``."""
+    partial = None
+    for route in router.routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return route.path_format
+        if match is Match.PARTIAL and partial is None:  # the path, with another method
+            partial = route.path_format
+    return partial or "unmatched"
+
+
+class Gate:
+    """ASGI middleware for ``/v1``: the ``--api-key`` check (401 in OpenAI's shape) and the request
+    count ``moestream_requests_total{endpoint, status}``, labelled by route template with one label
+    for every path no route matches, so that neither random paths nor refused ones grow /metrics."""
+
+    def __init__(self, app, router, metrics: Metrics, api_key: str | None = None):
+        self.app, self.router, self.metrics, self.api_key = app, router, metrics, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        endpoint = route_template(self.router, scope)
+        if self.api_key:
+            auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+            if not api_key_matches(auth, self.api_key):
+                self.metrics.requests.labels(endpoint, "401").inc()
+                refusal = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                   type="authentication_error", code="invalid_api_key")
+                return await refusal.response()(scope, receive, send)
+        status = 500
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+class Service:
+    """What the endpoints share and do: one engine's runner and metrics, its tokenizer (on a
+    thread of its own), the prompt bounds and the sampling defaults."""
+
+    def __init__(self, engine, options: ServerOptions):
+        self.engine, self.options = engine, options
+        self.metrics = Metrics(engine)
+        self.runner = Runner(engine, options.max_queue, self.metrics)
+        self.tok = engine.tokenizer
+        self.defaults = generation_defaults(engine.checkpoint.path)
+        self.think_ids = think_token_ids(self.tok)
+        self.end_of_turn = eos_ids(engine)
+        # the longest prompt taken: --max-prompt-tokens, and at most the context less one token to generate
+        most, given = options.max_context - 1, options.max_prompt_tokens
+        if given is not None and given <= most:
+            most, self.bound_text = given, f"this server takes prompts of at most {given} tokens (--max-prompt-tokens)"
+        else:
+            self.bound_text = f"this server's context is {options.max_context} tokens (--max-context)"
+        self.limit = PromptLimit.for_tokenizer(self.tok, most) if self.tok is not None else None
+        # one tokenization at a time, off the event loop, on one thread (one malloc arena)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="moestream-tokenize")
+
+    @asynccontextmanager
+    async def lifespan(self, app):
+        yield
+        self.pool.shutdown(wait=False)
+
+    async def encode(self, param: str, text: object, fn: Callable[..., list[int]], *args) -> list[int]:
+        """``fn(*args)`` (rendering and tokenizing ``text``, a prompt of up to --max-body-mb) on the
+        tokenizer's thread, so that a long prompt does not stall the event loop that answers
+        everyone else; its errors as 400s naming ``param``."""
+        def work():
             try:  # JSON's "\\ud800" escapes decode to unpaired surrogates, which tokenizers reject
-                json.dumps(text, ensure_ascii=False).encode("utf-8")
+                size = len(json.dumps(text, ensure_ascii=False).encode("utf-8"))
             except UnicodeEncodeError as e:
                 raise APIError(400, f"the text holds {e.object[e.start:e.end]!a}, an unpaired UTF-16 surrogate: "
                                "not valid Unicode", code="invalid_unicode") from None
-            with encode_lock:
+            try:
                 return fn(*args)
+            finally:
+                if size >= TRIM_AFTER_BYTES:  # the tokenizer's pieces of a long prompt, freed now
+                    release_freed_memory()
 
-        return await asyncio.to_thread(locked)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+        except PromptTooLongError as e:
+            raise APIError(400, f"{e}; {self.bound_text}", param=param, code="context_length_exceeded") from None
+        except TemplateVariableError as e:
+            raise APIError(400, str(e), param=f"chat_template_kwargs.{e.key}", code="invalid_value") from None
+        except InputError as e:
+            raise APIError(400, str(e), param=param) from None
 
+    def budget(self, req: _Sampling, prompt_len: int, requested: int | None) -> int:
+        """Tokens to generate: ``requested``, or what the context leaves. Raises a 400 :class:`APIError`."""
+        limit, context = self.options.max_prompt_tokens, self.options.max_context
+        param = "messages" if isinstance(req, ChatRequest) else "prompt"
+        if limit is not None and prompt_len > limit:
+            raise APIError(
+                400, f"the prompt is {prompt_len} tokens; this server takes prompts of at most {limit} tokens "
+                "(--max-prompt-tokens)", param=param, code="context_length_exceeded",
+            )
+        room = context - prompt_len
+        if room < 1:
+            raise APIError(
+                400, f"the prompt is {prompt_len} tokens; this server's context is {context} tokens "
+                "(--max-context), which leaves no room to generate", param=param, code="context_length_exceeded",
+            )
+        if requested is not None and requested > room:
+            raise APIError(
+                400, f"max_tokens {requested} plus the prompt's {prompt_len} tokens exceed the context of "
+                f"{context} tokens", param="max_tokens", code="context_length_exceeded",
+            )
+        return requested if requested is not None else room
+
+    def sampling(self, req: _Sampling) -> SamplingParams:
+        if req.n not in (None, 1):
+            raise APIError(400, f"n = {req.n}: this server makes one choice per request (n=1)", param="n")
+        given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
+                                              "presence_penalty", "repetition_penalty")}
+        try:
+            return SamplingParams(**{**self.defaults, **{k: v for k, v in given.items() if v is not None}})
+        except InputError as e:
+            raise APIError(400, str(e)) from None
+
+    @staticmethod
+    def stops(req: _Sampling) -> list[str]:
+        s = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(s) > 16:
+            raise APIError(400, f"stop: at most 16 stop strings, got {len(s)}", param="stop")
+        return [x for x in s if x]
+
+    async def answer(self, request: Request, job: Job, stream: bool, respond: Callable[[Run], Any]):
+        """Queue ``job``, run it, and answer with ``respond(run)``: the events of a stream, or a
+        coroutine giving the whole answer. A client that leaves, queued or running, ends the job."""
+        if stream:
+            try:
+                await unless_gone(request, self.runner.enter())
+            except ClientGone:
+                return _gone()
+            run = self.runner.start(job)
+            return _RunStream(run, respond(run))
+
+        async def queued_then_run():
+            await self.runner.enter()
+            run = self.runner.start(job)
+            try:
+                return await respond(run)
+            finally:
+                run.cancelled.set()  # answered, failed or cancelled: the thread stops at its next token
+
+        try:
+            return await unless_gone(request, queued_then_run())
+        except ClientGone:
+            return _gone()
+
+    async def chat(self, req: ChatRequest, request: Request):
+        messages = [_message_dict(m) for m in req.messages]
+        ids = await self.encode("messages", [messages, req.tools, req.chat_template_kwargs], chat_ids, self.tok,
+                                messages, req.tools, req.chat_template_kwargs, self.limit)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        job = Job(ids, self.budget(req, len(ids), requested), self.sampling(req), self.stops(req),
+                  (req.top_logprobs or 0) if req.logprobs else None)
+        thinking = prompt_opens_thinking(ids, self.think_ids, self.end_of_turn)
+        split, tools = self.think_ids[1] is not None, bool(req.tools)
+        meta = _Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.options.model_name)
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await self.answer(request, job, True,
+                                     lambda run: _chat_events(run, job, meta, self.tok, thinking, split, tools, usage))
+        return await self.answer(request, job, False,
+                                 lambda run: _chat_whole(run, job, meta, self.tok, thinking, split, tools))
+
+    async def completion(self, req: CompletionRequest, request: Request):
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = await self.encode("prompt", prompt, encode_text, self.tok, prompt, self.limit)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise APIError(400, "prompt: empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < self.engine.model.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
+        job = Job(ids, self.budget(req, len(ids), req.max_tokens), self.sampling(req), self.stops(req), req.logprobs)
+        meta = _Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.options.model_name)
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await self.answer(request, job, True, lambda run: _completion_events(run, job, meta, self.tok,
+                                                                                           usage))
+        return await self.answer(request, job, False, lambda run: _completion_whole(run, job, meta, self.tok))
+
+    def model_card(self) -> dict:
+        return {"id": self.options.model_name, "object": "model", "created": 0, "owned_by": "moestream",
+                "max_context": self.options.max_context}
+
+
+def create_app(engine, options: ServerOptions) -> FastAPI:
+    """The FastAPI app serving ``engine`` (a loaded :class:`~moestream.engine.Engine` with its tokenizer)."""
+    service = Service(engine, options)
+    app = FastAPI(title="moestream", docs_url=None, redoc_url=None, lifespan=service.lifespan)
+    app.state.runner, app.state.metrics = service.runner, service.metrics
+    # outermost last: the key and the count, then the body bound, then the net for any exception
+    app.add_middleware(ServerErrors)
+    app.add_middleware(BodyLimit, limit=options.max_body_bytes)
+    app.add_middleware(Gate, router=app.router, metrics=service.metrics, api_key=options.api_key)
+    _add_error_handlers(app)
+    _add_routes(app, service)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return e.response()
@@ -410,61 +669,13 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return APIError(e.status_code, str(e.detail), type=kind).response()
 
-    @app.middleware("http")
-    async def _count_and_auth(request: Request, call_next):
-        path = request.url.path
-        if options.api_key and path.startswith("/v1/"):
-            auth = request.headers.get("authorization", "")
-            if not api_key_matches(auth, options.api_key):
-                resp = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                type="authentication_error", code="invalid_api_key").response()
-                metrics.requests.labels(path, "401").inc()
-                return resp
-        resp = await call_next(request)
-        if path.startswith("/v1/"):
-            metrics.requests.labels(path, str(resp.status_code)).inc()
-        return resp
 
-    def budget(req: _Sampling, prompt_len: int, requested: int | None) -> int:
-        limit = options.max_prompt_tokens
-        if limit is not None and prompt_len > limit:
-            raise APIError(
-                400, f"the prompt is {prompt_len} tokens; this server takes prompts of at most {limit} tokens "
-                "(--max-prompt-tokens)", param="messages" if isinstance(req, ChatRequest) else "prompt",
-                code="context_length_exceeded",
-            )
-        room = options.max_context - prompt_len
-        if room < 1:
-            raise APIError(
-                400, f"the prompt is {prompt_len} tokens; this server's context is {options.max_context} tokens "
-                "(--max-context), which leaves no room to generate", param="messages", code="context_length_exceeded",
-            )
-        if requested is not None and requested > room:
-            raise APIError(
-                400, f"max_tokens {requested} plus the prompt's {prompt_len} tokens exceed the context of "
-                f"{options.max_context} tokens", param="max_tokens", code="context_length_exceeded",
-            )
-        return requested if requested is not None else room
-
-    def sampling(req: _Sampling) -> SamplingParams:
-        if req.n not in (None, 1):
-            raise APIError(400, f"n = {req.n}: this server makes one choice per request (n=1)", param="n")
-        given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
-                                              "presence_penalty", "repetition_penalty")}
-        try:
-            return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
-        except InputError as e:
-            raise APIError(400, str(e)) from None
-
-    def stops(req: _Sampling) -> list[str]:
-        s = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(s) > 16:
-            raise APIError(400, f"stop: at most 16 stop strings, got {len(s)}", param="stop")
-        return [x for x in s if x]
+def _add_routes(app: FastAPI, service: Service) -> None:
+    runner, metrics, name = service.runner, service.metrics, service.options.model_name
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": options.model_name, "busy": runner.busy, "waiting": runner.waiting}
+        return {"status": "ok", "model": name, "busy": runner.busy, "waiting": runner.waiting}
 
     @app.get("/metrics")
     async def prometheus():
@@ -480,62 +691,22 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": options.model_name, "object": "model", "created": 0, "owned_by": "moestream",
-             "max_context": options.max_context},
-        ]}
+        return {"object": "list", "data": [service.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != name:
+            raise APIError(404, f"the model {model_id[:200]!r} does not exist: this server serves {name!r}",
+                           param="model", code="model_not_found")
+        return service.model_card()
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        messages = [_message_dict(m) for m in req.messages]
-        try:
-            ids = await off_loop([messages, req.tools, req.chat_template_kwargs], chat_ids, tok, messages, req.tools,
-                                 req.chat_template_kwargs)
-        except InputError as e:
-            raise APIError(400, str(e), param="messages") from None
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = Job(ids, budget(req, len(ids), requested), sampling(req), stops(req),
-                  (req.top_logprobs or 0) if req.logprobs else None)
-        thinking = prompt_opens_thinking(ids, think_ids, end_of_turn)
-        split = think_ids[1] is not None
-        await runner.enter()
-        run = runner.start(job)
-        meta = _Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), options.model_name)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _chat_events(run, job, meta, tok, thinking, split, bool(req.tools), include_usage)
-            return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _chat_whole(run, job, meta, tok, thinking, split, bool(req.tools))
+        return await service.chat(req, request)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise APIError(400, "prompt: one prompt per request", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = await off_loop(prompt, lambda: tok.encode(prompt, add_special_tokens=False))
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise APIError(400, "prompt: empty", param="prompt")
-        bad = [t for t in ids if not 0 <= t < engine.model.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
-        job = Job(ids, budget(req, len(ids), req.max_tokens), sampling(req), stops(req), req.logprobs)
-        await runner.enter()
-        run = runner.start(job)
-        meta = _Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), options.model_name)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _completion_events(run, job, meta, tok, include_usage)
-            return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _completion_whole(run, job, meta, tok)
-
-    return app
+        return await service.completion(req, request)
 
 
 @dataclass
@@ -576,6 +747,17 @@ def _message_dict(m: Message) -> dict:
 def _error_code(e: MoestreamError) -> str:
     """``read_error`` for a failed expert read, else the error class's name in snake case."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", type(e).__name__).lower()
+
+
+def _error_event(e: Exception) -> dict:
+    """The error event that ends a stream: a MoestreamError by its class (``read_error``), anything
+    else as ``internal_error`` (logged with its traceback)."""
+    if isinstance(e, MoestreamError):
+        kind = "invalid_request_error" if isinstance(e, InputError) else "server_error"
+        return {"error": {"message": str(e), "type": kind, "param": None, "code": _error_code(e)}}
+    log.error("moestream: internal error in a stream", exc_info=e)
+    return {"error": {"message": internal_error_message(e), "type": "server_error", "param": None,
+                      "code": "internal_error"}}
 
 
 def _usage(job: Job, completion: int) -> dict:
@@ -668,8 +850,8 @@ async def _chat_events(run: Run, job: Job, meta: _Meta, tok, thinking: bool, spl
         yield chunk({}, finish)
         if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(job, count)})
-    except MoestreamError as e:  # a failed read mid-stream: tell the client in the stream
-        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": _error_code(e)}})
+    except Exception as e:  # a failed read, or anything, mid-stream: tell the client in the stream
+        yield _sse(_error_event(e))
     yield "data: [DONE]\n\n"
 
 
@@ -712,13 +894,40 @@ async def _completion_events(run: Run, job: Job, meta: _Meta, tok, include_usage
         yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": finish, "logprobs": None}]})
         if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(job, count)})
-    except MoestreamError as e:
-        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": _error_code(e)}})
+    except Exception as e:
+        yield _sse(_error_event(e))
     yield "data: [DONE]\n\n"
 
 
-def serve(engine, options: ServerOptions, host: str = "127.0.0.1", port: int = 8080) -> None:
-    """Serve ``engine`` until interrupted (uvicorn, one worker)."""
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening yet: connections are refused until the
+    server starts), as uvicorn binds one, so that ``serve`` can say at once, before loading a model
+    for minutes, that the address is taken or wrong.
+
+    Raises:
+        MoestreamError: an unknown host, an address in use or not of this machine, a port not allowed.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if isinstance(e, socket.gaierror):
+            raise MoestreamError(f"--host {host}: not an address or a known host name ({e.strerror})") from None
+        if e.errno == errno.EADDRINUSE:
+            raise MoestreamError(f"--host {host} --port {port}: {host}:{port} is already in use "
+                                 "(another server is listening there)") from None
+        raise MoestreamError(f"--host {host} --port {port}: cannot listen there: {e.strerror}") from None
+    return sock
+
+
+def serve(engine, options: ServerOptions, host: str = "127.0.0.1", port: int = 8080,
+          sock: socket.socket | None = None) -> None:
+    """Serve ``engine`` until interrupted (uvicorn, one worker), on ``sock`` (from :func:`bind`) or
+    on a socket bound to ``host:port`` now."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, options), host=host, port=port, log_level="info")
+    sock = sock if sock is not None else bind(host, port)
+    config = uvicorn.Config(create_app(engine, options), host=host, port=port, log_level="info")
+    uvicorn.Server(config).run(sockets=[sock])

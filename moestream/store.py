@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .checkpoint import Checkpoint, FileHandles, pread_full, torch_dtype
-from .errors import ReadError
+from .errors import EngineClosedError, ReadError
 from .layout import QUANT_PARAMS, ExpertLayout
 
 if TYPE_CHECKING:
@@ -186,11 +186,8 @@ class ExpertStore:
 
     Quantized experts (see :mod:`moestream.quant`): packed integer and fp8 pieces and
     quantization parameters (scales, biases, ``weight_scale_inv``) keep their stored
-    dtype; ``prepare``, when set, turns a read expert's tensors into kernel-ready ones
-    (``prepare(key, tensors) -> tensors``; ``prepare.nbytes(key, stored)`` gives their bytes).
+    dtype; the kernels compute on them as read.
     """
-
-    prepare = None
 
     def __init__(
         self,
@@ -212,6 +209,7 @@ class ExpertStore:
         self.stats = ReadStats()
         self.pool = BufferPool(max_free=2 * workers)
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moestream-read")
+        self.closed = False
         self._lock = threading.Lock()
         self._active = 0  # reads in flight, for busy_seconds
         self._busy_since = 0.0
@@ -304,7 +302,7 @@ class ExpertStore:
                 total += math.prod(p.shape) * torch.tensor([], dtype=self.dtype).element_size()
             else:
                 total += -(-p.nbytes // PIECE_ALIGN) * PIECE_ALIGN
-        return total if self.prepare is None else self.prepare.nbytes(key, total)
+        return total
 
     def _finish(self, ew: ExpertWeights) -> ExpertWeights:
         """Cast float pieces to the compute dtype and move them to the device.
@@ -319,8 +317,6 @@ class ExpertStore:
             if t.device != self.device:
                 t = t.to(self.device)
             tensors[role] = t
-        if self.prepare is not None:
-            tensors = self.prepare(ew.key, tensors)
         kept = [r for r, t in tensors.items() if t is ew.tensors.get(r)]
         if self.wired is not None:
             self.wired.lock_expert(ew.key, [t for r, t in tensors.items() if r not in kept], ew.mapping)
@@ -350,7 +346,13 @@ class ExpertStore:
         The first reads are issued before this returns, so the caller can compute on
         what it already holds while they run; iterate the batch to receive experts.
         ``prefetch`` counts the reads as prefetch reads (off the critical path).
+
+        Raises:
+            EngineClosedError: after :meth:`close`.
         """
+        if self.closed:
+            raise EngineClosedError("the expert store is closed (its engine's close() was called): load the model "
+                                    "again to read experts")
         return ReadBatch(self, keys, max_inflight or 2 * self.workers, prefetch)
 
     def read_all(self, keys: list[Key]) -> dict[Key, ExpertWeights]:
@@ -360,6 +362,7 @@ class ExpertStore:
 
     def close(self) -> None:
         """Stop the reader threads and release the reader's files."""
+        self.closed = True
         self._threads.shutdown(wait=True)
         self.reader.close()
 

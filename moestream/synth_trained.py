@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConfigError
+from .models import qwen3_5_moe, qwen3_moe, qwen3_next
 from .models.base import SynthTensor
 
 FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
@@ -186,13 +187,9 @@ class TrainedInit:
             raise ConfigError(f"--init trained: model_type {mt!r} is not calibrated; it is for "
                               f"{', '.join(FAMILIES)} (use spread or plain)")
         if mt == "qwen3_moe":
-            from .models.qwen3_moe import ModelArgs
-
-            self.args, self.prefix, self.mixer = ModelArgs.from_config(cfg), "model", "attention"
+            self.args, self.prefix, self.mixer = qwen3_moe.ModelArgs.from_config(cfg), "model", "attention"
             self.rotary = self.args.head_dim
         else:
-            from .models import qwen3_5_moe, qwen3_next
-
             mod = qwen3_next if mt == "qwen3_next" else qwen3_5_moe
             self.args = mod.ModelArgs.from_config(cfg)
             self.prefix = "model" if mt == "qwen3_next" else qwen3_5_moe.PREFIX

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import ExpertCache
+from .errors import ConfigError
 from .policies import EvictionPolicy
 from .store import BufferPool, ExpertStore, ExpertWeights, Key
 
@@ -472,8 +473,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         ConfigError: for a device that is not ``cpu``, ``cuda`` or ``cuda:N``, or CUDA asked for
             where none is available.
     """
-    from .errors import ConfigError
-
     if device is None or (isinstance(device, str) and device.strip().lower() == "auto"):
         device = os.environ.get("MOESTREAM_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -485,40 +484,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: no CUDA device is available to this PyTorch ({torch.__version__})")
     return dev
-
-
-def parse_host_budget(text, experts_bytes: int, reserve_bytes: int) -> int:
-    """Bytes of the host tier for ``--host-cache-gb``: a number of GB (10^9 bytes), or ``auto``.
-
-    ``auto``: 0.8 of the memory available to the process (cgroup limits included) less
-    ``reserve_bytes``, at most ``experts_bytes`` (every expert). A number larger than the
-    memory available is refused.
-
-    Raises:
-        BudgetError: for a bad value or one that cannot fit, with the numbers.
-    """
-    from .errors import BudgetError
-    from .memory import available_bytes
-
-    if text is None:
-        return 0
-    avail = available_bytes()
-    if isinstance(text, str) and text.strip().lower() == "auto":
-        return max(0, min(experts_bytes, int(0.8 * avail) - reserve_bytes))
-    try:
-        gb = float(text)
-    except (TypeError, ValueError):
-        raise BudgetError(f"--host-cache-gb: {text!r} is not a number of GB or 'auto'") from None
-    if not (0 <= gb < 1e9):
-        raise BudgetError(f"--host-cache-gb: {text!r} must be a number of GB between 0 and 1e9, or 'auto'")
-    n = int(gb * 1e9)
-    if min(n, experts_bytes) + reserve_bytes > avail:
-        raise BudgetError(
-            f"--host-cache-gb {text}: {min(n, experts_bytes) / 1e9:.2f} GB of pinned experts plus a "
-            f"{reserve_bytes / 1e9:.2f} GB reserve exceed the {avail / 1e9:.2f} GB of memory available; "
-            "give less or 'auto'"
-        )
-    return n
 
 
 def device_free_bytes(device: torch.device) -> int:

@@ -7,9 +7,15 @@ checkpoints it writes so that they work offline.
 
 from __future__ import annotations
 
+import inspect
+import json
+import unicodedata
+import weakref
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError, InputError
+from .errors import CheckpointError, InputError, PromptTooLongError, TemplateVariableError
 
 BUNDLED_QWEN3 = Path(__file__).parent / "data" / "tokenizers" / "qwen3"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -50,8 +56,6 @@ def load_tokenizer(folder: str | Path):
 
 def _declared_tokenizer_class(folder: Path):
     """The transformers class that ``tokenizer_config.json``'s ``tokenizer_class`` names, or None."""
-    import json
-
     import transformers
 
     try:
@@ -92,9 +96,243 @@ def _check_messages(messages) -> None:
             raise InputError(f"messages[{i}].content: expected a string")
 
 
+# Names the renderer binds itself (transformers' render_jinja_template) and the globals a template
+# calls (Jinja's defaults and transformers' additions), for when the compiled template cannot be asked.
+_RENDERER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "raise_exception",
+                             "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace"})
+
+
+def check_template_kwargs(tokenizer, chat_template_kwargs: dict | None) -> None:
+    """Refuse ``chat_template_kwargs`` keys that are not template variables a caller may set.
+
+    ``chat_template_kwargs`` are values for the chat template's own variables
+    (``enable_thinking``, ``reasoning_effort``). transformers' ``apply_chat_template`` also
+    takes its own arguments from the same keywords, so ``chat_template`` would replace the
+    checkpoint's template with the caller's (a 185-byte loop renders megabytes), and
+    ``tokenize``, ``documents``, ``continue_final_message`` change what is rendered. Refused:
+    every argument of the installed ``apply_chat_template``, the names the renderer binds
+    (``messages``, ``tools``, ``add_generation_prompt``) and the globals a template calls
+    (``raise_exception``, ``range``, ``namespace``), and the tokenizer's special tokens
+    (``eos_token``: the renderer sets them from the tokenizer).
+
+    Raises:
+        TemplateVariableError: naming the first refused key.
+    """
+    if not chat_template_kwargs:
+        return
+    arguments = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    special = set(getattr(tokenizer, "special_tokens_map", {}) or {}) | {"bos_token", "eos_token", "unk_token",
+                                                                          "sep_token", "pad_token", "cls_token",
+                                                                          "mask_token", "additional_special_tokens"}
+    for key in chat_template_kwargs:
+        if key == "chat_template":
+            why = "a request cannot supply its own chat template (the checkpoint's is used)"
+        elif key in arguments:
+            why = "an argument of the template renderer, not a template variable"
+        elif key in _RENDERER_NAMES or key in _template_globals(tokenizer):
+            why = "a name the renderer defines for the template"
+        elif key in special:
+            why = "a special token, which the renderer takes from the tokenizer"
+        else:
+            continue
+        raise TemplateVariableError(f"chat_template_kwargs[{key!r}]: {why}", key)
+
+
+def _template_globals(tokenizer) -> frozenset[str]:
+    env = _compiled_environment(tokenizer, None)
+    return frozenset(env.globals) if env is not None else frozenset()
+
+
+def _compiled_environment(tokenizer, tools):
+    """The Jinja environment of the template transformers renders for this tokenizer (its compile
+    is cached, so this is the very object ``apply_chat_template`` uses), or None."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template(tokenizer.get_chat_template(None, tools)).environment
+    except Exception:  # no template, or a transformers without this internal: the render is not bounded
+        return None
+
+
+# ---- prompt length in bytes: a bound on the token count before tokenizing ----
+
+# Unicode normalization (NFC, NFKC, NFD, NFKD) shrinks UTF-8 text at most this many times: the
+# result's characters c have full decompositions d(c), every input code point decomposes to at
+# least one of them, and a code point is at most 4 bytes, so the input has at most
+# 4 * len(d(c)) bytes per len(c.encode()) bytes of output; the largest ratio over all of Unicode
+# is 6 (U+01D5 and others; tests/test_generation_options.py computes it).
+UNICODE_FORM_SHRINK = 6
+_UNICODE_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
+
+
+@dataclass(frozen=True)
+class PromptLimit:
+    """At most ``max_tokens`` prompt tokens, checked on a text's length in bytes before tokenizing it.
+
+    Sound for tokenizers in which every byte of the (normalized) text ends up in some token --
+    byte-level BPE (Qwen, DeepSeek, gpt-oss, Kimi) and SentencePiece BPE with byte fallback
+    (Mixtral) -- which :meth:`for_tokenizer` checks: no token spans more than ``token_bytes``
+    bytes (128 for Qwen3: a run of spaces), so a text of B bytes after normalization has at
+    least B / ``token_bytes`` tokens; the tokenizer's normalizer shrinks a text at most
+    ``shrink`` times (1 for text already in its Unicode form). A text refused here would have
+    been refused after tokenizing too; one let through is tokenized and counted exactly.
+    """
+
+    max_tokens: int
+    token_bytes: int
+    shrink: int = 1
+    form: str | None = None  # the normalizer's Unicode form, when it is one alone
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, max_tokens: int) -> PromptLimit | None:
+        """The limit for ``tokenizer``, or None when its pipeline gives no sound bound (a WordPiece
+        model, a pre-tokenizer that drops characters, a normalizer of unknown shrink)."""
+        try:
+            found = _BOUNDS[tokenizer]
+        except KeyError:
+            found = _BOUNDS[tokenizer] = _bound_of(tokenizer)
+        except TypeError:  # not weakly referable: not cached
+            found = _bound_of(tokenizer)
+        return None if found is None else cls(max_tokens, *found)
+
+    @property
+    def max_chars(self) -> int:
+        """A text of more characters (so of more bytes) than this has more than ``max_tokens`` tokens."""
+        return self.max_tokens * self.token_bytes * self.shrink
+
+    def min_tokens(self, text: str) -> tuple[int, int, int]:
+        """(at least this many tokens, ``text``'s UTF-8 bytes, the bytes per token the bound allows)."""
+        n = len(text.encode("utf-8", "surrogatepass"))
+        same = self.shrink == 1 or (self.form is not None and unicodedata.is_normalized(self.form, text))
+        per = self.token_bytes * (1 if same else self.shrink)
+        return -(-n // per), n, per
+
+    def check(self, text: str) -> None:
+        """Raise :class:`PromptTooLongError` when ``text`` has more than ``max_tokens`` tokens by its length."""
+        if len(text) * 4 <= self.max_tokens * self.token_bytes:  # under the bound whatever the characters
+            return
+        at_least, n, per = self.min_tokens(text)
+        if at_least > self.max_tokens:
+            raise PromptTooLongError(
+                f"the prompt is {n} bytes, so at least {at_least} tokens (no token of this tokenizer spans more "
+                f"than {per} bytes{'' if per == self.token_bytes else ' of text before its normalization'})")
+
+
+_BOUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (token_bytes, shrink, form) or None
+
+
+def _bound_of(tokenizer) -> tuple[int, int, str | None] | None:
+    try:
+        spec = json.loads(tokenizer.backend_tokenizer.to_str())  # ~1 s for Qwen3's 151,646 tokens
+    except Exception:  # a tokenizer without a tokenizers backend
+        return None
+    byte_level = _has_step(spec.get("pre_tokenizer"), "ByteLevel")
+    token_bytes = _longest_token_bytes(spec, byte_level)
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if token_bytes is None or shrink is None or not _keeps_every_byte(spec, byte_level):
+        return None
+    form = (spec.get("normalizer") or {}).get("type")
+    return token_bytes, shrink, form if form in _UNICODE_FORMS else None
+
+
+def _has_step(step: dict | None, kind: str) -> bool:
+    if not step:
+        return False
+    if step.get("type") == "Sequence":
+        return any(_has_step(s, kind) for s in step.get("pretokenizers", step.get("normalizers", [])))
+    return step.get("type") == kind
+
+
+def _longest_token_bytes(spec: dict, byte_level: bool) -> int | None:
+    """The most bytes of text one token stands for (a byte-level token's characters are bytes)."""
+    vocab = spec.get("model", {}).get("vocab")
+    if isinstance(vocab, dict):
+        pieces = list(vocab)
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        pieces = [v[0] for v in vocab if isinstance(v, list) and v and isinstance(v[0], str)]
+    else:
+        return None
+    pieces += [t.get("content", "") for t in spec.get("added_tokens", []) if isinstance(t, dict)]
+    longest = max((len(p) if byte_level else len(p.encode("utf-8", "surrogatepass")) for p in pieces), default=0)
+    return max(longest, 4)  # an unknown character is one token (a code point is at most 4 bytes)
+
+
+def _normalizer_shrink(n: dict | None) -> int | None:
+    """How many times the normalizer can shrink UTF-8 text, or None when not known."""
+    if not n:
+        return 1
+    kind = n.get("type")
+    if kind in _UNICODE_FORMS:
+        return UNICODE_FORM_SHRINK
+    if kind == "Prepend":
+        return 1
+    if kind == "Sequence":
+        out = 1
+        for part in n.get("normalizers", []):
+            f = _normalizer_shrink(part)
+            if f is None:
+                return None
+            out *= f
+        return out
+    if kind == "Replace":
+        old, new = (n.get("pattern") or {}).get("String"), n.get("content")
+        if not isinstance(old, str) or not isinstance(new, str) or not new:
+            return None  # a regex, or a deletion: no bound
+        return max(1, -(-len(old.encode()) // len(new.encode())))
+    return None  # Lowercase, Strip, StripAccents, Precompiled, BertNormalizer...
+
+
+_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "UnicodeScripts")
+
+
+def _keeps_every_byte(spec: dict, byte_level: bool) -> bool:
+    """Whether every byte of the normalized text ends up in a token of at most the longest token's size."""
+    def keeps(step):
+        if not step:
+            return True
+        if step.get("type") == "Sequence":
+            return all(keeps(s) for s in step.get("pretokenizers", []))
+        return step.get("type") in _KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed"
+
+    model = spec.get("model", {})
+    if not keeps(spec.get("pre_tokenizer")):
+        return False
+    if model.get("type") == "BPE":  # an unknown character is its own token unless unknowns are fused
+        return byte_level or bool(model.get("byte_fallback")) or not model.get("fuse_unk")
+    if model.get("type") == "Unigram":
+        return bool(model.get("byte_fallback"))
+    return False  # WordPiece (an unknown word of up to 100 characters is one token), WordLevel
+
+
+# ---- rendering, with its output bounded ----
+
+_RENDER_LIMIT: ContextVar[int | None] = ContextVar("moestream_render_limit", default=None)
+
+
+class _RenderStopped(Exception):
+    pass
+
+
+def _bounded_concat(pieces) -> str:
+    """Jinja's ``Environment.concat`` (``"".join`` over the pieces a render yields), stopping once
+    they pass ``_RENDER_LIMIT`` characters: a template looping over a request's values cannot render
+    more than the prompt bound. Output a template buffers itself (a macro, a ``{% set %}`` block) is
+    one piece here, joined whole before the count sees it."""
+    limit = _RENDER_LIMIT.get()
+    if limit is None:
+        return "".join(pieces)
+    out, n = [], 0
+    for piece in pieces:
+        n += len(piece)
+        if n > limit:
+            raise _RenderStopped
+        out.append(piece)
+    return "".join(out)
+
+
 def render_chat(
     tokenizer, messages: list[dict], tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-    add_generation_prompt: bool = True,
+    add_generation_prompt: bool = True, limit: PromptLimit | None = None,
 ) -> str:
     """The prompt text of a conversation, rendered by the checkpoint's own chat template.
 
@@ -103,29 +341,69 @@ def render_chat(
             as in OpenAI's chat API (an assistant message may carry ``tool_calls`` and
             ``reasoning_content``; the template decides what it renders).
         tools: OpenAI-style tool (function) definitions, passed to the template as ``tools``.
-        chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}``.
+        chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}``
+            (never the template itself: :func:`check_template_kwargs`).
         add_generation_prompt: end with the opening of the assistant's turn.
+        limit: when given, the render stops once past ``limit.max_chars`` characters, and the
+            text is checked against the limit (:class:`PromptLimit`).
 
     Raises:
         InputError: malformed messages, no chat template, or a template that fails on them.
+        TemplateVariableError: a ``chat_template_kwargs`` key a caller may not set.
+        PromptTooLongError: a rendered prompt over ``limit``.
     """
     _check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise InputError("the tokenizer has no chat template (use a plain prompt)")
+    check_template_kwargs(tokenizer, chat_template_kwargs)
     kwargs = dict(chat_template_kwargs or {})
+    bounded = limit is not None and _bound_render(tokenizer, tools)
+    token = _RENDER_LIMIT.set(limit.max_chars if bounded else None)
     try:
-        return tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
+    except _RenderStopped:
+        raise PromptTooLongError(
+            f"the rendered prompt passed {limit.max_chars} bytes, so more than {limit.max_tokens} tokens (no token "
+            f"of this tokenizer spans more than {limit.token_bytes * limit.shrink} bytes of text)") from None
     except Exception as e:  # jinja2 raises TemplateError subclasses and plain errors from the template
         raise InputError(f"the chat template failed on these messages: {e}") from None
+    finally:
+        _RENDER_LIMIT.reset(token)
+    if limit is not None:
+        limit.check(text)
+    return text
+
+
+def _bound_render(tokenizer, tools) -> bool:
+    """Route the render of this tokenizer's template through :func:`_bounded_concat` (it acts only
+    while ``_RENDER_LIMIT`` is set, so other renders of the same template are unchanged)."""
+    env = _compiled_environment(tokenizer, tools)
+    if env is None:
+        return False
+    if env.concat is not _bounded_concat:
+        env.concat = _bounded_concat
+    return True
 
 
 def chat_ids(
     tokenizer, messages: list[dict], tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+    limit: PromptLimit | None = None,
 ) -> list[int]:
-    """Token ids of :func:`render_chat` with the generation prompt (ready to generate the assistant's turn)."""
-    text = render_chat(tokenizer, messages, tools, chat_template_kwargs)
+    """Token ids of :func:`render_chat` with the generation prompt (ready to generate the assistant's turn).
+
+    ``limit``: refuse a prompt over it by length, before tokenizing (:class:`PromptLimit`).
+    """
+    text = render_chat(tokenizer, messages, tools, chat_template_kwargs, limit=limit)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_text(tokenizer, text: str, limit: PromptLimit | None = None) -> list[int]:
+    """Token ids of ``text`` as is (no template, no special tokens added); with ``limit``, a text over
+    it by length is refused (:class:`PromptTooLongError`) before tokenizing."""
+    if limit is not None:
+        limit.check(text)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

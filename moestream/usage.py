@@ -34,15 +34,14 @@ from pathlib import Path
 import torch
 
 from .errors import MoestreamError
-from .traces import TRACE_FORMAT
+from .models.moe import StreamedMoE
+from .prefetch import following_blocks, predict_next
+from .traces import TRACE_FORMAT, load_trace
 
 Key = tuple[int, int]
 DECAY = 0.5  # weight of the previous profile when a run's counts are merged in
-# Share of the budget hot lists and usage profiles may pin (--hot-fraction). 0, off, by default: on routing that
-# reuses experts as trained models do, pinning by frequency loses to LRU's recency at every budget, by up to 45
-# points at 10% residency (docs/benchmarks.md, "Routing like trained models"; kekzl/imp#2061 measured the same on a
-# trained model). HOT_SHARE is the share a hot list gets when asked for without a number (cache-sim --hot-from).
-HOT_FRACTION = 0.0
+# options.HOT_FRACTION (--hot-fraction): the share of the budget hot lists and usage profiles may pin, 0 (off) by
+# default. HOT_SHARE is the share a hot list gets when asked for without a number (cache-sim --hot-from).
 HOT_SHARE = 0.5
 HOT_LIST = "hot_experts.json"
 PROFILE_FORMAT = "moestream-usage"
@@ -293,8 +292,6 @@ def read_trace(path: Path) -> tuple[dict, list[tuple[int, int, list[list[int]]]]
         MoestreamError: the file is missing, not a moestream trace, or a line is malformed
             (naming file and line).
     """
-    from .traces import load_trace
-
     trace = load_trace(path)
     if trace.format != "moestream":
         raise MoestreamError(f"trace {path}: line 1 is not a moestream trace header")
@@ -317,42 +314,36 @@ class UsageState:
         finally:
             if self.trace is not None:
                 self.trace.close()
-                cache.trace = None
 
 
-def setup_cache_policy(
-    checkpoint, model, cache, num_experts: dict[int, int], *, max_active_experts: int = 0, hotlist: bool = True,
-    pin_file=None, usage_file=None, learn_experts: bool = True, trace=None, owns=None,
-    hot_fraction: float = HOT_FRACTION,
-) -> UsageState:
-    """Apply the expert-usage options of ``engine.load`` to a loaded model and its cache.
+def setup_cache_policy(checkpoint, model, cache, num_experts: dict[int, int], options, trace=None,
+                       owns=None) -> UsageState:
+    """Apply the expert-usage options of an :class:`~moestream.options.EngineOptions` to a loaded
+    model and its cache.
 
-    Sets ``max_active`` on the MoE blocks (warning that the output changes below the
-    model's top-k); pins the experts of the pin file (up to the whole budget), then, when
-    ``hot_fraction`` > 0, of the hot list and the usage profile (up to ``hot_fraction`` of the
-    budget), saying how many; opens the trace. Bad files are ignored with a warning naming them. ``owns`` (expert
-    parallelism: this rank's ``(layer, expert) -> bool``) keeps pins to this rank's experts.
+    Warns that ``max_active_experts`` changes the output below the model's top-k (the expert
+    pipeline applies it); pins the experts of the pin file (up to the whole budget), then, when
+    ``options.hot_fraction`` > 0, of the hot list and the usage profile (up to that share of the
+    budget), saying how many; opens the routing trace ``trace`` (``UsageState.trace``, which the
+    expert pipeline feeds, with the next layers' predicted experts as ``ahead``).
+    Bad files are ignored with a warning naming them. ``owns`` (expert parallelism: this rank's
+    ``(layer, expert) -> bool``) keeps pins to this rank's experts.
 
     Raises:
         MoestreamError: the trace file cannot be created.
         ReadError: an expert read fails while pinning.
     """
-    blocks = model.moe_blocks()
-    top_k = checkpoint.config.get("num_experts_per_tok")
+    max_active_experts, hotlist, pin_file = options.max_active_experts, options.hotlist, options.pin_file
+    usage_file, learn_experts, hot_fraction = options.usage_file, options.learn_experts, options.hot_fraction
+    top_k = model.top_k
     if max_active_experts:
-        for b in blocks:
-            b.max_active = max_active_experts
-        if not isinstance(top_k, int) or max_active_experts < top_k:
+        if max_active_experts < top_k:
             warn(
                 f"--max-active-experts {max_active_experts}: each token keeps only its {max_active_experts} "
-                f"highest-weight routed experts of {top_k if isinstance(top_k, int) else 'its top-k'}; "
-                "the output changes (it is not the model's own routing)"
+                f"highest-weight routed experts of {top_k}; the output changes (it is not the model's own routing)"
             )
         elif max_active_experts > top_k:
-            warn(f"--max-active-experts {max_active_experts} is above the model's top-k {top_k} "
-                 "(num_experts_per_tok in config.json): it has no effect")
-    from .models.moe import StreamedMoE
-
+            warn(f"--max-active-experts {max_active_experts} is above the model's top-k {top_k}: it has no effect")
     router = next((n + ".gate.weight" for n, m in model.named_modules() if isinstance(m, StreamedMoE)), None)
     model_id = model_identity(checkpoint, router)
     name = checkpoint.path.name
@@ -408,9 +399,6 @@ def setup_cache_policy(
             "expert_bytes": {str(k): cache.store.cached_nbytes((k, 0)) for k in num_experts},
             "ahead": TRACE_AHEAD,
         }
-        from .prefetch import following_blocks, predict_next
-
-        following = following_blocks(blocks, TRACE_AHEAD)
+        following = following_blocks(model.moe_blocks(), TRACE_AHEAD)
         writer = TraceWriter(Path(trace), header, lambda layer, x: predict_next(following.get(layer, ()), x))
-        cache.trace = writer
     return UsageState(model_id, name, num_experts, profile_path, writer)

@@ -75,6 +75,10 @@ def _calibrate(root: nn.Module) -> int:
         elif strategy == "group":
             v = w.view(w.shape[0], -1, args.group_size)
             lo, hi = v.amin(-1), v.amax(-1)
+        elif strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        elif strategy == "tensor":
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
         else:
             raise ValueError(f"strategy {strategy} not handled by this test helper")
         scale, _ = calculate_qparams(lo, hi, args)

@@ -11,6 +11,14 @@ from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 
 
+def save_tiny(family: str, cfg: dict, path: Path, seed: int, extra=None):
+    """:func:`save_reference` of transformers' ``<family>ForCausalLM`` on ``<family>Config(**cfg)``."""
+    import transformers
+
+    config = getattr(transformers, family + "Config")(**cfg)
+    return save_reference(getattr(transformers, family + "ForCausalLM"), config, path, seed, extra)
+
+
 def save_reference(model_cls, cfg, path: Path, seed: int, extra=None):
     """Build a float32 transformers model of ``cfg``, randomize what init leaves trivial, save it; return it.
 
@@ -54,17 +62,21 @@ def assert_logits_match(path: Path, ref, n: int = 40, chunk: int = 16, vocab: in
         engine.close()
 
 
-def assert_greedy_matches(path: Path, ref, prompt_len: int = 12, tokens: int = 32, vocab: int = 300):
-    """32 greedy tokens equal to the reference's greedy decoding."""
-    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(3))
+def assert_greedy_matches(path: Path, ref, prompt_len: int = 12, tokens: int = 32, vocab: int = 300,
+                          prompt: torch.Tensor | None = None, **options):
+    """32 greedy tokens equal to the reference's greedy decoding, from ``prompt`` [T] (default: ``prompt_len``
+    random ids); ``options`` go to ``generate`` (``prefill_chunk``)."""
+    if prompt is None:
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         out = ref.generate(prompt[None], max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
-    want = out[0, prompt_len:].tolist()
+    want = out[0, len(prompt):].tolist()
     assert len(want) == tokens
     engine = load(path, cache_budget_gb=0.0001, tokenizer=False)
     try:
-        got = [s.token for s in generate(engine, prompt.tolist(), tokens, SamplingParams(), stop_at_eos=False)]
+        got = [s.token for s in generate(engine, prompt.tolist(), tokens, SamplingParams(), stop_at_eos=False,
+                                         **options)]
     finally:
         engine.close()
     assert got == want
@@ -122,3 +134,18 @@ def synth_and_generate(tmp_path: Path, cfg: dict, layers: int = 2) -> dict:
             engine.close()
     assert len(runs[0]) == 4 and runs[0] == runs[1]
     return json.loads((out / "config.json").read_text())
+
+
+# The three checks of a family test module whose ``model`` fixture gives (checkpoint folder, transformers
+# reference): the module imports them and pytest collects them there.
+
+def test_logits_match_transformers(model):
+    assert_logits_match(*model)  # 40 tokens, whole and in chunks (through any sliding window of the tiny model)
+
+
+def test_greedy_tokens_match_transformers(model):
+    assert_greedy_matches(*model)
+
+
+def test_streaming_bit_identical(model):
+    assert_streaming_exact(model[0])

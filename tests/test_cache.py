@@ -7,7 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moestream.cache import ExpertCache, parse_budget
+from moestream.budget import parse_budget
+from moestream.cache import ExpertCache
 from moestream.checkpoint import Checkpoint
 from moestream.errors import BudgetError, ReadError
 from moestream.layout import discover_experts

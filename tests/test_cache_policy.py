@@ -11,7 +11,7 @@ from moestream.cache import ExpertCache
 from moestream.cachesim import BeladyPolicy, requests_of, simulate, simulate_policy
 from moestream.checkpoint import Checkpoint
 from moestream.layout import discover_experts
-from moestream.models.moe import keep_top_experts
+from moestream.pipeline import keep_top_experts
 from moestream.policies import LayerCyclePolicy, LFUDecayPolicy, LRUPolicy, make_policy
 from moestream.store import ExpertStore
 

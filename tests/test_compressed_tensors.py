@@ -184,6 +184,29 @@ def test_laguna_fp8_streaming_bit_identical(laguna):
     assert_streaming_exact(laguna[0], n=16, chunk=6, steps=3)
 
 
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_fp8_per_channel_and_per_tensor(tmp_path, strategy):
+    """Laguna's FP8 scheme with one scale per output row (``weight_scale`` [out, 1]) or one per weight ([1]),
+    compressed by the library: logits match its decompressed weights, and streaming is bit-identical."""
+    from transformers import LagunaConfig, LagunaForCausalLM
+
+    from .test_family_laguna import TINY
+
+    cfg = dict(TINY, hidden_size=256, intermediate_size=96, moe_intermediate_size=64,
+               shared_expert_intermediate_size=48)
+    fh.save_reference(LagunaForCausalLM, LagunaConfig(**cfg), tmp_path / "float", seed=2)
+    qc = copy.deepcopy(published("Laguna-XS.2-FP8"))
+    qc.pop("transform_config", None)
+    qc["config_groups"]["group_0"]["weights"].update(strategy=strategy, block_structure=None)
+    ct.compress(tmp_path / "float", tmp_path / "fp8", tmp_path / "ref", qc, linear_router=True)
+    with Checkpoint(tmp_path / "fp8") as c:
+        scale = c.tensors["model.layers.1.mlp.experts.0.gate_proj.weight_scale"]
+        assert tuple(scale.shape) == ((64, 1) if strategy == "channel" else (1,))
+    ref = LagunaForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    fh.assert_logits_match(tmp_path / "fp8", ref)
+    assert_streaming_exact(tmp_path / "fp8", n=10, chunk=4, steps=2)
+
+
 def test_kimi_mxfp4_matches_decompressed_reference(kimi):
     with Checkpoint(kimi[0]) as c:
         assert c.tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight_packed"].dtype == "U8"
@@ -229,8 +252,8 @@ def _with_config(src: Path, dst: Path, edit) -> Path:
 
 @pytest.mark.parametrize("edit, words", [
     (lambda q: q["config_groups"]["group_0"].update(format="pack-quantized"), "'pack-quantized' is not supported"),
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="channel", block_structure=None),
-     "strategy 'channel'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=32, block_structure=None),
+     "strategy 'group'"),
     (lambda q: q["config_groups"]["group_0"].update(
         format="nvfp4-pack-quantized", weights=dict(published("Kimi-K3")["config_groups"]["group_0"]["weights"],
                                                     group_size=16)), "'nvfp4-pack-quantized' is not supported"),

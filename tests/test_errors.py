@@ -167,7 +167,7 @@ def test_pickle_weights_are_refused_not_loaded(good, tmp_path):
 
 
 def test_budgets_that_cannot_fit_are_refused_before_loading(good, monkeypatch):
-    monkeypatch.setattr("moestream.engine.available_bytes", lambda: 100_000)
+    monkeypatch.setattr("moestream.memory.available_bytes", lambda: 100_000)
     read = []
     monkeypatch.setattr("moestream.checkpoint.Checkpoint.read_tensor", lambda self, name: read.append(name))
     with pytest.raises(BudgetError, match=r"plus every expert \(--cache-budget-gb all\) \(0.00 GB\) plus the runtime "
@@ -175,7 +175,7 @@ def test_budgets_that_cannot_fit_are_refused_before_loading(good, monkeypatch):
                                           r"but only 0.00 GB of memory is available"):
         load(good, cache_budget_gb="all", tokenizer=False)
     # the weights fit but the runtime's reserve (0.5 GB and the read buffers) does not: refused, naming it
-    monkeypatch.setattr("moestream.engine.available_bytes", lambda: 400_000_000)
+    monkeypatch.setattr("moestream.memory.available_bytes", lambda: 400_000_000)
     with pytest.raises(BudgetError, match=r"plus the runtime and read buffers \(0.\d\d GB\).*only 0.40 GB"):
         load(good, cache_budget_gb="0.001", tokenizer=False)
     with pytest.raises(BudgetError, match=r"resident weights \(0.00 GB\) plus a 1e-05 GB cache budget"):
@@ -262,6 +262,102 @@ def test_config_errors_name_the_file_and_field(good, tmp_path):
         load(d, tokenizer=False)
 
 
+@pytest.mark.parametrize("field,value,shown", [
+    ("rope_theta", "abc", "'abc' is not a number above 0"),  # was a ValueError traceback
+    ("rope_scaling", 5, "5 is not an object"),  # was an AttributeError traceback
+    ("rope_theta", 0, "0 is not a number above 0"),  # was NaN logits, then a sampling traceback
+    ("rope_theta", -10000.0, "-10000.0 is not a number above 0"),
+    ("rms_norm_eps", -1e-6, "-1e-06 is not a number of at least 0"),
+    ("eos_token_id", "x", "'x' is not a token id or a list of them"),  # was silently ignored
+])
+def test_shared_config_values_are_refused_in_one_line(good, tmp_path, capsys, field, value, shown):
+    """config.json values that gave a traceback, NaN logits or were ignored: one line naming the file and field,
+    exit 2, from `moestream generate` before any weight is read."""
+    from moestream.cli import main
+
+    d = copy(good, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, **{field: value})))
+    assert main(["generate", "--model", str(d), "--prompt", "hi", "--max-tokens", "2", "--no-chat-template"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"moestream: error: {d}/config.json: field {field!r} = {shown}"]
+
+
+def test_generation_config_eos_is_checked(good, tmp_path):
+    from moestream.generation import eos_ids
+
+    d = copy(good, tmp_path)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, "x"]}))
+    engine = load(d, tokenizer=False)
+    try:
+        with pytest.raises(ConfigError, match=rf"^{d}/generation_config.json: field 'eos_token_id' = \[2, 'x'\] is"):
+            eos_ids(engine)
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+        assert {2, 7} <= eos_ids(engine)
+    finally:
+        engine.close()
+
+
+def _family_config(mt: str) -> dict:
+    """A valid config of ``mt``: transformers' default one, Kimi K3's as published, Kimi K2 as DeepSeek-V3's."""
+    from pathlib import Path
+
+    from transformers import CONFIG_MAPPING
+
+    if mt == "kimi_k3":
+        return json.loads((Path(__file__).parent / "configs" / "Kimi-K3.json").read_text())
+    cfg = CONFIG_MAPPING["deepseek_v3" if mt == "kimi_k2" else mt]().to_dict()
+    # transformers' defaults that no checkpoint has: top-k unset (DeepSeek-V2), head_dim 42 with half rotary (GLM)
+    fix = {"deepseek_v2": {"num_experts_per_tok": 6}, "glm4_moe": {"head_dim": 128}}.get(mt, {})
+    return dict(cfg, model_type=mt, **fix)
+
+
+def _places(cfg: dict, name: str) -> list[tuple[str, ...]]:
+    """Every key path in ``cfg`` where a family may read ``name``: the decoder's scope (``text_config`` when nested),
+    the top level, and for ``rope_theta`` inside ``rope_scaling``/``rope_parameters`` and their per-layer-type dicts."""
+    scopes = [()] + ([("text_config",)] if isinstance(cfg.get("text_config"), dict) else [])
+    out = [(*s, name) for s in scopes]
+    if name == "rope_theta":
+        for s in scopes:
+            inner = cfg
+            for k in s:
+                inner = inner[k]
+            for key in ("rope_scaling", "rope_parameters"):
+                if isinstance(inner.get(key), dict):
+                    out.append((*s, key, name))
+                    out += [(*s, key, k, name) for k, v in inner[key].items() if isinstance(v, dict)]
+    return out
+
+
+@pytest.mark.parametrize("mt", __import__("moestream.models", fromlist=["x"]).supported_model_types())
+def test_shared_config_fields_are_checked_for_every_family(mt):
+    """Each family's valid config is accepted; a bad RoPE base, RoPE dict, norm eps or eos id anywhere a family may
+    read it (top level, ``text_config``, ``rope_parameters`` and its per-layer-type entries) is a ConfigError naming
+    the file and the field's path."""
+    import copy as copying
+    import re
+
+    from moestream.models import family_for
+
+    cfg = _family_config(mt)
+    family_for(cfg, "c.json").ModelArgs.from_config(cfg)
+    bad = [("rope_theta", "abc"), ("rope_theta", 0), ("rope_theta", -1.0), ("rope_theta", float("nan")),
+           ("rms_norm_eps", -1e-5), ("rms_norm_eps", "tiny"), ("eos_token_id", "x"), ("eos_token_id", [1, True]),
+           ("eos_token_id", -1), ("rope_scaling", 5), ("rope_parameters", "yarn")]
+    checked = 0
+    for name, value in bad:
+        for path in _places(cfg, name):
+            broken = copying.deepcopy(cfg)
+            inner = broken
+            for k in path[:-1]:
+                inner = inner[k]
+            inner[path[-1]] = value
+            with pytest.raises(ConfigError, match=rf"^c\.json: field '{re.escape('.'.join(path))}' = "):
+                family_for(broken, "c.json")
+            checked += 1
+    assert checked >= len(bad)
+
+
 def test_experts_with_pieces_the_family_lacks_are_refused(good, tmp_path):
     tensors = read_all(good)
     for e in range(8):
@@ -277,6 +373,8 @@ def test_cli_checks_arguments_before_loading(good, tmp_path):
     for args, message in [
         (["generate", "--model", str(good), "--prompt", "hi", "--stats-json", str(tmp_path / "no" / "s.json")],
          "--stats-json"),
+        (["generate", "--model", str(good), "--prompt", "hi", "--usage-file", str(tmp_path / "no" / "u.json")],
+         "--usage-file"),  # its folder was created silently at the end of the run
         (["generate", "--model", str(good), "--prompt", ""], "--prompt is empty"),
         (["generate", "--model", str(good), "--prompt", "hi", "--seed", str(10**30), "--temp", "1"], "--seed"),
         (["generate", "--model", str(good), "--prompt", "hi", "--top-p", "2"], "--top-p"),
@@ -289,3 +387,4 @@ def test_cli_checks_arguments_before_loading(good, tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert message in r.stderr, r.stderr
     assert not any(tmp_path.glob("o*"))  # nothing half-written
+    assert not (tmp_path / "no").exists()  # no folder made for --usage-file

@@ -81,6 +81,7 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    from moestream.options import EngineOptions
     from moestream.parallel import init_from_env
 
     res: dict = {}
@@ -91,11 +92,10 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
         moestream.parallel.SMALL_EXCHANGE = options.pop("small_exchange")
     batched = options.pop("batched", False)
     try:
-        ep = init_from_env("cpu", timeout_s=timeout_s, combine=combine)
-        engine = load(path, cache_budget_gb=budget, tokenizer=False, parallel=ep, workers=2,
-                      usage_file=f"{out}/usage.json", **options)
-        for block in engine.model.moe_blocks():
-            block.batched = batched  # the GPU's batched matmul path, here on the CPU
+        opts = EngineOptions.make(budget, device="cpu", dist_timeout=timeout_s, ep_combine=combine, workers=2,
+                                  usage_file=f"{out}/usage.json", batched_experts=batched, **options)
+        ep = init_from_env(opts)
+        engine = load(path, options=opts, tokenizer=False, parallel=ep)  # batched: the GPU's path, on the CPU
         try:
             if mode == "serve":
                 res.update(_serve(engine, ep))
@@ -191,9 +191,7 @@ def _reference(path: Path, usage: Path, batched: bool = False) -> tuple[dict, di
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = load(path, cache_budget_gb="all", tokenizer=False, usage_file=usage)
-        for block in engine.model.moe_blocks():
-            block.batched = batched
+        engine = load(path, cache_budget_gb="all", tokenizer=False, usage_file=usage, batched_experts=batched)
         try:
             tokens, logits = {}, {}
             for name, sampling in SAMPLINGS.items():
@@ -309,14 +307,14 @@ def test_cli_refuses_a_bad_dist_timeout_in_one_process_too(qwen, capsys, value):
 
 
 def test_auto_budget_takes_this_ranks_share(tmp_path, monkeypatch):
-    from moestream import memory
+    from moestream import budget, memory
 
     from .test_io import fake_root
 
     gib = 2**30
     root = fake_root(tmp_path, 2, 7 * gib)
     monkeypatch.setattr(memory, "current_rss_bytes", lambda: gib)
-    a = memory.auto_cache_budget(resident=10**9, kv_cache=0, kv_tokens=0, reserve=0, experts_total=50 * 10**9,
+    a = budget.auto_cache_budget(resident=10**9, kv_cache=0, kv_tokens=0, reserve=0, experts_total=50 * 10**9,
                                  root=root, share=3)
     assert a.available == 2 * gib  # the 6 GiB this machine's processes may take, split 3 ways
     assert a.budget == 2 * gib - 10**9 and "split between 3 local ranks" in a.source

@@ -10,6 +10,7 @@ from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 
+from . import family_helpers as fh
 from .helpers import read_all, write_checkpoint
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -45,8 +46,9 @@ FAMILIES = {
 }
 
 
-def make_model(path, family, seed=0):
-    """Save a random float32 transformers model of ``family`` to ``path``; return it.
+def make_model(path, family, seed=0, **overrides):
+    """Save a random float32 transformers model of ``family`` (its config fields changed by ``overrides``) to
+    ``path``; return it.
 
     Norms, routers and the correction bias are randomized (transformers initializes them
     to 1, small values and 0), so a wrong norm, router or bias use cannot hide.
@@ -54,7 +56,7 @@ def make_model(path, family, seed=0):
     import transformers
 
     prefix, kwargs = FAMILIES[family]
-    cfg = getattr(transformers, prefix + "Config")(**kwargs)
+    cfg = getattr(transformers, prefix + "Config")(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
     with torch.no_grad():
@@ -125,18 +127,8 @@ def test_logits_match_transformers(family):
 
 
 def test_greedy_tokens_match_transformers(family):
-    name, ref, path = family
-    prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        out = ref.generate(prompt[None], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-    want = out[0, 12:].tolist()
-    assert len(want) == 32
-    engine = load(path, cache_budget_gb=0.0001, tokenizer=False)
-    try:
-        got = [s.token for s in generate(engine, prompt.tolist(), 32, SamplingParams(), stop_at_eos=False)]
-    finally:
-        engine.close()
-    assert got == want
+    _, ref, path = family
+    fh.assert_greedy_matches(path, ref)
 
 
 def run(path, budget):

@@ -6,6 +6,11 @@ import pytest
 import torch
 
 from . import family_helpers as fh
+from .family_helpers import (  # noqa: F401 (collected here)
+    test_greedy_tokens_match_transformers,
+    test_logits_match_transformers,
+    test_streaming_bit_identical,
+)
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
@@ -19,10 +24,8 @@ def redraw(name, p):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from transformers import GptOssConfig, GptOssForCausalLM
-
     path = tmp_path_factory.mktemp("gpt_oss")
-    ref = fh.save_reference(GptOssForCausalLM, GptOssConfig(**TINY), path, seed=1, extra=redraw)
+    ref = fh.save_tiny("GptOss", TINY, path, seed=1, extra=redraw)
     assert ref.config.layer_types == ["sliding_attention", "full_attention"] * 2
     assert ref.config.rope_parameters["rope_type"] == "yarn"
     return path, ref
@@ -48,18 +51,6 @@ def test_checkpoint_layout_and_clamp(model):
     # the clamp binds on these weights: some gate_up activations exceed the limit
     h = ref.model.layers[1].post_attention_layernorm(ref.model.embed_tokens(torch.arange(40)))
     assert (h @ experts.gate_up_proj[0]).abs().max() > TINY["swiglu_limit"]
-
-
-def test_logits_match_transformers(model):
-    fh.assert_logits_match(*model)  # 40 tokens through windows of 9
-
-
-def test_greedy_tokens_match_transformers(model):
-    fh.assert_greedy_matches(*model)
-
-
-def test_streaming_bit_identical(model):
-    fh.assert_streaming_exact(model[0])
 
 
 def test_synth_real_config_generates(tmp_path):

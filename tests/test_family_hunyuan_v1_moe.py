@@ -3,6 +3,11 @@
 import pytest
 
 from . import family_helpers as fh
+from .family_helpers import (  # noqa: F401 (collected here)
+    test_greedy_tokens_match_transformers,
+    test_logits_match_transformers,
+    test_streaming_bit_identical,
+)
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_experts=8, moe_topk=2, max_position_embeddings=512,
@@ -16,23 +21,9 @@ def redraw(name, p):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from transformers import HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
-
     path = tmp_path_factory.mktemp("hunyuan")
-    ref = fh.save_reference(HunYuanMoEV1ForCausalLM, HunYuanMoEV1Config(**TINY), path, seed=1, extra=redraw)
+    ref = fh.save_tiny("HunYuanMoEV1", TINY, path, seed=1, extra=redraw)
     return path, ref
-
-
-def test_logits_match_transformers(model):
-    fh.assert_logits_match(*model)
-
-
-def test_greedy_tokens_match_transformers(model):
-    fh.assert_greedy_matches(*model)
-
-
-def test_streaming_bit_identical(model):
-    fh.assert_streaming_exact(model[0])
 
 
 def test_synth_generates(tmp_path):

@@ -16,6 +16,8 @@ from moestream.generation import SamplingParams, generate
 from moestream.models.kimi_linear import synth_tensors
 from moestream.synth import synth
 
+from . import family_helpers as fh
+
 PROMPT = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(0))  # longer than a KDA chunk (64)
 
 KIMI_LINEAR = dict(
@@ -103,17 +105,7 @@ def test_kimi_linear_logits_match_transformers(kimi_linear):
 
 def test_kimi_linear_greedy_tokens_match_transformers(kimi_linear):
     path, ref = kimi_linear
-    prompt = PROMPT[:12]
-    with torch.no_grad():
-        out = ref.generate(prompt[None], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-    want = out[0, 12:].tolist()
-    assert len(want) == 32
-    engine = load(path, cache_budget_gb=0.0001, tokenizer=False)
-    try:
-        got = [s.token for s in generate(engine, prompt.tolist(), 32, SamplingParams(), stop_at_eos=False)]
-    finally:
-        engine.close()
-    assert got == want
+    fh.assert_greedy_matches(path, ref, prompt=PROMPT[:12])
 
 
 def run(path, budget, workers=2, chunk=512, sampling=None):

@@ -5,6 +5,11 @@ import json
 import pytest
 
 from . import family_helpers as fh
+from .family_helpers import (  # noqa: F401 (collected here)
+    test_greedy_tokens_match_transformers,
+    test_logits_match_transformers,
+    test_streaming_bit_identical,
+)
 
 ROPE = {
     "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "beta_fast": 32.0,
@@ -21,9 +26,7 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=48, moe_intermedia
 
 
 def build(path, seed, **overrides):
-    from transformers import LagunaConfig, LagunaForCausalLM
-
-    return fh.save_reference(LagunaForCausalLM, LagunaConfig(**{**TINY, **overrides}), path, seed=seed)
+    return fh.save_tiny("Laguna", {**TINY, **overrides}, path, seed)
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +49,6 @@ def test_checkpoint_names(model):
             assert name in c.tensors, name
         lay = discover_experts(c.tensors)
     assert sorted(lay.layers) == [1, 2, 3]
-
-
-def test_logits_match_transformers(model):
-    fh.assert_logits_match(*model)  # 40 tokens through windows of 9
-
-
-def test_greedy_tokens_match_transformers(model):
-    fh.assert_greedy_matches(*model)
-
-
-def test_streaming_bit_identical(model):
-    fh.assert_streaming_exact(model[0])
 
 
 def test_per_element_gate_softcap_variant(tmp_path):

@@ -3,6 +3,11 @@
 import pytest
 
 from . import family_helpers as fh
+from .family_helpers import (  # noqa: F401 (collected here)
+    test_greedy_tokens_match_transformers,
+    test_logits_match_transformers,
+    test_streaming_bit_identical,
+)
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
@@ -11,25 +16,11 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_lay
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
-
     path = tmp_path_factory.mktemp("minimax_m2")
-    ref = fh.save_reference(MiniMaxM2ForCausalLM, MiniMaxM2Config(**TINY), path, seed=1)
+    ref = fh.save_tiny("MiniMaxM2", TINY, path, seed=1)
     assert ref.config.rope_parameters["partial_rotary_factor"] == 0.5
     assert ref.model.layers[1].mlp.e_score_correction_bias.abs().min() > 0
     return path, ref
-
-
-def test_logits_match_transformers(model):
-    fh.assert_logits_match(*model)
-
-
-def test_greedy_tokens_match_transformers(model):
-    fh.assert_greedy_matches(*model)
-
-
-def test_streaming_bit_identical(model):
-    fh.assert_streaming_exact(model[0])
 
 
 def test_synth_minimax_m2_shape_generates(tmp_path):

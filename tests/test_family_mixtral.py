@@ -5,6 +5,11 @@ import json
 import pytest
 
 from . import family_helpers as fh
+from .family_helpers import (  # noqa: F401 (collected here)
+    test_greedy_tokens_match_transformers,
+    test_logits_match_transformers,
+    test_streaming_bit_identical,
+)
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
@@ -13,10 +18,8 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_lay
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
     path = tmp_path_factory.mktemp("mixtral")
-    ref = fh.save_reference(MixtralForCausalLM, MixtralConfig(**TINY), path, seed=1)
+    ref = fh.save_tiny("Mixtral", TINY, path, seed=1)
     return path, ref
 
 
@@ -30,22 +33,8 @@ def test_checkpoint_is_per_expert_w1_w2_w3(model):
     assert lay.layers[2].kind == "per-expert" and lay.layers[2].num_experts == 8
 
 
-def test_logits_match_transformers(model):
-    fh.assert_logits_match(*model)  # 40 tokens, window 9
-
-
-def test_greedy_tokens_match_transformers(model):
-    fh.assert_greedy_matches(*model)
-
-
-def test_streaming_bit_identical(model):
-    fh.assert_streaming_exact(model[0])
-
-
 def test_full_attention_when_window_null(tmp_path):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    ref = fh.save_reference(MixtralForCausalLM, MixtralConfig(**dict(TINY, sliding_window=None)), tmp_path, seed=2)
+    ref = fh.save_tiny("Mixtral", dict(TINY, sliding_window=None), tmp_path, seed=2)
     assert json.loads((tmp_path / "config.json").read_text())["sliding_window"] is None
     fh.assert_logits_match(tmp_path, ref)
 

@@ -12,6 +12,7 @@ from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 
+from . import family_helpers as fh
 from .helpers import read_all, to_layout, write_checkpoint
 
 CONFIGS = Path("/work/shared/models/configs")
@@ -76,6 +77,22 @@ def make_qwen3_5_moe(path: Path, seed: int = 0):
     return model
 
 
+def make_qwen3_5_moe_text(path: Path, seed: int = 0):
+    """The text model alone, as a fine-tune or text-only export saves it: ``Qwen3_5MoeForCausalLM.save_pretrained``
+    writes ``model_type: qwen3_5_moe_text``, the text config at the top level and the decoder at ``model.layers``."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(seed)
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[1, 1, 0],
+                mrope_interleaved=True)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY, rope_parameters=rope)).eval()
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_moe_text" and "text_config" not in cfg
+    return model
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """One intra-op thread: these tiny models run no slower, and far faster on a loaded 2-core machine."""
@@ -85,12 +102,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"])
 def family(request, tmp_path_factory):
     """(family name, transformers reference model, checkpoint folder)."""
     d = tmp_path_factory.mktemp(request.param)
     if request.param == "qwen3_next":
         return request.param, make_qwen3_next(d, seed=1), d
+    if request.param == "qwen3_5_moe_text":
+        return request.param, make_qwen3_5_moe_text(d, seed=3), d
     return request.param, make_qwen3_5_moe(d, seed=2), d / "ckpt"
 
 
@@ -108,7 +127,10 @@ def test_logits_match_transformers_whole_and_chunked(family, capsys):
             assert "the multi-token-prediction layer (mtp.*, 25 tensors)" in err
             assert engine.unused_tensors == []  # every skipped tensor is named by the note
             assert all(lay.block.startswith("model.language_model.layers.") for lay in engine.layout.layers.values())
-        assert sorted(engine.layout.layers) == ([0, 1, 2, 3] if name == "qwen3_5_moe" else [0, 1, 3])  # 2 is dense
+        if name == "qwen3_5_moe_text":
+            assert engine.unused_tensors == [] and "not loaded" not in err
+            assert all(lay.block.startswith("model.layers.") for lay in engine.layout.layers.values())
+        assert sorted(engine.layout.layers) == ([0, 1, 3] if name == "qwen3_next" else [0, 1, 2, 3])  # 2 is dense
         assert not any("shared_expert" in t for t in engine.layout.expert_tensors)  # the shared expert is resident
         for chunk in (PROMPT, 30, 1):  # 1: the recurrent (decode) form after the first token
             kv = engine.model.new_kv_cache(16)  # small: the KV cache grows
@@ -124,20 +146,8 @@ def test_logits_match_transformers_whole_and_chunked(family, capsys):
 
 
 def test_greedy_tokens_match_transformers(family):
-    name, ref, path = family
-    prompt = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        out = ref.generate(input_ids=prompt[None], max_new_tokens=32, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    want = out[0, 70:].tolist()
-    assert len(want) == 32
-    engine = load(path, cache_budget_gb=0.0001, tokenizer=False)
-    try:
-        got = [s.token for s in generate(engine, prompt.tolist(), 32, SamplingParams(), stop_at_eos=False,
-                                         prefill_chunk=48)]
-    finally:
-        engine.close()
-    assert got == want
+    _, ref, path = family
+    fh.assert_greedy_matches(path, ref, prompt_len=70, prefill_chunk=48)
 
 
 def test_streaming_at_a_tiny_budget_is_bit_identical(family, tmp_path):

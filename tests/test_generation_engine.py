@@ -54,9 +54,9 @@ def loaded(monkeypatch, engine, engine0):
     """``run_generate`` gets the module's engines (budget all or 0) instead of loading the model again."""
     import dataclasses
 
-    from moestream import cli as cli_module
+    from moestream.cli import engine_args as cli_module
 
-    def load_engine(args, tokenizer=True, context=None):
+    def load_engine(args, options, tokenizer=True):
         e = dataclasses.replace(engine if args.cache_budget_gb == "all" else engine0)
         e.close = lambda: None
         return e

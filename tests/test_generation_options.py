@@ -7,11 +7,13 @@ import random
 import pytest
 import torch
 
-from moestream.errors import ConfigError
+from moestream.errors import ConfigError, InputError
 from moestream.generation import Sampler, SamplingParams, apply_penalties, generation_defaults, resolve_sampling
 from moestream.textstream import ReasoningSplitter, StopStrings
 from moestream.tokenizer import (
     BUNDLED_QWEN3,
+    UNICODE_FORM_SHRINK,
+    PromptLimit,
     chat_ids,
     current_turn,
     encode_prompt,
@@ -77,6 +79,39 @@ def test_min_p_removes_what_transformers_removes():
 def test_zero_disables_top_p():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
     assert torch.equal(Sampler(SamplingParams(temperature=1.0, top_p=0.0)).warp(logits), logits)
+
+
+def test_top_p_keeps_at_least_the_most_likely_token_as_transformers():
+    """top_p below float32's smallest number (1e-300 is 0 there) used to drop every token."""
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(2)) * 2
+    for top_p in (1e-300, 1e-45, 1e-3, 0.3, 0.9):
+        got = Sampler(SamplingParams(temperature=0.8, top_p=top_p)).warp(logits)
+        ref = TopPLogitsWarper(top_p, min_tokens_to_keep=1)(None, TemperatureLogitsWarper(0.8)(None, logits[None]))[0]
+        assert torch.equal(torch.isinf(got), torch.isinf(ref)), top_p
+        assert not torch.isinf(got[logits.argmax()])
+    assert Sampler(SamplingParams(temperature=1.0, top_p=1e-300, seed=3))(logits) == int(logits.argmax())
+
+
+def test_a_temperature_that_overflows_the_logits_samples_their_limit():
+    """At a temperature where logits / temperature overflows float32, every token below the top one has
+    probability exp(-(top - logit) / temperature) = 0: the pick is the top token (uniform among exact ties).
+    A temperature that does not overflow divides as before, bit for bit."""
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(4)) * 3
+    top = int(logits.argmax())
+    for temp in (1e-40, 1e-45, 1e-300, 5e-324):
+        assert {Sampler(SamplingParams(temperature=temp, seed=s))(logits) for s in range(20)} == {top}, temp
+    big = logits * 1e30  # overflows at a temperature that is not subnormal
+    assert {Sampler(SamplingParams(temperature=1e-9, seed=s))(big) for s in range(20)} == {top}
+    tied = logits.clone()
+    tied[7] = tied[top]
+    draws = {Sampler(SamplingParams(temperature=1e-40, seed=s))(tied) for s in range(200)}
+    assert draws == {top, 7}
+    negative = -logits.abs() - 1  # every logit negative: the top one underflows to -inf too
+    assert Sampler(SamplingParams(temperature=1e-40, seed=0))(negative) == int(negative.argmax())
+    for temp in (0.3, 1.0, 1e-6):
+        assert torch.equal(Sampler(SamplingParams(temperature=temp)).warp(logits), logits / temp)
 
 
 def pieces_of(text, cuts):
@@ -190,3 +225,58 @@ def test_chat_helpers_tools_roles_and_next_turn(tok):
     assert nxt == "<|im_end|>\n<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match=r"messages\[1\].role"):
         chat_ids(tok, [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])
+
+
+def test_unicode_normalization_shrinks_text_at_most_six_times():
+    """The bound PromptLimit takes for an NFC/NFKC/NFD/NFKD normalizer: a normalized character c comes from
+    input code points that each decompose to at least one of c's full decomposition's code points (4 bytes at
+    most each), so the input has at most 4 * len(decomposition(c)) bytes per len(c.encode()) bytes."""
+    import sys
+    import unicodedata
+
+    worst = {}
+    for form, full in (("NFC", "NFD"), ("NFKC", "NFKD"), ("NFD", "NFD"), ("NFKD", "NFKD")):
+        ratio = 0.0
+        for cp in range(sys.maxunicode + 1):
+            c = chr(cp)
+            if 0xD800 <= cp < 0xE000 or unicodedata.normalize(form, c) != c:
+                continue  # only characters a normalized text can hold
+            ratio = max(ratio, 4 * len(unicodedata.normalize(full, c)) / len(c.encode()))
+        worst[form] = ratio
+    assert max(worst.values()) <= UNICODE_FORM_SHRINK, worst
+    # and the shrink is real: decomposed Hangul (9 bytes a syllable) composes to 3 bytes
+    assert len(unicodedata.normalize("NFC", "\u1100\u1161\u11a8").encode()) == 3
+
+
+def test_prompt_limit_bounds_the_qwen3_token_count_from_below(tok):
+    limit = PromptLimit.for_tokenizer(tok, 100)
+    assert (limit.token_bytes, limit.shrink, limit.form) == (128, UNICODE_FORM_SHRINK, "NFC")
+    vocab = sorted(tok.get_vocab(), key=len, reverse=True)
+    rng = random.Random(0)
+    texts = [" " * 12800, "\n" * 5000, "a" * 10000, "".join(tok.convert_tokens_to_string([t]) for t in vocab[:200]),
+             "\u1100\u1161\u11a8" * 3000, "e\u0301" * 4000, "<|im_start|>" * 500, "\U0001d400" * 2000,
+             "".join(chr(rng.randrange(32, 0x2FFFF)) for _ in range(3000)).encode("utf-8", "ignore").decode()]
+    texts += ["".join(rng.choice(vocab[:2000]) for _ in range(300)) for _ in range(5)]
+    for text in texts:
+        at_least, n, per = limit.min_tokens(text)
+        got = len(tok.encode(text, add_special_tokens=False))
+        assert got >= at_least, (text[:40], got, at_least, n, per)
+    assert limit.min_tokens(" " * 12800)[0] == len(tok.encode(" " * 12800, add_special_tokens=False))  # tight
+    with pytest.raises(InputError, match="bytes, so at least 101 tokens"):
+        limit.check(" " * 128 * 101)
+    limit.check(" " * 128 * 100)
+
+
+def test_prompt_limit_is_none_where_no_sound_bound_is_known():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2}
+    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert PromptLimit.for_tokenizer(PreTrainedTokenizerFast(tokenizer_object=wordpiece), 10) is None
+    bpe = Tokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert PromptLimit.for_tokenizer(PreTrainedTokenizerFast(tokenizer_object=bpe), 10).token_bytes == 4
+    bpe.normalizer = normalizers.Strip()  # removes text: no bound
+    assert PromptLimit.for_tokenizer(PreTrainedTokenizerFast(tokenizer_object=bpe), 10) is None

@@ -6,17 +6,18 @@ import argparse
 import pytest
 import torch
 
+from moestream.budget import parse_host_budget, plan_host_budget
 from moestream.cache import ExpertCache
 from moestream.engine import load
 from moestream.errors import BudgetError, ConfigError, MoestreamError
-from moestream.models.moe import batched_swiglu_experts, streamed_experts
+from moestream.models.moe import swiglu_expert
+from moestream.pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline
 from moestream.store import ExpertWeights
 from moestream.tiered_cache import (
     CopyEngine,
     HostTier,
     PinnedBufferPool,
     TieredExpertCache,
-    parse_host_budget,
     resolve_device,
 )
 
@@ -48,11 +49,9 @@ STEPS = [7, 99, 250, 3, 180, 42, 42, 11]
 
 def run(path, device="cpu", batched=None, **kw):
     """Prefill logits and each decode step's logits, with the engine's cache."""
-    engine = load(path, tokenizer=False, device=device, hotlist=False, learn_experts=False, **kw)
+    engine = load(path, tokenizer=False, device=device, hotlist=False, learn_experts=False, batched_experts=batched,
+                  **kw)
     try:
-        if batched is not None:
-            for b in engine.model.moe_blocks():
-                b.batched = batched
         dev = engine.device
         kv = engine.model.new_kv_cache()
         with torch.inference_mode():
@@ -111,7 +110,7 @@ def test_batched_compute_same_bits_for_every_tier_state(tiny, ref_cpu):
 
 
 def test_batched_matches_streamed_on_random_routing():
-    """batched_swiglu_experts against streamed_experts (per-expert chain) on routings with uneven counts."""
+    """The batched SwiGLU kernel against the per-expert chain on routings with uneven counts."""
     g = torch.Generator().manual_seed(3)
     h, inter, e, k = 16, 24, 6, 3
     experts = {(0, i): {"gate": torch.randn(inter, h, generator=g), "up": torch.randn(inter, h, generator=g),
@@ -127,8 +126,8 @@ def test_batched_matches_streamed_on_random_routing():
         x = torch.randn(t, h, generator=g)
         idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         w = torch.rand(t, k, generator=g)
-        a = batched_swiglu_experts(x, w, idx, 0, Fake())
-        b = streamed_experts(x, w, idx, 0, Fake())
+        a = ExpertPipeline(Fake(), {0: BatchedSwiGLUKernel()}).compute(x, w, idx, 0)
+        b = ExpertPipeline(Fake(), {0: ExpertKernel(swiglu_expert)}).compute(x, w, idx, 0)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -248,35 +247,40 @@ def test_device_and_host_budget_options(monkeypatch):
         with pytest.raises(ConfigError, match="no CUDA device"):
             resolve_device("cuda")
     monkeypatch.setattr("moestream.memory.available_bytes", lambda: 10 * 10**9)
-    assert parse_host_budget(None, 5, 0) == 0
-    assert parse_host_budget("auto", 100 * 10**9, 10**9) == 7 * 10**9
-    assert parse_host_budget("auto", 10**6, 10**9) == 10**6
-    assert parse_host_budget("2.5", 100 * 10**9, 0) == 25 * 10**8
+    one = 125 * 10**6  # one worker's 2 x 2 experts in flight + the runtime reserve: 1 GB
+
+    def host(value, experts):
+        return plan_host_budget(parse_host_budget(value), experts, one, workers=1)
+
+    assert host(None, 5) == 0
+    assert host("auto", 100 * 10**9) == 7 * 10**9
+    assert host("auto", 10**6) == 10**6
+    assert host("2.5", 100 * 10**9) == 25 * 10**8
     with pytest.raises(BudgetError, match="--host-cache-gb"):
-        parse_host_budget("lots", 1, 0)
+        host("lots", 1)
     with pytest.raises(BudgetError, match="memory available"):
-        parse_host_budget("50", 100 * 10**9, 0)
+        host("50", 100 * 10**9)
 
 
 def test_cli_refuses_host_tier_on_cpu():
-    from moestream.cli import add_engine_args, check_engine_args
+    from moestream.cli import add_engine_args, engine_options
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
     args = p.parse_args(["--model", "x", "--device", "cpu", "--host-cache-gb", "4"])
     with pytest.raises(MoestreamError, match="--host-cache-gb needs --device cuda"):
-        check_engine_args(args)
-    check_engine_args(p.parse_args(["--model", "x", "--device", "cpu"]))
+        engine_options(args)
+    engine_options(p.parse_args(["--model", "x", "--device", "cpu"]))
 
 
 @pytest.mark.parametrize("value", ["-1", "abc", "nan", "1e12"])
 def test_cli_refuses_a_bad_host_tier_size_on_any_device(value):
-    from moestream.cli import add_engine_args, check_engine_args
+    from moestream.cli import add_engine_args, engine_options
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
     with pytest.raises(MoestreamError, match="--host-cache-gb: .* must be a number of GB"):
-        check_engine_args(p.parse_args(["--model", "x", "--device", "cpu", "--host-cache-gb", value]))
+        engine_options(p.parse_args(["--model", "x", "--device", "cpu", "--host-cache-gb", value]))
 
 
 # -- on a CUDA GPU -----------------------------------------------------------------------------
@@ -305,7 +309,7 @@ def test_cuda_read_buffers_are_pinned(tiny):
         assert isinstance(engine.store.pool, PinnedBufferPool)
         ew = engine.store.read_all([(0, 0)])[(0, 0)]
         assert next(iter(ew.tensors.values())).is_pinned()
-        assert engine.model.moe_blocks()[0].batched
+        assert isinstance(engine.pipeline.kernels[engine.model.moe_blocks()[0].layer], BatchedSwiGLUKernel)
         engine.store.release(ew)
     finally:
         engine.close()

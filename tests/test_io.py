@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 import moestream.direct_io as direct_io
+from moestream import budget as budget_module
 from moestream import memory
 from moestream.cli import main
 from moestream.direct_io import DirectReader
@@ -149,11 +149,11 @@ def test_prefetch_counters_add_up(model, reference):
 
 
 class GuessBlock:
-    """A MoE block stand-in whose router always guesses ``guess``."""
+    """A MoE block stand-in whose router always guesses ``guess`` (the prefetcher asks a block for ``route`` and
+    ``num_experts`` only)."""
 
-    def __init__(self, layer, guess, hidden=64, experts=16):
-        self.layer, self.guess = layer, guess
-        self.gate = nn.Linear(hidden, experts, bias=False)
+    def __init__(self, layer, guess, experts=16):
+        self.layer, self.guess, self.num_experts = layer, guess, experts
 
     def route(self, x):
         return torch.full((1, len(self.guess)), 0.25), torch.tensor([self.guess])
@@ -223,13 +223,13 @@ def test_auto_budget_respects_a_cgroup_limit(tmp_path, version, monkeypatch):
     gib = 2**30
     root = fake_root(tmp_path, version, 6 * gib)
     monkeypatch.setattr(memory, "current_rss_bytes", lambda: gib)
-    a = memory.auto_cache_budget(resident=2 * 10**9, kv_cache=10**8, kv_tokens=1000, reserve=5 * 10**8,
+    a = budget_module.auto_cache_budget(resident=2 * 10**9, kv_cache=10**8, kv_tokens=1000, reserve=5 * 10**8,
                                  experts_total=50 * 10**9, root=root)
     assert a.available == 5 * gib  # the limit less this process's RSS, not the 64 GB of meminfo
     assert a.budget == 5 * gib - 2 * 10**9 - 10**8 - 5 * 10**8
     assert f"cgroup v{version}" in a.source and "6.44 GB" in a.describe()
     with pytest.raises(BudgetError, match="no memory left"):
-        memory.auto_cache_budget(6 * 10**9, 0, 0, 0, 10**9, root=root)
+        budget_module.auto_cache_budget(6 * 10**9, 0, 0, 0, 10**9, root=root)
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -251,15 +251,15 @@ def test_load_auto_budget_from_a_fake_cgroup(model, tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "current_rss_bytes", lambda: 2**30)
     engine = load(model, cache_budget_gb="auto", workers=1, tokenizer=False, use_page_cache=True, context_tokens=100)
     try:
-        a = engine.io.auto
+        a = engine.budget.auto
         assert a.available == 2**30 and a.kv_tokens == 100  # the cgroup's 2 GiB less the (faked) 1 GiB RSS
         assert a.kv_cache == 2 * 100 * 4 * 2 * 2 * 16 * 4  # x2 for growth, 4 layers, k+v, 2 heads x 16, fp32
-        assert a.reserve > memory.RUNTIME_RESERVE and a.resident > 0
+        assert a.reserve > budget_module.RUNTIME_RESERVE and a.resident > 0
         assert engine.cache.budget_bytes == a.budget == min(a.available - a.resident - a.kv_cache - a.reserve,
                                                             a.experts_total)
     finally:
         engine.close()
-    monkeypatch.setattr(memory, "RUNTIME_RESERVE", 2**30)
+    monkeypatch.setattr(budget_module, "RUNTIME_RESERVE", 2**30)
     with pytest.raises(BudgetError, match="auto: no memory left.*cgroup v1"):
         load(model, cache_budget_gb="auto", workers=1, tokenizer=False, use_page_cache=True)
 

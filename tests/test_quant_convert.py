@@ -2,6 +2,7 @@
 byte-for-byte reproducible, and keep every expert in one 4 KiB-aligned range."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 from moestream.quant.convert import ConvertSpec, convert
+from moestream.quant.formats import QuantError
+from moestream.quant.resident import QuantLinear
 
 from .helpers import make_qwen3_moe, read_all
 from .quant_helpers import mlx_dequantize
@@ -143,27 +146,27 @@ def test_convert_from_fp8(src, tmp_path):
 
 
 @pytest.mark.parametrize("bits", [4, 8, 3])
-def test_bf16_int4_path_streams_exactly(builds, bits):
-    """In bf16 the int4 kernel path (experts repacked per read, resident linears on first use)
-    gives the same bits at budget 0 as with every expert resident, and stays near float32."""
+def test_bf16_kernels_stream_exactly(builds, bits):
+    """In bf16 the experts compute on their pieces as read (nothing repacked per read, the cache holds the
+    stored form) and give the same bits at budget 0 as with every expert resident, near float32."""
     ids = torch.arange(3, 30)
     out = {}
     for budget in ("all", "0"):
         engine = load(builds[bits, 32], cache_budget_gb=budget, tokenizer=False, workers=2, dtype="bf16")
         try:
-            assert engine.store.prepare is not None
+            assert not hasattr(engine.store, "prepare")
             with torch.inference_mode():
                 out[budget] = engine.model(ids, 0, engine.model.new_kv_cache(), all_logits=True)
-            if budget == "all":  # the cache holds the repacked form
+            if budget == "all":  # the cache holds the stored pieces: packed codes, bf16 scales and biases
                 ew = next(iter(engine.cache._entries.values()))
-                assert any(k.endswith(".int4") for k in ew.tensors)
-            assert engine.model.decoder.layers[0].self_attn.q_proj._ready is not None
+                assert {k.split(".", 1)[-1] for k in ew.tensors} >= {"gate", "scales", "biases"}
+                assert ew.tensors["gate"].dtype == torch.uint32
         finally:
             engine.close()
     assert torch.equal(out["all"], out["0"])
     ref = logits(builds[bits, 32], ids)
     rms = ((out["all"].float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-    assert rms < 0.05, f"bf16 int4 path against float32 chunked path: RMS {rms:.3f}"
+    assert rms < 0.05, f"bf16 kernels against the float32 model: RMS {rms:.3f}"
 
 
 def test_bad_bits_names_the_flag_the_user_gave(tmp_path, capsys):
@@ -173,3 +176,161 @@ def test_bad_bits_names_the_flag_the_user_gave(tmp_path, capsys):
     assert "--bits 7: expected one of" in capsys.readouterr().err
     assert main(["convert", "--model", str(tmp_path), "--expert-bits", "7", "--out", str(tmp_path / "o")]) == 2
     assert "--expert-bits 7: expected one of" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def real_width_q4(tmp_path_factory):
+    """The real Qwen3-30B-A3B config (hidden 2048, top-8 routing) cut to 2 layers of 32 experts of width 128 and a
+    512-token vocabulary, synthesized in bf16 and converted to 4 bits: a quantized router at the real width."""
+    from moestream.synth import synth
+
+    root = tmp_path_factory.mktemp("real-width")
+    cfg = json.loads((Path(__file__).parent / "configs" / "Qwen3-30B-A3B.json").read_text())  # as published
+    cfg.update(num_experts=32, moe_intermediate_size=128, vocab_size=512)
+    (root / "config.json").write_text(json.dumps(cfg))
+    src = synth(root / "config.json", root / "bf16", layers=2)
+    assert main(["convert", "--model", str(src), "--bits", "4", "--out", str(root / "q4")]) == 0
+    yield root / "q4"
+
+
+def test_prefetch_ahead_on_a_quantized_router_at_real_width(real_width_q4):
+    """--prefetch-ahead predicts with the next layer's router through its forward (the router is quantized:
+    its ``weight`` holds packed words, not a float matrix to read the expert count from): the run streams with
+    read-ahead hits and every step's
+    logits are ``torch.equal`` to the same model with every expert resident."""
+    prompt = [5, 17, 101, 300, 42]
+    got = {}
+    for budget, ahead in (("all", 0), ("0.004", 1)):
+        engine = load(real_width_q4, cache_budget_gb=budget, tokenizer=False, workers=2, prefetch_ahead=ahead,
+                      dtype="bf16", hotlist=False, learn_experts=False)
+        try:
+            got[budget] = [s.logits for s in generate(engine, prompt, 4, SamplingParams(), stop_at_eos=False,
+                                                      keep_logits=True)]
+            router = engine.model.decoder.layers[1].mlp.gate
+            assert isinstance(router, QuantLinear) and not router.weight.is_floating_point()  # packed words
+            if ahead:
+                stats = engine.io.prefetcher.stats
+                assert stats.hits > 0 and engine.io.prefetcher.enabled, stats
+        finally:
+            engine.close()
+    assert len(got["all"]) == len(got["0.004"]) == 4
+    assert all(torch.equal(a, b) for a, b in zip(got["all"], got["0.004"]))
+
+
+def test_deepseek_converts_with_its_router_and_kv_b_proj_float(tmp_path):
+    """DeepSeek-V3 (MLA, biased sigmoid router): the 8-bit build loads and stays near the float model; the router
+    and MLA's kv_b_proj (used as a matrix, not a linear) stay float, every other linear is quantized."""
+    from .test_family_deepseek import make_model
+
+    # a latent rank of 32 (a multiple of the group): kv_b_proj [heads x (nope + v), rank] could be quantized
+    ref = make_model(tmp_path / "ds", "deepseek_v3", kv_lora_rank=32)
+    out = convert(tmp_path / "ds", tmp_path / "q8", ConvertSpec(32, 8, 8, 8, 8))
+    t = read_all(out)
+    assert t["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float32
+    assert t["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert t["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.uint32
+    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    got = logits(out, ids)
+    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 0.05
+    assert torch.equal(logits(out, ids, budget="0"), got)
+
+
+def test_a_biased_float32_router_stays_float(tmp_path):
+    """GLM-4.5's router (``gate.weight`` with ``gate.e_score_correction_bias``, float32 sigmoid routing) is kept
+    float by convert, as mlx-lm keeps it: the 8-bit build loads, routes and stays near the float model."""
+    from .test_family_deepseek import make_model
+
+    ref = make_model(tmp_path / "glm", "glm4_moe")
+    out = convert(tmp_path / "glm", tmp_path / "q8", ConvertSpec(32, 8, 8, 8, 8))
+    t = read_all(out)
+    assert t["model.layers.1.mlp.gate.weight"].dtype == torch.float32 and "model.layers.1.mlp.gate.scales" not in t
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert q["model.layers.1.mlp.gate"] is False and q["bits"] == 8
+    assert t["model.layers.1.mlp.shared_experts.up_proj.weight"].dtype == torch.uint32  # the rest is quantized
+    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    got = logits(out, ids)
+    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 0.05
+    assert torch.equal(logits(out, ids, budget="0"), got)
+    # a build that quantizes such a router anyway is refused by name at load, not a traceback mid-forward
+    from .quant_helpers import write_mlx
+
+    write_mlx(tmp_path / "glm", tmp_path / "mlx", 8, 32, num_experts=8)
+    with pytest.raises(QuantError, match=r"tensor model.layers.1.mlp.gate.weight is quantized, but this linear also "
+                                         r"holds e_score_correction_bias"):
+        load(tmp_path / "mlx", tokenizer=False)
+
+
+def test_bits_16_writes_the_float_model_in_the_streaming_layout(src, tmp_path):
+    """--bits 16 ("16 keeps it float"): every tensor, routers included, keeps the source's float values, config.json
+    declares no quantization, each expert is one 4 KiB-aligned range, and generate gives the source's logits exactly.
+    16 for the experts alone keeps them float beside quantized attention."""
+    out = tmp_path / "f16"
+    assert main(["convert", "--model", str(src[0]), "--bits", "16", "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization" not in cfg and "quantization_config" not in cfg
+    orig, got = read_all(src[0]), read_all(out)
+    assert {k for k in got if not k.startswith("moestream.pad.")} == set(orig)
+    assert all(torch.equal(got[k], orig[k]) for k in orig)
+    with Checkpoint(out) as ckpt:
+        for lay in discover_experts(ckpt.tensors).layers.values():
+            for pieces in lay.experts:
+                spans = sorted((p.offset, p.nbytes) for p in pieces)
+                assert spans[0][0] % 4096 == 0 and all(o + n == o2 for (o, n), (o2, _) in zip(spans, spans[1:]))
+    ids = torch.arange(3, 30)
+    assert torch.equal(logits(out, ids, budget="0"), logits(src[0], ids))
+    mixed = convert(src[0], tmp_path / "e16a4", ConvertSpec(32, 16, 16, 4, 16))
+    q = json.loads((mixed / "config.json").read_text())["quantization"]
+    assert q["bits"] == 4 and q["model.layers.0.mlp.switch_mlp.up_proj"] is False and q["lm_head"] is False
+    t = read_all(mixed)
+    assert t["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == torch.float32
+    assert t["model.layers.1.self_attn.q_proj.weight"].dtype == torch.uint32
+    with torch.no_grad():
+        want = src[1](ids[None]).logits[0]
+    got = logits(mixed, ids)
+    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 0.35
+    assert torch.equal(logits(mixed, ids, budget="0"), got)
+
+
+@pytest.mark.parametrize("family", ["hunyuan_v1_moe", "mixtral"])
+def test_routers_of_other_names_take_8_bits_and_route_through_their_forward(tmp_path, family):
+    """HunYuan's router ``mlp.gate.wg`` and Mixtral's ``block_sparse_moe.gate`` are routers too: 8 bits like the
+    others, and HunYuan's routes through the quantized linear's forward (it cast the hidden states to the packed
+    words' uint32): its routing equals the top-k of a float64 product of the dequantized router weight (float32
+    compute), and in bf16 the router, computed by the CPU kernels on its packed words, routes too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from . import family_helpers as fh
+    from .quant_helpers import mlx_dequantize
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    extra = (dict(num_experts=32, moe_topk=2) if family == "hunyuan_v1_moe"
+             else dict(num_local_experts=32, num_experts_per_tok=2))
+    cfg = AutoConfig.for_model(family, **common, **extra)
+    fh.save_reference(lambda c: AutoModelForCausalLM.from_config(c), cfg, tmp_path / "f", seed=1,
+                      extra=lambda n, p: p.normal_(0.0, 0.5) if n.endswith("gate.wg.weight") else None)
+    out = convert(tmp_path / "f", tmp_path / "q", ConvertSpec(32, 4, 4, 4, 4))
+    t = read_all(out)
+    name = "model.layers.1.mlp.gate.wg" if family == "hunyuan_v1_moe" else "model.layers.1.block_sparse_moe.gate"
+    assert json.loads((out / "config.json").read_text())["quantization"][name] == {"group_size": 32, "bits": 8}
+    w = mlx_dequantize(t[name + ".weight"], t[name + ".scales"], t[name + ".biases"], 8).double()
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    for dtype in ("fp32", "bf16"):
+        engine = load(out, cache_budget_gb="all", tokenizer=False, dtype=dtype, learn_experts=False)
+        try:
+            layer = engine.model.decoder.layers[1]
+            block = layer.mlp if family == "hunyuan_v1_moe" else layer.block_sparse_moe
+            with torch.inference_mode():
+                _, idx = block.route(x.to(engine.dtype))
+            if dtype == "fp32":
+                want = torch.topk(x.double() @ w.T, 2, dim=-1).indices
+                assert torch.equal(idx.sort(-1).values, want.sort(-1).values)
+            else:  # (the bf16 kernels' values are checked in test_quant_native.py)
+                router = block.gate.wg if family == "hunyuan_v1_moe" else block.gate
+                assert idx.shape == (6, 2) and not router.weight.is_floating_point()  # packed words, and it routed
+        finally:
+            engine.close()

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from moestream.engine import load
-from moestream.generation import SamplingParams, generate
 
+from . import family_helpers as fh
 from .helpers import make_qwen3_moe
 
 VARIANTS = {
@@ -40,19 +40,7 @@ def test_logits_match_transformers(tmp_path, variant):
 @pytest.mark.parametrize("variant", ["base", "tied-no-renorm-bias", "sliding-window"])
 def test_greedy_tokens_match_transformers(tmp_path, variant):
     ref = make_qwen3_moe(tmp_path, seed=2, **VARIANTS[variant])
-    prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        out = ref.generate(
-            prompt[None], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0,
-        )
-    want = out[0, 12:].tolist()
-    assert len(want) == 32
-    engine = load(tmp_path, cache_budget_gb=0.0001, tokenizer=False)
-    try:
-        got = [s.token for s in generate(engine, prompt.tolist(), 32, SamplingParams(), stop_at_eos=False)]
-    finally:
-        engine.close()
-    assert got == want
+    fh.assert_greedy_matches(tmp_path, ref)
 
 
 def test_tied_head_is_the_embedding_even_if_the_checkpoint_has_lm_head(tmp_path):

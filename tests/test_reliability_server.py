@@ -47,18 +47,14 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fuzz")
-    assert main(["synth", "--config", str(write_tiny_synth_config(root / "config.json")),
-                 "--out", str(root / "tiny")]) == 0
+def start_server(root, *flags: str):
+    """``moestream serve`` on the tiny synth in ``root``, as a process of its own: (url, process)."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(root / "cache")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "moestream", "serve", "--model", str(root / "tiny"), "--port", str(port),
-         "--max-context", str(MAX_CONTEXT), "--max-queue", "32", "--cache-budget-gb", "0.00005",
-         "--prefetch-workers", "2", "--no-hotlist", "--no-learn-experts", "--max-body-mb", "1",
-         "--max-prompt-tokens", str(MAX_PROMPT)],
+         "--max-queue", "32", "--cache-budget-gb", "0.00005", "--prefetch-workers", "2", "--no-hotlist",
+         "--no-learn-experts", *flags],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{port}"
@@ -72,12 +68,32 @@ def server(tmp_path_factory):
             pass
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.2)
-    yield url, proc
+    return url, proc
+
+
+def stop_server(proc) -> None:
     proc.terminate()
     try:
         proc.wait(20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz")
+    # a context of 32,768 tokens, for a server whose byte bound lets 1 MB prompts through to the tokenizer
+    cfg = write_tiny_synth_config(root / "config.json", max_position_embeddings=32768)
+    assert main(["synth", "--config", str(cfg), "--out", str(root / "tiny")]) == 0
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_root):
+    url, proc = start_server(tiny_root, "--max-context", str(MAX_CONTEXT), "--max-body-mb", "1",
+                             "--max-prompt-tokens", str(MAX_PROMPT))
+    yield url, proc
+    stop_server(proc)
 
 
 def idle(url: str) -> None:
@@ -321,3 +337,65 @@ def test_serve_binds_loopback_unless_told():
     p = argparse.ArgumentParser()
     _add_serve_args(p)
     assert p.parse_args(["--model", "m"]).host == "127.0.0.1"
+
+
+def words(rng: random.Random, nbytes: int) -> str:
+    """Random lower-case words, ``nbytes`` long (ASCII): about 2.6 bytes per Qwen3 token."""
+    out, n = [], 0
+    while n < nbytes:
+        w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(2, 9)))
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:nbytes]
+
+
+def test_a_prompt_over_the_byte_bound_is_refused_before_tokenizing(server):
+    """Twelve 0.95 MB prompts to a server of 16-token prompts: refused by length (no token of the Qwen3
+    tokenizer is longer than 128 bytes), never tokenized, and the process keeps no memory of them."""
+    url, proc = server
+    rng = random.Random(5)
+    idle(url)
+    rss0 = rss(proc.pid)
+    with httpx.Client(timeout=120) as c:
+        for i in range(12):
+            text = words(rng, 950_000)
+            body = ({"messages": [{"role": "user", "content": text}], "max_tokens": 1} if i % 2
+                    else {"prompt": text, "max_tokens": 1})
+            r = c.post(url + ("/v1/chat/completions" if i % 2 else "/v1/completions"), json=body)
+            assert r.status_code == 400, r.text[:300]
+            err = r.json()["error"]
+            assert err["code"] == "context_length_exceeded" and "bytes" in err["message"], err
+            assert f"at most {MAX_PROMPT} tokens (--max-prompt-tokens)" in err["message"]
+    grown = rss(proc.pid) - rss0
+    assert grown < 16 * MB, f"RSS grew {grown / MB:.1f} MB over twelve refused prompts"
+
+
+def test_long_prompts_tokenized_and_refused_leave_no_memory_behind(tiny_root):
+    """Six 1 MB prompts (under --max-body-mb 4) to a server of a 32,768-token context: under the byte
+    bound, so tokenized (about 480,000 tokens each), and refused as over the context. Within seconds
+    of the last answer the process is back within 32 MB of its size before them: the memory the
+    tokenizer freed goes back to the system (it kept 0.2 GB per 3 MB prompt in glibc's arenas)."""
+    url, proc = start_server(tiny_root, "--max-context", "32768")
+    try:
+        rng = random.Random(6)
+        with httpx.Client(timeout=300) as c:
+            assert c.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                              "max_tokens": 1}).status_code == 200
+            idle(url)
+            rss0 = rss(proc.pid)
+            for i in range(6):
+                text = words(rng, 1_000_000)
+                body = ({"messages": [{"role": "user", "content": text}], "max_tokens": 1} if i % 2
+                        else {"prompt": text, "max_tokens": 1})
+                r = c.post(url + ("/v1/chat/completions" if i % 2 else "/v1/completions"), json=body)
+                assert r.status_code == 400, r.text[:300]
+                err = r.json()["error"]
+                assert err["code"] == "context_length_exceeded" and "(--max-context)" in err["message"], err
+                assert "bytes" not in err["message"]  # counted, not refused by length
+        idle(url)
+        deadline = time.time() + 10
+        while (grown := rss(proc.pid) - rss0) >= 32 * MB and time.time() < deadline:
+            time.sleep(0.2)
+        assert grown < 32 * MB, f"RSS is {grown / MB:.1f} MB above its size before six refused 1 MB prompts"
+    finally:
+        stop_server(proc)

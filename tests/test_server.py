@@ -354,3 +354,231 @@ def test_chat_page_in_headless_chromium(server):
             assert page.inner_text("#hit").endswith("%")
         finally:
             browser.close()
+
+
+# ---- issue 19: disconnects, templates, errors, metrics, the rough edges -------------------
+
+def _idle_within(url: str, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while True:
+        h = httpx.get(url + "/health").json()
+        if not h["busy"] and not h["waiting"]:
+            return
+        assert time.time() < deadline, f"still working {seconds} s later: {h}"
+        time.sleep(0.05)
+
+
+class Endless(Scripted):
+    """The real model with the end-of-turn token masked: every generation runs to its max_tokens."""
+
+    def forward(self, ids, start, kv, all_logits=False):
+        logits = self.inner(ids, start, kv, all_logits)
+        logits[..., self.ids[-1]] = float("-inf")
+        return logits
+
+
+def _raw_request(port: int, path: str, body: dict) -> socket.socket:
+    """An HTTP request sent on a socket of its own, so that the test decides when its client leaves."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def _wait_for(what: str, seconds: float, check) -> dict:
+    deadline = time.time() + seconds
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.time() < deadline, what
+        time.sleep(0.1)  # not faster: each poll takes the GIL from the generation
+
+
+def test_a_non_streamed_client_that_leaves_stops_its_generation(engine, monkeypatch):
+    """Queued or running, a request whose client is gone (closed its connection, as the openai client does
+    on a timeout) generates nothing more, and the queue moves on."""
+    monkeypatch.setattr(engine, "model", Endless(engine.model, engine.tokenizer, ""))
+    srv = Server(create_app(engine, ServerOptions("tiny", max_context=4096, max_queue=4)))
+    health = lambda: httpx.get(srv.url + "/health", timeout=30).json()  # noqa: E731
+    made = lambda: httpx.get(srv.url + "/stats", timeout=30).json()["tokens_generated"]  # noqa: E731
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 3000,
+                "temperature": 1, "seed": 1}
+        with httpx.Client(timeout=60) as h, h.stream("POST", srv.url + "/v1/chat/completions",
+                                                     json={**body, "stream": True}) as held:
+            lines = held.iter_lines()  # kept: a dropped iterator would close the stream
+            assert next(lines).startswith("data: ")  # it holds the model
+            queued = _raw_request(srv.port, "/v1/chat/completions", body)
+            _wait_for("the second request did not reach the queue", 60, lambda: health()["waiting"] == 1)
+            queued.close()  # its client leaves while it waits
+            _wait_for("a request whose client left still waits in the queue", 10,
+                      lambda: health()["waiting"] == 0)
+            assert health()["busy"]  # the stream still runs: the queue dropped the request, not the model
+        _idle_within(srv.url, 30)
+        before = made()
+        running = _raw_request(srv.port, "/v1/chat/completions", body)
+        _wait_for("the request did not start generating", 60, lambda: made() > before + 2)
+        running.close()  # its client leaves mid-generation
+        _idle_within(srv.url, 30)
+        n = made() - before
+        time.sleep(0.3)
+        assert made() - before == n < 3000
+        r = srv.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=2)
+        assert r.usage.completion_tokens == 2
+    finally:
+        srv.stop()
+
+
+LOOP = "{% for i in range(1700) %}{% for j in range(1700) %}ab {% endfor %}{% endfor %}hi"
+
+
+@pytest.mark.parametrize("key", ["chat_template", "tokenize", "documents", "add_generation_prompt", "messages",
+                                 "tools", "continue_final_message", "raise_exception", "eos_token"])
+def test_a_request_cannot_override_the_chat_template(server, key):
+    r = _post(server.url, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                           "chat_template_kwargs": {"enable_thinking": False, key: "{{ 'PWNED' }}"}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == f"chat_template_kwargs.{key}" and repr(key) in err["message"], err
+    assert err["code"] == "invalid_value"
+
+
+def test_a_template_sent_by_a_client_is_refused_and_kwargs_are_data(server, engine):
+    c = server.client()
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=1,
+                                  extra_body={"chat_template_kwargs": {"chat_template": LOOP}})
+    assert "chat_template" in e.value.body["message"]
+    # a template loop inside an allowed key is a value the template may print, never a template
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False, "note": LOOP}})
+    assert r.usage.prompt_tokens == len(chat_ids(engine.tokenizer, msgs, None, {"enable_thinking": False}))
+
+
+def test_the_render_stops_at_the_prompt_bound(server, engine, monkeypatch):
+    """The checkpoint's own template looping over a request's value: the render stops once past the
+    --max-prompt-tokens bound in bytes, before the template reaches its end (here a raise_exception)."""
+    hostile = ("{% for i in range(n) %}{% for j in range(n) %}ab {% endfor %}{% endfor %}"
+               "{{ raise_exception('rendered to the end') }}")
+    monkeypatch.setattr(engine.tokenizer, "chat_template", hostile)
+    r = _post(server.url, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                           "chat_template_kwargs": {"n": 1700}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "bytes" in err["message"], err
+    assert "rendered to the end" not in err["message"]
+    assert "tokens (--max-context)" in err["message"]
+    r = _post(server.url, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                           "chat_template_kwargs": {"n": 3}})  # a short render reaches the end
+    assert r.status_code == 400 and "rendered to the end" in r.json()["error"]["message"]
+
+
+def test_tiny_temperature_and_top_p_are_greedy_in_cli_api_and_server(server, ckpt):
+    """temperature 1e-40 overflows float32 logits; top_p 1e-300 is 0 in float32: both are the greedy pick
+    (the limit of sampling as temperature -> 0; top-p keeps at least the most likely token)."""
+    greedy = _cli_text(ckpt, "--prompt", PROMPT, "--max-tokens", "8", "--temp", "0")
+    assert _cli_text(ckpt, "--prompt", PROMPT, "--max-tokens", "8", "--temp", "1e-40") == greedy
+    assert _cli_text(ckpt, "--prompt", PROMPT, "--max-tokens", "8", "--temp", "1", "--top-p", "1e-300") == greedy
+    c = server.client()
+    msgs = [{"role": "user", "content": PROMPT}]
+    for kw in ({"temperature": 1e-40}, {"temperature": 1, "top_p": 1e-300}):
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, **kw)
+        assert r.choices[0].message.content == greedy, kw
+        chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, stream=True, **kw))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == greedy
+
+
+class Failing(Scripted):
+    """The real model, raising a plain RuntimeError (no MoestreamError) at its ``fail_at``-th call."""
+
+    def __init__(self, model, tokenizer, fail_at: int):
+        super().__init__(model, tokenizer, "x")
+        self.fail_at = fail_at
+
+    def forward(self, ids, start, kv, all_logits=False):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected fault")
+        return self.inner(ids, start, kv, all_logits)
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])  # in prefill, mid-decode
+def test_any_exception_is_answered_in_openai_shape(server, engine, monkeypatch, fail_at):
+    real = engine.model
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
+    monkeypatch.setattr(engine, "model", Failing(real, engine.tokenizer, fail_at))
+    r = _post(server.url, body)
+    assert r.status_code == 500 and r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "server_error" and "injected fault" in err["message"]
+    monkeypatch.setattr(engine, "model", Failing(real, engine.tokenizer, fail_at))
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    last = json.loads(events[-2])
+    assert last["error"]["type"] == "server_error" and "injected fault" in last["error"]["message"]
+    monkeypatch.setattr(engine, "model", Failing(real, engine.tokenizer, fail_at))
+    c = server.client()
+    with pytest.raises(openai.InternalServerError):
+        c.completions.create(model="tiny", prompt="hi", max_tokens=8)
+    monkeypatch.setattr(engine, "model", real)
+    assert c.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=2).usage.completion_tokens
+
+
+def test_metrics_label_routes_not_paths_and_models_retrieve(engine):
+    import re
+    import uuid
+
+    srv = Server(create_app(engine, ServerOptions("tiny", max_context=512, api_key="s3cret")))
+    try:
+        key = {"Authorization": "Bearer s3cret"}
+        for _ in range(30):
+            httpx.get(f"{srv.url}/v1/{uuid.uuid4().hex}")  # 401: no key
+            httpx.post(f"{srv.url}/v1/{uuid.uuid4().hex}/x", headers=key)  # 404
+        assert httpx.get(srv.url + "/v1/models", headers=key).status_code == 200
+        c = srv.client("s3cret")
+        m = c.models.retrieve("tiny")
+        assert m.id == "tiny" and m.object == "model"
+        with pytest.raises(openai.NotFoundError) as e:
+            c.models.retrieve("not-this-one")
+        assert e.value.body["code"] == "model_not_found" and "not-this-one" in e.value.body["message"]
+        text = httpx.get(srv.url + "/metrics").text
+        labels = set(re.findall(r'^moestream_requests_total\{endpoint="([^"]*)"', text, re.M))
+        assert labels == {"/v1/models", "/v1/models/{model_id}", "unmatched"}, labels
+        assert 'endpoint="unmatched",status="401"' in text and 'endpoint="unmatched",status="404"' in text
+    finally:
+        srv.stop()
+
+
+def test_the_bearer_scheme_is_case_insensitive(engine):
+    """RFC 7235: the auth scheme is case-insensitive, then one or more spaces; the key itself is exact."""
+    srv = Server(create_app(engine, ServerOptions("tiny", max_context=512, api_key="s3cret")))
+    try:
+        for header, ok in (("Bearer s3cret", True), ("bearer s3cret", True), ("BEARER s3cret", True),
+                           ("Bearer   s3cret", True), ("Basic s3cret", False), ("Bearers3cret", False),
+                           ("bearer s3cre", False), ("bearer S3CRET", False), ("s3cret", False), ("", False)):
+            r = httpx.get(srv.url + "/v1/models", headers={"Authorization": header} if header else {})
+            assert r.status_code == (200 if ok else 401), (header, r.text)
+    finally:
+        srv.stop()
+
+
+def test_serve_checks_its_address_before_loading(ckpt, monkeypatch, capsys):
+    from moestream.cli import engine_args as cli
+
+    monkeypatch.setattr(cli, "load_engine", lambda *a, **k: pytest.fail("the model was loaded before the bind"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", str(ckpt), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "in use" in err[0], err
+    assert main(["serve", "--model", str(ckpt), "--host", "no-such-host.invalid"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--host" in err[0] and "no-such-host.invalid" in err[0], err

@@ -136,7 +136,7 @@ def test_generate_cli_streams_and_reports(cli_model, tmp_path):
 
 
 def test_demo_builds_and_proves_identity(tmp_path, monkeypatch, capsys):
-    from moestream import demo
+    from moestream.cli import demo
 
     monkeypatch.setattr(demo, "DEMO_CONFIG", write_tiny_synth_config(tmp_path / "c.json"))
     demo.run_demo(tmp_path / "demo", max_tokens=6)

@@ -14,6 +14,7 @@ import torch
 
 from moestream.engine import load
 from moestream.errors import MoestreamError
+from moestream.quant import hadamard
 from moestream.quant import turboquant as tq
 
 from .helpers import make_qwen3_moe, read_all, write_checkpoint
@@ -210,7 +211,7 @@ def test_blockwise_hadamard_matches_scipy():
     for m in (12, 20, 28):  # MLX's Sloane matrices: Hadamard, and the published text
         h = sloane(m)
         assert np.array_equal(h @ h.T, m * np.eye(m))
-    digests = {m: hashlib.sha256(tq._SLOANE[m].encode()).hexdigest()[:16] for m in (12, 20, 28)}
+    digests = {m: hashlib.sha256(hadamard._SLOANE[m].encode()).hexdigest()[:16] for m in (12, 20, 28)}
     assert digests == {12: "da75b1fa17ca2120", 20: "f58264109748c3f6", 28: "bedcfa6b9873bcab"}
     gen = torch.Generator().manual_seed(0)
     for n in (2048, 6656, 2880):
@@ -321,7 +322,7 @@ def test_bf16_compute_and_the_generic_expert_path(build):
 
     engine = load(dst, cache_budget_gb="all", tokenizer=False, workers=1)
     try:
-        fn = engine.model.moe_blocks()[2].expert_fn
+        fn = engine.pipeline.kernels[engine.model.moe_blocks()[2].layer].fn
         assert isinstance(fn, tq.TQExperts) and fn.float_fn is None
         generic = tq.TQExperts(fn.fmt, fn.holders, swiglu_expert)
         w = engine.cache.store.read_all([(3, 5)])[(3, 5)].tensors

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ..errors import ConfigError
+from .base import check_shared_fields
 
 
 @cache
@@ -38,10 +39,13 @@ def supported_model_types() -> list[str]:
 
 
 def family_for(cfg: dict, where: str = "config.json") -> ModuleType:
-    """The family module for a config's ``model_type``.
+    """The family module for a config's ``model_type``, once the fields every family reads
+    the same way are checked (:func:`moestream.models.base.check_shared_fields`: RoPE base and
+    scaling, norm eps, end-of-sequence ids).
 
     Raises:
-        ConfigError: naming the ``model_type`` when it is missing or not supported.
+        ConfigError: naming the ``model_type`` when it is missing or not supported, or the
+            shared field at fault; prefixed with ``where``.
     """
     mt = cfg.get("model_type")
     if not isinstance(mt, str):
@@ -51,4 +55,9 @@ def family_for(cfg: dict, where: str = "config.json") -> ModuleType:
         raise ConfigError(
             f"{where}: model_type {mt!r} is not supported; moestream streams {', '.join(supported_model_types())}"
         )
-    return importlib.import_module(module)
+    family = importlib.import_module(module)
+    try:
+        check_shared_fields(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return family

@@ -25,76 +25,78 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .base import CausalLM, SynthTensor, field, positive
-from .layers import MLP, KVCache, RMSNorm
+from .base import (
+    CausalLM,
+    DecoderArgs,
+    check_top_k,
+    config_field,
+    derived,
+    field,
+    positive,
+    synth_tensors_of,
+)
+from .layers import MLP, DecoderLayer
 from .mla import MLAttention
 from .moe import Float32Router, StreamedMoE, sigmoid_group_topk, softmax_group_topk
-from .rope import ScaledRotaryEmbedding, mla_softmax_scale, rope_inv_freq, rope_parameters
+from .rope import RotaryEmbedding, make_rope, mla_softmax_scale, rope_parameters
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    """The config.json fields DeepSeek V2/V3 and Kimi K2 use (names as Hugging Face spells them)."""
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs(DecoderArgs):
+    """The config.json fields DeepSeek V2/V3 and Kimi K2 use beyond :class:`DecoderArgs` (names as Hugging
+    Face spells them). ``rope`` is the config's RoPE settings (:func:`~moestream.models.rope.rope_parameters`);
+    the routing settings default by version (V2: softmax, greedy; V3: sigmoid, ``noaux_tc``)."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int
-    first_k_dense_replace: int
-    moe_layer_freq: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    scoring_func: str
-    topk_method: str
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    rms_norm_eps: float
-    rope: dict
-    rope_interleave: bool
-    attention_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int | None
+    rope_types = None  # default or yarn, checked below
+
+    model_type: str = config_field()
+    head_dim: int | None = derived()  # MLA's head dims are its own fields
+    rope_theta: float | None = derived()  # in rope
+    rope: dict = config_field(read=rope_parameters)
+    intermediate_size: int = config_field(minimum=1)
+    moe_intermediate_size: int = config_field(minimum=1)
+    # transformers' attribute names: num_local_experts, num_experts
+    n_routed_experts: int = config_field(minimum=1, aliases=("num_local_experts", "num_experts"))
+    num_experts_per_tok: int = config_field(minimum=1)
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = config_field(1, minimum=1)
+    q_lora_rank: int | None = config_field(None, minimum=1)
+    kv_lora_rank: int = config_field(minimum=1)
+    qk_nope_head_dim: int = config_field()
+    qk_rope_head_dim: int = config_field()
+    v_head_dim: int = config_field(minimum=1)
+    scoring_func: str = derived()
+    topk_method: str = derived()
+    n_group: int = derived(1)
+    topk_group: int = derived(1)
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    rope_interleave: bool = derived(True)
+    attention_bias: bool = False
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ModelArgs":
-        """Parse and check a config dict. Raises ConfigError naming the bad field."""
-        mt = field(cfg, "model_type", str)
+    def check(cls, cfg: dict, v: dict) -> None:
+        super().check(cfg, v)
+        mt, experts, top_k = v["model_type"], v["n_routed_experts"], v["num_experts_per_tok"]
         v2 = mt == "deepseek_v2"
-        experts = field(cfg, "n_routed_experts", int, None)
-        if experts is None:  # transformers' attribute names
-            experts = positive(cfg, "num_local_experts" if "num_local_experts" in cfg else "num_experts")
-        top_k = positive(cfg, "num_experts_per_tok")
-        if experts < 1 or top_k > experts:
-            raise ConfigError(f"num_experts_per_tok {top_k} must be between 1 and n_routed_experts {experts}")
-        act = field(cfg, "hidden_act", str, "silu")
-        if act != "silu":
-            raise ConfigError(f"hidden_act {act!r} is not supported for {mt} (its experts use silu)")
+        check_top_k(top_k, experts, experts_name="n_routed_experts")
         if field(cfg, "mlp_bias", bool, False):
             raise ConfigError(f"mlp_bias true is not supported for {mt}")
-        scoring = field(cfg, "scoring_func", str, "softmax" if v2 else "sigmoid")
-        method = field(cfg, "topk_method", str, "greedy" if v2 else "noaux_tc")
+        v["scoring_func"] = scoring = field(cfg, "scoring_func", str, "softmax" if v2 else "sigmoid")
+        v["topk_method"] = method = field(cfg, "topk_method", str, "greedy" if v2 else "noaux_tc")
         if v2 and (scoring, method) not in (("softmax", "greedy"), ("softmax", "group_limited_greedy")):
             raise ConfigError(f"scoring_func {scoring!r} with topk_method {method!r} is not supported for {mt} "
                               "(softmax with greedy or group_limited_greedy)")
         if not v2 and (scoring, method) != ("sigmoid", "noaux_tc"):
             raise ConfigError(f"scoring_func {scoring!r} with topk_method {method!r} is not supported for {mt} "
                               "(sigmoid with noaux_tc)")
-        grouped = method != "greedy"
-        n_group = positive(cfg, "n_group", 1) if grouped else 1
-        topk_group = positive(cfg, "topk_group", n_group) if grouped else 1
+        if method != "greedy":
+            v["n_group"] = positive(cfg, "n_group", 1)
+            v["topk_group"] = positive(cfg, "topk_group", v["n_group"])
+        n_group, topk_group = v["n_group"], v["topk_group"]
         if experts % n_group or topk_group > n_group:
             raise ConfigError(f"n_group {n_group} must divide n_routed_experts {experts} and be >= topk_group "
                               f"{topk_group}")
@@ -102,51 +104,16 @@ class ModelArgs:
             raise ConfigError(f"noaux_tc scores each group by its best two experts; n_group {n_group} leaves fewer")
         if topk_group * (experts // n_group) < top_k:
             raise ConfigError(f"topk_group {topk_group} groups hold fewer than num_experts_per_tok {top_k} experts")
-        norm = field(cfg, "norm_topk_prob", bool, False)
-        if v2 and norm:  # transformers' DeepseekV2TopkRouter has no renormalization
+        if v2 and v["norm_topk_prob"]:  # transformers' DeepseekV2TopkRouter has no renormalization
             raise ConfigError("norm_topk_prob true is not supported for deepseek_v2")
-        rope = rope_parameters(cfg)
-        if rope["rope_type"] not in ("default", "yarn"):
-            raise ConfigError(f"rope type {rope['rope_type']!r} is not supported for {mt} (default or yarn)")
-        q_lora = field(cfg, "q_lora_rank", int, None)
-        if q_lora is not None and q_lora < 1:
-            raise ConfigError(f"field 'q_lora_rank' = {q_lora} must be at least 1 or null")
-        heads = positive(cfg, "num_attention_heads")
-        kv_heads = field(cfg, "num_key_value_heads", int, heads)
-        if kv_heads != heads:  # MLA has one latent; transformers' MLA repeats kv heads, which has no effect here
-            raise ConfigError(f"num_key_value_heads {kv_heads} must equal num_attention_heads {heads} for MLA")
-        return cls(
-            model_type=mt,
-            vocab_size=positive(cfg, "vocab_size"),
-            hidden_size=positive(cfg, "hidden_size"),
-            num_hidden_layers=positive(cfg, "num_hidden_layers"),
-            num_attention_heads=heads,
-            intermediate_size=positive(cfg, "intermediate_size"),
-            moe_intermediate_size=positive(cfg, "moe_intermediate_size"),
-            n_routed_experts=experts,
-            num_experts_per_tok=top_k,
-            n_shared_experts=field(cfg, "n_shared_experts", int, 0),
-            first_k_dense_replace=field(cfg, "first_k_dense_replace", int, 0),
-            moe_layer_freq=positive(cfg, "moe_layer_freq", 1),
-            q_lora_rank=q_lora,
-            kv_lora_rank=positive(cfg, "kv_lora_rank"),
-            qk_nope_head_dim=field(cfg, "qk_nope_head_dim", int),
-            qk_rope_head_dim=field(cfg, "qk_rope_head_dim", int),
-            v_head_dim=positive(cfg, "v_head_dim"),
-            scoring_func=scoring,
-            topk_method=method,
-            n_group=n_group,
-            topk_group=topk_group,
-            norm_topk_prob=norm,
-            routed_scaling_factor=field(cfg, "routed_scaling_factor", float, 1.0),
-            rms_norm_eps=field(cfg, "rms_norm_eps", float, 1e-6),
-            rope=rope,
-            # DeepSeek checkpoints store rotary dims in interleaved pairs (V2's complex rope is the same)
-            rope_interleave=True if v2 else field(cfg, "rope_interleave", bool, True),
-            attention_bias=field(cfg, "attention_bias", bool, False),
-            tie_word_embeddings=field(cfg, "tie_word_embeddings", bool, False),
-            max_position_embeddings=field(cfg, "max_position_embeddings", int, None),
-        )
+        if v["rope"]["rope_type"] not in ("default", "yarn"):
+            raise ConfigError(f"rope type {v['rope']['rope_type']!r} is not supported for {mt} (default or yarn)")
+        if v["num_key_value_heads"] != v["num_attention_heads"]:
+            # MLA has one latent; transformers' MLA repeats kv heads, which has no effect here
+            raise ConfigError(f"num_key_value_heads {v['num_key_value_heads']} must equal num_attention_heads "
+                              f"{v['num_attention_heads']} for MLA")
+        # DeepSeek checkpoints store rotary dims in interleaved pairs (V2's complex rope is the same)
+        v["rope_interleave"] = True if v2 else field(cfg, "rope_interleave", bool, True)
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
@@ -188,30 +155,6 @@ class SharedExpertMoE(StreamedMoE):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, i: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = MLAttention(
-            a.hidden_size, a.num_attention_heads, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
-            a.v_head_dim, q_lora_rank=a.q_lora_rank, bias=a.attention_bias,
-            scale=mla_softmax_scale(a.qk_nope_head_dim + a.qk_rope_head_dim, a.rope),
-            rope="interleaved" if a.rope_interleave else "half",
-        )
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        if a.is_moe_layer(i):
-            self.mlp = SharedExpertMoE(
-                a.hidden_size, a.n_routed_experts, i, a.router(), a.moe_intermediate_size * a.n_shared_experts,
-                correction_bias=a.scoring_func == "sigmoid", renormalize=a.norm_topk_prob,
-            )
-        else:
-            self.mlp = MLP(a.hidden_size, a.intermediate_size)
-
-    def forward(self, h: torch.Tensor, cos, sin, kv: KVCache, i: int, start: int) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, i, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 class Model(CausalLM):
     """DeepSeek V2/V3 / Kimi K2 causal LM with streamed experts and a latent KV cache."""
 
@@ -219,20 +162,28 @@ class Model(CausalLM):
     float32_parameters = (".gate.weight", ".gate.e_score_correction_bias")
 
     def __init__(self, a: ModelArgs):
-        super().__init__(
-            a.vocab_size, a.hidden_size, a.rms_norm_eps, a.qk_rope_head_dim, a.rope["rope_theta"],
-            a.tie_word_embeddings, max_context=a.max_position_embeddings,
-        )
-        self.args = a
+        super().__init__(a)
         # experts of layers past the decoder (multi-token prediction) are not streamed
         self.unloaded_layers_from = a.num_hidden_layers
-        with torch.device("cpu"):
-            self.rotary = ScaledRotaryEmbedding(*rope_inv_freq(a.rope, a.qk_rope_head_dim, a.max_position_embeddings))
-        self.decoder.layers.extend(DecoderLayer(a, i) for i in range(a.num_hidden_layers))
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.moe_intermediate_size, self.args.hidden_size
+    def make_rotary(self, a: ModelArgs) -> RotaryEmbedding:
+        return make_rope(a.qk_rope_head_dim, a.rope["rope_theta"], a.rope, a.max_position_embeddings)
+
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        attn = MLAttention(
+            a.hidden_size, a.num_attention_heads, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
+            a.v_head_dim, q_lora_rank=a.q_lora_rank, bias=a.attention_bias,
+            scale=mla_softmax_scale(a.qk_nope_head_dim + a.qk_rope_head_dim, a.rope),
+            rope="interleaved" if a.rope_interleave else "half",
+        )
+        if a.is_moe_layer(i):
+            mlp = SharedExpertMoE(
+                a.hidden_size, a.n_routed_experts, i, a.router(), a.moe_intermediate_size * a.n_shared_experts,
+                correction_bias=a.scoring_func == "sigmoid", renormalize=a.norm_topk_prob,
+            )
+        else:
+            mlp = MLP(a.hidden_size, a.intermediate_size)
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp)
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """KV cache bytes per token over all layers: ``layers * (kv_lora_rank + qk_rope_head_dim) * itemsize``."""
@@ -250,69 +201,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict, a: ModelArgs | None = None) -> list[SynthTensor]:
-    """Every tensor of a checkpoint of ``cfg``'s shapes (parsed as ``a`` if given), with per-expert experts
-    as on the Hub."""
-    a = a or ModelArgs.from_config(cfg)
-    h = a.hidden_size
-    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-    out = [SynthTensor("model.embed_tokens.weight", (a.vocab_size, h), "embed")]
-    for i in range(a.num_hidden_layers):
-        p = f"model.layers.{i}."
-        s = p + "self_attn."
-        out += [SynthTensor(p + "input_layernorm.weight", (h,), "norm")]
-        if a.q_lora_rank is None:
-            out.append(SynthTensor(s + "q_proj.weight", (a.num_attention_heads * qk, h), "normal"))
-        else:
-            out += [
-                SynthTensor(s + "q_a_proj.weight", (a.q_lora_rank, h), "normal"),
-                SynthTensor(s + "q_a_layernorm.weight", (a.q_lora_rank,), "norm"),
-                SynthTensor(s + "q_b_proj.weight", (a.num_attention_heads * qk, a.q_lora_rank), "normal"),
-            ]
-        out += [
-            SynthTensor(s + "kv_a_proj_with_mqa.weight", (a.kv_lora_rank + a.qk_rope_head_dim, h), "normal"),
-            SynthTensor(s + "kv_a_layernorm.weight", (a.kv_lora_rank,), "norm"),
-            SynthTensor(s + "kv_b_proj.weight",
-                        (a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank), "normal"),
-            SynthTensor(s + "o_proj.weight", (h, a.num_attention_heads * a.v_head_dim), "out"),
-            SynthTensor(p + "post_attention_layernorm.weight", (h,), "norm"),
-        ]
-        if a.attention_bias:
-            if a.q_lora_rank is not None:
-                out.append(SynthTensor(s + "q_a_proj.bias", (a.q_lora_rank,), "zeros"))
-            out += [SynthTensor(s + "kv_a_proj_with_mqa.bias", (a.kv_lora_rank + a.qk_rope_head_dim,), "zeros"),
-                    SynthTensor(s + "o_proj.bias", (h,), "zeros")]
-        m = p + "mlp."
-        if a.is_moe_layer(i):
-            out += moe_synth_tensors(m, h, a.n_routed_experts, a.moe_intermediate_size,
-                                     a.moe_intermediate_size * a.n_shared_experts, a.scoring_func == "sigmoid")
-        else:
-            out += mlp_synth_tensors(m, h, a.intermediate_size)
-    out.append(SynthTensor("model.norm.weight", (h,), "norm"))
-    if not a.tie_word_embeddings:
-        out.append(SynthTensor("lm_head.weight", (a.vocab_size, h), "normal"))
-    return out
-
-
-def mlp_synth_tensors(prefix: str, hidden: int, inter: int) -> list[SynthTensor]:
-    """A dense SwiGLU MLP's tensors under ``prefix`` (``...mlp.``)."""
-    return [
-        SynthTensor(prefix + "gate_proj.weight", (inter, hidden), "normal"),
-        SynthTensor(prefix + "up_proj.weight", (inter, hidden), "normal"),
-        SynthTensor(prefix + "down_proj.weight", (hidden, inter), "out"),
-    ]
-
-
-def moe_synth_tensors(
-    prefix: str, hidden: int, experts: int, inter: int, shared_inter: int, bias: bool
-) -> list[SynthTensor]:
-    """A :class:`SharedExpertMoE` block's tensors under ``prefix``: router, correction bias, shared and
-    per-expert routed experts."""
-    out = [SynthTensor(prefix + "gate.weight", (experts, hidden), "normal")]
-    if bias:
-        out.append(SynthTensor(prefix + "gate.e_score_correction_bias", (experts,), "zeros"))
-    if shared_inter:
-        out += mlp_synth_tensors(prefix + "shared_experts.", hidden, shared_inter)
-    for e in range(experts):
-        out += mlp_synth_tensors(f"{prefix}experts.{e}.", hidden, inter)
-    return out
+synth_tensors = synth_tensors_of(Model, ModelArgs)

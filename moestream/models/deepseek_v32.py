@@ -11,7 +11,6 @@ kernel's Hadamard rotation (orthogonal: same dot products) and FP8 quantization.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,41 +19,35 @@ from torch import nn
 
 from ..errors import ConfigError
 from . import deepseek
-from .base import SynthTensor, field, positive
-from .layers import KVCache, apply_rotary
+from .base import SynthTensor, config_field, synth_tensors_of
+from .layers import KVCache
 from .mla import MLAttention
-from .rope import mla_softmax_scale
+from .rope import apply_rotary, mla_softmax_scale
 
 MODEL_TYPES = ("deepseek_v32",)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelArgs(deepseek.ModelArgs):
     """DeepSeek-V3's fields plus the indexer's (``index_n_heads``, ``index_head_dim``, ``index_topk``)."""
 
-    index_n_heads: int = 64
-    index_head_dim: int = 128
-    index_topk: int = 2048
+    index_n_heads: int = config_field(64, minimum=1)
+    index_head_dim: int = config_field(128, minimum=1)
+    index_topk: int = config_field(2048, minimum=1)
     mlp_layer_types: tuple[str, ...] | None = None
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ModelArgs":
-        """Parse and check a config dict. Raises ConfigError naming the bad field."""
-        base = deepseek.ModelArgs.from_config(cfg)
-        if base.q_lora_rank is None:
+    def check(cls, cfg: dict, v: dict) -> None:
+        super().check(cfg, v)
+        if v["q_lora_rank"] is None:
             raise ConfigError("deepseek_v32 needs q_lora_rank (its indexer reads the low-rank query)")
-        types = field(cfg, "mlp_layer_types", list, None)
-        if types is not None and (len(types) != base.num_hidden_layers or set(types) - {"dense", "sparse"}):
-            raise ConfigError(f"mlp_layer_types {types!r}: expected 'dense' or 'sparse' for each of "
-                              f"{base.num_hidden_layers} layers")
-        head_dim = positive(cfg, "index_head_dim", 128)
-        if head_dim < base.qk_rope_head_dim:
-            raise ConfigError(f"index_head_dim {head_dim} is below qk_rope_head_dim {base.qk_rope_head_dim}")
-        return cls(
-            **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-            index_n_heads=positive(cfg, "index_n_heads", 64), index_head_dim=head_dim,
-            index_topk=positive(cfg, "index_topk", 2048), mlp_layer_types=None if types is None else tuple(types),
-        )
+        types, layers = v["mlp_layer_types"], v["num_hidden_layers"]
+        if types is not None and (len(types) != layers or set(types) - {"dense", "sparse"}):
+            raise ConfigError(f"mlp_layer_types {list(types)!r}: expected 'dense' or 'sparse' for each of "
+                              f"{layers} layers")
+        if v["index_head_dim"] < v["qk_rope_head_dim"]:
+            raise ConfigError(f"index_head_dim {v['index_head_dim']} is below qk_rope_head_dim "
+                              f"{v['qk_rope_head_dim']}")
 
     def is_moe_layer(self, i: int) -> bool:
         if self.mlp_layer_types is not None:
@@ -81,11 +74,10 @@ class Indexer(nn.Module):
 
     def forward(self, x, q_resid, cos, sin, kv: KVCache, start: int, causal: torch.Tensor | None):
         """Boolean [T, start+T]: the causal keys among each query's ``index_topk`` best (None: all keys)."""
-        t, r = x.shape[0], self.rope_dim
+        t = x.shape[0]
         q = self.wq_b(q_resid).view(t, self.heads, self.head_dim).transpose(0, 1)  # [H, T, D]
-        q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = self.k_norm(self.wk(x))
-        k = torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        q = apply_rotary(q, cos, sin)  # the first rope_dim (the cos width) dims rotate
+        k = apply_rotary(self.k_norm(self.wk(x)), cos, sin)
         keys = kv.update(self.slot, start, k[None], k.new_empty(1, t, 0))[0][0]  # [S, D]
         s = keys.shape[0]
         if s <= self.topk:  # every key is among the top-k
@@ -121,10 +113,10 @@ class Model(deepseek.Model):
 
     float32_parameters = deepseek.Model.float32_parameters + (".indexer.weights_proj.weight",)
 
-    def __init__(self, a: ModelArgs):
-        super().__init__(a)
-        for i, layer in enumerate(self.decoder.layers):
-            layer.self_attn = SparseMLAttention(a, i)
+    def make_layer(self, a: ModelArgs, i: int) -> nn.Module:
+        layer = super().make_layer(a, i)
+        layer.self_attn = SparseMLAttention(a, i)
+        return layer
 
     def new_kv_cache(self, capacity: int = 256) -> KVCache:
         """Slots 0..L-1: MLA latents and rope keys; L..2L-1: the indexer's keys."""
@@ -133,6 +125,11 @@ class Model(deepseek.Model):
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """KV cache bytes per token over all layers, the indexer's keys included."""
         return super().kv_bytes_per_token(itemsize) + len(self.decoder.layers) * self.args.index_head_dim * itemsize
+
+    def synth_tensors(self) -> list[SynthTensor]:
+        """DeepSeek-V3's tensors, then every layer's indexer (as synth has listed them)."""
+        out = super().synth_tensors()
+        return [t for t in out if ".indexer." not in t.name] + [t for t in out if ".indexer." in t.name]
 
 
 def synth_config(cfg: dict, layers: int) -> dict:
@@ -143,17 +140,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """DeepSeek-V3's tensors plus each layer's indexer."""
-    a = ModelArgs.from_config(cfg)
-    out = deepseek.synth_tensors(cfg, a)
-    for i in range(a.num_hidden_layers):
-        p = f"model.layers.{i}.self_attn.indexer."
-        out += [
-            SynthTensor(p + "wq_b.weight", (a.index_n_heads * a.index_head_dim, a.q_lora_rank), "normal"),
-            SynthTensor(p + "wk.weight", (a.index_head_dim, a.hidden_size), "normal"),
-            SynthTensor(p + "k_norm.weight", (a.index_head_dim,), "norm"),
-            SynthTensor(p + "k_norm.bias", (a.index_head_dim,), "zeros"),
-            SynthTensor(p + "weights_proj.weight", (a.index_n_heads, a.hidden_size), "normal"),
-        ]
-    return out
+synth_tensors = synth_tensors_of(Model, ModelArgs)

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from .base import SynthTensor
-from .layers import MLP, HybridCache, KVCache, apply_rotary, attention_mask
+from .layers import MLP, HybridCache, KVCache, attention_mask
 from .moe import StreamedMoE
+from .rope import apply_rotary
 
 # the chunk length of the chunked Gated DeltaNet form, as the reference's default
 DELTANET_CHUNK = 64
@@ -33,6 +33,8 @@ class ZeroCenteredRMSNorm(nn.Module):
     Normalizes and scales in float32, then casts to the input dtype (unlike
     :class:`~moestream.models.layers.RMSNorm`, which casts before scaling).
     """
+
+    synth_init = {"weight": "zeros"}  # scale 1, as transformers initializes it
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -70,16 +72,15 @@ class GatedAttention(nn.Module):
 
     ``q_proj`` gives, per head, a query and a gate [head_dim each]; queries and keys get a
     zero-centred RMSNorm per head, then rotary embedding on their first ``rotary_dim``
-    dimensions (partial rotary); softmax(q k^T / sqrt(head_dim)) v over the KV cache; the
-    output is multiplied by sigmoid(gate) before ``o_proj``.
+    dimensions (partial rotary: the width of the model's cos/sin); softmax(q k^T / sqrt(head_dim)) v
+    over the KV cache; the output is multiplied by sigmoid(gate) before ``o_proj``.
     """
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: int, eps: float,
-                 bias: bool = False):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool = False):
         super().__init__()
         if heads % kv_heads:
             raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-        self.heads, self.kv_heads, self.head_dim, self.rotary_dim = heads, kv_heads, head_dim, rotary_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = nn.Linear(hidden, heads * head_dim * 2, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
@@ -87,12 +88,6 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
         self.scale = head_dim**-0.5
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rotary_dim
-        if r == x.shape[-1]:
-            return apply_rotary(x, cos, sin)
-        return torch.cat((apply_rotary(x[..., :r], cos, sin), x[..., r:]), dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, layer: int,
                 start: int) -> torch.Tensor:
@@ -103,7 +98,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q).transpose(0, 1)
         k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)).transpose(0, 1)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = kv.update(layer, start, k, v)
         out = F.scaled_dot_product_attention(
             q[None], keys[None], values[None], attn_mask=attention_mask(start, t, None, x.device), scale=self.scale,
@@ -212,7 +207,13 @@ class GatedDeltaNet(nn.Module):
     Args:
         fused_projections: Qwen3-Next's ``in_proj_qkvz`` + ``in_proj_ba``, grouped per key
             head; otherwise Qwen3.5's separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+
+    Checkpoint order, as synth lists the parameters: projections, ``conv1d``, ``dt_bias``,
+    ``A_log``, ``norm``, ``out_proj``.
     """
+
+    synth_init = {"dt_bias": "norm", "A_log": "zeros"}  # ones and zeros, as transformers initializes them
+    synth_params_after = "conv1d"  # dt_bias and A_log stand after the convolution in the checkpoint
 
     def __init__(self, hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int,
                  eps: float, fused_projections: bool):
@@ -224,7 +225,6 @@ class GatedDeltaNet(nn.Module):
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
         self.kernel, self.fused = kernel, fused_projections
         self.conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False)
         if fused_projections:
             self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + value_heads * value_dim, bias=False)
             self.in_proj_ba = nn.Linear(hidden, 2 * value_heads, bias=False)
@@ -233,6 +233,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_z = nn.Linear(hidden, value_heads * value_dim, bias=False)
             self.in_proj_b = nn.Linear(hidden, value_heads, bias=False)
             self.in_proj_a = nn.Linear(hidden, value_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(value_heads))
         self.A_log = nn.Parameter(torch.zeros(value_heads))
         self.norm = GatedRMSNorm(value_dim, eps)
@@ -340,65 +341,3 @@ def rotary_fraction(cfg: dict) -> float:
     if not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ConfigError(f"field 'partial_rotary_factor' = {value!r} must be in (0, 1]")
     return float(value)
-
-
-def synth_layer_tensors(a, p: str, i: int, fused_projections: bool) -> list[SynthTensor]:
-    """The tensors of hybrid decoder layer ``i`` under prefix ``p`` (``"model.layers.3."``),
-    for args ``a`` with the fields of :class:`moestream.models.qwen3_next.ModelArgs`.
-
-    Zero-centred norms start at zero (scale 1), as transformers initializes them; routed
-    experts are per-expert tensors, as ``save_pretrained`` writes them.
-    """
-    h, hd = a.hidden_size, a.head_dim
-    out = [SynthTensor(p + "input_layernorm.weight", (h,), "zeros"),
-           SynthTensor(p + "post_attention_layernorm.weight", (h,), "zeros")]
-    if a.layer_types[i] == "linear_attention":
-        la = p + "linear_attn."
-        kd, vd = a.linear_num_key_heads * a.linear_key_head_dim, a.linear_num_value_heads * a.linear_value_head_dim
-        hv = a.linear_num_value_heads
-        if fused_projections:
-            out += [SynthTensor(la + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h), "normal"),
-                    SynthTensor(la + "in_proj_ba.weight", (2 * hv, h), "normal")]
-        else:
-            out += [SynthTensor(la + "in_proj_qkv.weight", (2 * kd + vd, h), "normal"),
-                    SynthTensor(la + "in_proj_z.weight", (vd, h), "normal"),
-                    SynthTensor(la + "in_proj_b.weight", (hv, h), "normal"),
-                    SynthTensor(la + "in_proj_a.weight", (hv, h), "normal")]
-        out += [
-            SynthTensor(la + "conv1d.weight", (2 * kd + vd, 1, a.linear_conv_kernel_dim), "normal"),
-            SynthTensor(la + "dt_bias", (hv,), "norm"),
-            SynthTensor(la + "A_log", (hv,), "zeros"),
-            SynthTensor(la + "norm.weight", (a.linear_value_head_dim,), "norm"),
-            SynthTensor(la + "out_proj.weight", (h, vd), "out"),
-        ]
-    else:
-        sa, nq, nkv = p + "self_attn.", a.num_attention_heads, a.num_key_value_heads
-        out += [
-            SynthTensor(sa + "q_proj.weight", (2 * nq * hd, h), "normal"),
-            SynthTensor(sa + "k_proj.weight", (nkv * hd, h), "normal"),
-            SynthTensor(sa + "v_proj.weight", (nkv * hd, h), "normal"),
-            SynthTensor(sa + "o_proj.weight", (h, nq * hd), "out"),
-            SynthTensor(sa + "q_norm.weight", (hd,), "zeros"),
-            SynthTensor(sa + "k_norm.weight", (hd,), "zeros"),
-        ]
-        if a.attention_bias:
-            out += [SynthTensor(sa + f"{n}_proj.bias", (s,), "zeros")
-                    for n, s in (("q", 2 * nq * hd), ("k", nkv * hd), ("v", nkv * hd), ("o", h))]
-    m = p + "mlp."
-    if a.is_moe_layer(i):
-        inter, si = a.moe_intermediate_size, a.shared_expert_intermediate_size
-        out.append(SynthTensor(m + "gate.weight", (a.num_experts, h), "normal"))
-        for e in range(a.num_experts):
-            x = f"{m}experts.{e}."
-            out += [SynthTensor(x + "gate_proj.weight", (inter, h), "normal"),
-                    SynthTensor(x + "up_proj.weight", (inter, h), "normal"),
-                    SynthTensor(x + "down_proj.weight", (h, inter), "out")]
-        out += [SynthTensor(m + "shared_expert.gate_proj.weight", (si, h), "normal"),
-                SynthTensor(m + "shared_expert.up_proj.weight", (si, h), "normal"),
-                SynthTensor(m + "shared_expert.down_proj.weight", (h, si), "out"),
-                SynthTensor(m + "shared_expert_gate.weight", (1, h), "normal")]
-    else:
-        out += [SynthTensor(m + "gate_proj.weight", (a.intermediate_size, h), "normal"),
-                SynthTensor(m + "up_proj.weight", (a.intermediate_size, h), "normal"),
-                SynthTensor(m + "down_proj.weight", (h, a.intermediate_size), "out")]
-    return out

@@ -126,6 +126,9 @@ class KimiDeltaAttention(nn.Module):
     released ``modeling_kimi_linear.py`` (read through public ports).
     """
 
+    synth_init = {"A_log": "zeros"}
+    synth_params_after = "v_conv1d"  # A_log and dt_bias stand after the convolutions in the checkpoint
+
     def __init__(
         self, hidden: int, heads: int, head_dim: int, conv_kernel: int, eps: float,
         full_rank_gate: bool = False, lower_bound: float | None = None, a_log_size: int | None = None,
@@ -134,13 +137,11 @@ class KimiDeltaAttention(nn.Module):
         d = heads * head_dim
         self.heads, self.head_dim, self.kernel = heads, head_dim, conv_kernel
         self.eps, self.lower_bound = eps, lower_bound
-        self.q_proj = nn.Linear(hidden, d, bias=False)
-        self.k_proj = nn.Linear(hidden, d, bias=False)
-        self.v_proj = nn.Linear(hidden, d, bias=False)
-        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        for name in "qkv":  # declared in checkpoint order: each projection, then its convolution
+            setattr(self, f"{name}_proj", nn.Linear(hidden, d, bias=False))
             conv = nn.Module()
             conv.weight = nn.Parameter(torch.empty(d, 1, conv_kernel), requires_grad=False)
-            setattr(self, name, conv)
+            setattr(self, f"{name}_conv1d", conv)
         self.A_log = nn.Parameter(
             torch.empty(1, 1, heads, 1) if a_log_size is None else torch.empty(a_log_size), requires_grad=False
         )

@@ -31,6 +31,7 @@ transformers 5 saves it, both read), Kimi K3 under ``language_model.model.`` and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from .base import CausalLM, SynthTensor, field, positive
+from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, derived, field, meta_model, positive
 from .kda import HybridCache, KimiDeltaAttention
 from .layers import RMSNorm
 from .linear import linear
@@ -52,81 +53,79 @@ MODEL_TYPES = ("kimi_linear", "kimi_k3")
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    """The config fields Kimi-Linear and Kimi K3 use (Hugging Face names; K3's from ``text_config``)."""
+def _top_k(cfg: dict) -> int:
+    return field(cfg, "num_experts_per_token", int, None) or positive(cfg, "num_experts_per_tok")
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int | None
-    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention"
-    mlp_layer_types: tuple[str, ...]  # "dense" | "sparse"
+
+def _groups(cfg: dict) -> int:
+    return field(cfg, "num_expert_group", int, None) or positive(cfg, "n_group", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs(DecoderArgs):
+    """The config fields Kimi-Linear and Kimi K3 use beyond :class:`DecoderArgs` (Hugging Face names; K3's
+    from ``text_config``; the KDA shape from ``linear_attn_config`` or the top level)."""
+
+    hidden_acts = ()  # silu or situ, checked below
+    rope_types = None  # no rotary embedding: MLA without rope
+
+    model_type: str = derived("kimi_linear")
+    has_vision: bool = derived(False)
+    num_key_value_heads: int | None = derived()  # MLA and KDA: not read
+    head_dim: int | None = derived()
+    rope_theta: float | None = derived()
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int | None = config_field(None, aliases=("model_max_length",))
+    intermediate_size: int = config_field(minimum=1)
+    layer_types: tuple[str, ...] = derived()  # "linear_attention" | "full_attention"
+    mlp_layer_types: tuple[str, ...] = derived()  # "dense" | "sparse"
     # MLA
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    mla_use_output_gate: bool
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = config_field(minimum=1)
+    qk_nope_head_dim: int = config_field(minimum=1)
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = config_field(minimum=1)
+    mla_use_output_gate: bool = False
     # KDA
-    linear_num_heads: int
-    linear_head_dim: int
-    linear_conv_kernel_dim: int
-    use_full_rank_gate: bool
-    gate_lower_bound: float | None
+    linear_num_heads: int = derived()
+    linear_head_dim: int = derived()
+    linear_conv_kernel_dim: int = derived()
+    use_full_rank_gate: bool = derived(False)
+    gate_lower_bound: float | None = derived()
     # MoE
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    num_shared_experts: int
-    moe_renormalize: bool
-    routed_scaling_factor: float
-    num_expert_group: int
-    topk_group: int
+    num_experts: int = config_field(minimum=1, aliases=("num_local_experts",))
+    num_experts_per_tok: int = config_field(read=_top_k)
+    moe_intermediate_size: int = config_field(minimum=1)
+    num_shared_experts: int = config_field(1, aliases=("n_shared_experts",))
+    moe_renormalize: bool = config_field(True, aliases=("norm_topk_prob",))
+    routed_scaling_factor: float = 2.446  # transformers' KimiLinearConfig default
+    num_expert_group: int = config_field(read=_groups)
+    topk_group: int = config_field(1, minimum=1)
     # activation and K3-only
-    hidden_act: str
-    situ_beta: float
-    situ_linear_beta: float | None
-    routed_expert_hidden_size: int | None
-    latent_moe_use_norm: bool
-    attn_res_block_size: int | None
-    has_vision: bool
+    hidden_act: str = "silu"
+    activation_situ_beta: float | None = None
+    activation_situ_linear_beta: float | None = None
+    routed_expert_hidden_size: int | None = None
+    latent_moe_use_norm: bool = False
+    attn_res_block_size: int | None = None
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
         """Parse and check a config dict (K3: its ``text_config``). Raises ConfigError naming the bad field."""
         mt = cfg.get("model_type", "kimi_linear")
-        has_vision = False
-        if mt == "kimi_k3":
-            text = cfg.get("text_config")
-            if not isinstance(text, dict):
-                raise ConfigError("kimi_k3 config has no text_config object")
-            has_vision = bool(cfg.get("vision_config"))
-            cfg = text
-        layers = positive(cfg, "num_hidden_layers")
-        hidden = positive(cfg, "hidden_size")
+        if mt != "kimi_k3":
+            return super().from_config(cfg, model_type=mt)
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError("kimi_k3 config has no text_config object")
+        return super().from_config(text, model_type=mt, has_vision=bool(cfg.get("vision_config")))
+
+    @classmethod
+    def check(cls, cfg: dict, v: dict) -> None:
+        super().check(cfg, v)
+        layers = v["num_hidden_layers"]
         lin = field(cfg, "linear_attn_config", dict, {})
-        layer_types = field(cfg, "layer_types", list, None)
-        if layer_types is None:
-            if "full_attn_layers" in lin and "kda_layers" in lin:
-                layer_types = [None] * layers
-                for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
-                    for n in lin[key]:  # 1-indexed in published configs
-                        if not isinstance(n, int) or not 1 <= n <= layers:
-                            raise ConfigError(f"linear_attn_config.{key} holds {n!r}, not a layer number 1..{layers}")
-                        layer_types[n - 1] = kind
-                if None in layer_types:
-                    raise ConfigError(f"linear_attn_config names no attention kind for layer {layer_types.index(None)}")
-            else:  # transformers' default: full attention every 4th layer
-                layer_types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(layers)]
-        if len(layer_types) != layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
-            raise ConfigError(f"layer_types {layer_types!r} is not {layers} of full_attention / linear_attention")
+        v["layer_types"] = _layer_types(cfg, lin, layers)
         mlp_types = field(cfg, "mlp_layer_types", list, None)
         if mlp_types is None:
             dense = field(cfg, "first_k_dense_replace", int, 1)
@@ -134,85 +133,59 @@ class ModelArgs:
             mlp_types = ["sparse" if i >= dense and i % freq == 0 else "dense" for i in range(layers)]
         if len(mlp_types) != layers or not set(mlp_types) <= {"dense", "sparse"}:
             raise ConfigError(f"mlp_layer_types {mlp_types!r} is not {layers} of dense / sparse")
-        experts = field(cfg, "num_experts", int, None) or positive(cfg, "num_local_experts")
-        top_k = field(cfg, "num_experts_per_token", int, None) or positive(cfg, "num_experts_per_tok")
-        if not 1 <= top_k <= experts:
-            raise ConfigError(f"num_experts_per_token {top_k} must be between 1 and num_experts {experts}")
-        groups = field(cfg, "num_expert_group", int, None) or positive(cfg, "n_group", 1)
-        topk_group = positive(cfg, "topk_group", 1)
+        v["mlp_layer_types"] = tuple(mlp_types)
+        experts, top_k, groups, topk_group = v["num_experts"], v["num_experts_per_tok"], v["num_expert_group"], \
+            v["topk_group"]
+        check_top_k(top_k, experts, name="num_experts_per_token")
         if experts % groups or topk_group > groups or top_k > topk_group * (experts // groups):
             raise ConfigError(f"num_expert_group {groups} / topk_group {topk_group} do not fit {experts} experts, "
                               f"top-{top_k}")
         router = field(cfg, "moe_router_activation_func", str, "sigmoid")
         if router != "sigmoid":
             raise ConfigError(f"moe_router_activation_func {router!r} is not supported (only sigmoid)")
-        act = field(cfg, "hidden_act", str, "silu")
-        if act not in ("silu", "situ"):
-            raise ConfigError(f"hidden_act {act!r} is not supported for Kimi models (silu or situ)")
+        if v["hidden_act"] not in ("silu", "situ"):
+            raise ConfigError(f"hidden_act {v['hidden_act']!r} is not supported for Kimi models (silu or situ)")
         if not field(cfg, "mla_use_nope", bool, True):
             raise ConfigError("mla_use_nope false (MLA with rotary embeddings) is not supported for Kimi models")
-        shared = field(cfg, "num_shared_experts", int, None)
-        if shared is None:
-            shared = field(cfg, "n_shared_experts", int, 1)
-        renorm = field(cfg, "moe_renormalize", bool, None)
-        if renorm is None:
-            renorm = field(cfg, "norm_topk_prob", bool, True)
-        latent = field(cfg, "routed_expert_hidden_size", int, None)
-        if latent is not None and latent < 1:
-            raise ConfigError(f"routed_expert_hidden_size {latent} must be at least 1")
-        block = field(cfg, "attn_res_block_size", int, None)
-        if block is not None and block < 1:
-            raise ConfigError(f"attn_res_block_size {block} must be at least 1")
-        q_lora = field(cfg, "q_lora_rank", int, None)
+        for name in ("routed_expert_hidden_size", "attn_res_block_size"):
+            if v[name] is not None and v[name] < 1:
+                raise ConfigError(f"{name} {v[name]} must be at least 1")
         bound = lin.get("gate_lower_bound")
         if bound is not None and not isinstance(bound, (int, float)):
             raise ConfigError(f"linear_attn_config.gate_lower_bound {bound!r} is not a number")
-        return cls(
-            model_type=mt,
-            vocab_size=positive(cfg, "vocab_size"),
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            intermediate_size=positive(cfg, "intermediate_size"),
-            rms_norm_eps=field(cfg, "rms_norm_eps", float, 1e-5),
-            tie_word_embeddings=field(cfg, "tie_word_embeddings", bool, False),
-            max_position_embeddings=field(cfg, "max_position_embeddings", int, None)
-            or field(cfg, "model_max_length", int, None),
-            layer_types=tuple(layer_types),
-            mlp_layer_types=tuple(mlp_types),
-            num_attention_heads=positive(cfg, "num_attention_heads"),
-            q_lora_rank=q_lora,
-            kv_lora_rank=positive(cfg, "kv_lora_rank"),
-            qk_nope_head_dim=positive(cfg, "qk_nope_head_dim"),
-            qk_rope_head_dim=field(cfg, "qk_rope_head_dim", int, 0),
-            v_head_dim=positive(cfg, "v_head_dim"),
-            mla_use_output_gate=field(cfg, "mla_use_output_gate", bool, False),
-            linear_num_heads=positive(lin, "num_heads", positive(cfg, "linear_num_heads", 32)),
-            linear_head_dim=positive(lin, "head_dim", positive(cfg, "linear_head_dim", 128)),
-            linear_conv_kernel_dim=positive(lin, "short_conv_kernel_size", positive(cfg, "linear_conv_kernel_dim", 4)),
-            use_full_rank_gate=field(lin, "use_full_rank_gate", bool, False),
-            gate_lower_bound=None if bound is None else float(bound),
-            num_experts=experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=positive(cfg, "moe_intermediate_size"),
-            num_shared_experts=shared,
-            moe_renormalize=renorm,
-            # transformers' KimiLinearConfig default when the field is absent
-            routed_scaling_factor=field(cfg, "routed_scaling_factor", float, 2.446),
-            num_expert_group=groups,
-            topk_group=topk_group,
-            hidden_act=act,
-            situ_beta=field(cfg, "activation_situ_beta", float, None) or 1.0,
-            situ_linear_beta=field(cfg, "activation_situ_linear_beta", float, None),
-            routed_expert_hidden_size=latent,
-            latent_moe_use_norm=field(cfg, "latent_moe_use_norm", bool, False),
-            attn_res_block_size=block,
-            has_vision=has_vision,
-        )
+        v["linear_num_heads"] = positive(lin, "num_heads", positive(cfg, "linear_num_heads", 32))
+        v["linear_head_dim"] = positive(lin, "head_dim", positive(cfg, "linear_head_dim", 128))
+        kernel = positive(cfg, "linear_conv_kernel_dim", 4)
+        v["linear_conv_kernel_dim"] = positive(lin, "short_conv_kernel_size", kernel)
+        v["use_full_rank_gate"] = field(lin, "use_full_rank_gate", bool, False)
+        v["gate_lower_bound"] = None if bound is None else float(bound)
+        v["activation_situ_beta"] = v["activation_situ_beta"] or 1.0
 
     @property
     def expert_width(self) -> int:
         """The width routed experts work in: the latent width for a latent MoE, else hidden_size."""
         return self.routed_expert_hidden_size or self.hidden_size
+
+
+def _layer_types(cfg: dict, lin: dict, layers: int) -> tuple[str, ...]:
+    """``layer_types``, else from ``linear_attn_config``'s 1-indexed layer lists, else transformers' default
+    (full attention every 4th layer)."""
+    layer_types = field(cfg, "layer_types", list, None)
+    if layer_types is None:
+        if "full_attn_layers" in lin and "kda_layers" in lin:
+            layer_types = [None] * layers
+            for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+                for n in lin[key]:  # 1-indexed in published configs
+                    if not isinstance(n, int) or not 1 <= n <= layers:
+                        raise ConfigError(f"linear_attn_config.{key} holds {n!r}, not a layer number 1..{layers}")
+                    layer_types[n - 1] = kind
+            if None in layer_types:
+                raise ConfigError(f"linear_attn_config names no attention kind for layer {layer_types.index(None)}")
+        else:
+            layer_types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(layers)]
+    if len(layer_types) != layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
+        raise ConfigError(f"layer_types {layer_types!r} is not {layers} of full_attention / linear_attention")
+    return tuple(layer_types)
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -244,7 +217,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act, self.beta, self.linear_beta = a.hidden_act, a.situ_beta, a.situ_linear_beta
+        self.act, self.beta, self.linear_beta = a.hidden_act, a.activation_situ_beta, a.activation_situ_linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act == "situ":
@@ -266,26 +239,28 @@ class KimiMoE(StreamedMoE):
     ``routed_expert_up_proj``. Output: routed part + ``shared_experts(x)``, [T, H].
     """
 
+    synth_init = {"routed_expert_up_proj.weight": "out"}  # back into the residual stream
+
     def __init__(self, a: ModelArgs, layer: int):
         router = partial(sigmoid_group_topk, top_k=a.num_experts_per_tok, n_group=a.num_expert_group,
                          topk_group=a.topk_group, norm_topk_prob=a.moe_renormalize,
                          routed_scaling_factor=a.routed_scaling_factor)
         if a.hidden_act == "situ":
-            expert_fn = partial(situ_expert, beta=a.situ_beta, linear_beta=a.situ_linear_beta)
+            expert_fn = partial(situ_expert, beta=a.activation_situ_beta, linear_beta=a.activation_situ_linear_beta)
         else:
             expert_fn = swiglu_expert
         super().__init__(a.hidden_size, a.num_experts, layer, router, expert_fn, renormalize=a.moe_renormalize)
         self.gate = Float32Router(a.hidden_size, a.num_experts, bias=False)
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts), requires_grad=False)
+        self.shared_experts = (
+            GatedMLP(a.hidden_size, a.moe_intermediate_size * a.num_shared_experts, a)
+            if a.num_shared_experts else None
+        )
         self.latent = a.routed_expert_hidden_size
         if self.latent:
             self.routed_expert_down_proj = nn.Linear(a.hidden_size, self.latent, bias=False)
             self.routed_expert_up_proj = nn.Linear(self.latent, a.hidden_size, bias=False)
             self.routed_expert_norm = RMSNorm(self.latent, a.rms_norm_eps) if a.latent_moe_use_norm else None
-        self.shared_experts = (
-            GatedMLP(a.hidden_size, a.moe_intermediate_size * a.num_shared_experts, a)
-            if a.num_shared_experts else None
-        )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 weights, experts chosen with the correction bias."""
@@ -321,8 +296,17 @@ def attn_res(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, 
 
 
 class DecoderLayer(nn.Module):
+    """Norms, (K3) attention-residual queries, KDA or MLA, dense MLP or MoE, declared in checkpoint order."""
+
     def __init__(self, a: ModelArgs, i: int):
         super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.block = a.attn_res_block_size
+        if self.block:
+            for name in ("self_attention_res", "mlp_res"):
+                setattr(self, f"{name}_norm", RMSNorm(a.hidden_size, a.rms_norm_eps))
+                setattr(self, f"{name}_proj", nn.Linear(a.hidden_size, 1, bias=False))
         self.linear = a.layer_types[i] == "linear_attention"
         if self.linear:
             self.self_attn = KimiDeltaAttention(
@@ -339,13 +323,6 @@ class DecoderLayer(nn.Module):
             self.block_sparse_moe = KimiMoE(a, i)
         else:
             self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a)
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.block = a.attn_res_block_size
-        if self.block:
-            for name in ("self_attention_res", "mlp_res"):
-                setattr(self, f"{name}_norm", RMSNorm(a.hidden_size, a.rms_norm_eps))
-                setattr(self, f"{name}_proj", nn.Linear(a.hidden_size, 1, bias=False))
         self.index = i
 
     def forward(self, h: torch.Tensor, kv: HybridCache, start: int, blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -371,23 +348,26 @@ class DecoderLayer(nn.Module):
 class Model(CausalLM):
     """Kimi-Linear / Kimi K3 causal LM with streamed experts and a :class:`HybridCache`."""
 
+    expert_names = ("w1", "w3", "w2")
+
     # kept in float32, as transformers' _keep_in_fp32_modules_strict for Kimi-Linear
     float32_parameters = (".gate.weight", ".gate.e_score_correction_bias", ".dt_bias")
 
     def __init__(self, a: ModelArgs):
         k3 = a.model_type == "kimi_k3"
-        super().__init__(
-            a.vocab_size, a.hidden_size, a.rms_norm_eps, 2, 10000.0, a.tie_word_embeddings,  # no rotary: unused
-            max_context=a.max_position_embeddings,
-            prefix="language_model.model" if k3 else "model", head="language_model.lm_head" if k3 else "lm_head",
-        )
-        self.args = a
-        self.decoder.layers.extend(DecoderLayer(a, i) for i in range(a.num_hidden_layers))
+        super().__init__(a, prefix="language_model.model" if k3 else "model",
+                         head="language_model.lm_head" if k3 else "lm_head")
         if a.attn_res_block_size:
             self.decoder.output_attn_res_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
             self.decoder.output_attn_res_proj = nn.Linear(a.hidden_size, 1, bias=False)
         if a.has_vision:
             log.warning("Kimi K3: the vision tower (vision_config) is not loaded; moestream runs the text model only")
+
+    def make_rotary(self, a: ModelArgs) -> None:
+        return None  # MLA without rope, KDA
+
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        return DecoderLayer(a, i)
 
     def expert_shape(self) -> tuple[int, int]:
         """(intermediate, width) of one routed expert's gate projection (width: the latent width for K3)."""
@@ -454,84 +434,5 @@ def synth_config(cfg: dict, layers: int) -> dict:
 def synth_tensors(cfg: dict) -> list[SynthTensor]:
     """Every tensor of a checkpoint of ``cfg``'s shapes, named as the Hub's (per-expert ``w1/w3/w2``)."""
     cfg = synth_config(cfg, (cfg.get("text_config") or cfg).get("num_hidden_layers", 1))  # drop quantization
-    a = ModelArgs.from_config(cfg)
-    k3 = a.model_type == "kimi_k3"
-    top = "language_model.model." if k3 else "model."
-    h = a.hidden_size
-    out = [SynthTensor(top + "embed_tokens.weight", (a.vocab_size, h), "embed")]
-
-    def linear(name: str, o: int, i: int, init: str = "normal"):
-        out.append(SynthTensor(name + ".weight", (o, i), init))
-
-    def mlp(p: str, inter: int):
-        linear(p + "gate_proj", inter, h)
-        linear(p + "up_proj", inter, h)
-        linear(p + "down_proj", h, inter, "out")
-
-    for i in range(a.num_hidden_layers):
-        p = f"{top}layers.{i}."
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            out.append(SynthTensor(p + n + ".weight", (h,), "norm"))
-        if a.attn_res_block_size:
-            for n in ("self_attention_res", "mlp_res"):
-                out.append(SynthTensor(p + n + "_norm.weight", (h,), "norm"))
-                linear(p + n + "_proj", 1, h)
-        s = p + "self_attn."
-        if a.layer_types[i] == "linear_attention":
-            d, dk = a.linear_num_heads * a.linear_head_dim, a.linear_head_dim
-            for n in ("q", "k", "v"):
-                linear(s + n + "_proj", d, h)
-                out.append(SynthTensor(s + n + "_conv1d.weight", (d, 1, a.linear_conv_kernel_dim), "normal"))
-            out.append(SynthTensor(s + "A_log", (dk,) if k3 else (1, 1, a.linear_num_heads, 1), "zeros"))
-            out.append(SynthTensor(s + "dt_bias", (d,), "zeros"))
-            linear(s + "f_a_proj", dk, h)
-            linear(s + "f_b_proj", d, dk)
-            linear(s + "b_proj", a.linear_num_heads, h)
-            if a.use_full_rank_gate:
-                linear(s + "g_proj", d, h)
-            else:
-                linear(s + "g_a_proj", dk, h)
-                linear(s + "g_b_proj", d, dk)
-            out.append(SynthTensor(s + "o_norm.weight", (dk,), "norm"))
-            linear(s + "o_proj", h, d, "out")
-        else:
-            qdim = a.num_attention_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
-            if a.q_lora_rank is None:
-                linear(s + "q_proj", qdim, h)
-            else:
-                linear(s + "q_a_proj", a.q_lora_rank, h)
-                out.append(SynthTensor(s + "q_a_layernorm.weight", (a.q_lora_rank,), "norm"))
-                linear(s + "q_b_proj", qdim, a.q_lora_rank)
-            linear(s + "kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_head_dim, h)
-            out.append(SynthTensor(s + "kv_a_layernorm.weight", (a.kv_lora_rank,), "norm"))
-            linear(s + "kv_b_proj", a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
-            if a.mla_use_output_gate:
-                linear(s + "g_proj", a.num_attention_heads * a.v_head_dim, h)
-            linear(s + "o_proj", h, a.num_attention_heads * a.v_head_dim, "out")
-        if a.mlp_layer_types[i] == "dense":
-            mlp(p + "mlp.", a.intermediate_size)
-            continue
-        m, w, inter = p + "block_sparse_moe.", a.expert_width, a.moe_intermediate_size
-        linear(m + "gate", a.num_experts, h)
-        out.append(SynthTensor(m + "gate.e_score_correction_bias", (a.num_experts,), "zeros"))
-        if a.num_shared_experts:
-            mlp(m + "shared_experts.", inter * a.num_shared_experts)
-        if a.routed_expert_hidden_size:
-            linear(m + "routed_expert_down_proj", w, h)
-            linear(m + "routed_expert_up_proj", h, w, "out")
-            if a.latent_moe_use_norm:
-                out.append(SynthTensor(m + "routed_expert_norm.weight", (w,), "norm"))
-        for e in range(a.num_experts):
-            x = f"{m}experts.{e}."
-            linear(x + "w1", inter, w)
-            linear(x + "w3", inter, w)
-            linear(x + "w2", w, inter, "out")
-    out.append(SynthTensor(top + "norm.weight", (h,), "norm"))
-    if a.attn_res_block_size:
-        out.append(SynthTensor(top + "output_attn_res_norm.weight", (h,), "norm"))
-        linear(top + "output_attn_res_proj", 1, h)
-    if not a.tie_word_embeddings:
-        linear("language_model.lm_head" if k3 else "lm_head", a.vocab_size, h)
-    return out
-
-
+    a = dataclasses.replace(ModelArgs.from_config(cfg), has_vision=False)  # synth warns of no vision tower
+    return meta_model(Model, a).synth_tensors()

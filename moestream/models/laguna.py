@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .base import CausalLM, SynthTensor, field, positive
-from .layers import MLP, RMSNorm
+from .base import CausalLM, DecoderArgs, check_top_k, config_field, derived, field, synth_tensors_of
+from .layers import MLP, DecoderLayer
 from .moe import StreamedMoE
-from .variants import DecoderLayer, PerTypeRope, Rope, VariantAttention
+from .rope import PerTypeRope, make_rope
+from .variants import VariantAttention
 
 MODEL_TYPES = ("laguna",)
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -40,97 +41,65 @@ DEFAULT_ROPE = {
 }
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    """The config.json fields Laguna uses (names as Hugging Face spells them)."""
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs(DecoderArgs):
+    """The config.json fields Laguna uses beyond :class:`DecoderArgs` (names as Hugging Face spells them)."""
 
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_key_value_heads: int
-    head_dim: int
-    heads_per_layer: tuple[int, ...]
-    layer_types: tuple[str, ...]
-    mlp_layer_types: tuple[str, ...]
-    intermediate_size: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_routed_scaling_factor: float
-    moe_router_logit_softcapping: float
-    gate_per_head: bool
-    sliding_window: int
-    rope_parameters: dict
-    rms_norm_eps: float
-    attention_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int | None
+    family = "laguna"
+    rope_types = None  # one set of rope parameters per layer type, read by the model
+
+    rope_theta: float | None = derived()  # per layer type, in rope_parameters
+    num_attention_heads_per_layer: tuple[int, ...] | None = None
+    layer_types: tuple[str, ...] | None = None
+    mlp_layer_types: tuple[str, ...] | None = None
+    intermediate_size: int = config_field(minimum=1)
+    moe_intermediate_size: int = config_field(minimum=1)
+    shared_expert_intermediate_size: int = config_field(minimum=1)
+    num_experts: int = config_field(minimum=1)
+    num_experts_per_tok: int = config_field(minimum=1)
+    moe_routed_scaling_factor: float = 1.0
+    moe_router_logit_softcapping: float = 0.0
+    gating: bool | str = True
+    gate_per_head: bool = derived()
+    sliding_window: int = config_field(512, minimum=1)
+    rope_parameters: dict = config_field(DEFAULT_ROPE)
+    attention_bias: bool = False
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ModelArgs":
-        """Parse and check a config dict. Raises ConfigError naming the bad field."""
-        layers, heads = positive(cfg, "num_hidden_layers"), positive(cfg, "num_attention_heads")
-        kv = positive(cfg, "num_key_value_heads", heads)
-        experts, top_k = positive(cfg, "num_experts"), positive(cfg, "num_experts_per_tok")
-        if top_k > experts:
-            raise ConfigError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
-        per_layer = _list(cfg, "num_attention_heads_per_layer", layers, [heads] * layers, int)
+    def check(cls, cfg: dict, v: dict) -> None:
+        super().check(cfg, v)
+        layers, heads, kv = v["num_hidden_layers"], v["num_attention_heads"], v["num_key_value_heads"]
+        check_top_k(v["num_experts_per_tok"], v["num_experts"])
+        per_layer = _per_layer(v, "num_attention_heads_per_layer", [heads] * layers, int)
         if any(h < 1 or h % kv for h in per_layer):
-            raise ConfigError(f"num_attention_heads_per_layer {per_layer} must be multiples of {kv} kv heads")
-        types = _list(cfg, "layer_types", layers, ["full_attention"] * layers, str, LAYER_TYPES)
-        mlp_types = _list(cfg, "mlp_layer_types", layers, ["dense"] + ["sparse"] * (layers - 1), str,
-                          ("dense", "sparse"))
+            raise ConfigError(f"num_attention_heads_per_layer {list(per_layer)} must be multiples of {kv} kv heads")
+        types = _per_layer(v, "layer_types", ["full_attention"] * layers, str, LAYER_TYPES)
+        _per_layer(v, "mlp_layer_types", ["dense"] + ["sparse"] * (layers - 1), str, ("dense", "sparse"))
         if field(cfg, "moe_apply_router_weight_on_input", bool, False):
             raise ConfigError("moe_apply_router_weight_on_input true is not supported (nor by transformers' Laguna)")
-        act = field(cfg, "hidden_act", str, "silu")
-        if act != "silu":
-            raise ConfigError(f"hidden_act {act!r} is not supported for laguna (its experts use silu)")
-        gating = field(cfg, "gating", (bool, str), True)
+        gating = v["gating"]
         if gating not in (True, False, "per-head", "per-element"):
             raise ConfigError(f"gating {gating!r}: expected true, false, 'per-head' or 'per-element'")
-        rope = field(cfg, "rope_parameters", dict, DEFAULT_ROPE)
+        # as the reference: any gating but true / "per-head" gates per element
+        v["gate_per_head"] = gating is True or gating == "per-head"
         for t in set(types):
-            if not isinstance(rope.get(t), dict):
+            if not isinstance(v["rope_parameters"].get(t), dict):
                 raise ConfigError(f"rope_parameters has no entry for layer type {t!r}")
-        hidden = positive(cfg, "hidden_size")
-        return cls(
-            vocab_size=positive(cfg, "vocab_size"),
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            num_key_value_heads=kv,
-            head_dim=field(cfg, "head_dim", int, None) or hidden // heads,
-            heads_per_layer=tuple(per_layer),
-            layer_types=tuple(types),
-            mlp_layer_types=tuple(mlp_types),
-            intermediate_size=positive(cfg, "intermediate_size"),
-            moe_intermediate_size=positive(cfg, "moe_intermediate_size"),
-            shared_expert_intermediate_size=positive(cfg, "shared_expert_intermediate_size"),
-            num_experts=experts,
-            num_experts_per_tok=top_k,
-            moe_routed_scaling_factor=field(cfg, "moe_routed_scaling_factor", float, 1.0),
-            moe_router_logit_softcapping=field(cfg, "moe_router_logit_softcapping", float, 0.0),
-            # as the reference: any gating but true / "per-head" gates per element
-            gate_per_head=gating is True or gating == "per-head",
-            sliding_window=positive(cfg, "sliding_window", 512),
-            rope_parameters=rope,
-            rms_norm_eps=field(cfg, "rms_norm_eps", float, 1e-6),
-            attention_bias=field(cfg, "attention_bias", bool, False),
-            tie_word_embeddings=field(cfg, "tie_word_embeddings", bool, False),
-            max_position_embeddings=field(cfg, "max_position_embeddings", int, None),
-        )
 
     def rope_dim(self, layer_type: str) -> int:
         """Rotated dimensions per head for a layer type: ``int(head_dim * partial_rotary_factor)``."""
         return int(self.head_dim * self.rope_parameters[layer_type].get("partial_rotary_factor", 1.0))
 
 
-def _list(cfg: dict, name: str, n: int, default: list, kind: type, allowed: tuple | None = None) -> list:
-    value = field(cfg, name, list, default)
-    if len(value) != n or not all(isinstance(v, kind) and (allowed is None or v in allowed) for v in value):
+def _per_layer(v: dict, name: str, default: list, kind: type, allowed: tuple | None = None) -> tuple:
+    """Field ``name`` of ``v`` (``default`` when absent) checked to hold one ``kind`` per layer, as a tuple."""
+    n = v["num_hidden_layers"]
+    value = default if v[name] is None else list(v[name])
+    if len(value) != n or not all(isinstance(x, kind) and (allowed is None or x in allowed) for x in value):
         what = f"one of {', '.join(allowed)}" if allowed else kind.__name__
         raise ConfigError(f"field {name!r} must list {n} values, each {what}; found {value!r}")
-    return value
+    v[name] = tuple(value)
+    return v[name]
 
 
 def laguna_sigmoid_topk(
@@ -177,36 +146,24 @@ class LagunaMoE(StreamedMoE):
 class Model(CausalLM):
     """Laguna causal LM with streamed experts."""
 
-    def __init__(self, a: ModelArgs):
-        super().__init__(
-            a.vocab_size, a.hidden_size, a.rms_norm_eps, a.head_dim, 10000.0, a.tie_word_embeddings,
-            max_context=a.max_position_embeddings,
-        )
-        self.args = a
+    def make_rotary(self, a: ModelArgs) -> PerTypeRope:
         # transformers reads YaRN's truncate from the top level of rope_parameters (True when absent)
         truncate = a.rope_parameters.get("truncate", True)
-        with torch.device("cpu"):
-            self.rotary = PerTypeRope({
-                t: Rope(a.rope_dim(t), float(a.rope_parameters[t].get("rope_theta", 10000.0)),
-                        a.rope_parameters[t], truncate)
-                for t in sorted(set(a.layer_types))
-            })
-        for i in range(a.num_hidden_layers):
-            kind = a.layer_types[i]
-            attn = VariantAttention(
-                a.hidden_size, a.heads_per_layer[i], a.num_key_value_heads, a.head_dim, bias=a.attention_bias,
-                window=a.sliding_window if kind == "sliding_attention" else None, qk_norm="head",
-                norm_eps=a.rms_norm_eps, gate="per-head" if a.gate_per_head else "per-element",
-            )
-            mlp = LagunaMoE(a, i) if a.mlp_layer_types[i] == "sparse" else MLP(a.hidden_size, a.intermediate_size)
-            self.decoder.layers.append(DecoderLayer(
-                RMSNorm(a.hidden_size, a.rms_norm_eps), attn, RMSNorm(a.hidden_size, a.rms_norm_eps), mlp,
-                rope_key=kind,
-            ))
+        return PerTypeRope({
+            t: make_rope(a.rope_dim(t), a.rope_parameters[t].get("rope_theta", 10000.0),
+                         dict(a.rope_parameters[t], truncate=truncate))
+            for t in sorted(set(a.layer_types))
+        })
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.moe_intermediate_size, self.args.hidden_size
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        kind = a.layer_types[i]
+        attn = VariantAttention(
+            a.hidden_size, a.num_attention_heads_per_layer[i], a.num_key_value_heads, a.head_dim,
+            bias=a.attention_bias, window=a.sliding_window if kind == "sliding_attention" else None,
+            qk_norm="head", norm_eps=a.rms_norm_eps, gate="per-head" if a.gate_per_head else "per-element",
+        )
+        mlp = LagunaMoE(a, i) if a.mlp_layer_types[i] == "sparse" else MLP(a.hidden_size, a.intermediate_size)
+        return DecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp, rope_key=kind)
 
 
 def synth_config(cfg: dict, layers: int) -> dict:
@@ -221,42 +178,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a Laguna checkpoint of ``cfg``'s shapes, with the names transformers 5 writes."""
-    a = ModelArgs.from_config(cfg)
-    h, hd, kv = a.hidden_size, a.head_dim, a.num_key_value_heads * a.head_dim
-    out = [SynthTensor("model.embed_tokens.weight", (a.vocab_size, h), "embed")]
-
-    def mlp(prefix: str, inter: int) -> list[SynthTensor]:
-        return [SynthTensor(prefix + "gate_proj.weight", (inter, h), "normal"),
-                SynthTensor(prefix + "up_proj.weight", (inter, h), "normal"),
-                SynthTensor(prefix + "down_proj.weight", (h, inter), "out")]
-
-    for i in range(a.num_hidden_layers):
-        p, q = f"model.layers.{i}.", a.heads_per_layer[i] * hd
-        out += [
-            SynthTensor(p + "input_layernorm.weight", (h,), "norm"),
-            SynthTensor(p + "self_attn.q_proj.weight", (q, h), "normal"),
-            SynthTensor(p + "self_attn.k_proj.weight", (kv, h), "normal"),
-            SynthTensor(p + "self_attn.v_proj.weight", (kv, h), "normal"),
-            SynthTensor(p + "self_attn.o_proj.weight", (h, q), "out"),
-            SynthTensor(p + "self_attn.q_norm.weight", (hd,), "norm"),
-            SynthTensor(p + "self_attn.k_norm.weight", (hd,), "norm"),
-            SynthTensor(p + "self_attn.g_proj.weight", (a.heads_per_layer[i] if a.gate_per_head else q, h), "normal"),
-            SynthTensor(p + "post_attention_layernorm.weight", (h,), "norm"),
-        ]
-        if a.attention_bias:
-            out += [SynthTensor(p + f"self_attn.{n}_proj.bias", (d,), "zeros")
-                    for n, d in (("q", q), ("k", kv), ("v", kv), ("o", h))]
-        if a.mlp_layer_types[i] == "dense":
-            out += mlp(p + "mlp.", a.intermediate_size)
-            continue
-        out += [SynthTensor(p + "mlp.gate.weight", (a.num_experts, h), "normal"),
-                SynthTensor(p + "mlp.experts.e_score_correction_bias", (a.num_experts,), "zeros")]
-        out += mlp(p + "mlp.shared_expert.", a.shared_expert_intermediate_size)
-        for e in range(a.num_experts):
-            out += mlp(f"{p}mlp.experts.{e}.", a.moe_intermediate_size)
-    out.append(SynthTensor("model.norm.weight", (h,), "norm"))
-    if not a.tie_word_embeddings:
-        out.append(SynthTensor("lm_head.weight", (a.vocab_size, h), "normal"))
-    return out
+synth_tensors = synth_tensors_of(Model, ModelArgs)

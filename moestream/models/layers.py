@@ -1,5 +1,5 @@
-"""Layers shared by the model families: RMSNorm, rotary embeddings, attention with a KV
-cache, and the dense SwiGLU MLP.
+"""Layers shared by the model families: RMSNorm, attention with a KV cache, the dense SwiGLU
+MLP and the pre-norm decoder layer (rotary embeddings are in :mod:`moestream.models.rope`).
 
 Activations are 2-D ``[T, hidden]`` tensors for one sequence of ``T`` tokens (one
 sequence at a time; batching is not needed for single-user streaming). The math follows
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, InputError
+from .rope import apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -33,51 +34,6 @@ class RMSNorm(nn.Module):
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
-
-
-def rope_theta(cfg: dict) -> float:
-    """``rope_theta`` from a config, in transformers 4 (top level) or 5 (``rope_parameters``) form."""
-    params = cfg.get("rope_parameters") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta"))
-    if theta is None:
-        raise ConfigError("no rope_theta (top level or in rope_parameters)")
-    return float(theta)
-
-
-def rope_scaling_type(cfg: dict) -> str:
-    """The RoPE variant a config asks for (``"default"`` when it names none)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    return params.get("rope_type", params.get("type", "default")) or "default"
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al. 2021, RoFormer), as transformers' default RoPE.
-
-    Args:
-        dim: rotated dimensions per head.
-        theta: the base (``rope_theta``).
-    """
-
-    def __init__(self, dim: int, theta: float):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin, each [T, dim] in ``dtype``, for int64 ``positions`` [T]."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [heads, T, dim] by cos/sin [T, dim] (half-split convention, as transformers)."""
-    return x * cos + rotate_half(x) * sin
 
 
 class KVCache:
@@ -139,7 +95,28 @@ def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tens
     return mask
 
 
-class Attention(nn.Module):
+class AttentionProjections(nn.Module):
+    """The q, k, v and o projections of grouped-query attention (``heads`` query heads sharing ``kv_heads``
+    key/value heads of ``head_dim``; biases when ``bias``), its sliding ``window`` and softmax scale.
+
+    Raises:
+        ConfigError: ``heads`` not a multiple of ``kv_heads`` (``heads_name`` names the heads in the message).
+    """
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
+                 window: int | None = None, heads_name: str = "num_attention_heads"):
+        super().__init__()
+        if heads % kv_heads:
+            raise ConfigError(f"{heads_name} {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+
+class Attention(AttentionProjections):
     """Grouped-query attention with optional per-head q/k RMSNorm (Qwen3) and KV cache.
 
     As transformers' ``Qwen3MoeAttention``: q/k/v projections, per-head RMSNorm of q and
@@ -161,20 +138,12 @@ class Attention(nn.Module):
         qk_norm_eps: float | None = None,
         window: int | None = None,
     ):
-        super().__init__()
-        if heads % kv_heads:
-            raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-        self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        super().__init__(hidden, heads, kv_heads, head_dim, bias, window)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.scale = 1.0 / math.sqrt(head_dim)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, layer: int, start: int
@@ -246,3 +215,28 @@ class HybridCache(KVCache):
     def nbytes(self) -> int:
         states = [t for t in self.conv + self.recurrent if t is not None]
         return super().nbytes + sum(t.numel() * t.element_size() for t in states)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``.
+
+    The two norms are ``norm(hidden, eps)`` (``input_layernorm``, ``post_attention_layernorm``);
+    ``mlp_name`` is the checkpoint's name of the feed-forward block (``mlp``, or Mixtral's
+    ``block_sparse_moe``); ``rope_key`` picks this layer's cos/sin when the model's rotary
+    embedding returns one per layer type (:class:`~moestream.models.rope.PerTypeRope`).
+    """
+
+    def __init__(self, hidden: int, eps: float, attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp",
+                 rope_key: str | None = None, norm: type[nn.Module] = RMSNorm):
+        super().__init__()
+        self.input_layernorm = norm(hidden, eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = norm(hidden, eps)
+        self.mlp_name, self.rope_key = mlp_name, rope_key
+        setattr(self, mlp_name, mlp)
+
+    def forward(self, h: torch.Tensor, cos, sin, kv: KVCache, i: int, start: int) -> torch.Tensor:
+        if self.rope_key is not None:
+            cos, sin = cos[self.rope_key], sin[self.rope_key]
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, i, start)
+        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .layers import KVCache, RMSNorm, apply_rotary, attention_mask
-from .rope import apply_rotary_interleaved
+from .layers import KVCache, RMSNorm, attention_mask
+from .rope import apply_rotary, apply_rotary_interleaved
 
 ROPE_STYLES = ("interleaved", "half", None)
 SCORE_ELEMENTS = 1 << 24  # attention scores held at once per layer (float32: 64 MiB)
@@ -84,9 +84,9 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = nn.Linear(heads * v_head_dim, hidden, bias=bias)
-        if output_gate:
+        if output_gate:  # declared before o_proj, the checkpoint's order
             self.g_proj = nn.Linear(hidden, heads * v_head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * v_head_dim, hidden, bias=bias)
         self.output_gate = output_gate
         self.scale = qk**-0.5 if scale is None else scale
 

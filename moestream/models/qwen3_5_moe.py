@@ -12,51 +12,66 @@ The rotary embedding is multimodal (``mrope_section``); for text every position 
 temporal, height and width indices, so it is the ordinary partial rotary embedding.
 The vision tower (``model.visual.*``) and the multi-token-prediction layer (``mtp.*``)
 are not loaded; :func:`describe_skipped` names them on load.
+
+The text model alone, as transformers' ``Qwen3_5MoeForCausalLM.save_pretrained`` writes it
+(a fine-tune or text-only export), is ``model_type: qwen3_5_moe_text``: the text config at
+the top level and the decoder at ``model`` (``model.layers.N...``, LM head ``lm_head``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import ConfigError
-from .base import SynthTensor
+from .base import derived, synth_tensors_of
 from .qwen3_next import Model as NextModel
 from .qwen3_next import ModelArgs as NextArgs
-from .qwen3_next import hybrid_synth_tensors, skipped_note
+from .qwen3_next import skipped_note
 
-MODEL_TYPES = ("qwen3_5_moe",)
+MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+TEXT_ONLY = "qwen3_5_moe_text"
 PREFIX, HEAD = "model.language_model", "lm_head"
+TEXT_PREFIX = "model"  # the decoder of a text-only checkpoint (Qwen3_5MoeForCausalLM)
 
 
 def text_config(cfg: dict) -> dict:
-    """The ``text_config`` of a Qwen3.5 MoE config. Raises ConfigError when it is missing."""
+    """The text config of a Qwen3.5 MoE config: its ``text_config``, or the config itself for
+    ``qwen3_5_moe_text``. Raises ConfigError when a multimodal config has none."""
+    if cfg.get("model_type") == TEXT_ONLY:
+        return cfg
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError("field 'text_config' is missing or not an object")
     return text
 
 
+@dataclass(frozen=True, kw_only=True)
 class ModelArgs(NextArgs):
-    """Qwen3-Next's fields, read from ``text_config``."""
+    """Qwen3-Next's fields, read from ``text_config`` (or the top level: ``text_only``)."""
+
+    family = "qwen3_5_moe"
+    fixed = {"fused_projections": False, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": ()}
+
+    text_only: bool = derived(False)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
         """Parse and check a Qwen3.5/3.6 MoE config.json dict. Raises ConfigError naming the bad field."""
         text = text_config(cfg)
+        text_only = text is cfg
+        # transformers ties the head by the top-level field of the multimodal config
+        tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
         try:
-            return cls.parse(
-                text, "qwen3_5_moe", fused_projections=False, norm_topk_prob=True, decoder_sparse_step=1,
-                mlp_only_layers=(),
-                # transformers ties the head by the top-level field of the multimodal config
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            )
+            return super().from_config(text, text_only=text_only, tie_word_embeddings=tie)
         except ConfigError as e:
-            raise ConfigError(f"text_config: {e}") from None
+            raise ConfigError(str(e) if text_only else f"text_config: {e}") from None
 
 
 class Model(NextModel):
     """Qwen3.5/3.6 MoE text decoder (at ``model.language_model``) with streamed experts."""
 
     def __init__(self, a: ModelArgs):
-        super().__init__(a, prefix=PREFIX, head=HEAD)
+        super().__init__(a, prefix=TEXT_PREFIX if a.text_only else PREFIX, head=HEAD)
 
 
 def describe_skipped(unused: list[str]) -> tuple[str | None, list[str]]:
@@ -73,6 +88,7 @@ def synth_config(cfg: dict, layers: int) -> dict:
     Raises:
         ConfigError: ``layers`` beyond the config's.
     """
+    text_only = cfg.get("model_type") == TEXT_ONLY
     text = dict(text_config(cfg))
     total = text.get("num_hidden_layers")
     if isinstance(total, int) and layers > total:
@@ -82,11 +98,7 @@ def synth_config(cfg: dict, layers: int) -> dict:
         text["layer_types"] = text["layer_types"][:layers]
     if "mtp_num_hidden_layers" in text:  # synth writes no multi-token-prediction layer (mtp.*)
         text["mtp_num_hidden_layers"] = 0
-    return {**cfg, "text_config": text}
+    return text if text_only else {**cfg, "text_config": text}
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every text tensor of a Qwen3.5 MoE checkpoint of ``cfg``'s shapes, named as the
-    published checkpoints (``model.language_model.*``, per-expert experts); no vision
-    tower, no MTP layer."""
-    return hybrid_synth_tensors(ModelArgs.from_config(cfg), PREFIX, HEAD)
+synth_tensors = synth_tensors_of(Model, ModelArgs)

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .base import CausalLM, SynthTensor, field, positive
+from .base import CausalLM, DecoderArgs, check_top_k, config_field, derived, synth_tensors_of
 from .hybrid import (
     GatedAttention,
     GatedDeltaNet,
@@ -31,117 +32,62 @@ from .hybrid import (
     ZeroCenteredRMSNorm,
     layer_types,
     rotary_fraction,
-    synth_layer_tensors,
 )
-from .layers import MLP, rope_scaling_type, rope_theta
+from .layers import MLP
 from .moe import softmax_topk
+from .rope import RotaryEmbedding, make_rope
 
 MODEL_TYPES = ("qwen3_next",)
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    """The config fields a hybrid Qwen model uses (names as Hugging Face spells them).
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs(DecoderArgs):
+    """The config fields a hybrid Qwen model uses beyond :class:`DecoderArgs` (names as Hugging Face spells them).
 
     ``fused_projections`` is how the DeltaNet input projections are stored (Qwen3-Next:
     fused ``in_proj_qkvz``/``in_proj_ba``; Qwen3.5: four separate projections).
     """
 
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rotary_dim: int
-    layer_types: tuple[str, ...]
-    linear_conv_kernel_dim: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    intermediate_size: int | None
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    num_experts: int
-    num_experts_per_tok: int
-    norm_topk_prob: bool
-    decoder_sparse_step: int
-    mlp_only_layers: tuple[int, ...]
-    rms_norm_eps: float
-    rope_theta: float
-    attention_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int | None
-    fused_projections: bool = True
+    family = "qwen3_next"
+    rope_refusal = "yet (only default)"
+    # fields a family fixes whatever its config says (Qwen3.5: every layer MoE, renormalized)
+    fixed: ClassVar[dict] = {}
+
+    rotary_dim: int = derived()
+    layer_types: tuple[str, ...] = derived()
+    linear_conv_kernel_dim: int = config_field(4, minimum=1)
+    linear_key_head_dim: int = config_field(minimum=1)
+    linear_value_head_dim: int = config_field(minimum=1)
+    linear_num_key_heads: int = config_field(minimum=1)
+    linear_num_value_heads: int = config_field(minimum=1)
+    intermediate_size: int | None = None
+    moe_intermediate_size: int = config_field(minimum=1)
+    shared_expert_intermediate_size: int = config_field(minimum=1)
+    num_experts: int = config_field(minimum=1)
+    num_experts_per_tok: int = config_field(minimum=1)
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = config_field(1, minimum=1)
+    mlp_only_layers: tuple[int, ...] = ()
+    attention_bias: bool = False
+    fused_projections: bool = derived(True)
 
     @classmethod
-    def parse(cls, cfg: dict, family: str, **fixed) -> "ModelArgs":
-        """Parse and check the (text) config dict ``cfg``; ``fixed`` overrides fields the family fixes.
-
-        Raises:
-            ConfigError: naming the bad field.
-        """
-        heads = positive(cfg, "num_attention_heads")
-        hidden = positive(cfg, "hidden_size")
-        layers = positive(cfg, "num_hidden_layers")
-        experts = positive(cfg, "num_experts")
-        top_k = positive(cfg, "num_experts_per_tok")
-        if top_k > experts:
-            raise ConfigError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
-        act = field(cfg, "hidden_act", str, "silu")
-        if act != "silu":
-            raise ConfigError(f"hidden_act {act!r} is not supported for {family} (its experts use silu)")
-        rope_type = rope_scaling_type(cfg)
-        if rope_type != "default":
-            raise ConfigError(f"rope type {rope_type!r} is not supported for {family} yet (only default)")
-        head_dim = field(cfg, "head_dim", int, None) or hidden // heads
-        rotary_dim = int(head_dim * rotary_fraction(cfg))
+    def check(cls, cfg: dict, v: dict) -> None:
+        super().check(cfg, v)
+        check_top_k(v["num_experts_per_tok"], v["num_experts"])
+        head_dim = v["head_dim"]
+        v["rotary_dim"] = rotary_dim = int(head_dim * rotary_fraction(cfg))
         if rotary_dim < 2 or rotary_dim % 2:
             raise ConfigError(f"head_dim {head_dim} x partial_rotary_factor gives {rotary_dim} rotary dimensions; "
                               "expected an even number >= 2")
-        only = field(cfg, "mlp_only_layers", list, [])
-        if not all(isinstance(i, int) for i in only):
-            raise ConfigError(f"mlp_only_layers {only!r} is not a list of layer indices")
-        values = dict(
-            vocab_size=positive(cfg, "vocab_size"),
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=positive(cfg, "num_key_value_heads", heads),
-            head_dim=head_dim,
-            rotary_dim=rotary_dim,
-            layer_types=tuple(layer_types(cfg, layers)),
-            linear_conv_kernel_dim=positive(cfg, "linear_conv_kernel_dim", 4),
-            linear_key_head_dim=positive(cfg, "linear_key_head_dim"),
-            linear_value_head_dim=positive(cfg, "linear_value_head_dim"),
-            linear_num_key_heads=positive(cfg, "linear_num_key_heads"),
-            linear_num_value_heads=positive(cfg, "linear_num_value_heads"),
-            intermediate_size=field(cfg, "intermediate_size", int, None),
-            moe_intermediate_size=positive(cfg, "moe_intermediate_size"),
-            shared_expert_intermediate_size=positive(cfg, "shared_expert_intermediate_size"),
-            num_experts=experts,
-            num_experts_per_tok=top_k,
-            norm_topk_prob=field(cfg, "norm_topk_prob", bool, True),
-            decoder_sparse_step=positive(cfg, "decoder_sparse_step", 1),
-            mlp_only_layers=tuple(only),
-            rms_norm_eps=field(cfg, "rms_norm_eps", float, 1e-6),
-            rope_theta=rope_theta(cfg),
-            attention_bias=field(cfg, "attention_bias", bool, False),
-            tie_word_embeddings=field(cfg, "tie_word_embeddings", bool, False),
-            max_position_embeddings=field(cfg, "max_position_embeddings", int, None),
-        )
-        values.update(fixed)
-        args = cls(**values)
-        dense = [i for i in range(layers) if not args.is_moe_layer(i)]
-        if dense and not args.intermediate_size:
+        if not all(isinstance(i, int) for i in v["mlp_only_layers"]):
+            raise ConfigError(f"mlp_only_layers {list(v['mlp_only_layers'])!r} is not a list of layer indices")
+        v["layer_types"] = tuple(layer_types(cfg, v["num_hidden_layers"]))
+        v.update(cls.fixed)
+        dense = [i for i in range(v["num_hidden_layers"])
+                 if i in v["mlp_only_layers"] or (i + 1) % v["decoder_sparse_step"]]
+        if dense and not v["intermediate_size"]:
             raise ConfigError(f"layers {dense[:5]} use a dense MLP, but field 'intermediate_size' is missing")
-        return args
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> "ModelArgs":
-        """Parse and check a Qwen3-Next config.json dict. Raises ConfigError naming the bad field."""
-        return cls.parse(cfg, "qwen3_next")
 
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
@@ -154,6 +100,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, a: ModelArgs, i: int):
         super().__init__()
         self.input_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
         self.linear = a.layer_types[i] == "linear_attention"
         if self.linear:
             self.linear_attn = GatedDeltaNet(
@@ -162,10 +109,9 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.self_attn = GatedAttention(
-                a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rotary_dim,
-                a.rms_norm_eps, bias=a.attention_bias,
+                a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps,
+                bias=a.attention_bias,
             )
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.is_moe_layer(i):
             router = partial(softmax_topk, top_k=a.num_experts_per_tok, norm_topk_prob=a.norm_topk_prob)
             self.mlp = SharedExpertMoE(a.hidden_size, a.num_experts, i, router, a.shared_expert_intermediate_size,
@@ -186,22 +132,23 @@ class DecoderLayer(nn.Module):
 class Model(CausalLM):
     """Hybrid Qwen causal LM (Qwen3-Next layout: decoder at ``model``) with streamed experts."""
 
-    def __init__(self, a: ModelArgs, prefix: str = "model", head: str = "lm_head"):
-        super().__init__(
-            a.vocab_size, a.hidden_size, a.rms_norm_eps, a.rotary_dim, a.rope_theta, a.tie_word_embeddings,
-            max_context=a.max_position_embeddings, prefix=prefix, head=head,
-        )
-        self.args = a
-        self.decoder.norm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.decoder.layers.extend(DecoderLayer(a, i) for i in range(a.num_hidden_layers))
+    Norm = ZeroCenteredRMSNorm
+
+    def make_rotary(self, a: ModelArgs) -> RotaryEmbedding:
+        return make_rope(a.rotary_dim, a.rope_theta)
+
+    def make_layer(self, a: ModelArgs, i: int) -> DecoderLayer:
+        return DecoderLayer(a, i)
 
     def new_kv_cache(self, capacity: int = 256) -> HybridCache:
         """Keys/values for attention layers, convolution and recurrent state for DeltaNet layers."""
         return HybridCache(len(self.decoder.layers), capacity)
 
-    def expert_shape(self) -> tuple[int, int]:
-        """(intermediate, hidden) of one routed expert's gate projection."""
-        return self.args.moe_intermediate_size, self.args.hidden_size
+    def synth_rank(self, name: str) -> int:
+        """synth lists a MoE layer's routed experts right after the router, before the shared expert."""
+        if name.startswith("mlp.") and not name.startswith("mlp.gate."):
+            return 3 if name.startswith("mlp.experts.") else 4
+        return super().synth_rank(name)
 
 
 def describe_skipped(unused: list[str]) -> tuple[str | None, list[str]]:
@@ -240,19 +187,4 @@ def synth_config(cfg: dict, layers: int) -> dict:
     return out
 
 
-def synth_tensors(cfg: dict) -> list[SynthTensor]:
-    """Every tensor of a Qwen3-Next checkpoint of ``cfg``'s shapes (per-expert experts; no MTP layer)."""
-    a = ModelArgs.from_config(cfg)
-    return hybrid_synth_tensors(a, "model", "lm_head")
-
-
-def hybrid_synth_tensors(a: ModelArgs, prefix: str, head: str) -> list[SynthTensor]:
-    """The tensors of a hybrid Qwen checkpoint with its decoder at ``prefix`` and LM head at ``head``."""
-    h = a.hidden_size
-    out = [SynthTensor(f"{prefix}.embed_tokens.weight", (a.vocab_size, h), "embed")]
-    for i in range(a.num_hidden_layers):
-        out += synth_layer_tensors(a, f"{prefix}.layers.{i}.", i, a.fused_projections)
-    out.append(SynthTensor(f"{prefix}.norm.weight", (h,), "zeros"))
-    if not a.tie_word_embeddings:
-        out.append(SynthTensor(f"{head}.weight", (a.vocab_size, h), "normal"))
-    return out
+synth_tensors = synth_tensors_of(Model, ModelArgs)

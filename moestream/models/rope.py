@@ -1,7 +1,15 @@
-"""Rotary embedding variants beyond the default: YaRN scaling, partial rotary, the
-interleaved (DeepSeek) pair layout, and the softmax-scale correction YaRN implies for MLA.
+"""Rotary position embeddings, every variant the families use, behind one factory (:func:`make_rope`).
 
-Reference: transformers ``modeling_rope_utils._compute_yarn_parameters`` and
+Reading a config's RoPE settings (:func:`rope_theta`, :func:`rope_scaling_type`,
+:func:`rope_parameters`), the inverse frequencies of the default rope and of YaRN
+(:func:`rope_inv_freq`), the module that turns positions into cos/sin
+(:class:`RotaryEmbedding`, one per layer type with :class:`PerTypeRope`), and applying
+them: rotate-half on all or the first dims of a head (:func:`apply_rotary`, partial
+rotary), or on interleaved pairs (:func:`apply_rotary_interleaved`, DeepSeek), and the
+softmax-scale correction YaRN implies for MLA (:func:`mla_softmax_scale`).
+
+Reference: RoFormer (Su et al. 2021); transformers ``modeling_rope_utils``
+(``_compute_default_rope_parameters``, ``_compute_yarn_parameters``) and
 ``models/deepseek_v3/modeling_deepseek_v3.py`` (``yarn_get_mscale``,
 ``yarn_apply_mscale``, ``apply_rotary_pos_emb_interleave``); YaRN is Peng et al. 2023
 (arXiv 2309.00071).
@@ -17,6 +25,36 @@ from torch import nn
 from ..errors import ConfigError
 
 
+def _rope_dict(cfg: dict, key: str) -> dict:
+    value = cfg.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"field {key!r} = {value!r} is not an object")
+    return value
+
+
+def _theta(value) -> float:
+    if value is None:
+        raise ConfigError("no rope_theta (top level or in rope_parameters)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConfigError(f"field 'rope_theta' = {value!r} is not a number above 0")
+    return float(value)
+
+
+def rope_theta(cfg: dict) -> float:
+    """``rope_theta`` from a config, in transformers 4 (top level) or 5 (``rope_parameters``) form.
+
+    Raises:
+        ConfigError: none there, or not a number above 0.
+    """
+    return _theta(_rope_dict(cfg, "rope_parameters").get("rope_theta", cfg.get("rope_theta")))
+
+
+def rope_scaling_type(cfg: dict) -> str:
+    """The RoPE variant a config asks for (``"default"`` when it names none)."""
+    params = _rope_dict(cfg, "rope_parameters") or _rope_dict(cfg, "rope_scaling")
+    return params.get("rope_type", params.get("type", "default")) or "default"
+
+
 def rope_parameters(cfg: dict) -> dict:
     """One dict of a config's RoPE settings, whichever form the config uses.
 
@@ -28,19 +66,9 @@ def rope_parameters(cfg: dict) -> dict:
     Raises:
         ConfigError: no ``rope_theta`` anywhere, or a ``rope_scaling`` that is not a dict.
     """
-    out = {}
-    for key in ("rope_scaling", "rope_parameters"):
-        value = cfg.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, dict):
-            raise ConfigError(f"field {key!r} = {value!r} is not a dict")
-        out.update(value)
+    out = {**_rope_dict(cfg, "rope_scaling"), **_rope_dict(cfg, "rope_parameters")}
     out["rope_type"] = out.get("rope_type", out.get("type", "default")) or "default"
-    theta = out.get("rope_theta", cfg.get("rope_theta"))
-    if theta is None:
-        raise ConfigError("no rope_theta (top level or in rope_parameters)")
-    out["rope_theta"] = float(theta)
+    out["rope_theta"] = _theta(out.get("rope_theta", cfg.get("rope_theta")))
     if "partial_rotary_factor" not in out and cfg.get("partial_rotary_factor") is not None:
         out["partial_rotary_factor"] = cfg["partial_rotary_factor"]
     return out
@@ -59,9 +87,11 @@ def rope_inv_freq(params: dict, dim: int, max_position_embeddings: int | None) -
     ``params`` comes from :func:`rope_parameters`; ``dim`` is the number of rotated
     dimensions per head. ``default``: ``theta^(-2i/dim)``, factor 1. ``yarn``: the
     frequencies blended between interpolation (divided by ``factor``) and extrapolation
-    over the dimensions between the ``beta_fast`` and ``beta_slow`` corrections, and the
-    factor ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (or
-    ``attention_factor`` if given), as transformers' ``_compute_yarn_parameters``.
+    over the dimensions between the ``beta_fast`` and ``beta_slow`` corrections (floored
+    and ceiled unless ``truncate`` is false), and the factor ``mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim)`` (or ``attention_factor`` if given), as
+    transformers' ``_compute_yarn_parameters``. Without ``max_position_embeddings`` YaRN
+    needs both ``factor`` and ``original_max_position_embeddings``.
 
     Raises:
         ConfigError: another rope type, or yarn without ``original_max_position_embeddings``
@@ -72,7 +102,7 @@ def rope_inv_freq(params: dict, dim: int, max_position_embeddings: int | None) -
     if kind == "default":
         return 1.0 / pos_freqs, 1.0
     if kind != "yarn":
-        raise ConfigError(f"rope type {kind!r} is not supported here (default or yarn)")
+        raise ConfigError(f"rope type {kind!r} is not supported (default or yarn)")
     original = params.get("original_max_position_embeddings", max_position_embeddings)
     if original is None:
         raise ConfigError("yarn rope needs original_max_position_embeddings (or max_position_embeddings)")
@@ -117,12 +147,10 @@ def mla_softmax_scale(qk_head_dim: int, params: dict) -> float:
     return scale
 
 
-class ScaledRotaryEmbedding(nn.Module):
-    """cos and sin for the given inverse frequencies, scaled by ``attention_factor``.
-
-    The drop-in for :class:`~moestream.models.layers.RotaryEmbedding` when the rope is
-    scaled (YaRN) or partial; same call: ``(positions [T] int64, dtype) -> (cos, sin)``,
-    each [T, dim] in ``dtype``, ``cat(freqs, freqs)`` layout.
+class RotaryEmbedding(nn.Module):
+    """cos and sin for the given inverse frequencies, scaled by ``attention_factor`` (YaRN's; 1 for the
+    default rope), as transformers' rotary embeddings: ``(positions [T] int64, dtype) -> (cos, sin)``,
+    each [T, dim] in ``dtype``, ``cat(freqs, freqs)`` layout. Build one with :func:`make_rope`.
     """
 
     def __init__(self, inv_freq: torch.Tensor, attention_factor: float = 1.0):
@@ -133,7 +161,66 @@ class ScaledRotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:  # times 1.0 is exact: the default rope skips it
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+
+ScaledRotaryEmbedding = RotaryEmbedding  # the name MLA's tests and callers know it by
+
+
+class PerTypeRope(nn.Module):
+    """One :class:`RotaryEmbedding` per layer type; returns ``({type: cos}, {type: sin})`` for the layers to
+    pick from (Laguna's ``rope_parameters`` keyed by ``full_attention`` / ``sliding_attention``)."""
+
+    def __init__(self, ropes: dict[str, RotaryEmbedding]):
+        super().__init__()
+        self.ropes = nn.ModuleDict(ropes)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[dict, dict]:
+        cos, sin = {}, {}
+        for kind, rope in self.ropes.items():
+            cos[kind], sin[kind] = rope(positions, dtype)
+        return cos, sin
+
+
+def make_rope(dim: int, theta: float, params: dict | None = None,
+              max_position_embeddings: int | None = None) -> RotaryEmbedding:
+    """The rotary embedding of ``dim`` rotated dimensions per head (partial rotary: fewer than the head's).
+
+    ``theta`` is the base; ``params`` the config's RoPE settings (:func:`rope_parameters`,
+    or a family's own dict; ``rope_type``/``type`` ``default`` when absent, or ``yarn`` with
+    its fields) and ``max_position_embeddings`` what YaRN may derive a missing factor or
+    original length from (see :func:`rope_inv_freq`). The frequencies are computed on the
+    CPU in float32, whatever device the model is built on.
+
+    Raises:
+        ConfigError: another rope type, or YaRN without its fields.
+    """
+    p = dict(params or {})
+    p["rope_type"] = p.get("rope_type", p.get("type", "default")) or "default"
+    p["rope_theta"] = float(theta)
+    with torch.device("cpu"):
+        return RotaryEmbedding(*rope_inv_freq(p, dim, max_position_embeddings))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [..., T, head_dim] by cos/sin [T, dim] (half-split convention, as transformers).
+
+    With ``dim`` below ``head_dim`` (partial rotary: GLM, Laguna, MiniMax-M2, Qwen3-Next) only
+    the first ``dim`` dimensions rotate; the rest pass unchanged.
+    """
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, tail = x[..., :rot], x[..., rot:]
+    return torch.cat([head * cos + rotate_half(head) * sin, tail], dim=-1)
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

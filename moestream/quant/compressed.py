@@ -13,7 +13,9 @@ taken from the ``compressed-tensors`` library itself, not re-derived here:
   - ``float-quantized`` with ``strategy: block`` (Laguna's FP8 releases): ``weight``
     float8_e4m3fn [out, in] and ``weight_scale`` [ceil(out/bn), ceil(in/bk)] for
     ``block_structure`` [bn, bk]; ``w = float(weight) * weight_scale`` per block. The
-    same math as DeepSeek's ``weight_scale_inv``, so :mod:`.fp8` computes it.
+    same math as DeepSeek's ``weight_scale_inv``, so :mod:`.fp8` computes it. ``strategy:
+    channel`` (``weight_scale`` [out, 1]) and ``tensor`` ([1]) are its one-block-per-row and
+    one-block forms.
   - ``mxfp4-pack-quantized`` (Kimi K3's routed experts): ``weight_packed`` uint8
     [out, in/2], two e2m1 codes per byte, the low nibble first (the library's
     ``pack_fp4_to_uint8``), and ``weight_scale`` uint8 [out, in/32], an e8m0 exponent
@@ -81,6 +83,12 @@ class CompressedConfig(QuantConfig):
         super().__init__("compressed-tensors", groups[0].scheme if groups else None, {})
         self.groups, self.ignore, self.format = groups, ignore, fmt
         self.transforms, self.notes = transforms, notes
+
+    own_layer_rules = True
+
+    def layer_format(self, lay, shape: tuple[int, int], where) -> ExpertFormat | None:
+        """A MoE layer's :class:`ExpertFormat` by compressed-tensors' rules (:func:`expert_format`)."""
+        return expert_format(lay, self, shape, where)
 
     @classmethod
     def from_quantization_config(cls, qc: dict, where: str = "config.json") -> "CompressedConfig":
@@ -174,9 +182,13 @@ def _scheme(fmt: str, w, field: str) -> Scheme:
         raise QuantError(f"{field}.weights: dynamic weight quantization ({desc}) is not supported")
     if fmt == FLOAT_QUANTIZED:
         blk = w.block_structure
+        if kind == "float" and w.num_bits == 8 and strategy in ("channel", "tensor"):
+            # one scale per output row / one for the weight: fp8 blocks of (1, in) / (out, in)
+            return Scheme("fp8", 8, 0, (1, 0) if strategy == "channel" else (0, 0))
         if kind != "float" or w.num_bits != 8 or strategy != "block" or not blk or len(blk) != 2:
             raise QuantError(f"{field}.weights: {fmt} scheme {desc} is not supported; moestream reads "
-                             "float 8-bit with strategy 'block' and a block_structure [rows, cols]")
+                             "float 8-bit with strategy 'block' (and a block_structure [rows, cols]), "
+                             "'channel' or 'tensor'")
         return Scheme("fp8", 8, int(blk[1]), (int(blk[0]), int(blk[1])))
     scale_dtype = str(w.scale_dtype) if w.scale_dtype is not None else "torch.uint8"
     if kind != "float" or w.num_bits != 4 or strategy != "group" or w.group_size != MX_GROUP \
@@ -224,9 +236,10 @@ def _check(name: str, g: Group, w, scale, out_in: tuple[int, int] | None, where)
             raise QuantError(f"{where}: tensor {name!r} is {w.dtype}; {g.format} ({g.name}) stores float8_e4m3fn")
         out, inn = w.shape
         want = block_scales_shape((out, inn), s.block)
-        if tuple(scale.shape) != want:
-            raise QuantError(f"{where}: tensor {sname} has shape {list(scale.shape)}; a {[out, inn]} weight in "
-                             f"{s.block[0]}x{s.block[1]} blocks needs {list(want)}")
+        per_tensor = s.block == (0, 0) and tuple(scale.shape) in ((), (1,))
+        if tuple(scale.shape) != want and not per_tensor:
+            raise QuantError(f"{where}: tensor {sname} has shape {list(scale.shape)}; a {[out, inn]} weight "
+                             f"({s.tag}) needs {list(want)}")
         if not scale.dtype.startswith(("F", "BF")):
             raise QuantError(f"{where}: tensor {sname} is {scale.dtype}; block scales are floats")
     else:
@@ -321,3 +334,6 @@ def expert_format(lay, qcfg: CompressedConfig, shape: tuple[int, int], where) ->
 def module_pattern(name: str) -> str:
     """A tensor's module path with layer and expert numbers as ``*`` (to list quantized modules briefly)."""
     return re.sub(r"\.\d+(?=\.|$)", ".*", name.rsplit(".", 1)[0])
+
+
+QuantConfig.METHODS["compressed-tensors"] = CompressedConfig.from_quantization_config

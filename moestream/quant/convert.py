@@ -5,7 +5,11 @@ Kimi K2, Qwen3 FP8), in any expert layout moestream reads. Output: MLX affine
 quantization (:mod:`moestream.quant.affine`), config.json ``quantization`` as mlx-lm
 writes it (default ``{group_size, bits}`` plus per-module overrides), with separate bit
 widths for experts (and their down projections), attention and the other linears; norms
-stay float and routers take 8 bits (as mlx-lm keeps them). Bits 16 keeps a part float.
+stay float and routers take 8 bits (as mlx-lm keeps them; a router with an
+``e_score_correction_bias`` stays float, as mlx-lm keeps it; so does MLA's ``kv_b_proj``,
+which moestream's MLA uses as a matrix). Bits 16 keeps a part float;
+with every part at 16 (``--bits 16``) the output is the float checkpoint, routers included,
+in the streaming layout below, and config.json declares no quantization.
 
 On-disk layout: experts are per-expert tensors ``<block>.experts.E.{gate,up,down}_proj.
 {weight,scales,biases}``, the nine tensors of one expert adjacent in that order and the
@@ -29,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import INDEX_FILE, Checkpoint, pread_full, resolve_model, safetensors_dtype, torch_dtype
+from ..checkpoint import INDEX_FILE, Checkpoint, dtype_size, pread_full, resolve_model, safetensors_dtype, torch_dtype
 from ..errors import ConfigError, MoestreamError
 from ..layout import discover_experts
+from ..mlx_format import open_checkpoint
 from . import affine, fp8
 from .formats import QuantConfig, QuantError
 
@@ -90,8 +95,6 @@ class _Out:
 
     @property
     def nbytes(self) -> int:
-        from ..checkpoint import dtype_size
-
         return math.prod(self.shape) * dtype_size(self.dtype)
 
 
@@ -156,13 +159,14 @@ class _Reader:
 def _category(name: str) -> str:
     if ".self_attn." in name or ".attn." in name or ".attention." in name:
         return "attn"
-    if name.endswith((".mlp.gate.weight", ".router.weight")):
+    # Qwen/DeepSeek ``mlp.gate``, Mixtral ``block_sparse_moe.gate``, gpt-oss ``mlp.router``, HunYuan ``mlp.gate.wg``
+    if name.endswith((".gate.weight", ".router.weight", ".gate.wg.weight")):
         return "router"
     return "other"
 
 
-def plan(ckpt: Checkpoint, spec: ConvertSpec, dtype: torch.dtype) -> tuple[list[_Item], dict]:
-    """Output items in file order, and config.json's ``quantization`` dict."""
+def plan(ckpt: Checkpoint, spec: ConvertSpec, dtype: torch.dtype) -> tuple[list[_Item], dict | None]:
+    """Output items in file order, and config.json's ``quantization`` dict (None when every part is float)."""
     spec.check()
     where = ckpt.path
     qcfg = QuantConfig.from_config(ckpt.config, str(where / "config.json"))
@@ -170,7 +174,11 @@ def plan(ckpt: Checkpoint, spec: ConvertSpec, dtype: torch.dtype) -> tuple[list[
     reader = _Reader(ckpt, qcfg)
     st_dtype = safetensors_dtype(dtype)
     g = spec.group_size
-    qdict: dict = {"group_size": g, "bits": spec.expert_bits}
+    widths = [b for b in (spec.expert_bits, spec.expert_down_bits, spec.attn_bits, spec.other_bits) if b != FLOAT_BITS]
+    # the default width mlx-lm's config names: the experts', else the first part quantized; None: all float
+    default = widths[0] if widths else None
+    router_bits = ROUTER_BITS if widths else FLOAT_BITS  # every part float (--bits 16): the routers too
+    qdict: dict | None = {"group_size": g, "bits": default} if widths else None
     tied = bool(ckpt.config.get("tie_word_embeddings", False))
     items: list[_Item] = []
     for name, info in ckpt.tensors.items():
@@ -182,13 +190,20 @@ def plan(ckpt: Checkpoint, spec: ConvertSpec, dtype: torch.dtype) -> tuple[list[
         linear = name.endswith(".weight") and len(info.shape) == 2 and "norm" not in name
         if linear:
             cat = _category(name)
-            bits = {"attn": spec.attn_bits, "router": ROUTER_BITS, "other": spec.other_bits}[cat]
+            bits = {"attn": spec.attn_bits, "router": router_bits, "other": spec.other_bits}[cat]
+            if name.endswith(".kv_b_proj.weight"):
+                # MLA absorbs kv_b_proj into the query and the output as a matrix (models/mla.py): kept float
+                bits = FLOAT_BITS
+            if name[: -len("weight")] + "e_score_correction_bias" in ckpt.tensors:
+                # a biased sigmoid router (DeepSeek-V3, GLM-4.5, Kimi) routes in float32, and mlx-lm keeps
+                # it float (its MoEGate is not a Linear): quantizing it would change which experts are chosen
+                bits = FLOAT_BITS
             if "embed_tokens" in name and tied:
                 bits = FLOAT_BITS
             if info.shape[1] % g:
                 bits = FLOAT_BITS
             mod = name[: -len(".weight")]
-            if bits != spec.expert_bits:
+            if qdict is not None and bits != default:
                 qdict[mod] = False if bits == FLOAT_BITS else {"group_size": g, "bits": bits}
         outs = _qshapes(name, *info.shape, bits, g, st_dtype) if linear else [_Out(name, info.shape, st_dtype)]
         if not linear and not torch_dtype(info.dtype).is_floating_point:
@@ -205,7 +220,7 @@ def plan(ckpt: Checkpoint, spec: ConvertSpec, dtype: torch.dtype) -> tuple[list[
         if lay.kind == "mxfp4":
             raise QuantError(f"{where}: {lay.block} experts are mxfp4; convert reads float or fp8 checkpoints")
         for role, bits in (("gate", spec.expert_bits), ("up", spec.expert_bits), ("down", spec.expert_down_bits)):
-            if bits != spec.expert_bits or bits == FLOAT_BITS:
+            if qdict is not None and bits != default:
                 key = f"{lay.block}.switch_mlp.{_PROJ[role]}"  # the module path mlx-lm gives stacked experts
                 qdict[key] = False if bits == FLOAT_BITS else {"group_size": g, "bits": bits}
         for e in range(lay.num_experts):
@@ -313,7 +328,7 @@ def convert(model: str | Path, out: str | Path | None = None, spec: ConvertSpec 
         raise MoestreamError(f"{out}: already exists; choose another --out or delete it")
     if shard_gb <= 0:
         raise ConfigError(f"--shard-gb {shard_gb} must be positive")
-    with Checkpoint(src) as ckpt:
+    with open_checkpoint(src) as ckpt:
         cfg_dtype = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "bfloat16"
         dtype = {"float16": torch.float16, "float32": torch.float32}.get(cfg_dtype, torch.bfloat16)
         items, qdict = plan(ckpt, spec, dtype)
@@ -330,7 +345,7 @@ def convert(model: str | Path, out: str | Path | None = None, spec: ConvertSpec 
     return out
 
 
-def _write(ckpt: Checkpoint, items: list[_Item], qdict: dict, folder: Path, shard_bytes: int, progress) -> None:
+def _write(ckpt: Checkpoint, items: list[_Item], qdict: dict | None, folder: Path, shard_bytes: int, progress) -> None:
     shards = _shards(items, shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1
              else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -358,8 +373,10 @@ def _write(ckpt: Checkpoint, items: list[_Item], qdict: dict, folder: Path, shar
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     cfg = dict(ckpt.config)
     cfg.pop("quantization_config", None)
-    cfg["quantization"] = qdict
-    cfg["quantization_config"] = qdict  # mlx-lm writes both names
+    cfg.pop("quantization", None)
+    if qdict is not None:  # None: every part float, a plain float checkpoint in the streaming layout
+        cfg["quantization"] = qdict
+        cfg["quantization_config"] = qdict  # mlx-lm writes both names
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for f in sorted(ckpt.path.iterdir()):
         if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_FILE, "config.json"):

@@ -4,9 +4,12 @@ A family computes one expert with its float expert function (``swiglu_expert`` f
 Qwen3-MoE, DeepSeek, Mixtral, ...). :func:`expert_fn_for` returns the function a MoE block
 uses for a layer whose experts are stored in :class:`~moestream.quant.formats.ExpertFormat`:
 
-* SwiGLU experts get :class:`QuantizedSwiGLU`: ``down(silu(gate x) * up x)`` with every
-  projection through :func:`~moestream.quant.kernels.qlinear` (no dequantized expert is
-  held; for gpt-oss-style interleaved ``gate_up``, gate is the even outputs, up the odd ones).
+* SwiGLU experts get :class:`QuantizedSwiGLU`: ``down(silu(gate x) * up x)`` in one call of
+  the compiled CPU kernels (:func:`moestream.quant.native.swiglu`) where they cover the
+  format, else every projection through :func:`~moestream.quant.kernels.qlinear` (no
+  dequantized expert is held; for an interleaved ``gate_up``, gate is the even outputs,
+  up the odd ones).
+* Kimi K3's SiTU-GLU experts get :class:`QuantizedGLU`: the same single call with its activation.
 * Any other family's expert function gets :class:`DequantizedExpert`: the expert's
   weights dequantized into the compute dtype for the call, then the float function.
   Correct for every family; a family with a non-SwiGLU expert can add its own fast form.
@@ -14,10 +17,14 @@ uses for a layer whose experts are stored in :class:`~moestream.quant.formats.Ex
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from ..models.kimi_linear import situ_expert
 from ..models.moe import swiglu_expert
+from . import native
 from .formats import ExpertFormat, is_quant_param
 from .kernels import dequantize_linear, qlinear
 
@@ -26,12 +33,19 @@ class QuantizedSwiGLU:
     """``down(silu(gate x) * up x)`` on quantized pieces: ``x`` [n, H] -> [n, H] in x.dtype.
 
     Math as :func:`moestream.models.moe.swiglu_expert` (transformers ``Qwen3MoeExperts``).
+    ``w``: the expert's stored pieces (``gate``, ``gate.scales``, ... as the store hands
+    them). On the CPU kernels (:func:`moestream.quant.native.swiglu`) the whole expert is
+    one call with a float32 intermediate; on the PyTorch path each projection's output is
+    rounded to x.dtype, as the float expert does.
     """
 
     def __init__(self, fmt: ExpertFormat):
         self.fmt = fmt
 
     def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = native.swiglu(x, w, self.fmt)
+        if y is not None:
+            return y
         lin = self.fmt.linears
         if self.fmt.fused_gate_up:
             gu = qlinear(x, w, lin["gate_up"])
@@ -39,6 +53,20 @@ class QuantizedSwiGLU:
         else:
             gate, up = qlinear(x, w, lin["gate"]), qlinear(x, w, lin["up"])
         return qlinear(F.silu(gate) * up, w, lin["down"])
+
+
+class QuantizedGLU:
+    """A gated expert ``down(act(gate x, up x))`` with a known activation (Kimi K3's SiTU-GLU) on quantized
+    pieces: one call of :func:`moestream.quant.native.expert` (float32 intermediate), else ``float_fn`` on
+    the dequantized weights (:class:`DequantizedExpert`). ``x`` [n, H] -> [n, H] in x.dtype."""
+
+    def __init__(self, fmt: ExpertFormat, float_fn, act: str, **params):
+        self.fmt, self.act, self.params = fmt, act, params
+        self.fallback = DequantizedExpert(fmt, float_fn)
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = native.expert(x, w, self.fmt, self.act, **self.params)
+        return self.fallback(x, w) if y is None else y
 
 
 class DequantizedExpert:
@@ -65,4 +93,6 @@ def expert_fn_for(float_fn, fmt: ExpertFormat | None):
         return float_fn
     if float_fn is swiglu_expert:
         return QuantizedSwiGLU(fmt)
+    if isinstance(float_fn, functools.partial) and float_fn.func is situ_expert and not float_fn.args:
+        return QuantizedGLU(fmt, float_fn, "situ", **float_fn.keywords)
     return DequantizedExpert(fmt, float_fn)

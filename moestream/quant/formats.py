@@ -25,6 +25,7 @@ from fnmatch import fnmatch
 
 from ..errors import CheckpointError
 from . import affine
+from .fp8 import block_scales_shape
 
 
 class QuantError(CheckpointError):
@@ -60,6 +61,10 @@ class Scheme:
         if self.method == "affine":
             return f"affine {self.bits}-bit, group {self.group_size}"
         if self.method == "fp8":
+            if self.block == (1, 0):
+                return "fp8 e4m3, per-channel scales"
+            if self.block == (0, 0):
+                return "fp8 e4m3, per-tensor scale"
             return f"fp8 e4m3, blocks {self.block[0]}x{self.block[1]}"
         return "mxfp4"
 
@@ -80,8 +85,16 @@ def _affine_scheme(entry: dict, where: str) -> Scheme:
 class QuantConfig:
     """The quantization a config.json declares, looked up per module path.
 
-    Build with :meth:`from_config`; None when the config declares none.
+    Build with :meth:`from_config`; None when the config declares none. A format with config rules
+    of its own registers its parser here when its module is imported (the package imports them all):
+    :data:`METHODS` for a ``quantization_config.quant_method`` (compressed-tensors), :data:`MODES` for
+    an mlx ``quantization.mode`` (turboquant).
     """
+
+    METHODS: dict = {}  # quant_method -> parser(quantization_config, where) -> QuantConfig
+    MODES: dict = {}  # quantization.mode -> class(quantization, where)
+    # a subclass whose experts follow rules of their own sets this and defines layer_format(lay, shape, where)
+    own_layer_rules = False
 
     def __init__(self, method: str, default: Scheme | None, overrides: dict[str, Scheme | None],
                  skip: tuple[str, ...] = ()):
@@ -117,10 +130,8 @@ class QuantConfig:
                 return cls("mxfp4", Scheme("mxfp4", 4, 32), {}, skip)
             if method is None and "bits" in qc:
                 q = qc  # mlx-lm writes the same dict under both names
-            elif method == "compressed-tensors":
-                from .compressed import CompressedConfig
-
-                return CompressedConfig.from_quantization_config(qc, where)
+            elif method in QuantConfig.METHODS:
+                return QuantConfig.METHODS[method](qc, where)
             elif method is not None:
                 # another method (compressed-tensors, ...): harmless while the tensors are float
                 # (as `moestream synth` writes them); a quantized tensor is refused when met
@@ -129,10 +140,8 @@ class QuantConfig:
             return None
         if not isinstance(q, dict):
             raise QuantError(f"{where}: quantization is not an object")
-        if q.get("mode") == "turboquant":  # turboquant-mlx tq* builds (moestream.quant.turboquant)
-            from .turboquant import TurboQuantConfig
-
-            return TurboQuantConfig(q, where)
+        if q.get("mode") in QuantConfig.MODES:  # turboquant-mlx tq* builds (moestream.quant.turboquant)
+            return QuantConfig.MODES[q["mode"]](q, where)
         default = _affine_scheme(q, f"{where}: quantization")
         overrides: dict[str, Scheme | None] = {}
         for k, v in q.items():
@@ -211,8 +220,6 @@ def check_fp8(name: str, scheme: Scheme, shape: tuple[int, ...], scale_inv: tupl
     """Check an fp8 weight's block-scale shape; return [out, in]. Raises QuantError naming ``name``."""
     if scale_inv is None:
         raise QuantError(f"{where}: tensor {name!r} is fp8 but {name}_scale_inv is missing")
-    from .fp8 import block_scales_shape
-
     want = block_scales_shape(shape[-2:], scheme.block)
     if tuple(scale_inv[-2:]) != want:
         raise QuantError(f"{where}: tensor {name}_scale_inv has shape {list(scale_inv)}; a {list(shape)} weight "
@@ -241,10 +248,8 @@ def expert_format(lay, qcfg: QuantConfig | None, shape: tuple[int, int], where) 
     Raises:
         QuantError: naming the tensor whose pieces disagree with the config or the model shape.
     """
-    if qcfg is not None and qcfg.method == "compressed-tensors":
-        from .compressed import expert_format as ct_expert_format
-
-        return ct_expert_format(lay, qcfg, shape, where)
+    if qcfg is not None and qcfg.own_layer_rules:  # compressed-tensors
+        return qcfg.layer_format(lay, shape, where)
     pieces = {p.role: p for p in lay.experts[0]}
     inter, hidden = shape
     fused = "gate_up" in pieces

@@ -14,8 +14,9 @@ from torch import nn
 
 from ..checkpoint import torch_dtype
 from . import affine
+from .compressed import linear_format
 from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8
-from .kernels import dequantize_linear, int4_eligible, prepare, qlinear
+from .kernels import dequantize_linear, qlinear
 
 _SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",)}
 
@@ -29,8 +30,7 @@ class QuantLinear(nn.Module):
 
     Parameters are the checkpoint's tensors (packed ``weight`` with ``scales`` and
     ``biases``, or fp8 ``weight`` with ``weight_scale_inv``) plus an optional float ``bias``;
-    the product runs through :func:`moestream.quant.kernels.qlinear`. Where the int4 kernel
-    fits (bf16), the first call repacks the weight for it and drops the stored form.
+    the product runs through :func:`moestream.quant.kernels.qlinear` on them as stored.
     """
 
     def __init__(self, fmt: LinearFormat, shapes: dict[str, tuple[tuple[int, ...], str]], bias: bool):
@@ -42,32 +42,17 @@ class QuantLinear(nn.Module):
         self.weight_name = "weight_packed" if "weight_packed" in shapes else "weight"
         self.extra = tuple(n for n in shapes if n != self.weight_name)
         self.bias = nn.Parameter(torch.empty(fmt.out_features), requires_grad=False) if bias else None
-        self._ready, self._ready_dtype = None, None
+
+    def _pieces(self) -> dict[str, torch.Tensor]:
+        return {"weight": getattr(self, self.weight_name), **{f"weight.{n}": getattr(self, n) for n in self.extra}}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self._ready
-        if t is None or self._ready_dtype != x.dtype:
-            t = {"weight": getattr(self, self.weight_name), **{f"weight.{n}": getattr(self, n) for n in self.extra}}
-            if int4_eligible(self.fmt, x.dtype):
-                # repack once for PyTorch's int4 kernel (see kernels.prepare); the packed
-                # parameters are then dropped, so memory holds one form
-                t = prepare(t, type("F", (), {"linears": {"weight": self.fmt}})(), x.dtype)
-                for name in (self.weight_name, *self.extra):
-                    self._parameters.pop(name, None)
-                self._ready, self._ready_dtype = t, x.dtype
-        y = qlinear(x.reshape(-1, x.shape[-1]), t, self.fmt).view(*x.shape[:-1], -1)
+        y = qlinear(x.reshape(-1, x.shape[-1]), self._pieces(), self.fmt).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
-
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float weight [out, in] in ``dtype``, for a family that uses a linear's weight as a vector.
-
-        Raises ValueError once the weight was repacked for the int4 kernel (the stored form is gone).
-        """
-        if self._ready is not None and self.weight_name not in self._parameters:
-            raise ValueError("dense_weight needs the stored weight; it was repacked for the int4 kernel")
-        t = {"weight": getattr(self, self.weight_name), **{f"weight.{n}": getattr(self, n) for n in self.extra}}
-        return dequantize_linear(t, self.fmt, dtype)
+        """The float weight [out, in] in ``dtype``, for a family that uses a linear's weight as a vector."""
+        return dequantize_linear(self._pieces(), self.fmt, dtype)
 
 
 class QuantEmbedding(nn.Module):
@@ -89,8 +74,6 @@ class QuantEmbedding(nn.Module):
 def _format(path: str, tensors: dict, qcfg: QuantConfig | None, shape: tuple[int, int], where) -> tuple | None:
     """(LinearFormat, {param: (shape, dtype)}) for module ``path`` if the checkpoint stores it quantized."""
     if qcfg is not None and qcfg.method == "compressed-tensors":
-        from .compressed import linear_format
-
         return linear_format(path, tensors, qcfg, shape, where)
     w = tensors.get(path + ".weight")
     if w is None:
@@ -126,7 +109,8 @@ def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None,
 
     Raises:
         QuantError: a quantized tensor the config does not declare, metadata that disagrees
-            with the tensors (naming the tensor), or a quantized embedding tied to the LM head.
+            with the tensors (naming the tensor), a quantized embedding tied to the LM head, or a
+            quantized linear holding more than a weight and bias (a router's correction bias).
     """
     swapped = []
     rename = getattr(model, "checkpoint_name", None)  # a family whose checkpoints name a module another way
@@ -143,6 +127,11 @@ def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None,
     for path, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
             got = _format(stored(path), tensors, qcfg, (mod.out_features, mod.in_features), where)
+            extra = sorted(set(mod._parameters) - {"weight", "bias"})
+            if got is not None and extra:
+                # e.g. a float32 sigmoid router with its e_score_correction_bias (DeepSeek-V3, GLM-4.5, Kimi)
+                raise QuantError(f"{where}: tensor {stored(path)}.weight is quantized, but this linear also holds "
+                                 f"{', '.join(extra)} and is read in float only (mlx-lm keeps such routers float)")
             if got is not None:
                 model.set_submodule(path, QuantLinear(*got, bias=mod.bias is not None))
                 swapped.append(path)

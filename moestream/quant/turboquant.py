@@ -37,7 +37,6 @@ not with the Metal kernel's half-precision roundings.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -46,7 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import torch_dtype
+from ..nnutil import set_submodule
+from . import native
 from .formats import ExpertFormat, LinearFormat, QuantConfig, QuantError, Scheme, _affine_scheme
+from .hadamard import block_size, blockwise_hadamard, sloane_matrix  # noqa: F401  (turboquant's rotation)
 
 # codebook length -> bits per code (3: ternary, one base-3 digit)
 LEVEL_BITS = {2: 1, 4: 2, 8: 3, 16: 4}
@@ -56,139 +58,6 @@ ROTATIONS = ("hadamard", "blockwise_hadamard", "none")
 GROUP_SIZES = (16, 32, 64, 128)
 # float32 elements dequantized per chunk (1 MiB): no dequantized layer is ever held whole
 CHUNK_ELEMS = 256 * 1024
-
-# Hadamard matrices of orders 12, 20 and 28 as MLX uses them (mlx/backend/common/hadamard.h,
-# from N. J. A. Sloane's library of Hadamard matrices): row j, character i is H_m[j][i].
-_SLOANE = {
-    12: """
-+-++++++++++
---+-+-+-+-+-
-+++-++----++
-+---+--+-++-
-+++++-++----
-+-+---+--+-+
-++--+++-++--
-+--++---+--+
-++----+++-++
-+--+-++---+-
-++++----+++-
-+-+--+-++---
-""",
-    20: """
-+----+----++--++-++-
--+----+---+++---+-++
---+----+---+++-+-+-+
----+----+---+++++-+-
-----+----++--++-++-+
--+++++-----+--+++--+
-+-+++-+---+-+--+++--
-++-++--+---+-+--+++-
-+++-+---+---+-+--+++
-++++-----++--+-+--++
---++-+-++-+-----++++
----++-+-++-+---+-+++
-+---++-+-+--+--++-++
-++---++-+----+-+++-+
--++---++-+----+++++-
--+--+--++-+----+----
-+-+-----++-+----+---
--+-+-+---+--+----+--
---+-+++------+----+-
-+--+--++------+----+
-""",
-    28: """
-+------++----++-+--+-+--++--
--+-----+++-----+-+--+-+--++-
---+-----+++---+-+-+----+--++
----+-----+++---+-+-+-+--+--+
-----+-----+++---+-+-+++--+--
------+-----++++--+-+--++--+-
-------++----++-+--+-+--++--+
---++++-+-------++--+++-+--+-
----++++-+-----+-++--+-+-+--+
-+---+++--+----++-++--+-+-+--
-++---++---+----++-++--+-+-+-
-+++---+----+----++-++--+-+-+
-++++--------+-+--++-++--+-+-
--++++--------+++--++--+--+-+
--+-++-++--++--+--------++++-
-+-+-++--+--++--+--------++++
--+-+-++--+--++--+----+---+++
-+-+-+-++--+--+---+---++---++
-++-+-+-++--+------+--+++---+
--++-+-+-++--+------+-++++---
-+-++-+---++--+------+-++++--
--++--++-+-++-+++----++------
-+-++--++-+-++-+++-----+-----
-++-++---+-+-++-+++-----+----
--++-++-+-+-+-+--+++-----+---
---++-++++-+-+----+++-----+--
-+--++-+-++-+-+----+++-----+-
-++--++-+-++-+-+----++------+
-""",
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _sloane(m: int) -> torch.Tensor:
-    return sloane_matrix(m)
-
-
-def sloane_matrix(m: int) -> torch.Tensor:
-    """H_m (m in 12, 20, 28) as a float32 [m, m] tensor of +-1, rows as MLX stores them."""
-    rows = _SLOANE[m].split()
-    return torch.tensor([[1.0 if c == "+" else -1.0 for c in r] for r in rows], dtype=torch.float32)
-
-
-def block_size(n: int) -> tuple[int, int]:
-    """(B, m): the largest ``B = m * 2^k`` (m in 1, 12, 20, 28) dividing ``n``, and its m.
-
-    Examples: 2048 -> (2048, 1), 6656 -> (512, 1), 2880 -> (320, 20).
-    """
-    best = (1, 1)
-    for m in (1, 12, 20, 28):
-        if n % m:
-            continue
-        b = m
-        while n % (2 * b) == 0:
-            b *= 2
-        if b > best[0]:
-            best = (b, m)
-    return best
-
-
-def blockwise_hadamard(x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """The orthonormal blockwise Hadamard transform of ``x`` [..., n] along its last dim, in float32.
-
-    Each contiguous block of ``B`` values (:func:`block_size`) is viewed as m rows of 2^k
-    (row-major); each row gets the unscaled Sylvester transform (butterflies ``(a, b) ->
-    (a + b, a - b)`` at strides 1, 2, 4, ...: ``H[i, j] = (-1)^popcount(i & j)``), then each
-    column is mixed by ``H_m`` (summed i = 0..m-1 in order), then everything is multiplied
-    by ``fp32(1 / sqrt(B))``, as MLX's ``hadamard_transform``. ``transpose``: apply ``H^T``
-    (``H_m^T``; Sylvester is symmetric), the inverse, used to un-rotate weights.
-    """
-    n = x.shape[-1]
-    b, m = block_size(n)
-    p = b // m
-    v = x.float().reshape(-1, n // b, m, p)
-    h = 1
-    while h < p:  # Sylvester butterflies, stage h = 1, 2, 4, ...
-        v = v.reshape(*v.shape[:3], p // (2 * h), 2, h)
-        a, c = v[..., 0, :], v[..., 1, :]
-        v = torch.stack((a + c, a - c), -2).reshape(*v.shape[:3], p)
-        h *= 2
-    if m > 1:
-        hm = _sloane(m)
-        if transpose:
-            hm = hm.t()
-        # out[j] = sum_i H_m[j][i] v[i], accumulated i = 0..m-1 (multiplying by +-1 is exact)
-        acc = hm[:, 0, None] * v[:, :, :1]
-        for i in range(1, m):
-            acc = acc + hm[:, i, None] * v[:, :, i : i + 1]
-        v = acc
-    scale = torch.tensor(1.0 / math.sqrt(b), dtype=torch.float32)
-    return (v * scale).reshape(x.shape)
-
 
 def codes_per_word(levels: int) -> int:
     """Codes one uint32 word holds for a codebook of ``levels`` entries (20 for ternary)."""
@@ -485,6 +354,10 @@ def rotated_matmul(xr: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     return y
 
 
+# QJL sign bits as a 1-bit codebook: bit 0 is -1, bit 1 is +1 (spec section 5.4)
+_QJL_CODEBOOK = torch.tensor([-1.0, 1.0], dtype=torch.float16)
+
+
 def qjl_correction(xr: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, qsigns: torch.Tensor
                    ) -> torch.Tensor:
     """The QJL residual term [n, out] in float16 (spec section 5.4) for rotated input ``xr`` [n, in] float32."""
@@ -521,6 +394,9 @@ class TQLinear(nn.Module):
         if self._rot is None:
             self._rot = _rotated(self.signs, self.fmt.scheme.rotation)
         x2 = x.reshape(-1, x.shape[-1])
+        y = self._native(x2)
+        if y is not None:
+            return y.to(x.dtype).view(*x.shape[:-1], -1)
         xr = rotate(x2, self.signs, self._rot)
         y = rotated_matmul(xr, self.weight, self.scales, self.codebook)
         if self.fmt.scheme.qjl and self.use_qjl:
@@ -528,6 +404,28 @@ class TQLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+    def _native(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """The forward on moestream's CPU kernels (float32 [n, out]), or None on the PyTorch path."""
+        if native._ready(x2) is None:
+            return None
+        inn = self.fmt.in_features
+        signs = self.signs if self._rot else None
+        if not (self.fmt.scheme.qjl and self.use_qjl):
+            spec = native.codebook_spec(self.weight, self.scales, self.codebook, inn, signs, self.bias)
+            return native.codebook_linear(x2, spec, torch.float32)
+        # QJL: y = W xr + fp16(c) * norms * fp16(fp16(H(qjl_signs * xr)) @ (2 bit - 1)^T), then the bias
+        xr = native.rotate(x2, self.signs) if self._rot else x2.float()
+        y = native.codebook_linear(xr, native.codebook_spec(self.weight, self.scales, self.codebook, inn),
+                                   torch.float32)
+        ones = native._cached(self.qjl_norms, native.ones_column)
+        sign_spec = native.codebook_spec(self.qjl_packed, ones, _QJL_CODEBOOK, inn, self.qjl_signs, rot_half=True)
+        t = native.codebook_linear(xr, sign_spec, torch.float32)
+        if y is None or t is None:
+            return None
+        scale = torch.tensor(math.sqrt(math.pi / 2) / math.sqrt(inn), dtype=torch.float16)
+        y = y + (scale * self.qjl_norms.half()) * t.half()
+        return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] in the input domain, ``W_rot H_B diag(signs)`` (for references)."""
@@ -604,7 +502,23 @@ class TQExperts:
             deq = blockwise_hadamard(deq, transpose=True) * h.signs.float()
         return deq
 
+    def _native(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The SwiGLU expert in one call of moestream's CPU kernels (float32), or None on the PyTorch path."""
+        if native._ready(x) is None:
+            return None
+        specs = []
+        for role in ("gate", "up", "down"):
+            h, lf = self.holders[role], self.fmt.linears[role]
+            signs = h.signs if self._is_rotated(role) else None
+            specs.append(native.codebook_spec(w[role], w[role + ".scales"], h.codebook, lf.in_features, signs,
+                                              w.get(role + ".bias")))
+        return native.codebook_expert(x, tuple(specs), torch.float32)
+
     def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.float_fn is None:
+            y = self._native(x, w)
+            if y is not None:
+                return y
         if self.float_fn is not None:
             dense = {r: t for r, t in w.items() if r.split(".")[0] not in self.fmt.linears}
             for role in self.fmt.linears:
@@ -639,10 +553,9 @@ def quantize_resident(model: nn.Module, tensors: dict, cfg: TurboQuantConfig, wh
     """
     keep = set(getattr(model, "stored_dtype_parameters", ()))
     swapped = []
-    from ..models.moe import StreamedMoE
-
     modules = dict(model.named_modules())
-    blocks = {name: m for name, m in modules.items() if isinstance(m, StreamedMoE)}
+    moe = set(model.moe_blocks())
+    blocks = {name: m for name, m in modules.items() if m in moe}
     for path in sorted(n[: -len(".codebook")] for n in tensors if n.endswith(".codebook")):
         mod = modules.get(path)
         if isinstance(mod, nn.Linear):
@@ -663,9 +576,7 @@ def quantize_resident(model: nn.Module, tensors: dict, cfg: TurboQuantConfig, wh
                              "model (an embedding or router cannot be turboquant-quantized)")
         shapes = {n: (tensors[f"{path}.{n}"].shape, tensors[f"{path}.{n}"].dtype)
                   for n in ("codebook", "signs") if f"{path}.{n}" in tensors}
-        from ..models.base import _set_submodule
-
-        _set_submodule(blocks[block], path[len(block) + 1:], _holder(shapes))
+        set_submodule(blocks[block], path[len(block) + 1:], _holder(shapes))
         keep.update(f"{path}.{n}" for n in shapes)
     for path, mod in modules.items():
         w = tensors.get(path + ".weight")
@@ -675,25 +586,6 @@ def quantize_resident(model: nn.Module, tensors: dict, cfg: TurboQuantConfig, wh
                              "extra) but config.json quantization declares no affine_extras")
     model.stored_dtype_parameters = keep
     return swapped
-
-
-def attach_experts(model: nn.Module, formats: dict) -> None:
-    """Give each MoE block whose layer's format is turboquant its :class:`TQExperts` function."""
-    from ..models.moe import swiglu_expert
-
-    paths = {id(m): n for n, m in model.named_modules()}
-    for block in model.moe_blocks():
-        fmt = formats.get(block.layer)
-        if not isinstance(fmt, TQExpertFormat):
-            continue
-        base = paths[id(block)]
-        holders = {}
-        for role, module in fmt.shared.items():
-            if not module.startswith(base + "."):
-                raise QuantError(f"turboquant experts {module!r} lie outside their MoE block {base!r}")
-            holders[role] = block.get_submodule(module[len(base) + 1:])
-        fn = block.expert_fn
-        block.expert_fn = TQExperts(fmt, holders, None if fn is swiglu_expert else fn)
 
 
 def set_fast(model: nn.Module, fast: bool) -> int:
@@ -748,3 +640,6 @@ def describe(tensors: dict, cfg: TurboQuantConfig) -> str:
         if extras:
             text += f"; affine extras {cfg.default.bits}-bit g{cfg.default.group_size} ({', '.join(extras)})"
     return text
+
+
+QuantConfig.MODES["turboquant"] = TurboQuantConfig

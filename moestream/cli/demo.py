@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-DEMO_CONFIG = Path(__file__).parent / "data" / "demo_config.json"
+DEMO_CONFIG = Path(__file__).parent.parent / "data" / "demo_config.json"
 PROMPT = "Explain in two sentences why streaming experts from disk lets a large MoE model run in little memory."
 
 
@@ -25,7 +25,8 @@ def default_dir() -> Path:
 
 
 def run_demo(folder: Path | None = None, max_tokens: int = 48) -> None:
-    from .cli import run_generate, run_synth
+    from .build import run_synth
+    from .generate import run_generate
 
     folder = Path(folder) if folder else default_dir()
     if not (folder / "config.json").is_file():
@@ -35,8 +36,8 @@ def run_demo(folder: Path | None = None, max_tokens: int = 48) -> None:
             config=DEMO_CONFIG, out=folder, layers=None, dtype="bf16", seed=0, tokenizer=None,
             init="spread", shard_gb=5.0,
         ))
-    from .checkpoint import Checkpoint
-    from .layout import discover_experts
+    from ..checkpoint import Checkpoint
+    from ..layout import discover_experts
 
     with Checkpoint(folder) as ckpt:
         expert_gb = discover_experts(ckpt.tensors).total_bytes / 1e9

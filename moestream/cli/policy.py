@@ -1,7 +1,7 @@
 """Command-line options and commands of expert usage and cache policy.
 
 Options (in every command that loads a model, through ``cli.add_engine_args``):
-``--max-active-experts``, ``--no-hotlist``, ``--pin-file``, ``--usage-file``,
+``--max-active-experts``, ``--no-hotlist``, ``--hot-fraction``, ``--pin-file``, ``--usage-file``,
 ``--no-learn-experts``, ``--trace``, ``--cache-policy``. Commands: ``moestream hotlist``
 (make a hot list) and ``moestream cache-sim`` (replay routing traces under each policy).
 """
@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import MoestreamError
-from .policies import POLICIES
+from ..errors import MoestreamError
+from ..policies import POLICIES
 
 # varied built-in prompts for `moestream hotlist`: code, maths, prose, facts, dialogue, other languages
 HOTLIST_PROMPTS = [
@@ -26,51 +26,6 @@ HOTLIST_PROMPTS = [
     "用三句话解释光合作用。",
     "List ten creative names for a coffee shop run by robots, with a one-line pitch each.",
 ]
-
-
-def add_cache_policy_args(p: argparse.ArgumentParser) -> None:
-    """The expert-usage and cache-policy options of ``engine.load``."""
-    p.add_argument("--max-active-experts", type=int, default=0, metavar="K",
-                   help="keep each token's K highest-weight routed experts, renormalized as the model does "
-                        "(0 = the model's own routing, default). Changes the output.")
-    p.add_argument("--no-hotlist", action="store_true", help="ignore hot_experts.json in the model folder")
-    p.add_argument("--hot-fraction", type=float, default=None, metavar="F",
-                   help="share of the budget the hot list and the usage profile may pin (default 0: off; recency "
-                        "beats pinning by frequency on trained models' routing)")
-    p.add_argument("--pin-file", type=Path, default=None,
-                   help='preload and pin the experts of this {"pin": [[layer, expert], ...]} file')
-    p.add_argument("--usage-file", type=Path, default=None,
-                   help="usage profile to read and update (default: one per model in ~/.cache/moestream/usage)")
-    p.add_argument("--no-learn-experts", action="store_true",
-                   help="neither count expert usage into a profile nor pin hot experts from it")
-    p.add_argument("--trace", type=Path, default=None, help="write the routing trace (JSON lines) to this file")
-    p.add_argument("--cache-policy", default="lru", choices=POLICIES, help="eviction policy (default lru)")
-
-
-def check_cache_policy_args(args: argparse.Namespace) -> None:
-    """Check the options of :func:`add_cache_policy_args` before loading. Raises MoestreamError."""
-    if getattr(args, "max_active_experts", 0) < 0:
-        raise MoestreamError(f"--max-active-experts must be >= 0, got {args.max_active_experts}")
-    hf = getattr(args, "hot_fraction", None)
-    if hf is not None and not 0 <= hf <= 1:
-        raise MoestreamError(f"--hot-fraction {hf}: give a share of the budget between 0 and 1")
-    trace = getattr(args, "trace", None)
-    if trace is not None and (trace.is_dir() or not trace.parent.is_dir()):
-        raise MoestreamError(f"--trace {trace}: not a file in an existing folder")
-
-
-def cache_policy_kwargs(args: argparse.Namespace) -> dict:
-    """``engine.load`` keyword arguments from the parsed options."""
-    return dict(
-        max_active_experts=getattr(args, "max_active_experts", 0),
-        hotlist=not getattr(args, "no_hotlist", False),
-        pin_file=getattr(args, "pin_file", None),
-        usage_file=getattr(args, "usage_file", None),
-        learn_experts=not getattr(args, "no_learn_experts", False),
-        trace=getattr(args, "trace", None),
-        cache_policy=getattr(args, "cache_policy", "lru"),
-        hot_fraction=getattr(args, "hot_fraction", None),
-    )
 
 
 def add_commands(sub, add_engine_args) -> None:
@@ -107,8 +62,8 @@ def run_command(args: argparse.Namespace, out=None) -> bool:
     """Run ``hotlist`` or ``cache-sim`` (printing to ``out``, default stdout); False for other commands."""
     out = out or sys.stdout
     if args.command == "cache-sim":
-        from .cachesim import run_cache_sim
-        from .usage import HOT_SHARE
+        from ..cachesim import run_cache_sim
+        from ..usage import HOT_SHARE
 
         budgets = _numbers(args.budgets, "--budgets", "numbers of GB >= 0", 0, 1e9)
         residency = _numbers(args.residency, "--residency", "shares between 0 and 1", 0, 1, top=True)
@@ -156,19 +111,17 @@ def run_hotlist(args: argparse.Namespace, out=None) -> list:
     """
     import torch
 
-    from .cli import check_engine_args
-    from .engine import load
-    from .generation import SamplingParams, generate
-    from .tokenizer import encode_prompt
-    from .usage import default_profile_path, ranked, read_profile, warn, write_keys
+    from ..engine import load
+    from ..generation import SamplingParams, generate
+    from ..options import EngineOptions
+    from ..tokenizer import encode_prompt
+    from ..usage import default_profile_path, ranked, read_profile, warn, write_keys
 
     out = out or sys.stdout
-    check_engine_args(args)
+    options = EngineOptions.from_args(args).replace(learn_experts=False, hotlist=False, pin_file=None)
     if args.out.is_dir() or not args.out.parent.is_dir():
         raise MoestreamError(f"--out {args.out}: not a file in an existing folder")
-    kwargs = cache_policy_kwargs(args)
-    kwargs.update(learn_experts=False, hotlist=False, pin_file=None)
-    engine = load(args.model, args.cache_budget_gb, workers=args.prefetch_workers, tokenizer=True, **kwargs)
+    engine = load(args.model, options=options, tokenizer=True)
     try:
         model_id = engine.usage.model_id
         num_experts = engine.usage.num_experts

@@ -1,0 +1,291 @@
+"""The cache budget: parsed once, sized once, checked against the memory available before any weight is read.
+
+Every figure is in bytes unless named ``_gb`` (GB = 10^9 bytes, as ``--cache-budget-gb``).
+
+* :func:`parse_budget` reads a ``--cache-budget-gb`` value (a number of GB, ``all``,
+  ``auto``); :func:`parse_host_budget` a ``--host-cache-gb`` value.
+* :func:`resident_bytes` counts the resident weights (the one place that does).
+* :func:`plan_cpu_budget` sizes the CPU expert cache (``auto``: the memory available less
+  resident weights, KV cache and a reserve) and refuses a budget that cannot fit;
+  :func:`plan_device_budget` does the same for the VRAM cache of a CUDA device;
+  :func:`plan_host_budget` sizes the pinned host tier behind it.
+
+None of this changes the output: it decides how many experts stay in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import memory  # its functions looked up at call time (tests replace them)
+from .errors import BudgetError
+
+if TYPE_CHECKING:  # the CLI parses budgets before torch is imported
+    import torch
+
+GB = 1e9
+AUTO = "auto"
+# What the PyTorch runtime, the interpreter and activations take beyond the weights,
+# measured as about 0.5 GB on the development machine; part of the reserve.
+RUNTIME_RESERVE = 500_000_000
+# Tokens of context the auto budget keeps room for in the KV cache, when not told.
+DEFAULT_CONTEXT_TOKENS = 4096
+
+
+def is_auto(value) -> bool:
+    """Whether a ``--cache-budget-gb`` / ``--host-cache-gb`` value is ``auto``."""
+    return isinstance(value, str) and value.strip().lower() == AUTO
+
+
+def _gb(value, flag: str, extra: str) -> float:
+    try:
+        gb = float(value)
+    except (TypeError, ValueError):
+        raise BudgetError(f"{flag}: {value!r} is not a number of GB: give a number between 0 and 1e9{extra} "
+                          "(it must be a number of GB)") from None
+    if not (0 <= gb < 1e9):  # a billion GB is more than any machine; NaN fails too
+        raise BudgetError(f"{flag}: {value!r} must be a number of GB between 0 and 1e9{extra}")
+    return gb
+
+
+def parse_budget(value: str | float | None) -> int | None | str:
+    """A ``--cache-budget-gb`` value: bytes, None for ``all`` (every expert resident), or ``"auto"``.
+
+    Raises:
+        BudgetError: for a negative, non-finite or unparsable value.
+    """
+    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
+        return None
+    if is_auto(value):
+        return AUTO
+    return int(_gb(value, "--cache-budget-gb", ", 'all' or 'auto'") * GB)
+
+
+def parse_host_budget(value: str | float | None) -> int | None | str:
+    """A ``--host-cache-gb`` value: bytes, ``"auto"``, or None (no host tier).
+
+    Raises:
+        BudgetError: for a negative, non-finite or unparsable value.
+    """
+    if value is None:
+        return None
+    if is_auto(value):
+        return AUTO
+    return int(_gb(value, "--host-cache-gb", ", or 'auto'") * GB)
+
+
+def resident_bytes(net: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of ``net``'s parameters, each tensor counted once (tied weights).
+
+    A parameter still on the meta device (shapes only, before loading) counts at ``dtype``'s
+    size when it is floating point (it will be loaded in the compute dtype); a loaded one,
+    or an integer one (packed quantized weights), at its own element size.
+    """
+    itemsize = None if dtype is None else dtype.itemsize
+    seen, total = set(), 0
+    for p in net.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        size = itemsize if (p.is_meta and itemsize is not None and p.is_floating_point()) else p.element_size()
+        total += p.numel() * size
+    return total
+
+
+def kv_bytes_per_token(net: torch.nn.Module, dtype: torch.dtype) -> int:
+    """KV cache bytes one token adds: the model's :meth:`~moestream.models.base.CausalLM.kv_bytes_per_token`."""
+    return net.kv_bytes_per_token(dtype.itemsize)
+
+
+@dataclass
+class AutoBudget:
+    """How ``--cache-budget-gb auto`` was sized.
+
+    ``budget = available - resident - kv_cache - reserve``, at least 0 and at most
+    ``experts_total``; ``available`` is the memory this process can still take
+    (:func:`moestream.memory.available_bytes`: MemAvailable, or a cgroup limit less this
+    process's RSS, whichever is smaller), ``source`` says which.
+    """
+
+    available: int
+    source: str
+    resident: int
+    kv_cache: int
+    kv_tokens: int
+    reserve: int
+    experts_total: int
+    budget: int
+
+    def describe(self) -> str:
+        """One line with the numbers, for the user."""
+        capped = self.budget == self.experts_total
+        return (
+            f"cache budget auto: {self.budget / GB:.2f} GB = {self.available / GB:.2f} GB available ({self.source}) "
+            f"- {self.resident / GB:.2f} GB resident weights - {self.kv_cache / GB:.2f} GB KV cache "
+            f"({self.kv_tokens} tokens) - {self.reserve / GB:.2f} GB runtime reserve"
+            + (f" (capped at every expert, {self.experts_total / GB:.2f} GB)" if capped else "")
+        )
+
+
+def auto_cache_budget(resident: int, kv_cache: int, kv_tokens: int, reserve: int, experts_total: int,
+                      root=None, share: int = 1) -> AutoBudget:
+    """Size the expert cache from the memory really available (``--cache-budget-gb auto``).
+
+    Args: ``resident`` weights not yet loaded, ``kv_cache`` for the context of ``kv_tokens``
+    tokens, ``reserve`` for the runtime and reads in flight, ``experts_total`` every expert
+    (the budget never exceeds it). ``root``: a fake ``/`` for tests (default
+    :data:`moestream.memory.SYSTEM_ROOT`). ``share``: processes on this machine that split
+    its memory (expert parallelism under torchrun); each takes ``available / share``.
+
+    Raises:
+        BudgetError: when nothing is left for the cache, with the numbers.
+    """
+    avail, source = memory.available_with_source(root)
+    if share > 1:
+        avail, source = avail // share, f"{source}, split between {share} local ranks"
+    left = avail - resident - kv_cache - reserve
+    out = AutoBudget(avail, source, resident, kv_cache, kv_tokens, reserve, experts_total,
+                     max(0, min(left, experts_total)))
+    if left <= 0:
+        raise BudgetError(
+            f"--cache-budget-gb auto: no memory left for the expert cache: {out.describe()}; the resident weights, "
+            "KV cache and runtime need more than this process may use (raise the memory limit, or shorten the context)"
+        )
+    return out
+
+
+@dataclass
+class BudgetPlan:
+    """What the budget came to for one loaded model.
+
+    Attributes:
+        budget: the expert cache budget in bytes (None: every expert resident).
+        auto: how ``auto`` was sized (None for a given budget).
+        reserve: bytes set aside for the runtime, reads in flight and read-ahead staging.
+        host: bytes of the pinned host tier behind a VRAM cache (0: none).
+    """
+
+    budget: int | None
+    auto: AutoBudget | None = None
+    reserve: int = 0
+    host: int = 0
+
+
+def context_tokens_for(net, context_tokens: int | None) -> int:
+    """Tokens of context the KV cache must hold: as given, else 4096 or the model's context if smaller."""
+    return context_tokens or min(DEFAULT_CONTEXT_TOKENS, net.max_context or DEFAULT_CONTEXT_TOKENS)
+
+
+def _what(budget: int | None) -> str:
+    return "every expert (--cache-budget-gb all)" if budget is None else f"a {budget / GB:.3g} GB cache budget"
+
+
+def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, workers: int,
+                    page_cache: bool, prefetch_ahead: int, context_tokens: int | None, share: int = 1,
+                    max_read: int = 0, wire_memory: bool = False) -> BudgetPlan:
+    """The CPU expert cache budget, checked against the memory available (before any weight is read).
+
+    Args:
+        net: the model on the meta device (shapes only; its ``top_k``, attention layers).
+        budget: bytes, None (``all``) or ``"auto"``.
+        dtype: the compute dtype; experts: bytes of every expert (of this rank); one: the largest.
+        workers: reader threads; page_cache: whether reads go through the page cache;
+        prefetch_ahead: layers read ahead; context_tokens: KV cache tokens for ``auto``;
+        share: processes of this machine that split its memory (expert parallelism);
+        max_read: the largest coalesced read in bytes (the store's ``MAX_READ_BYTES``).
+        wire_memory: whether resident weights and cached experts will be locked (``--wire-memory``).
+
+    The reserve: the PyTorch runtime, reads in flight (2 x workers reads), the store's free
+    buffers (2 x workers experts), O_DIRECT bounce buffers (a read plus 2 MiB per worker)
+    and the read-ahead staging area (``prefetch_ahead`` x top-k experts). ``auto`` takes what
+    is left of the memory available after the resident weights, twice the KV cache of the
+    context (it grows by doubling) and the reserve, capped at every expert.
+
+    Raises:
+        BudgetError: when resident weights, the cached experts and the reserve exceed the
+            memory available (cgroup limits included), or nothing is left for ``auto``; with
+            ``wire_memory``, when RLIMIT_MEMLOCK is below what must be locked.
+    """
+    resident = resident_bytes(net, dtype)
+    reserve = RUNTIME_RESERVE + 2 * workers * max(max_read, one) + 2 * workers * one
+    if not page_cache:
+        reserve += workers * (max_read + 2 * 1024 * 1024)
+    reserve += prefetch_ahead * net.top_k * one
+    auto = None
+    if budget == AUTO:
+        ctx = context_tokens_for(net, context_tokens)
+        auto = auto_cache_budget(resident, 2 * ctx * kv_bytes_per_token(net, dtype), ctx, reserve, experts,
+                                 share=share)
+        budget = auto.budget
+    cached = experts if budget is None else min(budget, experts)
+    avail = memory.available_bytes() // share
+    if resident + cached + reserve > avail:
+        raise BudgetError(
+            f"resident weights ({resident / GB:.2f} GB) plus {_what(budget)} ({cached / GB:.2f} GB) plus the runtime "
+            f"and read buffers ({reserve / GB:.2f} GB) need {(resident + cached + reserve) / GB:.2f} GB, but only "
+            f"{avail / GB:.2f} GB of memory is available to this "
+            "process (cgroup limit included" + (f"; this rank's share of {share} on this machine" if share > 1 else "")
+            + "); give a smaller --cache-budget-gb, or auto"
+        )
+    if wire_memory:
+        memory.check_memlock(resident + cached + 2 * workers * one)
+    return BudgetPlan(budget, auto, reserve)
+
+
+def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, free: int,
+                       device, context_tokens: int | None) -> BudgetPlan:
+    """The VRAM expert budget on a CUDA device with ``free`` bytes free.
+
+    ``budget`` as given (refused, before any weight is read, when resident weights plus it
+    exceed the free device memory), or for ``auto`` the free memory less resident weights,
+    the KV cache (twice its size for the context) and a reserve (1 GB plus four layers' worth
+    of experts for stacking and activations), capped at every expert.
+
+    Raises:
+        BudgetError: with the numbers.
+    """
+    resident = resident_bytes(net, dtype)
+    ctx = context_tokens_for(net, context_tokens)
+    reserve = int(1e9) + 4 * net.top_k * one + 2 * ctx * kv_bytes_per_token(net, dtype)
+    if budget == AUTO:
+        left = free - resident - reserve
+        if left <= 0:
+            raise BudgetError(
+                f"--cache-budget-gb auto: {device} has {free / GB:.2f} GB free; resident weights ({resident / GB:.2f} "
+                f"GB) and a {reserve / GB:.2f} GB reserve leave nothing for experts"
+            )
+        return BudgetPlan(min(left, experts), None, reserve)
+    cached = experts if budget is None else min(budget, experts)
+    if resident + cached > free:
+        raise BudgetError(
+            f"resident weights ({resident / GB:.2f} GB) plus {_what(budget)} ({cached / GB:.2f} GB) need "
+            f"{(resident + cached) / GB:.2f} GB, but {device} has {free / GB:.2f} GB free; "
+            "give a smaller --cache-budget-gb"
+        )
+    return BudgetPlan(budget, None, reserve)
+
+
+def plan_host_budget(host: int | None | str, experts: int, one: int, workers: int, share: int = 1) -> int:
+    """Bytes of the pinned host tier behind a VRAM cache (``--host-cache-gb``; 0: none).
+
+    ``auto``: 0.8 of the memory available (cgroup limits included) less a reserve (the runtime
+    and 2 x 2 x workers experts in flight), at most every expert, split between the ``share``
+    local ranks. A number larger than the memory available is refused.
+
+    Raises:
+        BudgetError: for a value that cannot fit, with the numbers.
+    """
+    if host is None:
+        return 0
+    reserve = RUNTIME_RESERVE + 2 * 2 * workers * one
+    avail = memory.available_bytes()
+    if host == AUTO:
+        n = max(0, min(experts, int(0.8 * avail) - reserve))
+        return n // share if share > 1 else n
+    if min(host, experts) + reserve > avail:
+        raise BudgetError(
+            f"--host-cache-gb {host / GB:g}: {min(host, experts) / GB:.2f} GB of pinned experts plus a "
+            f"{reserve / GB:.2f} GB reserve exceed the {avail / GB:.2f} GB of memory available; give less or 'auto'"
+        )
+    return host

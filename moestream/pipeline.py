@@ -1,0 +1,266 @@
+"""The expert pipeline: one owner for a MoE layer's expert work in one forward pass.
+
+For ``T`` tokens routed to ``K`` experts each (weights [T, K], expert ids [T, K]),
+:class:`ExpertPipeline`:
+
+1. keeps at most ``--max-active-experts`` experts per token (an opt-in approximation),
+   records the routing trace and lets the prefetcher plan the next layers' reads;
+2. groups the ``T*K`` slots by expert (:func:`group_slots`: one device -> host sync) and
+   asks the expert cache for the layer's experts in order of first use (token-major,
+   rank-minor), cached ones first while the missing ones are being read;
+3. hands each expert's stored tensors, as the store read them, to the layer's
+   **expert kernel** (chosen once at load for the family, format and device: per expert,
+   :class:`ExpertKernel`, or the whole layer at once, :class:`BatchedSwiGLUKernel`), and
+   writes each weighted output into its ``(t, k)`` slot of a ``[T*K, H]`` buffer;
+4. under expert parallelism, computes only this rank's experts and exchanges the slots
+   with the other ranks (the ``exchange`` object, :class:`moestream.parallel.ExpertParallel`);
+5. sums the slots over ``k = 0..K-1`` in routing order (:func:`sum_slots`).
+
+The order in which reads finish never reaches the arithmetic, and an expert's kernel
+never depends on where the expert came from (cache, a read, a read ahead, a host tier),
+so every budget, reader count, prefetch setting and rank count gives the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SlotGroups:
+    """A layer's routing slots grouped by expert.
+
+    Attributes:
+        t, k: tokens and experts per token; slot ``s = t_index * k + k_index``.
+        order: int64 [T*K] on the routing's device: slot positions grouped by expert id
+            (ascending), ascending position within an expert (a stable sort).
+        counts: int64 [n] on the device: slots per distinct expert, ascending id.
+        experts: the ``n`` distinct expert ids, ascending.
+        sizes, starts: slots per distinct expert and where its run begins in ``order``.
+        first_use: the distinct experts in order of first use in routing order.
+    """
+
+    t: int
+    k: int
+    order: torch.Tensor
+    counts: torch.Tensor
+    experts: list[int]
+    sizes: list[int]
+    starts: list[int]
+    first_use: list[int]
+
+    def span(self, i: int) -> torch.Tensor:
+        """The slot positions of the ``i``-th distinct expert (ascending id order), ascending."""
+        return self.order[self.starts[i] : self.starts[i] + self.sizes[i]]
+
+
+def group_slots(idx: torch.Tensor) -> SlotGroups:
+    """Group the slots of ``idx`` [T, K] (int64 expert ids) by expert, with one device -> host sync."""
+    t, k = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    n = ids.numel()
+    rows = torch.repeat_interleave(torch.arange(n, device=flat.device), counts)  # each sorted slot's expert row
+    # first routing position of each distinct expert: the smallest slot position in its run
+    first = torch.full((n,), t * k, dtype=torch.int64, device=flat.device)
+    first = first.scatter_reduce(0, rows, order, reduce="amin", include_self=True)
+    meta = torch.cat([ids, counts, first]).tolist()
+    experts, sizes, firstpos = meta[:n], meta[n : 2 * n], meta[2 * n :]
+    starts, at = [], 0
+    for c in sizes:
+        starts.append(at)
+        at += c
+    first_use = [experts[i] for i in sorted(range(n), key=firstpos.__getitem__)]
+    return SlotGroups(t, k, order, counts, experts, sizes, starts, first_use)
+
+
+def sum_slots(slots: torch.Tensor) -> torch.Tensor:
+    """``slots`` [T, K, H] summed over k = 0..K-1 in that order -> [T, H] (a new tensor).
+
+    The one place a layer's expert outputs are added up: always in routing order, so the
+    result never depends on the order experts were computed in.
+    """
+    out = slots[:, 0].clone()
+    for j in range(1, slots.shape[1]):
+        out += slots[:, j]
+    return out
+
+
+class ExpertKernel:
+    """A per-expert kernel: computes one expert on the rows routed to it.
+
+    Args:
+        fn: ``fn(x [n, H], tensors) -> [n, H]`` on the expert's stored tensors (the dict the
+            store hands out: ``gate``, ``up``, ``down``, quantization pieces...).
+        name: what ``moestream inspect`` and the stats call it.
+    """
+
+    batched = False
+
+    def __init__(self, fn: ExpertFn, name: str | None = None):
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+
+    def compute(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One expert on ``x`` [n, H] -> [n, H]."""
+        return self.fn(x, tensors)
+
+
+class BatchedSwiGLUKernel:
+    """A layer's SwiGLU experts as one batched matmul chain (the GPU path).
+
+    The layer's experts (all fetched before any compute) are stacked into ``gate``/``up``
+    [n, I, H] and ``down`` [n, H, I] in ascending expert id, and each expert's tokens are
+    laid out in a zero-padded [n, m, H] block (``m`` = most slots any one expert got), so
+    the layer is three ``torch.bmm`` launches. Each expert's result depends only on its
+    weights, its tokens and the shapes (n, m), which the routing fixes -- never on which
+    tier an expert came from. Experts not computed here (another rank's) enter as zero
+    weights, so the shapes, and with them every computed slot's bits, are the whole
+    layer's. Its bits differ from the per-expert chain's; a device uses one of the two for
+    every budget.
+    """
+
+    batched = True
+    name = "batched SwiGLU (torch.bmm)"
+
+    def compute_layer(self, x: torch.Tensor, groups: SlotGroups, got: dict[int, dict[str, torch.Tensor]],
+                      weights: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``weights[s] * expert(x[s // K])`` into ``slots`` [T*K, H] for every slot of an
+        expert in ``got`` (id -> stored tensors), zeros for the others; ``weights`` is [T*K]
+        (x's dtype or float32)."""
+        if not got:
+            return
+        ids, n_e = groups.experts, len(groups.experts)
+        ref = next(iter(got.values()))
+        zero = {role: torch.zeros_like(ref[role]) for role in ("gate", "up", "down")} if len(got) < n_e else None
+        gate = torch.stack([got.get(e, zero)["gate"] for e in ids])
+        up = torch.stack([got.get(e, zero)["up"] for e in ids])
+        down = torch.stack([got.get(e, zero)["down"] for e in ids])
+        order, counts = groups.order, groups.counts
+        dev = order.device
+        rows = torch.repeat_interleave(torch.arange(n_e, device=dev), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        cols = torch.arange(order.numel(), device=dev) - starts[rows]
+        xin = x.new_zeros(n_e, max(groups.sizes), x.shape[1])
+        xin[rows, cols] = x[order // groups.k]
+        h = F.silu(torch.bmm(xin, gate.transpose(1, 2))) * torch.bmm(xin, up.transpose(1, 2))
+        y = torch.bmm(h, down.transpose(1, 2))[rows, cols]  # [T*K, H], slots in sorted order
+        # the slots of experts not in ``got`` hold zeros (their weights were zero); the exchange replaces them
+        slots[order] = (y * weights[order, None]).to(slots.dtype)
+
+
+def keep_top_experts(
+    weights: torch.Tensor, idx: torch.Tensor, k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep each token's ``k`` highest-weight routed experts (``--max-active-experts``).
+
+    Args:
+        weights: [T, K] routing weights; idx: [T, K] expert indices (K > k >= 1).
+        k: experts to keep per token.
+        renormalize: whether the family renormalizes its top-k weights; if so the kept
+            weights are rescaled (in float32) to sum to what the full top-k's weights
+            summed (which also keeps any routed scaling factor); if not they are kept as
+            they are, as the family would weigh them.
+
+    Returns:
+        ``(weights [T, k] in weights.dtype, idx [T, k] int64)``, the kept slots in their
+        routing order. This changes the model's output: it is an approximation the user
+        opts into.
+    """
+    pos = torch.topk(weights.float(), k, dim=-1).indices.sort(dim=-1).values  # routing order kept
+    kept_w, kept_i = torch.gather(weights, 1, pos), torch.gather(idx, 1, pos)
+    if renormalize:
+        w = kept_w.float()
+        kept_w = (w * (weights.float().sum(-1, keepdim=True) / w.sum(-1, keepdim=True))).to(weights.dtype)
+    return kept_w, kept_i
+
+
+class ExpertPipeline:
+    """Every MoE layer's expert work, for one loaded model (see the module docstring).
+
+    Args:
+        cache: the expert cache (:class:`moestream.cache.ExpertCache` or its tiered form).
+        kernels: layer -> its expert kernel (:class:`ExpertKernel` or :class:`BatchedSwiGLUKernel`),
+            chosen once at load.
+        max_active: ``--max-active-experts`` (0: the model's own routing, exact).
+        prefetcher: the :class:`moestream.prefetch.Prefetcher` (``--prefetch-ahead``), or None.
+        exchange: expert parallelism's :class:`moestream.parallel.ExpertParallel`, or None.
+        trace: a :class:`moestream.usage.TraceWriter` recording each layer's routing, or None.
+    """
+
+    def __init__(self, cache, kernels: dict[int, object], max_active: int = 0, prefetcher=None,
+                 exchange=None, trace=None):
+        self.cache, self.kernels, self.max_active = cache, kernels, max_active
+        self.prefetcher, self.exchange, self.trace = prefetcher, exchange, trace
+
+    def __call__(self, block, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                 expert_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum for MoE block ``block``'s tokens ``x`` [T, H].
+
+        Args:
+            block: the :class:`moestream.models.moe.StreamedMoE` (its ``layer``, ``renormalize``).
+            x: [T, H], the router's input (the prefetcher predicts the next layers from it).
+            weights: [T, K] routing weights (x's dtype, or float32); idx: [T, K] int64 expert ids.
+            expert_input: what the experts compute on (default ``x``; Kimi K3's latent
+                experts take a projection of it), [T, H'].
+
+        Returns:
+            [T, H'] in the expert input's dtype: ``sum_k weights[t, k] * expert_{idx[t, k]}(x[t])``,
+            accumulated k = 0..K-1.
+
+        Raises:
+            ReadError: an expert read failed (naming the expert and file).
+            ParallelError: under expert parallelism, a rank died or diverged.
+        """
+        layer = block.layer
+        if 0 < self.max_active < idx.shape[1]:
+            weights, idx = keep_top_experts(weights, idx, self.max_active, block.renormalize)
+        if self.trace is not None:
+            self.trace.route(layer, idx, x)
+        if self.prefetcher is not None:  # read the next layers' likely experts while this one computes
+            self.prefetcher.plan(layer, x)
+        return self.compute(x if expert_input is None else expert_input, weights, idx, layer)
+
+    def compute(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, layer: int) -> torch.Tensor:
+        """The experts' part of :meth:`__call__` for ``layer``: group, fetch, compute, (exchange), sum.
+
+        ``x`` [T, H] the expert input, ``weights`` [T, K], ``idx`` [T, K] int64 -> [T, H] in x's dtype.
+        """
+        groups = group_slots(idx)
+        owned = None if self.exchange is None else self.exchange.owned_ids(layer)
+        slots = self.compute_slots(x, weights.reshape(-1), groups, layer, self.kernels[layer], owned)
+        if self.exchange is not None:
+            slots = self.exchange.gather_slots(slots, idx, layer)
+        return sum_slots(slots.view(groups.t, groups.k, -1))
+
+    def compute_slots(self, x: torch.Tensor, weights: torch.Tensor, groups: SlotGroups, layer: int, kernel,
+                      owned: set[int] | None = None) -> torch.Tensor:
+        """The weighted slot outputs [T*K, H] in x's dtype: slot ``s`` holds
+        ``weights[s] * expert_{idx[s]}(x[s // K])``. With ``owned``, only those experts are
+        fetched and computed; the other slots hold zeros."""
+        needed = groups.first_use if owned is None else [e for e in groups.first_use if e in owned]
+        row_of = {e: i for i, e in enumerate(groups.experts)}
+        counts = [groups.sizes[row_of[e]] for e in needed]
+        fill = x.new_zeros if owned is not None else x.new_empty
+        slots = fill(groups.t * groups.k, x.shape[1])
+        # even with nothing needed: the (empty) fetch lets the prefetcher retire this layer's reads ahead
+        if kernel.batched:
+            got = {}
+            for e, ew in self.cache.fetch(layer, needed, counts):
+                got[e] = ew.tensors  # the dict stays alive here even if the cache evicts the expert
+            kernel.compute_layer(x, groups, got, weights, slots)
+            return slots
+        k = groups.k
+        for e, ew in self.cache.fetch(layer, needed, counts):
+            sl = groups.span(row_of[e])
+            # float32 routing weights (DeepSeek; Mixtral's reference scales in float32) multiply in float32
+            # and round once, as transformers
+            slots[sl] = (kernel.compute(x[sl // k], ew.tensors) * weights[sl, None]).to(slots.dtype)
+        return slots

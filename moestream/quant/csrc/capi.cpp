@@ -1,0 +1,188 @@
+// The C entry points of moestream's CPU kernels (called through ctypes from
+// moestream/quant/native.py, which checks every shape first): a linear, the fused SwiGLU
+// expert, and the compiled paths. Output rows are split over OpenMP threads (the runtime
+// PyTorch loaded, so torch.set_num_threads applies), never the reduction.
+#include "kernels.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace ms {
+
+// spec: kind, bits, group, bn, out, in, row0, row_step, pack, row_bytes, s_row, s_dt, b_dt,
+//       rot_b, rot_m, (rot_scale float32 bits) | rot_half << 32
+// ptrs: weight, scales, biases (affine), value table (16 float32), signs (float32 [in]),
+//       H_m (float32 [m, m]), output bias (float32 [out]), unused
+constexpr int SPEC = 16, PTRS = 8;
+
+static Lin make_lin(const int64_t* spec, const void* const* ptrs) {
+  Lin L;
+  L.kind = int(spec[0]);
+  L.bits = int(spec[1]);
+  L.group = spec[2];
+  L.bn = spec[3];
+  L.out = spec[4];
+  L.in = spec[5];
+  L.row0 = spec[6];
+  L.row_step = spec[7];
+  L.pack = int(spec[8]);
+  L.row_bytes = spec[9];
+  L.s_row = spec[10];
+  L.s_dt = int(spec[11]);
+  L.b_dt = int(spec[12]);
+  L.rot_b = spec[13];
+  L.rot_m = spec[14];
+  const uint32_t scale_bits = uint32_t(uint64_t(spec[15]) & 0xffffffffu);
+  std::memcpy(&L.rot_scale, &scale_bits, 4);
+  L.rot_half = (uint64_t(spec[15]) >> 32) != 0;
+  L.w = static_cast<const uint8_t*>(ptrs[0]);
+  L.s = static_cast<const uint8_t*>(ptrs[1]);
+  L.b = static_cast<const uint8_t*>(ptrs[2]);
+  if (ptrs[3] != nullptr) std::memcpy(L.lut, ptrs[3], sizeof(L.lut));
+  L.signs = static_cast<const float*>(ptrs[4]);
+  L.hm = static_cast<const float*>(ptrs[5]);
+  L.out_bias = static_cast<const float*>(ptrs[6]);
+  return L;
+}
+
+// out [n, in] = H_B(signs * x) per token: MLX's blockwise Hadamard in float32 with the operations of
+// moestream.quant.turboquant.blockwise_hadamard in its order (Sylvester butterflies at strides 1, 2,
+// 4, ... on each of the m rows of 2^k, then H_m mixing summed i = 0..m-1, then the scale), so the
+// same bits; rounded to fp16 after when rot_half.
+static void rotate(const Lin& L, const float* x, int64_t n, float* out) {
+  const int64_t in = L.in, B = L.rot_b, m = L.rot_m, p = B / m;
+  std::vector<float> mix(static_cast<size_t>(B));
+  for (int64_t t = 0; t < n; ++t) {
+    const float* xt = x + t * in;
+    float* o = out + t * in;
+    for (int64_t i = 0; i < in; ++i) o[i] = xt[i] * L.signs[i];
+    for (int64_t blk = 0; blk < in; blk += B) {
+      float* v = o + blk;
+      for (int64_t r = 0; r < m; ++r) {
+        float* row = v + r * p;
+        for (int64_t h = 1; h < p; h *= 2)
+          for (int64_t i = 0; i < p; i += 2 * h)
+            for (int64_t j = i; j < i + h; ++j) {
+              const float a = row[j], c = row[j + h];
+              row[j] = a + c;
+              row[j + h] = a - c;
+            }
+      }
+      if (m > 1) {
+        for (int64_t j = 0; j < m; ++j)
+          for (int64_t c = 0; c < p; ++c) {
+            float s = L.hm[j * m] * v[c];
+            for (int64_t i = 1; i < m; ++i) s = s + L.hm[j * m + i] * v[i * p + c];
+            mix[size_t(j * p + c)] = s;
+          }
+        std::memcpy(v, mix.data(), size_t(B) * sizeof(float));
+      }
+      for (int64_t i = 0; i < B; ++i) v[i] = v[i] * L.rot_scale;
+    }
+    if (L.rot_half)
+      for (int64_t i = 0; i < in; ++i) o[i] = static_cast<float>(c10_half_round(o[i]));
+  }
+}
+
+using RowsFn = bool (*)(const Lin&, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+
+static RowsFn rows_fn(int path) {
+  switch (path) {
+    case AVX512: return MS_AVX512 ? rows_avx512 : nullptr;
+    case AVX2: return MS_AVX2 ? rows_avx2 : nullptr;
+    case PORTABLE: return rows_portable;
+    default: return nullptr;
+  }
+}
+
+// y [n, ldy] columns 0..L.out-1 for x [n, L.in]: row blocks of RB split over threads.
+static void run_linear(RowsFn fn, const Lin& L, const float* x, int64_t n, float* y, int64_t ldy) {
+  const int64_t blocks = (L.out + RB - 1) / RB;
+  // at least ~64K weights per thread, so small linears stay on one
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, RB * L.in));
+  int threads = 1;
+#ifdef _OPENMP
+  if (!omp_in_parallel()) threads = int(std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, blocks / grain)));
+#endif
+  if (threads <= 1) {
+    fn(L, x, n, 0, L.out, y, ldy);
+    return;
+  }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+  {
+    // contiguous chunks of row blocks, one per thread
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t per = (blocks + nt - 1) / nt, b0 = t * per, b1 = std::min(blocks, b0 + per);
+    if (b0 < b1) fn(L, x, n, b0 * RB, std::min(L.out, b1 * RB), y, ldy);
+  }
+#endif
+}
+
+// The whole linear: rotation of the input (turboquant), the product, the output bias.
+static void run_full(RowsFn fn, const Lin& L, const float* x, int64_t n, float* y, int64_t ldy) {
+  std::vector<float> xr;
+  if (L.rot_b > 0) {
+    xr.resize(size_t(n * L.in));
+    rotate(L, x, n, xr.data());
+    x = xr.data();
+  }
+  run_linear(fn, L, x, n, y, ldy);
+  if (L.out_bias != nullptr)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t o = 0; o < L.out; ++o) y[t * ldy + o] = y[t * ldy + o] + L.out_bias[o];
+}
+
+}  // namespace ms
+
+extern "C" {
+
+// Bit mask of the compiled paths: 1 portable, 2 AVX2, 4 AVX-512.
+int ms_paths(void) { return 1 | (MS_AVX2 ? 2 : 0) | (MS_AVX512 ? 4 : 0); }
+
+// y [n, out] (float32) = rot(x) [n, in] (float32) W^T + bias. 0, or -1 when `path` is not compiled.
+int ms_linear(int path, const int64_t* spec, const void* const* ptrs, const float* x, int64_t n, float* y) {
+  ms::RowsFn fn = ms::rows_fn(path);
+  if (fn == nullptr) return -1;
+  ms::Lin L = ms::make_lin(spec, ptrs);
+  ms::run_full(fn, L, x, n, y, L.out);
+  return 0;
+}
+
+// out [n, in] = H_B(signs * x) (turboquant's input rotation) for the linear's rotation fields.
+int ms_rotate(const int64_t* spec, const void* const* ptrs, const float* x, int64_t n, float* out) {
+  ms::Lin L = ms::make_lin(spec, ptrs);
+  if (L.rot_b <= 0) return -1;
+  ms::rotate(L, x, n, out);
+  return 0;
+}
+
+// One gated expert: y [n, H] = down(act(gate x, up x)) for x [n, H], all float32; specs and ptrs
+// of gate, up, down in that order. act 0: SwiGLU, silu(g) * u; 1: SiTU-GLU (Kimi K3),
+// beta tanh(g / beta) sigmoid(g) * (linear_beta tanh(u / linear_beta), or u when
+// linear_beta is NaN) with params = {beta, linear_beta}. The intermediate [n, I] stays float32.
+int ms_expert(int path, const int64_t* specs, const void* const* ptrs, const float* x, int64_t n, float* y, int act,
+              const float* params) {
+  ms::RowsFn fn = ms::rows_fn(path);
+  if (fn == nullptr || act < 0 || act > 1) return -1;
+  ms::Lin G = ms::make_lin(specs, ptrs), U = ms::make_lin(specs + ms::SPEC, ptrs + ms::PTRS),
+          D = ms::make_lin(specs + 2 * ms::SPEC, ptrs + 2 * ms::PTRS);
+  const int64_t I = G.out;
+  std::vector<float> g(size_t(n * I)), u(size_t(n * I));
+  ms::run_full(fn, G, x, n, g.data(), I);
+  ms::run_full(fn, U, x, n, u.data(), I);
+  if (act == 0) {
+    for (int64_t i = 0; i < n * I; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  } else {
+    const float beta = params[0], lb = params[1];
+    for (int64_t i = 0; i < n * I; ++i) {
+      const float a = beta * std::tanh(g[i] / beta) * (1.0f / (1.0f + std::exp(-g[i])));
+      g[i] = a * (std::isnan(lb) ? u[i] : lb * std::tanh(u[i] / lb));
+    }
+  }
+  ms::run_full(fn, D, g.data(), n, y, D.out);
+  return 0;
+}
+
+}  // extern "C"

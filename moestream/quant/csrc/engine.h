@@ -1,0 +1,459 @@
+// Shared by every path: scalar decoding, the portable arch, and the dot engine (templates).
+#pragma once
+
+#include "kernels.h"
+
+namespace ms {
+
+// ---------------------------------------------------------------------------------------
+// Scalars: scale dtypes, e8m0, fp8, bit-stream codes.
+
+#define MS_UNROLL _Pragma("GCC unroll 16")
+#define MS_INLINE inline __attribute__((always_inline))
+
+// IEEE fp16 bits -> float32 (exact)
+static MS_INLINE float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while (!(man & 0x400u));
+      u = sign | (uint32_t(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+template <int DT>
+static MS_INLINE float ldf(const uint8_t* p, int64_t i) {
+  if constexpr (DT == F32) {
+    float v;
+    std::memcpy(&v, p + 4 * i, 4);
+    return v;
+  } else if constexpr (DT == BF16) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    uint32_t u = uint32_t(h) << 16;
+    float v;
+    std::memcpy(&v, &u, 4);
+    return v;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return half_to_float(h);
+  }
+}
+
+// e8m0 exponent byte -> 2^(e - 127) as float32 (e = 0: 2^-127, a float32 subnormal; 255: NaN)
+struct E8m0Table {
+  float v[256];
+  E8m0Table() {
+    for (int e = 0; e < 256; ++e) v[e] = e == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, e - 127);
+  }
+};
+static const E8m0Table& e8m0_table() {
+  static const E8m0Table t;
+  return t;
+}
+
+// fp8 e4m3fn byte -> float32 (exact; 0x7f/0xff are NaN)
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int c = 0; c < 256; ++c) {
+      int e = (c >> 3) & 15, m = c & 7;
+      float x = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
+      if ((c & 0x7f) == 0x7f) x = std::numeric_limits<float>::quiet_NaN();
+      v[c] = (c & 0x80) ? -x : x;
+    }
+  }
+};
+static const Fp8Table& fp8_table() {
+  static const Fp8Table t;
+  return t;
+}
+
+// code j of a little-endian bit stream of `bits`-bit codes (bits <= 8), reading no byte past `end`
+static MS_INLINE uint32_t stream_code(const uint8_t* p, const uint8_t* end, int64_t j, int bits) {
+  int64_t bit = j * bits;
+  const uint8_t* q = p + (bit >> 3);
+  uint32_t v = q[0];
+  if (q + 1 < end) v |= uint32_t(q[1]) << 8;
+  return (v >> (bit & 7)) & ((1u << bits) - 1);
+}
+
+// Base-3 trits (20 per uint32 word, t_i = word / 3^i % 3) of one row as a 2-bit code stream in `out`
+// (in / 4 bytes, plus 8 of slack): ten trits at a time through a 3^10-entry table (236 KB).
+struct TritTable {
+  std::vector<uint32_t> v;
+  TritTable() : v(59049) {
+    for (int c = 0; c < 59049; ++c) {
+      uint32_t x = uint32_t(c), bits = 0;
+      for (int i = 0; i < 10; ++i, x /= 3) bits |= (x % 3) << (2 * i);
+      v[size_t(c)] = bits;
+    }
+  }
+};
+
+static inline void trits_to_stream(const uint8_t* words, int64_t nwords, uint8_t* out) {
+  static const TritTable table;
+  const uint32_t* t = table.v.data();
+  for (int64_t i = 0; i < nwords; ++i) {
+    uint32_t w;
+    std::memcpy(&w, words + 4 * i, 4);
+    const uint32_t hi = w / 59049u;
+    const uint64_t bits = uint64_t(t[w - 59049u * hi]) | uint64_t(t[hi < 59049u ? hi : 0]) << 20;
+    std::memcpy(out + 5 * i, &bits, 8);  // 40 bits used; the next word overwrites the rest
+  }
+}
+
+// Per-decoder scratch rows for transcoded trits: a decoder keeps up to 8 rows in flight.
+struct TritScratch {
+  std::vector<uint8_t> buf[8];
+  int next = 0;
+  const uint8_t* row(const Lin& L, const uint8_t* words) {
+    std::vector<uint8_t>& b = buf[next++ & 7];
+    const int64_t nwords = L.row_bytes / 4;
+    b.resize(size_t(5 * nwords + 8));
+    trits_to_stream(words, nwords, b.data());
+    return b.data();
+  }
+};
+
+static MS_INLINE uint32_t tq3_code(const uint8_t* row, int64_t j) {
+  uint32_t word;
+  std::memcpy(&word, row + 4 * (j / 10), 4);
+  return (word >> (3 * (j % 10))) & 7;
+}
+
+// Internal kinds: codebooks split by their packing.
+enum K : int { K_AFFINE = 0, K_FP8 = 1, K_MXFP4 = 2, K_CB = 3, K_CB3 = 4, K_TRIT = 5 };
+
+// How far ahead of the codes being decoded a row's bytes are prefetched (the streams of a few
+// rows at a time are too short for the hardware prefetchers to run ahead across pages).
+constexpr int64_t PREFETCH_BYTES = 768;
+
+static MS_INLINE void prefetch_ahead(const uint8_t* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p + PREFETCH_BYTES, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
+// Per-row state every decoder keeps: stored row pointer, scale (and bias) row pointers.
+struct RowPtrs {
+  const uint8_t* p;  // the row's codes
+  const uint8_t* s;  // the row's scales (fp8: its block row's)
+  const uint8_t* b;  // the row's biases (affine)
+};
+
+static MS_INLINE float ld_dt(const uint8_t* p, int dt, int64_t i) {
+  switch (dt) {
+    case F32: return ldf<F32>(p, i);
+    case BF16: return ldf<BF16>(p, i);
+    default: return ldf<F16>(p, i);
+  }
+}
+
+static MS_INLINE RowPtrs row_ptrs(const Lin& L, int64_t row) {
+  const int64_t sr = L.stored(row);
+  const int64_t es = L.s_dt == F32 ? 4 : 2;
+  RowPtrs r;
+  r.p = L.w + sr * L.row_bytes;
+  if (L.kind == FP8) {
+    r.s = L.s + (sr / L.bn) * L.s_row * es;
+  } else if (L.kind == MXFP4) {
+    r.s = L.s + sr * L.s_row;
+  } else {
+    r.s = L.s + sr * L.s_row * es;
+  }
+  r.b = L.kind == AFFINE ? L.b + sr * L.s_row * (L.b_dt == F32 ? 4 : 2) : nullptr;
+  return r;
+}
+
+template <int KIND>
+static MS_INLINE float group_scale(const Lin& L, const RowPtrs& r, int64_t g) {
+  if constexpr (KIND == K_MXFP4) return e8m0_table().v[r.s[g]];
+  else return ld_dt(r.s, L.s_dt, g);
+}
+
+// ---------------------------------------------------------------------------------------
+// Portable path: 16-lane float arrays; multiply then add (-ffp-contract=off keeps them apart).
+struct VP {
+  float v[16];
+};
+
+struct ArchP {
+  using V = VP;
+  static constexpr int W = 16;
+  static constexpr int TM = 4;  // tokens per pass over the weights (SIMD paths: more)
+  static constexpr int R1 = 1;  // rows per pass for one token
+  static MS_INLINE V zero() {
+    V r;
+    for (int i = 0; i < 16; ++i) r.v[i] = 0.0f;
+    return r;
+  }
+  static MS_INLINE V loadu(const float* p) {
+    V r;
+    for (int i = 0; i < 16; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static MS_INLINE void storeu(float* p, const V& a) {
+    for (int i = 0; i < 16; ++i) p[i] = a.v[i];
+  }
+  static MS_INLINE V fma(const V& a, const V& b, const V& c) {
+    V r;
+    for (int i = 0; i < 16; ++i) r.v[i] = c.v[i] + a.v[i] * b.v[i];
+    return r;
+  }
+  static MS_INLINE float hsum2(const V& a, const V& b) {
+    float t[16];
+    for (int i = 0; i < 16; ++i) t[i] = a.v[i] + b.v[i];
+    for (int h = 8; h >= 1; h /= 2)
+      for (int i = 0; i < h; ++i) t[i] = t[i] + t[i + h];
+    return t[0];
+  }
+};
+
+template <int KIND>
+struct DecP {
+  using V = VP;
+  const Lin& L;
+  struct Row {
+    RowPtrs q;
+    const uint8_t* end;
+    float s, b;
+  };
+  mutable TritScratch trits;
+  explicit DecP(const Lin& l) : L(l) {}
+  MS_INLINE void start(Row& r, int64_t row) const {
+    r.q = row_ptrs(L, row);
+    r.end = r.q.p + L.row_bytes;
+    if constexpr (KIND == K_TRIT) {
+      r.q.p = trits.row(L, r.q.p);
+      r.end = r.q.p + L.in / 4;
+    }
+  }
+  MS_INLINE void prefetch(const Row&, int64_t) const {}
+  MS_INLINE void group(Row& r, int64_t g) const {
+    r.s = group_scale<KIND>(L, r.q, g);
+    if constexpr (KIND == K_AFFINE) r.b = ld_dt(r.q.b, L.b_dt, g);
+  }
+  MS_INLINE V load(const Row& r, int64_t v) const {
+    V o;
+    const int64_t j0 = v * 16;
+    if constexpr (KIND == K_AFFINE) {
+      for (int i = 0; i < 16; ++i) o.v[i] = float(stream_code(r.q.p, r.end, j0 + i, L.bits)) * r.s + r.b;
+    } else if constexpr (KIND == K_FP8) {
+      const float* t = fp8_table().v;
+      for (int i = 0; i < 16; ++i) o.v[i] = t[r.q.p[j0 + i]] * r.s;
+    } else if constexpr (KIND == K_MXFP4) {
+      for (int i = 0; i < 16; ++i) o.v[i] = L.lut[stream_code(r.q.p, r.end, j0 + i, 4)] * r.s;
+    } else if constexpr (KIND == K_CB || KIND == K_TRIT) {
+      const int bits = KIND == K_TRIT ? 2 : L.bits;
+      for (int i = 0; i < 16; ++i) o.v[i] = L.lut[stream_code(r.q.p, r.end, j0 + i, bits)] * r.s;
+    } else {
+      for (int i = 0; i < 16; ++i) o.v[i] = L.lut[tq3_code(r.q.p, j0 + i)] * r.s;
+    }
+    return o;
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// The dot engine: R rows x T tokens, two accumulators each (vector v -> accumulator v % 2).
+
+template <class A, class D, int R, int T>
+static MS_INLINE void fma_step(const D& dec, const typename D::Row (&st)[R], int64_t v, const float* x, int64_t ldx,
+                               typename A::V (&acc)[R][T]) {
+  using V = typename A::V;
+  MS_UNROLL
+  for (int r = 0; r < R; ++r) {
+    V w = dec.load(st[r], v);
+    MS_UNROLL
+    for (int t = 0; t < T; ++t) acc[r][t] = A::fma(w, A::loadu(x + t * ldx + v * A::W), acc[r][t]);
+  }
+}
+
+// Vectors [v0, v1) of R rows for T tokens into the accumulators: vector v goes to acc0 when v is
+// even, acc1 when odd; each row's group scale is set once per group (the group of v is v / vpg).
+template <class A, class D, int R, int T>
+static MS_INLINE void span(const D& dec, typename D::Row (&st)[R], int64_t v0, int64_t v1, int64_t vpg,
+                           const float* x, int64_t ldx, typename A::V (&acc0)[R][T], typename A::V (&acc1)[R][T]) {
+  int64_t v = v0;
+  if (vpg % 2 == 0 && v0 % vpg == 0) {  // whole groups of an even count: each starts on acc0
+    for (int64_t g = v0 / vpg; v < v1; ++g) {
+      MS_UNROLL
+      for (int r = 0; r < R; ++r) {
+        dec.prefetch(st[r], g);
+        dec.group(st[r], g);
+      }
+      const int64_t end = std::min(v1, v + vpg);
+      for (; v + 1 < end; v += 2) {
+        fma_step<A, D, R, T>(dec, st, v, x, ldx, acc0);
+        fma_step<A, D, R, T>(dec, st, v + 1, x, ldx, acc1);
+      }
+      if (v < end) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc0);  // a last partial group (v even)
+    }
+    return;
+  }
+  for (int64_t g = v0 / vpg; v < v1; ++g) {  // one division per span; groups then advance by one
+    const int64_t end = std::min(v1, (g + 1) * vpg);
+    MS_UNROLL
+    for (int r = 0; r < R; ++r) {
+      dec.prefetch(st[r], g);
+      dec.group(st[r], g);
+    }
+    if (v & 1) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc1);
+    for (; v + 1 < end; v += 2) {
+      fma_step<A, D, R, T>(dec, st, v, x, ldx, acc0);
+      fma_step<A, D, R, T>(dec, st, v + 1, x, ldx, acc1);
+    }
+    if (v < end) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc0);
+  }
+}
+
+template <class A, class D, int R, int T>
+static void dot_rows(const D& dec, int64_t row, const float* x, int64_t ldx, int64_t nvec, int64_t vpg, float* y,
+                     int64_t ldy) {
+  using V = typename A::V;
+  V acc0[R][T], acc1[R][T];
+  typename D::Row st[R];
+  MS_UNROLL
+  for (int r = 0; r < R; ++r) {
+    dec.start(st[r], row + r);
+    MS_UNROLL
+    for (int t = 0; t < T; ++t) acc0[r][t] = acc1[r][t] = A::zero();
+  }
+  span<A, D, R, T>(dec, st, 0, nvec, vpg, x, ldx, acc0, acc1);
+  MS_UNROLL
+  for (int r = 0; r < R; ++r)
+    MS_UNROLL
+    for (int t = 0; t < T; ++t) y[t * ldy + row + r] = A::hsum2(acc0[r][t], acc1[r][t]);
+}
+
+// Rows [r0, r1) for T tokens, row by row. (Walking the columns in L1-sized chunks for wide
+// inputs, with partial sums parked per row, measured no faster on Zen 4.)
+template <class A, class D, int T>
+static void token_block(const D& dec, int64_t r0, int64_t r1, const float* x, int64_t in, int64_t nvec, int64_t vpg,
+                        float* y, int64_t ldy) {
+  for (int64_t r = r0; r < r1; ++r) dot_rows<A, D, 1, T>(dec, r, x, in, nvec, vpg, y, ldy);
+}
+
+// Weights of rows [row, row + R) decoded into `buf` [R][in]: the same vectors dot_rows makes.
+template <class A, class D, int R>
+static void decode_rows(const D& dec, int64_t row, int64_t nvec, int64_t vpg, float* buf, int64_t in) {
+  typename D::Row st[R];
+  for (int r = 0; r < R; ++r) dec.start(st[r], row + r);
+  for (int64_t v = 0, g = 0, left = 0; v < nvec; ++v, --left) {
+    if (left == 0) {
+      for (int r = 0; r < R; ++r) dec.group(st[r], g);
+      ++g;
+      left = vpg;
+    }
+    MS_UNROLL
+    for (int r = 0; r < R; ++r) A::storeu(buf + r * in + v * A::W, dec.load(st[r], v));
+  }
+}
+
+// A decoder over rows already decoded into a buffer [rows][in] (row numbers from `row0`).
+template <class A>
+struct DecBuf {
+  using V = typename A::V;
+  const float* buf;
+  int64_t in, row0;
+  struct Row {
+    const float* p;
+  };
+  MS_INLINE void start(Row& r, int64_t row) const { r.p = buf + (row - row0) * in; }
+  MS_INLINE void group(Row&, int64_t) const {}
+  MS_INLINE void prefetch(const Row&, int64_t) const {}
+  MS_INLINE V load(const Row& r, int64_t v) const { return A::loadu(r.p + v * A::W); }
+};
+
+// Rows [r0, r1) for n tokens, in token blocks of TM, then 4, 2, 1 (a token's arithmetic is the same in any block).
+template <class A, class D>
+static void dot_tokens(const D& dec, int64_t r0, int64_t r1, const float* x, int64_t n, int64_t in, int64_t nvec,
+                       int64_t vpg, float* y, int64_t ldy) {
+  constexpr int TM = A::TM;
+  int64_t t = 0;
+  for (; t + TM <= n; t += TM) token_block<A, D, TM>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
+  if constexpr (TM > 4) {
+    if (n - t >= 4) {
+      token_block<A, D, 4>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
+      t += 4;
+    }
+  }
+  if constexpr (TM > 2) {
+    if (n - t >= 2) {
+      token_block<A, D, 2>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
+      t += 2;
+    }
+  }
+  if (n - t >= 1) token_block<A, D, 1>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
+}
+
+// Output rows [r0, r1) of y [n, ldy] for n tokens x [n, in].
+template <class A, class D>
+static void rows_range(const D& dec, const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y,
+                       int64_t ldy, std::vector<float>& buf) {
+  constexpr int W = A::W;
+  const int64_t nvec = L.in / W, vpg = L.group / W, in = L.in;
+  if (n <= A::TM) {  // weights decoded in registers, once per pass over the tokens
+    int64_t r = r0;
+    if constexpr (A::R1 > 1) {
+      if (n == 1)
+        for (; r + A::R1 <= r1; r += A::R1) dot_rows<A, D, A::R1, 1>(dec, r, x, in, nvec, vpg, y, ldy);
+      else if (n == 2)
+        for (; r + 2 <= r1; r += 2) dot_rows<A, D, 2, 2>(dec, r, x, in, nvec, vpg, y, ldy);
+    }
+    if (r < r1) dot_tokens<A, D>(dec, r, r1, x, n, in, nvec, vpg, y, ldy);
+    return;
+  }
+  // many tokens: RB rows decoded once into a buffer, then every token block from it
+  buf.resize(size_t(RB * in));
+  for (int64_t r = r0; r < r1; r += RB) {
+    const int64_t m = std::min<int64_t>(RB, r1 - r);
+    for (int64_t i = 0; i < m; ++i) decode_rows<A, D, 1>(dec, r + i, nvec, vpg, buf.data() + i * in, in);
+    DecBuf<A> bd{buf.data(), in, r};
+    dot_tokens<A, DecBuf<A>>(bd, r, r + m, x, n, in, nvec, int64_t(1) << 40, y, ldy);
+  }
+}
+
+// The kernel entry of one path: output rows [r0, r1) on arch A with decoders D<kind>.
+template <class A, class D>
+static void rows_with(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  const D dec(L);
+  std::vector<float> buf;
+  rows_range<A, D>(dec, L, x, n, r0, r1, y, ldy, buf);
+}
+
+template <class A, template <int> class D>
+static void rows_by_kind(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  switch (L.kind) {
+    case AFFINE: return rows_with<A, D<K_AFFINE>>(L, x, n, r0, r1, y, ldy);
+    case FP8: return rows_with<A, D<K_FP8>>(L, x, n, r0, r1, y, ldy);
+    case MXFP4: return rows_with<A, D<K_MXFP4>>(L, x, n, r0, r1, y, ldy);
+    default:
+      if (L.pack == TEN3) return rows_with<A, D<K_CB3>>(L, x, n, r0, r1, y, ldy);
+      if (L.pack == TRITS) return rows_with<A, D<K_TRIT>>(L, x, n, r0, r1, y, ldy);
+      return rows_with<A, D<K_CB>>(L, x, n, r0, r1, y, ldy);
+  }
+}
+
+}  // namespace ms

@@ -1,0 +1,146 @@
+"""Quantized models: the experts' formats of a checkpoint, its quantized resident linears swapped in on
+the meta-device model, and each quantized layer's expert function (what the engine wires in).
+
+The formats and their math live in the modules beside this one (:mod:`.formats`, :mod:`.affine`,
+:mod:`.fp8`, :mod:`.mxfp4`, :mod:`.turboquant`, :mod:`.compressed`, the compiled kernels
+:mod:`.native`); this module adapts a family's model to them.
+"""
+
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..checkpoint import torch_dtype
+from ..models.moe import swiglu_expert
+from . import turboquant
+from .compressed import module_pattern
+from .convert import padding_tensors  # noqa: F401  (the engine skips convert's padding tensors)
+from .expert import expert_fn_for
+from .formats import ExpertFormat, QuantConfig, QuantError, expert_format
+from .resident import QuantEmbedding, QuantLinear, quantize_resident
+from .turboquant import TQExpertFormat, TQExperts, TQLinear
+from .turboquant import describe as tq_describe
+from .turboquant import quantize_resident as tq_resident
+
+__all__ = ["attach", "describe", "expert_formats", "expert_functions", "float_dtype", "padding_tensors",
+           "quantize_model", "summary"]
+
+
+def expert_formats(ckpt, layout, shape: tuple[int, int], where) -> dict[int, ExpertFormat]:
+    """layer -> :class:`ExpertFormat` for every MoE layer whose experts are quantized.
+
+    Raises QuantError (naming the tensor) when pieces and config disagree.
+    """
+    qcfg = QuantConfig.from_config(ckpt.config, str(where))
+    for note in getattr(qcfg, "load_notes", lambda: [])():  # compressed-tensors: transforms, what is not emulated
+        print(f"note: {note}", file=sys.stderr)
+    out = {}
+    for i, lay in layout.layers.items():
+        if qcfg is not None and qcfg.method == "turboquant":
+            out[i] = turboquant.expert_format(lay, ckpt.tensors, qcfg, shape, where)
+            continue
+        fmt = expert_format(lay, qcfg, shape, where)
+        if fmt is not None:
+            out[i] = fmt
+    return out
+
+
+def quantize_model(net, ckpt, where) -> list[str]:
+    """Swap the resident modules ``ckpt`` stores quantized (see :func:`.resident.quantize_resident`)."""
+    qcfg = QuantConfig.from_config(ckpt.config, str(where))
+    swapped = []
+    if qcfg is not None and qcfg.method == "turboquant":  # codebook linears first; affine extras below
+        swapped = tq_resident(net, ckpt.tensors, qcfg, where)
+    return swapped + quantize_resident(net, ckpt.tensors, qcfg, where)
+
+
+def summary(ckpt, where) -> str:
+    """Bits and group size per layer kind of a turboquant build, in one line for ``moestream inspect``.
+
+    "" for any other checkpoint: :func:`describe` gives their format and quantized modules.
+    """
+    qcfg = QuantConfig.from_config(ckpt.config, str(where))
+    if qcfg is None or qcfg.method != "turboquant":
+        return ""
+    return tq_describe(ckpt.tensors, qcfg)
+
+
+def describe(ckpt, layout, net) -> tuple[str, list[str]]:
+    """(format, quantized modules) of a checkpoint for ``moestream inspect``; ("", []) when it is float.
+
+    ``net`` is the model after :func:`quantize_model` (its quantized resident linears swapped).
+    Modules are listed as patterns, layer and expert numbers as ``*``.
+    """
+    qcfg = QuantConfig.from_config(ckpt.config, str(ckpt.path))
+    formats = expert_formats(ckpt, layout, net.expert_shape(), ckpt.path) if layout.layers else {}
+    names = [p.source for i in formats for p in layout.layers[i].experts[0]
+             if formats[i].linears.get(p.role) is not None and formats[i].linears[p.role].scheme is not None]
+    rename = getattr(net, "checkpoint_name", lambda n, t: n)  # report the checkpoint's own names
+    names += [rename(f"{n}.{getattr(m, 'weight_name', 'weight')}", ckpt.tensors) for n, m in net.named_modules()
+              if isinstance(m, (QuantLinear, QuantEmbedding, TQLinear))]
+    if not names:
+        return "", []
+    if qcfg is not None and hasattr(qcfg, "tag"):
+        fmt = qcfg.tag
+    else:
+        tags = sorted({f.tag for f in formats.values()})
+        method = qcfg.method if qcfg else "quantized"
+        if tags and all(t.startswith(method) for t in tags):  # "affine 4-bit, group 32", not "affine (affine ...)"
+            fmt = "; ".join(tags)
+        else:
+            fmt = method + (f" ({'; '.join(tags)})" if tags else "")
+    return fmt, sorted({module_pattern(n) for n in names})
+
+
+def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:
+    """The compute dtype when the embedding is quantized: its scales' dtype (mlx), else ``dtype``."""
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        return dtype
+    scales = ckpt.tensors.get(embed_name[: -len("weight")] + "scales")
+    if scales is not None:
+        return torch_dtype(scales.dtype)
+    raise QuantError(f"{ckpt.path}: tensor {embed_name!r} is {dtype} and no scales tell the compute dtype; "
+                     "pass dtype explicitly")
+
+
+def attach(net, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> dict:
+    """The expert function of each quantized MoE layer of ``net``.
+
+    Returns layer -> expert function (``fn(x [n, H], tensors) -> [n, H]`` on the expert's
+    pieces as the store read them; no per-read preparation) for every layer in ``formats``:
+    the compiled kernels' SwiGLU, turboquant's :class:`~.turboquant.TQExperts`, or the family's
+    float function on dequantized weights (:mod:`.expert`). Sets the compute dtype of
+    quantized embeddings.
+    """
+    for m in net.modules():
+        if isinstance(m, QuantEmbedding):
+            m.dtype = dtype
+    fns = expert_functions(net, formats)  # turboquant layers
+    for block in net.moe_blocks():
+        fmt = formats.get(block.layer)
+        if fmt is None or isinstance(fmt, TQExpertFormat):
+            continue
+        fns[block.layer] = expert_fn_for(block.expert_fn, fmt)
+    return fns
+
+
+def expert_functions(model, formats: dict) -> dict:
+    """layer -> the :class:`~.turboquant.TQExperts` function of each MoE block whose layer's format is turboquant."""
+    paths = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for block in model.moe_blocks():
+        fmt = formats.get(block.layer)
+        if not isinstance(fmt, TQExpertFormat):
+            continue
+        base = paths[id(block)]
+        holders = {}
+        for role, module in fmt.shared.items():
+            if not module.startswith(base + "."):
+                raise QuantError(f"turboquant experts {module!r} lie outside their MoE block {base!r}")
+            holders[role] = block.get_submodule(module[len(base) + 1:])
+        fn = block.expert_fn
+        out[block.layer] = TQExperts(fmt, holders, None if fn is swiglu_expert else fn)
+    return out

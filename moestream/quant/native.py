@@ -1,0 +1,568 @@
+"""moestream's compiled CPU kernels: quantized linears and gated experts on the stored bytes.
+
+``csrc/`` (``kernels.h`` describes it) computes ``y = x W^T`` with ``W`` [out, in] in its stored form --
+MLX affine (2, 3, 4, 5, 6, 8 bits; bf16, fp16 or float32 scales and biases), FP8 e4m3 with
+block, per-channel or per-tensor scales, MXFP4 (gpt-oss and compressed-tensors bytes) and
+turboquant codebooks -- straight from the tensors the expert store read: nothing is
+repacked per read. Each weight is dequantized in a float32 register and multiplied into
+float32 accumulators (FMA); activations are never quantized. Threads split the output rows,
+never the reduction, and each output's reduction order is fixed (see the source's header),
+so a result depends only on its inputs, the same bits every run and for any thread count
+or number of tokens beside it: a cached and a just-read expert compute the same bits.
+
+Paths (``paths()``): ``avx512`` (AVX-512 F/BW/VL/VBMI), ``avx2`` (AVX2 + FMA + F16C) and
+``portable`` (plain C++, auto-vectorized; compiles anywhere, ARM64 included). The build
+targets the machine it runs on (``-march=native``) and is cached under
+``~/.cache/moestream/cpu-kernels/<key>`` (or ``$MOESTREAM_KERNEL_CACHE``), the key a hash of
+the sources, flags, compiler and the CPU's model and flags, so a build is never used on a CPU
+it was not made for.
+It is a plain C library (no PyTorch headers: the four files compile in parallel in well under a
+minute) called through :mod:`ctypes`, which releases the GIL while it computes; output rows
+are split over OpenMP threads of the runtime PyTorch loaded, so ``torch.set_num_threads``
+applies. The first use builds it (said on stderr); ``make setup`` builds it ahead.
+
+Selection: ``MOESTREAM_CPU_KERNELS`` = ``auto`` (default: the best compiled path),
+``avx512``, ``avx2``, ``portable``, or ``torch`` (the PyTorch path of
+:mod:`.kernels`, the reference). Without a compiler, or when the build fails, moestream
+runs on the PyTorch path and says so once on stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from . import fp8, mxfp4
+from .hadamard import block_size, sloane_matrix
+
+ENV = "MOESTREAM_CPU_KERNELS"
+CHOICES = ("auto", "avx512", "avx2", "portable", "torch")
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("capi.cpp", "portable.cpp", "avx2.cpp", "avx512.cpp")
+FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off"]
+LIBRARY = "libmoestream_cpu.so"
+# kinds and the spec layout of csrc/capi.cpp (make_lin)
+AFFINE, FP8, MXFP4, CODEBOOK = 0, 1, 2, 3
+SPEC, PTRS = 16, 8
+STREAM, TEN3, TRITS = 0, 1, 2  # codebook packings
+TRIT, LEVEL_BITS = 3, {2: 1, 4: 2, 8: 3, 16: 4}  # turboquant codebook length -> code bits (3: ternary)
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_PATH_CODE = {"portable": 0, "avx2": 1, "avx512": 2}
+_PATH_BITS = (("portable", 1), ("avx2", 2), ("avx512", 4))
+_FP4 = torch.tensor(mxfp4.FP4_VALUES, dtype=torch.float32)  # the e2m1 values, the kernels' table
+
+_lock = threading.Lock()
+_state: dict = {"lib": None, "tried": False, "error": None}
+_forced: list[str] = []  # use(): a path chosen in-process (tests, benchmarks), innermost last
+
+
+def _arch_flags() -> list[str]:
+    m = platform.machine().lower()
+    if m in ("x86_64", "amd64", "i686", "i386"):
+        return ["-march=native"]
+    if m in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    return []
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo`` flags or Features) and model, for the build key."""
+    flags, model = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":")[0].strip()
+            if key in ("flags", "Features") and not flags:
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+            elif key in ("model name", "CPU part") and not model:
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{model}: {flags}" if flags else (platform.processor() or platform.machine())
+
+
+def _compiler() -> str | None:
+    """``$CXX`` when set (only it), else the first of c++, g++, clang++ on PATH."""
+    if os.environ.get("CXX"):
+        return os.environ["CXX"] if shutil.which(os.environ["CXX"]) else None
+    return next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def build_key() -> str:
+    """Hash of what a build depends on: the sources, flags, compiler, CPU model and flags (never shared across CPUs)."""
+    h = hashlib.sha256()
+    cxx = _compiler() or ""
+    files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    for part in (*(f.name.encode() + f.read_bytes() for f in files), " ".join(FLAGS + _arch_flags()).encode(),
+                 cxx.encode(), _compiler_version(cxx).encode(), platform.machine().encode(), cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where this machine's build lives: ``$MOESTREAM_KERNEL_CACHE`` or ``~/.cache/moestream/cpu-kernels``, per key."""
+    root = os.environ.get("MOESTREAM_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moestream", "cpu-kernels")
+    return Path(root) / build_key()
+
+
+def _compile(cxx: str, out: Path, openmp: bool) -> None:
+    """Compile the sources in parallel into ``out``; RuntimeError with the compiler's first error line."""
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
+    try:
+        omp = ["-fopenmp"] if openmp else []
+        procs = []
+        for src in SOURCES:
+            obj = tmp / (Path(src).stem + ".o")
+            cmd = [cxx, *FLAGS, *_arch_flags(), *omp, "-c", str(CSRC / src), "-o", str(obj)]
+            procs.append((obj, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+        errors = []
+        for _, p in procs:
+            _, err = p.communicate()
+            if p.returncode:
+                errors.append(next((ln for ln in err.splitlines() if "error" in ln), err.strip()[-300:]))
+        if errors:
+            raise RuntimeError(f"{cxx} failed: {errors[0]}")
+        lib = tmp / LIBRARY
+        link = subprocess.run([cxx, "-shared", *omp, *(str(o) for o, _ in procs), "-o", str(lib)],
+                              capture_output=True, text=True)
+        if link.returncode:
+            raise RuntimeError(f"{cxx} failed to link: {link.stderr.strip()[-300:]}")
+        os.replace(lib, out)  # atomic: a concurrent build leaves one whole library
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load() -> ctypes.CDLL:
+    where = cache_dir()
+    lib, failed = where / LIBRARY, where / "FAILED"
+    if not lib.exists():
+        if failed.exists():  # this source, compiler and CPU failed before: do not retry in every process
+            raise RuntimeError(f"{failed.read_text().strip()} (delete {where} to retry)")
+        cxx = _compiler()
+        if cxx is None:
+            raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++, g++ or clang++'}) found")
+        print(f"moestream: building the CPU kernels for this CPU once (under a minute), into {where}",
+              file=sys.stderr, flush=True)
+        where.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        try:
+            _compile(cxx, lib, openmp=True)
+        except RuntimeError as first:
+            try:  # a compiler without OpenMP (Apple clang): one thread per linear
+                _compile(cxx, lib, openmp=False)
+            except RuntimeError:
+                failed.write_text(str(first))
+                raise first from None
+        print(f"moestream: CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    dll = ctypes.CDLL(str(lib))
+    dll.ms_paths.restype = ctypes.c_int
+    args = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    dll.ms_linear.restype = dll.ms_expert.restype = dll.ms_rotate.restype = ctypes.c_int
+    dll.ms_linear.argtypes = args
+    dll.ms_rotate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    dll.ms_expert.argtypes = args + [ctypes.c_int, ctypes.c_void_p]
+    return dll
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled library, built on first use; None (said once on stderr) when it cannot be built."""
+    if _state["tried"]:
+        return _state["lib"]
+    with _lock:
+        if not _state["tried"]:
+            try:
+                _state["lib"] = _load()
+            except Exception as e:  # no compiler, a failed build: the PyTorch path computes instead
+                _state["error"] = str(e).strip() or type(e).__name__
+                print(f"moestream: note: the CPU kernels could not be built ({_state['error']}); quantized linears "
+                      "run on the slower PyTorch path", file=sys.stderr, flush=True)
+            _state["tried"] = True
+    return _state["lib"]
+
+
+def paths() -> list[str]:
+    """The compiled paths, slowest first: ``portable`` always, then ``avx2``, ``avx512`` where built; [] if none."""
+    lib = library()
+    if lib is None:
+        return []
+    mask = lib.ms_paths()
+    return [name for name, bit in _PATH_BITS if mask & bit]
+
+
+def selected() -> str:
+    """The path quantized CPU linears take now: ``avx512``, ``avx2``, ``portable`` or ``torch``.
+
+    From :func:`use` (innermost), else ``MOESTREAM_CPU_KERNELS`` (default ``auto``: the
+    fastest compiled path). A named path not compiled here falls back to ``torch``.
+
+    Raises:
+        ValueError: ``MOESTREAM_CPU_KERNELS`` is not one of :data:`CHOICES`.
+    """
+    want = _forced[-1] if _forced else (os.environ.get(ENV, "auto").strip().lower() or "auto")
+    if want not in CHOICES:
+        raise ValueError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
+    if want == "torch":
+        return "torch"
+    have = paths()
+    if not have:
+        return "torch"
+    if want == "auto":
+        return have[-1]
+    return want if want in have else "torch"
+
+
+@contextlib.contextmanager
+def use(path: str):
+    """Compute quantized CPU linears on ``path`` (one of :data:`CHOICES`) inside the block (tests, benchmarks)."""
+    if path not in CHOICES:
+        raise ValueError(f"path {path!r}: expected one of {', '.join(CHOICES)}")
+    _forced.append(path)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+class Spec:
+    """One stored linear as the kernel reads it: the spec fields, the pieces (kept alive) and their pointers."""
+
+    __slots__ = ("fields", "tensors", "out", "inn")
+
+    def __init__(self, fields: list[int], tensors: list[torch.Tensor | None]):
+        self.fields, self.tensors = fields, tensors + [None] * (PTRS - len(tensors))
+        self.out, self.inn = fields[4], fields[5]
+
+    def ptrs(self) -> list[int]:
+        return [0 if t is None else t.data_ptr() for t in self.tensors]
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"moestream kernels: {what}")
+
+
+def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: tuple[int, int] = (0, 1),
+                out: int | None = None) -> Spec | None:
+    """The kernel's view of one stored linear, or None when the kernels do not cover it.
+
+    Args:
+        lf: its :class:`~moestream.quant.formats.LinearFormat` ([out, in] and scheme; None: float).
+        t: the stored pieces (CPU tensors), by scheme:
+
+            - affine: ``<role>`` uint32 [rows, in * bits / 32] (or its raw bytes),
+              ``<role>.scales`` and ``<role>.biases`` [rows, in / group] in float32, bf16 or fp16;
+            - fp8: ``<role>`` float8_e4m3fn [rows, in] and ``<role>.<scale_param>``
+              [ceil(rows / bn), ceil(in / bk)] in float32, bf16 or fp16 (per-tensor: [1]);
+            - mxfp4: ``<role>`` uint8 [rows, in / 32, 16] (gpt-oss) or [rows, in / 2]
+              (compressed-tensors), ``<role>.<scale_param>`` uint8 e8m0 [rows, in / 32].
+        role: the key of the weight in ``t`` (default ``lf.role``).
+        rows: (first, step): output row ``r`` is stored row ``first + r * step`` (gate and up
+            of an interleaved ``gate_up``).
+        out: output rows (default ``lf.out_features``).
+
+    Raises:
+        ValueError: a piece whose shape or dtype disagrees with ``lf`` (names it).
+    """
+    s = lf.scheme
+    role = role or lf.role
+    out = out or lf.out_features
+    inn = lf.in_features
+    if s is None or s.method not in ("affine", "fp8", "mxfp4") or inn % 32:
+        return None
+    w = t[role]
+    sc = t.get(role + "." + s.scale_param)
+    if sc is None or w.device.type != "cpu" or w.dim() < 2:
+        return None
+    need = rows[0] + (out - 1) * rows[1] + 1
+    stored = w.shape[0]
+    _check(stored >= need, f"{role}: weight {list(w.shape)} holds fewer than {need} rows")
+    row_bytes = w.numel() * w.element_size() // stored
+    bias, table = None, None
+    if s.method == "affine":
+        bias = t.get(role + ".biases")
+        if s.bits not in AFFINE_BITS or s.group_size % 32 or bias is None or sc.dtype not in _DT \
+                or bias.dtype not in _DT:
+            return None
+        want, groups = inn * s.bits // 8, inn // s.group_size
+        _check(sc.shape[-1] == groups and sc.numel() == stored * groups and bias.shape == sc.shape,
+               f"{role}: scales {list(sc.shape)} and biases {list(bias.shape)} are not [{stored}, {groups}]")
+        head = [AFFINE, s.bits, s.group_size, 1]
+        tail = [groups, _DT[sc.dtype], _DT[bias.dtype]]
+    elif s.method == "fp8":
+        bn, bk = fp8.resolve_block(s.block, (stored, inn))
+        if bk % 16 or sc.dtype not in _DT or w.element_size() != 1:
+            return None
+        want = inn
+        brows, bcols = -(-stored // bn), -(-inn // bk)
+        _check(sc.numel() == brows * bcols, f"{role}: scales {list(sc.shape)} are not the {brows} x {bcols} blocks "
+               f"of {bn} x {bk} a [{stored}, {inn}] weight has")
+        head = [FP8, 8, bk, bn]
+        tail = [bcols, _DT[sc.dtype], 0]
+    else:
+        if w.element_size() != 1 or sc.element_size() != 1:
+            return None
+        want = inn // 2
+        _check(sc.numel() == stored * (inn // 32), f"{role}: scales {list(sc.shape)} are not [{stored}, {inn // 32}]")
+        head = [MXFP4, 4, 32, 1]
+        tail = [inn // 32, 0, 0]
+        table = _FP4
+    _check(row_bytes == want, f"{role}: weight {list(w.shape)} ({w.dtype}) has {row_bytes} bytes per row; "
+           f"[{out}, {inn}] as {s.tag} needs {want}")
+    fields = head + [out, inn, rows[0], rows[1], 0, row_bytes] + tail
+    fields += [0] * (SPEC - len(fields))
+    return Spec(fields, [_contig(w), _contig(sc), None if bias is None else _contig(bias), table])
+
+
+def _cached(t: torch.Tensor, make):
+    """``make(t)``, kept on the tensor until it changes (resident codebooks, signs, norms)."""
+    got = getattr(t, "_moestream_kernel_form", None)
+    if got is None or got[0] != t._version or got[1] is not make:
+        got = (t._version, make, make(t))
+        t._moestream_kernel_form = got
+    return got[2]
+
+
+def _code_table(codebook: torch.Tensor) -> torch.Tensor:
+    """A turboquant codebook as the kernels' 16-entry float32 table, periodic in the code width (the
+    kernels look codes up without masking the next code's bits away)."""
+    levels = codebook.shape[0]
+    width = 4 if levels == 3 else levels  # ternary: 2-bit codes 0..2 (3 unused, 0)
+    cb = torch.zeros(width)
+    cb[:levels] = codebook.detach().float().cpu()
+    return cb.repeat(16 // width).contiguous()
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().cpu().contiguous()
+
+
+def ones_column(t: torch.Tensor) -> torch.Tensor:
+    """float32 ones [len(t), 1]: unit scales, one group per row (turboquant's QJL sign bits)."""
+    return torch.ones(t.shape[0], 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _blocks(inn: int) -> tuple[int, int, int, torch.Tensor | None]:
+    """(B, m, float32 bits of 1/sqrt(B), H_m or None) of the blockwise Hadamard over ``inn`` inputs."""
+    b, m = block_size(inn)
+    scale = torch.tensor(1.0 / math.sqrt(b), dtype=torch.float32)  # as blockwise_hadamard rounds it
+    return b, m, int(scale.view(torch.int32).item()) & 0xFFFFFFFF, sloane_matrix(m).contiguous() if m > 1 else None
+
+
+def _rotation(inn: int, signs: torch.Tensor, rot_half: bool = False) -> tuple[list[int], list]:
+    """Spec fields 13-15 and the signs and H_m tensors of turboquant's input rotation ``H_B(signs * x)``."""
+    b, m, bits, hm = _blocks(inn)
+    return [b, m, bits | (int(rot_half) << 32)], [_cached(signs, _float32), hm]
+
+
+def codebook_spec(packed: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, inn: int,
+                  signs: torch.Tensor | None = None, bias: torch.Tensor | None = None, rot_half: bool = False
+                  ) -> Spec | None:
+    """The kernel's view of one turboquant linear (:mod:`.turboquant`), or None when not covered.
+
+    Args:
+        packed: uint32 codes [out, ceil(in / epw)] as stored (bit fields LSB-first, ten 3-bit codes
+            per word, or 20 base-3 trits per word).
+        scales: [out, in / group] (float16 as stored; float32, bf16 too).
+        codebook: [levels] (2, 4, 8, 16, or 3 for ternary): the code values.
+        inn: input features.
+        signs: [in] +-1 when the input is rotated (``H_B(signs * x)``, :func:`.turboquant.rotate`), else None.
+        bias: [out] added to the product (any float dtype), or None.
+        rot_half: round the rotated input to fp16 (the QJL term's ``sx``).
+
+    Raises:
+        ValueError: pieces whose shapes disagree (names them).
+    """
+    levels = codebook.shape[0]
+    if packed.device.type != "cpu" or packed.dim() != 2 or scales.dtype not in _DT or inn % 16 \
+            or (levels != TRIT and levels not in LEVEL_BITS):
+        return None
+    out, groups = packed.shape[0], scales.shape[-1]
+    group = inn // groups
+    if group % 16 or inn % groups:
+        return None
+    epw = 20 if levels == TRIT else 32 // LEVEL_BITS[levels]
+    row_bytes = packed.numel() * packed.element_size() // out
+    _check(row_bytes == 4 * -(-inn // epw), f"turboquant codes {list(packed.shape)}: {inn} inputs at {epw} "
+           f"codes per word need {-(-inn // epw)} words per row")
+    _check(scales.numel() == out * groups, f"turboquant scales {list(scales.shape)} are not [{out}, {groups}]")
+    bits = 2 if levels == TRIT else LEVEL_BITS[levels]
+    pack = TRITS if levels == TRIT else TEN3 if levels == 8 else STREAM
+    rot, extra = ([0, 1, 0], [None, None]) if signs is None else _rotation(inn, signs, rot_half)
+    ob = None if bias is None else _contig(bias.detach().float())
+    fields = [CODEBOOK, bits, group, 1, out, inn, 0, 1, pack, row_bytes, groups, _DT[scales.dtype], 0, *rot]
+    table = _cached(codebook, _code_table)
+    return Spec(fields, [_contig(packed), _contig(scales), None, table, *extra, ob])
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor | None:
+    """turboquant's input rotation ``H_B(signs * x)`` of ``x`` [n, in] in float32, the same bits as
+    :func:`.turboquant.blockwise_hadamard`; None on the PyTorch path."""
+    if _ready(x) is None:
+        return None
+    rot, extra = _rotation(x.shape[1], signs)
+    fields = (ctypes.c_int64 * SPEC)(*([CODEBOOK, 0, 16, 1, 0, x.shape[1], 0, 1, 0, 0, 0, 0, 0, *rot]))
+    ptrs = (ctypes.c_void_p * PTRS)(0, 0, 0, 0, extra[0].data_ptr(), 0 if extra[1] is None else extra[1].data_ptr())
+    xf = _contig(x.float())
+    out = torch.empty_like(xf)
+    library().ms_rotate(fields, ptrs, xf.data_ptr(), x.shape[0], out.data_ptr())
+    return out
+
+
+def codebook_linear(x: torch.Tensor, spec: Spec | None, out_dtype: torch.dtype | None = None
+                    ) -> torch.Tensor | None:
+    """``x`` [n, in] through one turboquant linear (:func:`codebook_spec`: rotation, product, bias): [n, out].
+
+    None on the PyTorch path or when ``spec`` is None.
+    """
+    p = _ready(x)
+    if p is None or spec is None:
+        return None
+    _check(x.shape[1] == spec.inn, f"turboquant linear: input has {x.shape[1]} features, the weight takes {spec.inn}")
+    return _call(library().ms_linear, p, [spec], x, spec.out, out_dtype)
+
+
+def codebook_expert(x: torch.Tensor, specs: tuple[Spec | None, Spec | None, Spec | None],
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """One turboquant SwiGLU expert in one call: ``down(silu(gate x) * up x)``, each projection rotating its
+    own input; ``specs`` from :func:`codebook_spec` (gate, up, down). [n, H] in ``out_dtype`` (x.dtype)."""
+    p = _ready(x)
+    if p is None or any(s is None for s in specs):
+        return None
+    g, u, d = specs
+    _check(x.shape[1] == g.inn == u.inn and g.out == u.out == d.inn,
+           f"input [{x.shape[1]}], gate [{g.out}, {g.inn}], up [{u.out}, {u.inn}] and down [{d.out}, {d.inn}] "
+           "do not chain")
+    params = (ctypes.c_float * 2)(1.0, float("nan"))
+    return _call(library().ms_expert, p, list(specs), x, d.out, out_dtype, 0, params)
+
+
+def _ready(x: torch.Tensor) -> str | None:
+    if x.device.type != "cpu" or x.dtype not in _DT or x.dim() != 2:
+        return None
+    p = selected()
+    return None if p == "torch" else p
+
+
+def _call(fn, path: str, specs: list[Spec], x: torch.Tensor, out: int, dtype: torch.dtype | None, *extra
+          ) -> torch.Tensor:
+    xf = _contig(x.float())
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    fields = (ctypes.c_int64 * (SPEC * len(specs)))(*(f for s in specs for f in s.fields))
+    ptrs = (ctypes.c_void_p * (PTRS * len(specs)))(*(p for s in specs for p in s.ptrs()))
+    rc = fn(_PATH_CODE[path], fields, ptrs, xf.data_ptr(), x.shape[0], y.data_ptr(), *extra)
+    if rc:
+        raise RuntimeError(f"moestream kernels: path {path} is not compiled in this build")
+    dtype = dtype or x.dtype
+    return y if dtype == torch.float32 else y.to(dtype)
+
+
+def linear(x: torch.Tensor, t: dict[str, torch.Tensor], lf, out_dtype: torch.dtype | None = None
+           ) -> torch.Tensor | None:
+    """``x`` [n, in] (float32, bf16 or fp16, CPU) times the stored weight of ``lf``, transposed: [n, out].
+
+    ``t`` holds the linear's stored pieces under ``lf.role`` (see :func:`linear_spec`).
+    Float32 accumulation, one rounding to ``out_dtype`` (default x.dtype) at the end. Returns None when the
+    kernels do not cover this linear (format, device, dtype) or the PyTorch path is
+    selected: the caller computes it then.
+
+    Raises:
+        ValueError: pieces whose shapes disagree with ``lf`` (names the piece).
+    """
+    p = _ready(x)
+    if p is None:
+        return None
+    spec = linear_spec(lf, t)
+    if spec is None:
+        return None
+    _check(x.shape[1] == spec.inn, f"{lf.role}: input has {x.shape[1]} features, the weight takes {spec.inn}")
+    return _call(library().ms_linear, p, [spec], x, spec.out, out_dtype)
+
+
+ACTIVATIONS = ("silu", "situ")
+
+
+def expert(x: torch.Tensor, t: dict[str, torch.Tensor], fmt, act: str = "silu", beta: float = 1.0,
+           linear_beta: float | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """One gated expert ``down(act(gate x, up x))`` in one call: ``x`` [n, H] -> [n, H] in ``out_dtype``.
+
+    ``t``: the expert's stored pieces as the store hands them (``gate``, ``gate.scales``,
+    ``gate.biases``, ``up...``, ``down...``; or an interleaved ``gate_up`` [2I, H] whose even
+    rows are gate and odd rows up, when ``fmt.fused_gate_up``). ``fmt``: its
+    :class:`~moestream.quant.formats.ExpertFormat`. ``act``: ``silu`` (SwiGLU, ``silu(g) * u``)
+    or ``situ`` (Kimi K3's SiTU-GLU, ``beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u /
+    linear_beta)``, the up half as is without ``linear_beta``). The gate and up outputs and
+    their product stay float32 inside; the result is rounded once to ``out_dtype`` (default
+    x.dtype). None when a projection is not covered or the PyTorch path is selected (the
+    caller computes it).
+
+    Raises:
+        ValueError: pieces whose shapes disagree with ``fmt`` (names the piece), an unknown ``act``.
+    """
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r}: expected one of {', '.join(ACTIVATIONS)}")
+    p = _ready(x)
+    if p is None:
+        return None
+    lin = fmt.linears
+    if fmt.fused_gate_up:
+        gu = lin["gate_up"]
+        inter = gu.out_features // 2
+        g = linear_spec(gu, t, "gate_up", (0, 2), inter)
+        u = linear_spec(gu, t, "gate_up", (1, 2), inter)
+    else:
+        g, u = linear_spec(lin["gate"], t), linear_spec(lin["up"], t)
+    d = linear_spec(lin["down"], t)
+    if g is None or u is None or d is None:
+        return None
+    _check(x.shape[1] == g.inn == u.inn and g.out == u.out == d.inn,
+           f"input [{x.shape[1]}], gate [{g.out}, {g.inn}], up [{u.out}, {u.inn}] and down [{d.out}, {d.inn}] "
+           "do not chain")
+    params = (ctypes.c_float * 2)(beta, float("nan") if linear_beta is None else linear_beta)
+    return _call(library().ms_expert, p, [g, u, d], x, d.out, out_dtype, ACTIVATIONS.index(act), params)
+
+
+def swiglu(x: torch.Tensor, t: dict[str, torch.Tensor], fmt, out_dtype: torch.dtype | None = None
+           ) -> torch.Tensor | None:
+    """One SwiGLU expert ``down(silu(gate x) * up x)``: :func:`expert` with ``act="silu"``."""
+    return expert(x, t, fmt, "silu", out_dtype=out_dtype)
+
+
+def main() -> int:
+    """``python -m moestream.quant.native``: build (or find) this CPU's kernels and name the paths."""
+    if library() is None:
+        return 1
+    print(f"moestream CPU kernels: {cache_dir()} (paths: {', '.join(paths())}; selected: {selected()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

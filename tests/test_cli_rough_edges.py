@@ -1,0 +1,209 @@
+"""The CLI and the Python API at their edges: Ctrl-C at any point, output paths that do not exist,
+an engine used after close, progress when nobody watches a terminal."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from moestream.engine import load
+from moestream.generation import SamplingParams, Session, generate
+
+from .helpers import make_qwen3_moe, write_tiny_synth_config
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    """A tiny model with the real Qwen3 tokenizer and vocabulary (so a text prompt runs)."""
+    from moestream.synth import synth
+
+    d = tmp_path_factory.mktemp("text")
+    return synth(write_tiny_synth_config(d / "c.json"), d / "m")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    make_qwen3_moe(d, seed=5, num_hidden_layers=3)
+    return d
+
+
+def test_ctrl_c_in_decode_prints_the_stats_so_far_and_writes_the_json(text_model, tmp_path):
+    """SIGINT once tokens are streaming: the stats block of the tokens so far (finish reason "interrupted"),
+    --stats-json written with them, exit 130, no traceback."""
+    stats_file = tmp_path / "s.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moestream", "generate", "--model", str(text_model), "--prompt", "Tell me a story.",
+         "--max-tokens", "3000", "--temp", "1", "--seed", "1", "--cache-budget-gb", "0", "--stats-json",
+         str(stats_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = threading.Event()
+
+    def watch():
+        if proc.stdout.read(1):  # the first generated text: decoding has begun
+            seen.set()
+        proc.stdout.read()
+
+    threading.Thread(target=watch, daemon=True).start()
+    assert seen.wait(240), "no token within 240 s"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert "moestream: interrupted" in err.splitlines()[-1]
+    stats = json.loads(stats_file.read_text())
+    assert stats["finish_reason"] == "interrupted"
+    assert 1 <= stats["generated_tokens"] < 3000 and len(stats["generated_token_ids"]) == stats["generated_tokens"]
+    assert stats["decode_seconds"] > 0 and stats["cache_lookups"] > 0 and stats["experts_read"] > 0
+    assert f"generated tokens     {stats['generated_tokens']} (interrupted)" in err
+
+
+def test_ctrl_c_in_prefill_fills_the_stats(text_model, tmp_path, monkeypatch, capsys):
+    """Interrupted between two prefill chunks: generate's stats still hold what was done (lookups, reads,
+    prefill time), and the CLI prints and writes them and returns 130."""
+    import moestream.generation as generation
+    from moestream.cli import main
+
+    calls = []
+    forward = generation._forward
+
+    def interrupt_second_chunk(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(generation, "_forward", interrupt_second_chunk)
+    stats_file = tmp_path / "s.json"
+    rc = main(["generate", "--model", str(text_model), "--prompt", "disk " * 700, "--max-tokens", "4",
+               "--cache-budget-gb", "0", "--stats-json", str(stats_file), "--no-chat-template"])
+    err = capsys.readouterr().err
+    assert rc == 130 and err.splitlines()[-1] == "moestream: interrupted"
+    assert len(calls) == 2  # prefill chunk 1 ran, chunk 2 was interrupted
+    stats = json.loads(stats_file.read_text())
+    assert stats["finish_reason"] == "interrupted" and stats["generated_tokens"] == 0
+    assert stats["prompt_tokens"] > 512 and stats["prefill_seconds"] > 0
+    assert stats["cache_lookups"] > 0 and stats["experts_read"] > 0  # the first chunk's, counted
+    assert "generated tokens     0 (interrupted)" in err
+
+
+def test_ctrl_c_during_the_imports_is_not_a_traceback(tmp_path):
+    """SIGINT while the CLI imports PyTorch to build its parser (as a Ctrl-C in the first seconds would): exit 130
+    and one line. The signal is sent by an import hook, so it lands inside the import every time."""
+    hook = (
+        "import os, signal, sys\n"
+        "class Hook:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            sys.meta_path.remove(self)\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Hook())\n"
+        "from moestream.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", hook, "generate", "--model", str(tmp_path), "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip() == "moestream: interrupted", r.stderr
+
+
+def test_an_interrupted_forward_empties_the_session(tiny, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) inside a forward pass, after some layers wrote the step into the KV cache: the
+    Session starts over, as after a failed read, and its next call equals a fresh one bit for bit."""
+    engine = load(tiny, cache_budget_gb="0", tokenizer=False, workers=2, learn_experts=False, hotlist=False)
+    try:
+        prompt = list(range(3, 20))
+        session = Session()
+        first = [s.token for s in generate(engine, prompt, 4, SamplingParams(), stop_at_eos=False, session=session)]
+        follow = prompt + first + [7, 8, 9]
+        block = engine.model.decoder.layers[2].mlp
+        monkeypatch.setattr(block, "forward", lambda x: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            list(generate(engine, follow, 4, SamplingParams(), stop_at_eos=False, session=session))
+        assert session.kv is None and session.ids == []
+        monkeypatch.undo()
+        again = list(generate(engine, follow, 4, SamplingParams(), stop_at_eos=False, keep_logits=True,
+                              session=session))
+        fresh = list(generate(engine, follow, 4, SamplingParams(), stop_at_eos=False, keep_logits=True))
+        assert all(torch.equal(a.logits, b.logits) for a, b in zip(again, fresh))
+    finally:
+        engine.close()
+
+
+def test_usage_file_in_a_missing_folder_is_refused(text_model, tmp_path, capsys):
+    """--usage-file whose folder does not exist: refused before loading, as --trace and --stats-json are (the run
+    used to create the folders silently when it saved the profile)."""
+    from moestream.cli import main
+
+    path = tmp_path / "new" / "deeper" / "usage.json"
+    assert main(["generate", "--model", str(text_model), "--prompt", "hi", "--max-tokens", "2",
+                 "--usage-file", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == f"moestream: error: --usage-file {path}: not a file in an existing folder"
+    assert not (tmp_path / "new").exists()
+    path.parent.mkdir(parents=True)  # in an existing folder it is read and written as before
+    assert main(["generate", "--model", str(text_model), "--prompt", "hi", "--max-tokens", "2", "--quiet",
+                 "--usage-file", str(path)]) == 0
+    assert json.loads(path.read_text())["model_id"]
+
+
+@pytest.mark.parametrize("budget", ["0", "all"])
+def test_engine_is_a_context_manager_and_refuses_use_after_close(tiny, budget):
+    """``with moestream.load(...) as engine`` closes it at the end of the block (the profile saved, the readers
+    stopped); using it afterwards -- generate, stream_generate, a forward that reads an expert -- raises
+    EngineClosedError saying it is closed, at any budget (with every expert resident it used to run on)."""
+    import moestream
+    from moestream.errors import EngineClosedError, MoestreamError
+
+    with moestream.load(tiny, cache_budget_gb=budget, tokenizer=False, learn_experts=False) as engine:
+        want = [s.token for s in generate(engine, [5, 6, 7], 3, SamplingParams(), stop_at_eos=False)]
+        assert len(want) == 3 and not engine.closed
+    assert engine.closed and engine.store.closed
+    assert issubclass(EngineClosedError, MoestreamError)
+    with pytest.raises(EngineClosedError, match=rf"the engine of {tiny} is closed"):
+        list(generate(engine, [5, 6, 7], 3, SamplingParams(), stop_at_eos=False))
+    with pytest.raises(EngineClosedError, match="is closed"):
+        list(moestream.stream_generate(engine, [5, 6, 7], 3))
+    if budget == "0":
+        with pytest.raises(EngineClosedError, match="the expert store is closed"), torch.inference_mode():
+            engine.model(torch.tensor([5, 6]), 0, engine.model.new_kv_cache())
+    engine.close()  # a second close does nothing
+
+
+def test_synth_and_convert_log_progress_lines_without_a_terminal(tmp_path):
+    """With stderr a pipe (a log, CI, nohup), synth and convert print progress lines instead of nothing."""
+    cfg = write_tiny_synth_config(tmp_path / "c.json", vocab_size=300)
+    convert = ["convert", "--model", str(tmp_path / "m"), "--bits", "16",
+               "--out", str(tmp_path / "q")]
+    for args, name in ((["synth", "--config", str(cfg), "--out", str(tmp_path / "m")], "m"), (convert, "q")):
+        r = subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith(f"writing {name}: ")]
+        assert len(lines) >= 2 and lines[0].endswith("GB to go") and lines[-1].startswith(f"writing {name}: done, ")
+        assert "\r" not in r.stderr  # no terminal bar redrawn in the log
+
+
+def test_line_progress_prints_at_most_one_line_per_interval():
+    import io
+
+    from moestream.engine import LineProgress
+
+    now = [100.0]
+    out = io.StringIO()
+    with LineProgress(4_000_000_000, "writing m", interval=5.0, out=out, clock=lambda: now[0]) as bar:
+        for _ in range(40):  # 0.1 GB every 0.5 s: one line per 5 s, ten updates apart
+            now[0] += 0.5
+            bar.update(100_000_000)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "writing m: 4.00 GB to go"
+    assert lines[1] == "writing m: 1.00 of 4.00 GB (25%), 200 MB/s, 5 s, about 15 s left"
+    assert len(lines) == 1 + 4 + 1 and lines[-1] == "writing m: done, 4.00 GB in 20 s"
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt), LineProgress(10, "writing m", out=out) as bar:
+        raise KeyboardInterrupt
+    assert out.getvalue().splitlines() == ["writing m: 0.00 GB to go"]  # no "done" for a run that did not end
