@@ -22,6 +22,11 @@ DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 EP_COMBINES = ("allgather", "alltoall")
 EP_PLACEMENTS = ("auto", "balanced", "contiguous")
 DEFAULT_DIST_TIMEOUT_S = 60.0
+# Share of the budget hot lists and usage profiles may pin (--hot-fraction). 0, off, by default: on routing that
+# reuses experts as trained models do, pinning by frequency loses to LRU's recency at every budget, by up to 45
+# points at 10% residency (docs/benchmarks.md, "Routing like trained models"; kekzl/imp#2061 measured the same on a
+# trained model).
+HOT_FRACTION = 0.0
 
 
 def flag(name: str) -> str:
@@ -65,7 +70,10 @@ class EngineOptions:
         pin_file: a ``{"pin": [[layer, expert], ...]}`` file of experts to preload and pin.
         usage_file: the usage profile to read and update (None: one per model in the user
             cache folder).
-        learn_experts: count expert usage into the profile and pin the hottest from it.
+        learn_experts: count expert usage into the profile and (with ``hot_fraction``) pin the
+            hottest from it.
+        hot_fraction: share of the budget, 0 to 1, the hot list and the usage profile may pin
+            (``HOT_FRACTION``, 0: off, as measured on routing like trained models').
         trace: write the routing trace (JSON lines) to this file.
         cache_policy: eviction policy, ``lru``, ``lfu`` or ``layer``.
         fast: skip the QJL residual of turboquant linears (changes the output).
@@ -99,6 +107,7 @@ class EngineOptions:
     pin_file: Path | None = None
     usage_file: Path | None = None
     learn_experts: bool = True
+    hot_fraction: float = HOT_FRACTION
     trace: Path | None = None
     cache_policy: str = "lru"
     fast: bool = False
@@ -132,6 +141,9 @@ class EngineOptions:
             v = getattr(self, name)
             if not (v is None or v == AUTO or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)):
                 raise ConfigError(f"{name}: {v!r} must be bytes >= 0, None or 'auto' (see EngineOptions.make)")
+        hf = self.hot_fraction
+        if isinstance(hf, bool) or not isinstance(hf, (int, float)) or not 0 <= hf <= 1:
+            raise ConfigError(f"--hot-fraction {hf!r}: give a share of the budget between 0 and 1")
         if not (isinstance(self.dist_timeout, (int, float)) and 0 < self.dist_timeout < math.inf):
             raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}")
         object.__setattr__(self, "trace", _path(self.trace, "--trace"))
@@ -173,6 +185,7 @@ class EngineOptions:
             max_active_experts=get("max_active_experts", 0), hotlist=not get("no_hotlist", False),
             pin_file=get("pin_file", None), usage_file=get("usage_file", None),
             learn_experts=not get("no_learn_experts", False), trace=get("trace", None),
+            hot_fraction=HOT_FRACTION if get("hot_fraction", None) is None else get("hot_fraction", None),
             cache_policy=get("cache_policy", "lru"), dist_timeout=get("dist_timeout", DEFAULT_DIST_TIMEOUT_S),
             ep_combine=get("ep_combine", "allgather"), ep_placement=get("ep_placement", "auto"),
             cuda_graphs=not get("no_cuda_graphs", False),

@@ -256,7 +256,7 @@ class ExpertPipeline:
         if 0 < self.max_active < idx.shape[1]:
             weights, idx = keep_top_experts(weights, idx, self.max_active, block.renormalize)
         if self.trace is not None:
-            self.trace.route(layer, idx)
+            self.trace.route(layer, idx, x)
         if self.prefetcher is not None:  # read the next layers' likely experts while this one computes
             self.prefetcher.plan(layer, x)
         self._route_input = x  # what the next layers' routers guess from (lookahead)

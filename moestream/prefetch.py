@@ -78,6 +78,30 @@ class PrefetchStats:
         return d
 
 
+def following_blocks(blocks: list, ahead: int) -> dict[int, list]:
+    """Layer -> the ``ahead`` MoE blocks after it in the forward pass (fewer near the last layer)."""
+    order = list(blocks)
+    return {b.layer: order[i + 1 : i + 1 + ahead] for i, b in enumerate(order)}
+
+
+@torch.inference_mode()
+def predict_next(following: list, x: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """The experts each of the ``following`` blocks' routers picks for ``x`` [T, H].
+
+    Per block: its router on ``x``, the ``top_k`` experts with the largest summed routing
+    weight over the T tokens (for one token, exactly its predicted top-k), those with a
+    positive weight, largest first. Returns ``[(layer, [expert, ...]), ...]``.
+    """
+    out = []
+    for block in following:
+        weights, idx = block.route(x)
+        score = torch.zeros(block.num_experts, dtype=torch.float32, device=x.device)
+        score.index_add_(0, idx.reshape(-1), weights.reshape(-1).float())
+        top = torch.topk(score, min(idx.shape[1], score.numel())).indices.tolist()
+        out.append((block.layer, [e for e in top if score[e] > 0]))
+    return out
+
+
 class Prefetcher:
     """Predicts and reads ahead the experts of the next MoE layers.
 
@@ -106,9 +130,7 @@ class Prefetcher:
         self.min_decided = min_decided
         self.enabled = True  # decode read-ahead (chunks are read ahead regardless)
         self.stats = PrefetchStats()
-        order = list(blocks)
-        reach = max(ahead, 1)
-        self._following = {b.layer: order[i + 1 : i + 1 + reach] for i, b in enumerate(order)}
+        self._following = following_blocks(blocks, max(ahead, 1))
         self._planned: list[Key] = []
         self._staged: dict[Key, ReadBatch] = {}
         self._chunk: set[Key] = set()  # staged (or planned) for a multi-token chunk
@@ -151,14 +173,10 @@ class Prefetcher:
         self.stats.plan_cpu_seconds += max(0.0, (time.process_time() - c0) - (self.store.reader_cpu_seconds() - r0))
 
     def _plan_token(self, layer: int, x: torch.Tensor) -> None:
-        for block in self._following.get(layer, ())[: self.ahead]:
-            weights, idx = block.route(x)
-            score = torch.zeros(block.num_experts, dtype=torch.float32, device=x.device)
-            score.index_add_(0, idx.reshape(-1), weights.reshape(-1).float())
-            top = torch.topk(score, min(idx.shape[1], score.numel())).indices.tolist()
-            for e in top:
-                key = (block.layer, e)
-                if score[e] > 0 and self._wanted(key):
+        for nxt, experts in predict_next(self._following.get(layer, ())[: self.ahead], x):
+            for e in experts:
+                key = (nxt, e)
+                if self._wanted(key):
                     self._planned.append(key)
 
     def _plan_chunk(self, layer: int, x: torch.Tensor) -> None:

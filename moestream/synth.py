@@ -15,6 +15,9 @@ Initializations (``--init``):
   model: the hard case for a cache, hence the honest default.
 * ``plain``: every weight at std 0.02 (norms 1). Routing collapses onto a few experts
   with depth, which flatters any cache; kept for comparison.
+* ``trained``: ``spread``, except the embedding, layer 0's token mixer and the routers,
+  built so that routing reuses experts over time as trained models do
+  (:mod:`moestream.synth_trained`; Qwen3-MoE, Qwen3-Next and Qwen3.5 MoE).
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from .checkpoint import INDEX_FILE, safetensors_dtype
 from .errors import ConfigError, MoestreamError
 from .models import family_for
 from .models.base import SynthTensor
+from .synth_trained import TrainedInit
 from .tokenizer import BUNDLED_QWEN3, TOKENIZER_FILES
 
+INITS = ("spread", "plain", "trained")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CONFIG_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -46,7 +51,7 @@ def init_std(t: SynthTensor, init: str, layers: int) -> float | None:
     if t.init in ("norm", "zeros"):
         return None
     if init == "plain":
-        return 0.02
+        return 0.02  # "spread" and "trained" (for the tensors it leaves as they are) from here
     if t.init == "embed":
         return 1.0
     if t.init == "out":
@@ -138,8 +143,8 @@ def plan_synth(
             raise ConfigError(f"{config}: not a JSON object")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if init not in ("spread", "plain"):
-        raise ConfigError(f"--init {init!r}: expected spread or plain")
+    if init not in INITS:
+        raise ConfigError(f"--init {init!r}: expected {', '.join(INITS)}")
     if not 0 < shard_gb < 1e6:
         raise ConfigError(f"--shard-gb {shard_gb}: expected a size in GB above 0")
     src = Path(tokenizer) if tokenizer else BUNDLED_QWEN3
@@ -156,9 +161,29 @@ def plan_synth(
             cfg[key] = _CONFIG_DTYPE[dtype]
     try:
         tensors = family.synth_tensors(cfg)
+        if init == "trained":
+            TrainedInit(cfg)  # refuses a family it is not made for
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return SynthPlan(cfg, tensors, dtype, seed, init, int(shard_gb * 1e9), src)
+
+
+def tensor_maker(plan: SynthPlan, device: str = "cpu") -> Callable[[SynthTensor], torch.Tensor]:
+    """The function giving each planned tensor's values (in the plan's dtype): a function of the seed,
+    the init and the tensor's name alone (and of ``device``, whose generator draws them)."""
+    torch_dt = DTYPES[plan.dtype]
+    # multimodal configs (Qwen3.5 MoE, Kimi K3) nest the decoder's fields under text_config
+    layers = plan.config.get("num_hidden_layers") or plan.config.get("text_config", {}).get("num_hidden_layers", 1)
+    trained = TrainedInit(plan.config) if plan.init == "trained" else None
+
+    def make(t: SynthTensor) -> torch.Tensor:
+        if trained is not None:
+            x = trained.tensor(t, plan.seed)
+            if x is not None:
+                return x.to(torch_dt)
+        return _tensor(t, init_std(t, plan.init, layers), torch_dt, plan.seed, device)
+
+    return make
 
 
 def write_synth(plan: SynthPlan, out: str | Path, progress: Callable[[int], None] | None = None,
@@ -197,8 +222,6 @@ def write_synth(plan: SynthPlan, out: str | Path, progress: Callable[[int], None
 def _write(plan: SynthPlan, folder: Path, progress: Callable[[int], None] | None, device: str = "cpu") -> None:
     torch_dt, itemsize = DTYPES[plan.dtype], plan.itemsize
     st_dtype = safetensors_dtype(torch_dt)
-    # multimodal configs (Qwen3.5 MoE, Kimi K3) nest the decoder's fields under text_config
-    layers = plan.config.get("num_hidden_layers") or plan.config.get("text_config", {}).get("num_hidden_layers", 1)
     shards = _plan_shards(plan.tensors, itemsize, plan.shard_bytes)
     names = (
         ["model.safetensors"]
@@ -206,9 +229,7 @@ def _write(plan: SynthPlan, folder: Path, progress: Callable[[int], None] | None
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
 
-    def make(t: SynthTensor) -> torch.Tensor:
-        return _tensor(t, init_std(t, plan.init, layers), torch_dt, plan.seed, device)
-
+    make = tensor_maker(plan, device)
     weight_map = {}
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="moestream-synth") as pool:
         for shard, name in zip(shards, names):
@@ -264,7 +285,7 @@ def synth(
         seed: weights are a function of (seed, tensor name) alone.
         tokenizer: folder whose tokenizer files are copied as they are (default: the
             bundled Qwen3 tokenizer).
-        init: ``spread`` or ``plain`` (see the module docstring).
+        init: ``spread``, ``plain`` or ``trained`` (see the module docstring).
         shard_gb: shard size in GB (10^9 bytes), as Hugging Face shards (about 5 GB).
         progress: called with the bytes of each tensor written.
 

@@ -9,9 +9,11 @@
   (``--pin-file``) are ``{"pin": [[layer, expert], ...]}``, hottest first, optionally with
   the ``model_id`` they were made for.
 - A **routing trace** (``--trace FILE``) is JSON lines: a header, then one record per
-  MoE layer per forward pass, ``{"token": t0, "layer": l, "experts": [[e, ...], ...]}``
-  (one row of top-k expert indices per token, tokens t0, t0+1, ...), which
-  ``moestream cache-sim`` replays.
+  MoE layer per forward pass, ``{"token": t0, "layer": l, "experts": [[e, ...], ...],
+  "ahead": [[l + 1, [e, ...]], [l + 2, [e, ...]]]}`` (one row of top-k expert indices per
+  token, tokens t0, t0+1, ...; ``ahead``: the experts the next two MoE layers' routers
+  predict from this layer's input, what ``--prefetch-ahead`` would read), which
+  ``moestream cache-sim`` replays (:mod:`moestream.traces` reads it and public formats).
 
 A profile, hot list or pin file that is not valid JSON, belongs to another model, or
 names layers or experts the model does not have is ignored with a warning naming the
@@ -33,13 +35,17 @@ import torch
 
 from .errors import MoestreamError
 from .models.moe import StreamedMoE
+from .prefetch import following_blocks, predict_next
+from .traces import TRACE_FORMAT, load_trace
 
 Key = tuple[int, int]
 DECAY = 0.5  # weight of the previous profile when a run's counts are merged in
-HOT_FRACTION = 0.5  # hot lists and usage profiles pin at most this share of the budget
+# options.HOT_FRACTION (--hot-fraction): the share of the budget hot lists and usage profiles may pin, 0 (off) by
+# default. HOT_SHARE is the share a hot list gets when asked for without a number (cache-sim --hot-from).
+HOT_SHARE = 0.5
 HOT_LIST = "hot_experts.json"
 PROFILE_FORMAT = "moestream-usage"
-TRACE_FORMAT = "moestream-trace"
+TRACE_AHEAD = 2  # following MoE layers whose predicted experts a trace records (cache-sim's prefetch depths)
 
 
 def warn(msg: str) -> None:
@@ -234,13 +240,18 @@ class TraceWriter:
         path: the file to create (replaced if it exists).
         header: model facts the simulator needs (``num_experts`` and ``expert_bytes`` per
             layer, ``top_k``, ``model_id``).
+        predict: ``predict(layer, x)`` -> the experts the following MoE layers' routers predict
+            from layer ``layer``'s input ``x`` [T, H] (``[(layer, [expert, ...]), ...]``, as
+            ``--prefetch-ahead`` would read them); recorded as ``ahead`` so that ``cache-sim``
+            can replay prefetch. None: not recorded.
 
     Raises:
         MoestreamError: the file cannot be created (naming it).
     """
 
-    def __init__(self, path: Path, header: dict):
+    def __init__(self, path: Path, header: dict, predict=None):
         self.path = Path(path)
+        self.predict = predict
         try:
             self._f = open(self.path, "w")  # noqa: SIM115 -- closed by close()
         except OSError as e:
@@ -249,12 +260,22 @@ class TraceWriter:
         self._token = 0
         self._last: tuple[int, int] | None = None  # (layer, tokens) of the last record
 
-    def route(self, layer: int, idx: torch.Tensor) -> None:
-        """Record that layer ``layer`` routed the tokens of this forward pass to ``idx`` [T, K]."""
+    def route(self, layer: int, idx: torch.Tensor, x: torch.Tensor | None = None) -> None:
+        """Record that layer ``layer`` routed the tokens of this forward pass to ``idx`` [T, K]
+        (``x`` [T, H]: the layer's MoE input, for the predictions of the following layers)."""
         if self._last is not None and layer <= self._last[0]:  # a new forward pass
             self._token += self._last[1]
         self._last = (layer, idx.shape[0])
-        self._f.write(json.dumps({"token": self._token, "layer": layer, "experts": idx.tolist()}) + "\n")
+        ahead = self.predict(layer, x) if self.predict is not None and x is not None else None
+        self.record(self._token, layer, idx.tolist(), ahead)
+
+    def record(self, token: int, layer: int, experts: list[list[int]], ahead=None) -> None:
+        """Write one record: tokens ``token``.. routed at ``layer`` to ``experts`` [T][K]; ``ahead``: the
+        following layers' predicted experts ``[(layer, [expert, ...]), ...]`` (None: not recorded)."""
+        rec = {"token": token, "layer": layer, "experts": experts}
+        if ahead is not None:
+            rec["ahead"] = [[nxt, es] for nxt, es in ahead]
+        self._f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
         if not self._f.closed:
@@ -262,34 +283,19 @@ class TraceWriter:
 
 
 def read_trace(path: Path) -> tuple[dict, list[tuple[int, int, list[list[int]]]]]:
-    """Read a routing trace: ``(header, [(token, layer, experts [T][K]), ...])``.
+    """Read a moestream routing trace: ``(header, [(token, layer, experts [T][K]), ...])``.
+
+    Other formats (public JSON lines, FLAME-MoE parquet) and the recorded predictions:
+    :func:`moestream.traces.load_trace`.
 
     Raises:
-        MoestreamError: the file is missing or a line is malformed (naming file and line).
+        MoestreamError: the file is missing, not a moestream trace, or a line is malformed
+            (naming file and line).
     """
-    path = Path(path)
-    records = []
-    try:
-        with open(path) as f:
-            lines = iter(enumerate(f, 1))
-            try:
-                header = json.loads(next(lines)[1])
-            except StopIteration:
-                raise MoestreamError(f"trace {path}: empty") from None
-            except json.JSONDecodeError as e:
-                raise MoestreamError(f"trace {path}: line 1 is not JSON ({e})") from None
-            if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
-                raise MoestreamError(f"trace {path}: line 1 is not a moestream trace header")
-            for n, line in lines:
-                try:
-                    r = json.loads(line)
-                    rec = (int(r["token"]), int(r["layer"]), [[int(e) for e in row] for row in r["experts"]])
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                    raise MoestreamError(f"trace {path}: line {n} is not a routing record") from None
-                records.append(rec)
-    except OSError as e:
-        raise MoestreamError(f"trace {path}: cannot read: {e.strerror or e}") from None
-    return header, records
+    trace = load_trace(path)
+    if trace.format != "moestream":
+        raise MoestreamError(f"trace {path}: line 1 is not a moestream trace header")
+    return trace.header, trace.records
 
 
 class UsageState:
@@ -316,9 +322,10 @@ def setup_cache_policy(checkpoint, model, cache, num_experts: dict[int, int], op
     model and its cache.
 
     Warns that ``max_active_experts`` changes the output below the model's top-k (the expert
-    pipeline applies it); pins the experts of the pin file (up to the whole budget), then of the
-    hot list and the usage profile (up to ``HOT_FRACTION`` of the budget), saying how many;
-    opens the routing trace ``trace`` (``UsageState.trace``, which the expert pipeline feeds).
+    pipeline applies it); pins the experts of the pin file (up to the whole budget), then, when
+    ``options.hot_fraction`` > 0, of the hot list and the usage profile (up to that share of the
+    budget), saying how many; opens the routing trace ``trace`` (``UsageState.trace``, which the
+    expert pipeline feeds, with the next layers' predicted experts as ``ahead``).
     Bad files are ignored with a warning naming them. ``owns`` (expert parallelism: this rank's
     ``(layer, expert) -> bool``) keeps pins to this rank's experts.
 
@@ -327,7 +334,7 @@ def setup_cache_policy(checkpoint, model, cache, num_experts: dict[int, int], op
         ReadError: an expert read fails while pinning.
     """
     max_active_experts, hotlist, pin_file = options.max_active_experts, options.hotlist, options.pin_file
-    usage_file, learn_experts = options.usage_file, options.learn_experts
+    usage_file, learn_experts, hot_fraction = options.usage_file, options.learn_experts, options.hot_fraction
     top_k = model.top_k
     if max_active_experts:
         if max_active_experts < top_k:
@@ -352,14 +359,18 @@ def setup_cache_policy(checkpoint, model, cache, num_experts: dict[int, int], op
                 note(f"pinned {n} of {len(keys)} experts from {pin_file} ({cache.pinned_bytes / 1e9:.2f} GB)")
         hot, sources = [], []
         hot_path = checkpoint.path / HOT_LIST
-        if hotlist and hot_path.exists():
+        if hot_fraction <= 0:  # off (the default): say so once if a hot list is there to be used
+            if hotlist and hot_path.exists():
+                note(f"hot list {hot_path} not pinned: --hot-fraction is 0 (the default; recency beats pinning "
+                     "by frequency on trained models' routing)")
+        elif hotlist and hot_path.exists():
             keys, problem = read_keys(hot_path, model_id, num_experts)
             if keys is None:
                 warn(f"hot list {hot_path} {problem}; ignored")
             else:
                 hot += keys
                 sources.append(str(hot_path))
-        if learn_experts:
+        if learn_experts and hot_fraction > 0:
             path = Path(usage_file) if usage_file is not None else default_profile_path(checkpoint.path, model_id)
             if path.exists():
                 counts, problem = read_profile(path, model_id, num_experts)
@@ -372,9 +383,9 @@ def setup_cache_policy(checkpoint, model, cache, num_experts: dict[int, int], op
             hot = [k for k in hot if owns(k)]
         if hot:
             before = cache.pinned_bytes
-            n = cache.pin(hot, int(HOT_FRACTION * budget))  # pins of the pin file count too
+            n = cache.pin(hot, int(hot_fraction * budget))  # pins of the pin file count too
             note(
-                f"pinned {n} hot experts ({(cache.pinned_bytes - before) / 1e9:.2f} GB, up to {HOT_FRACTION:.0%} "
+                f"pinned {n} hot experts ({(cache.pinned_bytes - before) / 1e9:.2f} GB, up to {hot_fraction:.0%} "
                 f"of the cache budget) from {' and '.join(sources)}"
             )
     profile_path = None
@@ -386,6 +397,8 @@ def setup_cache_policy(checkpoint, model, cache, num_experts: dict[int, int], op
             "model_id": model_id, "model": name, "top_k": top_k, "max_active_experts": max_active_experts,
             "num_experts": {str(k): v for k, v in num_experts.items()},
             "expert_bytes": {str(k): cache.store.cached_nbytes((k, 0)) for k in num_experts},
+            "ahead": TRACE_AHEAD,
         }
-        writer = TraceWriter(Path(trace), header)
+        following = following_blocks(model.moe_blocks(), TRACE_AHEAD)
+        writer = TraceWriter(Path(trace), header, lambda layer, x: predict_next(following.get(layer, ()), x))
     return UsageState(model_id, name, num_experts, profile_path, writer)

@@ -19,7 +19,8 @@ def test_bench_smoke_writes_table_and_plots(tmp_path):
     assert "SKIPPING llama" in r.stdout and "SKIPPING transformers" in r.stdout
     res = json.loads((out / "results.json").read_text())
     runs = {x["name"]: x for x in res["runs"]}
-    assert set(runs) == {"moestream-default-2e-05GB", "moestream-best-2e-05GB"}
+    assert set(runs) == {"moestream-default-2e-05GB", "moestream-best-2e-05GB", "moestream-trained-2e-05GB"}
+    assert runs["moestream-trained-2e-05GB"]["init"] == "trained"
     stream = json.loads((out / "tokens.json").read_text())["stream"]
     for run in runs.values():
         assert run["status"] == "finished" and run["decoded"] == len(stream) == 8
@@ -29,8 +30,10 @@ def test_bench_smoke_writes_table_and_plots(tmp_path):
     report = (out / "report.md").read_text()
     rows = [x for x in report.splitlines() if x.startswith("| moestream")]
     header = next(x for x in report.splitlines() if x.startswith("| run |"))
-    assert len(rows) == 2 and all(x.count("|") == header.count("|") for x in rows)
+    assert len(rows) == 3 and all(x.count("|") == header.count("|") for x in rows)
+    assert any("`trained` init" in x for x in rows)
     assert "Skipped: llama" in report
     for png in ("decode_vs_budget.png", "hit_rate_vs_budget.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not (tmp_path / "work" / "tiny-config").exists()  # the checkpoint is deleted unless --keep
+    assert not (tmp_path / "work" / "tiny-config").exists()  # the checkpoints are deleted unless --keep
+    assert not (tmp_path / "work" / "tiny-config-trained").exists()

@@ -6,12 +6,22 @@ import torch
 from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 
-from .helpers import make_qwen3_moe, read_all, write_checkpoint
+from .helpers import make_qwen3_moe, read_all, write_checkpoint, write_tiny_synth_config
 
 
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
-    """A tiny model (4 layers x 16 experts, top-4) split over 3 shards."""
+@pytest.fixture(scope="module", params=["random", "trained"])
+def sharded(request, tmp_path_factory):
+    """A tiny model (4 layers x 16 experts, top-4) split over 3 shards: transformers' random init with norms and
+    routers randomized, or ``moestream synth --init trained`` (routing that reuses experts over time)."""
+    if request.param == "trained":
+        from moestream.synth import synth
+
+        cfg = write_tiny_synth_config(tmp_path_factory.mktemp("cfg") / "c.json", vocab_size=300, hidden_size=64,
+                                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                      head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32)
+        out = synth(cfg, tmp_path_factory.mktemp("trained") / "m", dtype="fp32", init="trained", shard_gb=0.0008)
+        assert len(list(out.glob("*.safetensors"))) == 3
+        return out
     src = tmp_path_factory.mktemp("src")
     make_qwen3_moe(src, seed=5, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4)
     return write_checkpoint(src, tmp_path_factory.mktemp("sharded"), read_all(src), shards=3)

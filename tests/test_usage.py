@@ -13,6 +13,7 @@ from moestream.cachesim import requests_of, simulate_policy
 from moestream.cli import main
 from moestream.engine import load
 from moestream.generation import SamplingParams, generate
+from moestream.traces import load_trace
 from moestream.usage import DECAY, default_profile_path, read_trace
 
 from .helpers import make_qwen3_moe, write_tiny_synth_config
@@ -63,11 +64,13 @@ def test_every_option_is_exact(model, tmp_path, capsys):
     pins.write_text(json.dumps({"pin": [[2, 4], [0, 0]]}))
     try:
         mid = str(one * 12 / 1e9)
-        configs = [
-            dict(cache_budget_gb=mid, cache_policy="lfu"),
-            dict(cache_budget_gb=mid, cache_policy="layer", trace=tmp_path / "t.jsonl"),
-            dict(cache_budget_gb=str(one * 5 / 1e9), pin_file=pins, hotlist=False),  # profile from the runs above
-            dict(cache_budget_gb=mid, cache_policy="layer", pin_file=pins, trace=tmp_path / "t2.jsonl", workers=3),
+        configs = [  # hot lists and profiles pin only when asked (--hot-fraction)
+            dict(cache_budget_gb=mid, cache_policy="lfu", hot_fraction=0.5),
+            dict(cache_budget_gb=mid, cache_policy="layer", trace=tmp_path / "t.jsonl", hot_fraction=0.5),
+            dict(cache_budget_gb=str(one * 5 / 1e9), pin_file=pins, hotlist=False,
+                 hot_fraction=0.5),  # profile from the runs above
+            dict(cache_budget_gb=mid, cache_policy="layer", pin_file=pins, trace=tmp_path / "t2.jsonl", workers=3,
+                 hot_fraction=0.5),
         ]
         for kw in configs:
             budget = kw.pop("cache_budget_gb")
@@ -90,7 +93,7 @@ def test_usage_profile_is_learned_and_merged(model, tmp_path, capsys):
     first = run(model, "0.0001", tokens=3, usage_file=prof)[3].usage
     data = json.loads(prof.read_text())
     assert data["counts"] == {str(k): v.tolist() for k, v in first.items()}
-    _, _, _, cache = run(model, str(one_expert(model) * 8 / 1e9), tokens=3, usage_file=prof)
+    _, _, _, cache = run(model, str(one_expert(model) * 8 / 1e9), tokens=3, usage_file=prof, hot_fraction=0.5)
     assert len(cache.pinned_keys) == 4  # half of the budget, the hottest first
     hottest = sorted(((c, (int(layer), e)) for layer, row in data["counts"].items() for e, c in enumerate(row)),
                      key=lambda t: (-t[0], t[1]))
@@ -102,6 +105,31 @@ def test_usage_profile_is_learned_and_merged(model, tmp_path, capsys):
     assert "pinned 4 hot experts" in capsys.readouterr().err
     run(model, "0.0001", tokens=2, usage_file=prof, learn_experts=False)
     assert json.loads(prof.read_text())["counts"] == merged  # not learning: left alone
+
+
+def test_hot_lists_and_profiles_pin_nothing_unless_asked(model, tmp_path, capsys):
+    """By default (--hot-fraction 0) the hot list is not pinned (a note says so) and the learned profile is counted
+    and saved but not pinned; --hot-fraction F pins up to F of the budget."""
+    prof = tmp_path / "u.json"
+    run(model, "0.0001", tokens=3, usage_file=prof)
+    assert prof.exists()
+    hot = model / "hot_experts.json"
+    hot.write_text(json.dumps({"pin": [[0, 3], [1, 5], [2, 0], [0, 7]]}))
+    try:
+        budget = str(one_expert(model) * 8 / 1e9)
+        capsys.readouterr()
+        _, _, _, cache = run(model, budget, tokens=2, usage_file=prof)
+        err = capsys.readouterr().err
+        assert not cache.pinned_keys and "not pinned: --hot-fraction is 0" in err and "pinned" not in err.replace(
+            "not pinned", "")
+        _, _, _, cache = run(model, budget, tokens=2, usage_file=prof, hot_fraction=0.25)
+        assert len(cache.pinned_keys) == 2 and {(0, 3), (1, 5)} == cache.pinned_keys  # the hot list's first two
+        assert "up to 25% of the cache budget" in capsys.readouterr().err
+    finally:
+        hot.unlink()
+    assert main(["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "1", "--hot-fraction", "1.5",
+                 "--no-chat-template"]) == 2
+    assert "--hot-fraction 1.5: give a share of the budget between 0 and 1" in capsys.readouterr().err
 
 
 BAD = {
@@ -125,6 +153,7 @@ def test_bad_files_are_ignored_and_left_intact(model, tmp_path, capsys, kind):
         path.write_text(text)
         try:
             kw = {"usage_file": path} if kind == "profile" else {"learn_experts": False}
+            kw["hot_fraction"] = 0.5
             if kind == "pin_file":
                 kw["pin_file"] = path
             engine = load(model, cache_budget_gb=budget, tokenizer=False, **kw)
@@ -192,6 +221,28 @@ def test_trace_replays_to_the_cache_hits(model, tmp_path):
     # a replay has no read-ahead: the experts prefill read ahead (hits of the cache) are its misses, read early
     assert cache.stats.prefetch_hits > 0
     assert (sim.lookups, sim.hits) == (cache.stats.lookups, cache.stats.hits - cache.stats.prefetch_hits)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_trace_replays_prefetch_and_pins_to_the_cache_hits(model, tmp_path, ahead):
+    """The trace records what the prefetcher predicts; replaying it reads ahead, claims and wastes as the engine
+    did, so the simulated hits, prefetch hits and pinned hits are the cache's."""
+    budget_experts, size = 16, one_expert(model)
+    pins = [[0, 3], [2, 5], [1, 0]]
+    pin_file = tmp_path / "pins.json"
+    pin_file.write_text(json.dumps({"pin": pins}))
+    trace = tmp_path / "t.jsonl"
+    _, _, _, cache = run(model, str(size * budget_experts / 1e9), tokens=8, trace=trace, learn_experts=False,
+                         prefetch_ahead=ahead, pin_file=pin_file, workers=3)
+    tr = load_trace(trace)
+    assert tr.header["ahead"] == 2 and tr.has_ahead
+    assert [len(a) for a in tr.ahead[:3]] == [2, 1, 0]  # the next two MoE layers, fewer near the last
+    reqs, decode = requests_of(tr.records)
+    sim = simulate_policy("lru", reqs, lambda k: size, budget_experts * size, decode,
+                          pinned=[tuple(p) for p in pins], ahead=tr.ahead, depth=ahead)
+    assert cache.stats.prefetch_hits > 0 and cache.stats.pinned_hits > 0
+    assert (sim.lookups, sim.hits, sim.prefetch_hits, sim.pinned_hits) == (
+        cache.stats.lookups, cache.stats.hits, cache.stats.prefetch_hits, cache.stats.pinned_hits)
 
 
 def test_cli_hotlist_and_cache_sim(tmp_path, capsys):

@@ -15,8 +15,10 @@ def _add_synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--seed", type=int, default=0, help="weights depend on the seed and tensor name only (default 0)")
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder to copy (default: bundled Qwen3)")
-    p.add_argument("--init", default="spread", choices=["spread", "plain"],
-                   help="spread (default): near-uniform routing like a load-balanced model; plain: all std 0.02")
+    p.add_argument("--init", default="spread", choices=["spread", "plain", "trained"],
+                   help="spread (default): near-uniform routing, the hard case for a cache; trained: routing that "
+                        "reuses experts over time as trained models do (Qwen3-MoE, Qwen3-Next, Qwen3.5); "
+                        "plain: all std 0.02")
     p.add_argument("--shard-gb", type=float, default=5.0, help="shard size in GB (default 5)")
 
 

@@ -60,6 +60,9 @@ def add_cache_policy_args(p: argparse.ArgumentParser) -> None:
                    help="keep each token's K highest-weight routed experts, renormalized as the model does "
                         "(0 = the model's own routing, default). Changes the output.")
     p.add_argument("--no-hotlist", action="store_true", help="ignore hot_experts.json in the model folder")
+    p.add_argument("--hot-fraction", type=float, default=None, metavar="F",
+                   help="share of the budget the hot list and the usage profile may pin (default 0: off; recency "
+                        "beats pinning by frequency on trained models' routing)")
     p.add_argument("--pin-file", type=Path, default=None,
                    help='preload and pin the experts of this {"pin": [[layer, expert], ...]} file')
     p.add_argument("--usage-file", type=Path, default=None,

@@ -1,7 +1,7 @@
 """Command-line options and commands of expert usage and cache policy.
 
 Options (in every command that loads a model, through ``cli.add_engine_args``):
-``--max-active-experts``, ``--no-hotlist``, ``--pin-file``, ``--usage-file``,
+``--max-active-experts``, ``--no-hotlist``, ``--hot-fraction``, ``--pin-file``, ``--usage-file``,
 ``--no-learn-experts``, ``--trace``, ``--cache-policy``. Commands: ``moestream hotlist``
 (make a hot list) and ``moestream cache-sim`` (replay routing traces under each policy).
 """
@@ -36,9 +36,22 @@ def add_commands(sub, add_engine_args) -> None:
     h.add_argument("--from-prompts", action="store_true",
                    help="run the built-in prompts even when a usage profile exists")
     h.add_argument("--max-tokens", type=int, default=64, help="tokens sampled per built-in prompt (default 64)")
-    c = sub.add_parser("cache-sim", help="replay routing traces under LRU, LFU-decay, layer and Belady's MIN")
-    c.add_argument("--trace", required=True, type=Path, nargs="+", help="traces written with --trace")
-    c.add_argument("--budgets", required=True, help="cache budgets in GB, comma-separated (e.g. 0.5,1,2)")
+    c = sub.add_parser("cache-sim", help="replay routing traces under LRU, LFU-decay, layer and Belady's MIN; "
+                                         "their locality statistics")
+    c.add_argument("--trace", required=True, type=Path, nargs="+",
+                   help="traces: written with --trace, JSON lines with layer/token/experts (or selected_ids), or "
+                        "FLAME-MoE parquet (a layer_NN.parquet file or a folder of them; needs pyarrow)")
+    c.add_argument("--budgets", default=None, help="cache budgets in GB, comma-separated (e.g. 0.5,1,2)")
+    c.add_argument("--residency", default=None,
+                   help="cache budgets as shares of all experts, comma-separated (e.g. 0.1,0.2,0.4)")
+    c.add_argument("--prefetch", default="0",
+                   help="read-ahead depths to replay, comma-separated, 0-2 (default 0; 1 and 2 need a moestream trace)")
+    c.add_argument("--hot-from", type=Path, nargs="+", default=None,
+                   help="traces whose usage makes a hot list, pinned up to --hot-fraction of the budget (tables with "
+                        "and without)")
+    c.add_argument("--hot-fraction", type=float, default=None,
+                   help="share of the budget the --hot-from list pins (default 0.5)")
+    c.add_argument("--max-tokens", type=int, default=None, help="replay only each trace's first N tokens")
     c.add_argument("--policies", default=",".join([*POLICIES, "belady"]),
                    help="comma-separated, from lru, lfu, layer, belady (default all)")
     c.add_argument("--half-life", type=float, default=None,
@@ -50,23 +63,45 @@ def run_command(args: argparse.Namespace, out=None) -> bool:
     out = out or sys.stdout
     if args.command == "cache-sim":
         from ..cachesim import run_cache_sim
+        from ..usage import HOT_SHARE
 
-        try:
-            budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
-        except ValueError:
-            raise MoestreamError(f"--budgets {args.budgets!r}: not comma-separated numbers of GB") from None
-        if not budgets or any(not 0 <= b < 1e9 for b in budgets):
-            raise MoestreamError(f"--budgets {args.budgets!r}: give numbers of GB >= 0")
+        budgets = _numbers(args.budgets, "--budgets", "numbers of GB >= 0", 0, 1e9)
+        residency = _numbers(args.residency, "--residency", "shares between 0 and 1", 0, 1, top=True)
+        if not budgets and not residency:
+            raise MoestreamError("cache-sim: give --budgets (GB) or --residency (shares of the experts)")
+        raw = _numbers(args.prefetch, "--prefetch", "depths 0, 1 or 2", 0, 2, top=True)
+        if any(d != int(d) for d in raw):
+            raise MoestreamError(f"--prefetch {args.prefetch!r}: give comma-separated depths 0, 1 or 2")
+        depths = [int(d) for d in raw]
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise MoestreamError(f"--max-tokens {args.max_tokens}: give a number of tokens >= 1")
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         bad = [p for p in policies if p not in (*POLICIES, "belady")]
         if bad or not policies:
             raise MoestreamError(f"--policies: {bad or policies} not among {', '.join([*POLICIES, 'belady'])}")
-        print(run_cache_sim(args.trace, budgets, policies, args.half_life), file=out)
+        hf = HOT_SHARE if args.hot_fraction is None else args.hot_fraction
+        if not 0 <= hf <= 1:
+            raise MoestreamError(f"--hot-fraction {hf}: give a share of the budget between 0 and 1")
+        print(run_cache_sim(args.trace, budgets, policies, args.half_life, residency, depths or [0], args.hot_from,
+                            args.max_tokens, hf), file=out)
         return True
     if args.command == "hotlist":
         run_hotlist(args, out)
         return True
     return False
+
+
+def _numbers(text: str | None, flag: str, what: str, lo: float, hi: float, top: bool = False) -> list[float]:
+    """Comma-separated numbers in [lo, hi) ([lo, hi] with ``top``); [] for None. Raises MoestreamError."""
+    if text is None:
+        return []
+    try:
+        vals = [float(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise MoestreamError(f"{flag} {text!r}: give comma-separated {what}") from None
+    if not vals or any(not (lo <= v <= hi if top else lo <= v < hi) for v in vals):
+        raise MoestreamError(f"{flag} {text!r}: give comma-separated {what}")
+    return vals
 
 
 def run_hotlist(args: argparse.Namespace, out=None) -> list:
