@@ -34,7 +34,7 @@ def requests_of(records: list[tuple[int, int, list[list[int]]]]) -> tuple[list[R
     """Cache requests of trace records, and whether each is a decode step (one token).
 
     A record's experts [T][K] become the layer's request: its distinct experts in order
-    of first use, token-major then rank (as ``streamed_experts`` asks the cache).
+    of first use, token-major then rank (as the expert pipeline asks the cache).
     """
     reqs, decode = [], []
     for _token, layer, rows in records:

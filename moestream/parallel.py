@@ -197,8 +197,9 @@ class ExpertParallel:
     """This process's part in expert parallelism: its rank, the owner maps, the combine.
 
     Made by :func:`init_from_env` (torchrun's environment) and passed to
-    :func:`moestream.engine.load` (``parallel=``), which calls :meth:`place` and routes every
-    ``StreamedMoE`` through :meth:`__call__`.
+    :func:`moestream.engine.load` (``parallel=``), which calls :meth:`place` and hands it to the
+    expert pipeline as its exchange: the pipeline computes the slots of :meth:`owned_ids` and
+    calls :meth:`gather_slots`.
 
     Attributes:
         rank, world: this rank and the number of ranks; local_world: ranks on this machine

@@ -12,8 +12,8 @@ On disk (what transformers 5 ``save_pretrained`` writes) the experts are fused f
 ``x @ W``: ``mlp.experts.gate_up_proj`` [E, H, 2I], ``gate_up_proj_bias`` [E, 2I],
 ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]; ``moestream.layout`` turns each
 expert into the pieces ``gate_up``, ``down``, ``down.bias``, ``gate_up.bias``. The
-published checkpoints store experts as MXFP4 (``_blocks``/``_scales``), which this module
-does not read.
+published checkpoints store experts as MXFP4 (``_blocks``/``_scales``), read as stored by
+:mod:`moestream.quant` (this module sees them through its expert function).
 """
 
 from __future__ import annotations

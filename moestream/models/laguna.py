@@ -15,7 +15,7 @@ Reference: transformers ``models/laguna/modeling_laguna.py``. Pre-norm decoder l
 Checkpoint names are those on disk (what transformers 5 ``save_pretrained`` writes):
 ``mlp.experts.E.{gate,up,down}_proj.weight``, ``mlp.experts.e_score_correction_bias``,
 ``mlp.shared_expert.*``. The published checkpoints are FP8 (``quantization_config``),
-which this module does not read.
+read as stored by :mod:`moestream.quant` (compressed-tensors block FP8).
 """
 
 from __future__ import annotations

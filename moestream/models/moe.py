@@ -61,7 +61,7 @@ class StreamedMoE(nn.Module):
     read-ahead, fetching, the expert kernels, expert parallelism and the routing-order sum.
     Other modules ask the block for :attr:`num_experts` and route through :meth:`route`, never
     the router's tensors: a quantized router (:class:`moestream.quant.resident.QuantLinear`)
-    holds packed words, and drops even those once repacked.
+    holds packed words, not a float weight.
     """
 
     def __init__(

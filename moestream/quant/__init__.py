@@ -1,7 +1,8 @@
 """Quantized experts and resident weights: published formats read as they are, kernels, ``moestream convert``.
 
 Formats (:mod:`.formats`): MLX affine (:mod:`.affine`, 2-8 bits), FP8 e4m3 with block
-scales (:mod:`.fp8`), MXFP4 (:mod:`.mxfp4`). Expert pieces stay packed on disk and in the
+scales (:mod:`.fp8`), MXFP4 (:mod:`.mxfp4`), compressed-tensors (:mod:`.compressed`) and
+turboquant codebooks (:mod:`.turboquant`). Expert pieces stay packed on disk and in the
 cache; :mod:`.kernels` multiplies on them; :mod:`.expert` picks the expert function by
 the pieces' format; :mod:`.resident` keeps quantized attention, routers and embeddings
 quantized; :mod:`.convert` writes moestream's own quantized checkpoints; :mod:`.model` adapts a family's model to

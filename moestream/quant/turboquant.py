@@ -475,7 +475,7 @@ def expert_format(lay, tensors: dict, cfg: TurboQuantConfig, shape: tuple[int, i
 class TQExperts:
     """The expert function of a turboquant layer: SwiGLU ``down(silu(gate x) * up x)`` on streamed
     codes and scales, each projection rotating its own input with its shared signs; float32
-    inside, float32 out (``streamed_experts`` weighs and casts). A family whose expert is not
+    inside, float32 out (the expert pipeline weighs and casts). A family whose expert is not
     ``swiglu_expert`` gets its float function on the un-rotated dequantized weights instead.
     """
 
