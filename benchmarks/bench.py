@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 import bench_text  # noqa: E402
 
 GB = 1e9
-DEFAULT_CONFIG = ROOT.parent.parent / "shared/models/configs/Qwen3-30B-A3B.json"
+DEFAULT_CONFIG = ROOT.parent / "shared/models/configs/Qwen3-30B-A3B.json"  # the shared/ beside the checkout
 # LRU, not the layer-cycle policy: on routing like trained models' `layer` loses 7-17 points of decode hit rate to
 # LRU (docs/benchmarks.md, "Routing like trained models"); on `spread` they are within a point with read-ahead
 BEST_OPTIONS = {"use_page_cache": False, "prefetch_ahead": 1, "cache_policy": "lru"}
