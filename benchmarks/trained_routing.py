@@ -68,19 +68,20 @@ class StepTrace:
 
     def __init__(self, writer, prompt_len: int):
         self.writer, self.prompt_len, self.start = writer, prompt_len, 0
-        self.records: list[tuple[int, int, list, list]] = []
+        self.records: list[tuple[int, int, list, list, list | None]] = []
 
     def route(self, layer, idx, x=None) -> None:
         rows = idx.tolist()
         if self.start < self.prompt_len:  # a prompt chunk: as the engine's prefill records it
-            self.records.append((self.start, layer, rows, self.writer.predict(layer, x)))
+            w = self.writer
+            self.records.append((self.start, layer, rows, w.predict(layer, x), w.plan_chunk(layer, x)))
             return
         for j, row in enumerate(rows):
-            self.records.append((self.start + j, layer, [row], self.writer.predict(layer, x[j : j + 1])))
+            self.records.append((self.start + j, layer, [row], self.writer.predict(layer, x[j : j + 1]), None))
 
     def flush(self) -> None:
-        for token, layer, rows, ahead in sorted(self.records, key=lambda r: (r[0], r[1])):
-            self.writer.record(token, layer, rows, ahead)
+        for token, layer, rows, ahead, chunk in sorted(self.records, key=lambda r: (r[0], r[1])):
+            self.writer.record(token, layer, rows, ahead, chunk)
         self.records.clear()
 
 
@@ -160,7 +161,7 @@ def replay(traces: dict, residency: float, policy: str, depth: int = 0, hot: flo
         if hot:
             pins = hot_keys([t for m, t in traces.items() if m != n])[: int(hot * budget) // one]
         s = simulate_policy(policy, reqs, lambda k, s=sizes: s[k[0]], budget, decode, sum(tr.num_experts.values()),
-                            pinned=pins, ahead=tr.ahead, depth=depth)
+                            pinned=pins, ahead=tr.ahead, depth=depth, chunk=tr.chunk, window=tr.chunk_window)
         hits, looks, reads = hits + s.decode_hits, looks + s.decode_lookups, reads + s.decode_reads
     return hits / looks, reads / looks
 

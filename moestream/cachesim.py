@@ -80,6 +80,8 @@ class SimResult:
     ``prefetch_hits`` (a subset of ``hits``, as the engine counts them) are lookups served by a
     read ahead; ``reads`` counts experts read (misses and reads ahead), ``wasted`` the reads
     ahead no layer used; ``pinned_hits`` (a subset of ``hits``) the hits on hot-list pins.
+    ``chunk_issued``, ``chunk_hits``, ``chunk_wasted``: the part of the reads ahead, prefetch hits
+    and wasted reads that multi-token chunks read ahead (as :class:`moestream.prefetch.PrefetchStats`).
     """
 
     lookups: int = 0
@@ -92,6 +94,9 @@ class SimResult:
     reads: int = 0
     decode_reads: int = 0
     wasted: int = 0
+    chunk_issued: int = 0
+    chunk_hits: int = 0
+    chunk_wasted: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -116,6 +121,8 @@ def simulate(
     ahead: list[list[tuple[int, list[int]]]] | None = None,
     depth: int = 0,
     min_decided: int = 32,
+    chunk: list[list[tuple[int, list[int]]] | None] | None = None,
+    window: int = 0,
 ) -> SimResult:
     """Replay ``requests`` through a cache of ``budget_bytes`` driven by ``policy``, from empty.
 
@@ -127,6 +134,13 @@ def simulate(
     does (planned before the request's lookups unless cached or already read ahead,
     claimed by the layer they were read for or wasted when it passes, switched off once
     ``min_decided`` reads ahead are decided and the wasted bytes exceed the saved ones).
+    ``chunk[i]`` (not None: request ``i`` is a multi-token chunk, as traces since prefill reads
+    ahead record it): the next layer's experts in the prefetcher's chunk order; up to ``window``
+    of them not cached, read ahead or planned are read ahead instead of any ``ahead[i]``, whatever
+    ``depth`` (the engine reads chunks ahead even without ``--prefetch-ahead``), claimed and wasted
+    as above but outside the switch-off's counts. Requests whose ``chunk`` is None (all of them in
+    older traces) replay ``ahead`` as before. Reads ahead wait outside the budget and enter the
+    cache when claimed, as misses do.
     Returns the counts.
     """
     present: dict[Key, int] = {}
@@ -142,6 +156,8 @@ def simulate(
         used += n
     staged: list[Key] = []  # read ahead, in issue order
     staged_set: set[Key] = set()
+    chunk_staged: set[Key] = set()  # the part of staged read ahead for chunks (the prefetcher's _chunk)
+    # decode read-ahead only (chunks aside, as Prefetcher._judge): bytes saved and lost, reads decided
     enabled, saved, wasted_bytes, decided = depth > 0 and ahead is not None, 0, 0, 0
 
     def shrink(busy: set[Key], protect: set[Key]) -> None:
@@ -158,7 +174,20 @@ def simulate(
     for i, (layer, experts) in enumerate(requests):
         is_decode = decode is not None and decode[i]
         planned: list[Key] = []
-        if enabled:
+        plan_chunk = chunk[i] if chunk is not None and i < len(chunk) else None
+        chunk_planned: set[Key] = set()
+        if plan_chunk is not None:  # Prefetcher._plan_chunk: a chunk reads only the next layer's most used ahead
+            for nxt, es in plan_chunk[:1]:
+                room = window - sum(1 for k in chunk_staged if k[0] == nxt)
+                for e in es:
+                    if room <= 0:
+                        break
+                    k = (nxt, e)
+                    if k not in staged_set and k not in present and k not in planned:
+                        planned.append(k)
+                        chunk_planned.add(k)
+                        room -= 1
+        elif enabled:
             for nxt, es in ahead[i][:depth]:
                 for e in es:
                     k = (nxt, e)
@@ -184,20 +213,30 @@ def simulate(
         # the prefetcher's retire: claimed reads are hits, the rest read for this layer are wasted
         waste = [k for k in staged if k[0] == layer and k not in claimed]
         for k in claimed:
-            saved += expert_bytes(k)
+            if k in chunk_staged:
+                res.chunk_hits += 1
+            else:
+                saved += expert_bytes(k)
+                decided += 1
         for k in waste:
-            wasted_bytes += expert_bytes(k)
+            if k in chunk_staged:
+                res.chunk_wasted += 1
+            else:
+                wasted_bytes += expert_bytes(k)
+                decided += 1
         res.wasted += len(waste)
-        decided += len(claimed) + len(waste)
         gone = set(claimed) | set(waste)
         staged = [k for k in staged if k not in gone]
         staged_set -= gone
+        chunk_staged -= gone
         if enabled and decided >= min_decided and wasted_bytes > saved:
             enabled = False
-            planned = []
+            planned = [k for k in planned if k in chunk_planned]  # a chunk's reads ahead go on
         for k in planned:  # issue
             staged.append(k)
             staged_set.add(k)
+        chunk_staged |= chunk_planned
+        res.chunk_issued += len(chunk_planned)
         res.reads += len(planned)
         if is_decode:
             res.decode_reads += len(planned)
@@ -212,10 +251,12 @@ def simulate(
 
 
 def simulate_policy(name: str, requests: list[Request], expert_bytes, budget_bytes: int, decode=None,
-                    half_life: float = 1024.0, pinned=None, ahead=None, depth: int = 0) -> SimResult:
+                    half_life: float = 1024.0, pinned=None, ahead=None, depth: int = 0, chunk=None,
+                    window: int = 0) -> SimResult:
     """:func:`simulate` under the policy ``name`` (``lru``, ``lfu``, ``layer`` or ``belady``)."""
     policy = BeladyPolicy(requests) if name == "belady" else make_policy(name, half_life)
-    return simulate(requests, expert_bytes, budget_bytes, policy, decode, pinned, ahead, depth)
+    return simulate(requests, expert_bytes, budget_bytes, policy, decode, pinned, ahead, depth, chunk=chunk,
+                    window=window)
 
 
 def distinct_per_layer(records) -> dict[int, int]:
@@ -381,8 +422,10 @@ def run_cache_sim(traces: list[Path], budgets_gb: list[float] | None = None, pol
     every expert counts one). Hit rates are summed over the traces. ``half_life`` (lookups) of
     the LFU-based policies defaults to the number of routed experts in the model, as in the
     engine. ``prefetch``: read-ahead depths to replay (1 and 2 need traces that recorded
-    predictions); ``hot_from``: traces whose usage makes a hot list, pinned up to
-    ``hot_fraction`` of the budget as the engine pins one (tables with and without it).
+    predictions); prefill chunks are read ahead as the engine read them wherever the trace
+    recorded that (its ``chunk_window``), at every depth; ``hot_from``: traces whose usage
+    makes a hot list, pinned up to ``hot_fraction`` of the budget as the engine pins one
+    (tables with and without it).
     Each trace's locality statistics come first.
 
     Raises:
@@ -413,6 +456,9 @@ def run_cache_sim(traces: list[Path], budgets_gb: list[float] | None = None, pol
             f"layer {sum(vals) / len(vals):.1f} of {per} (min {min(vals)}, max {max(vals)})"
         )
         lines += ["  - " + x for x in locality(tr.records, tr.num_experts).summary()]
+        if tr.has_chunk:
+            lines.append(f"  - prefill chunks replayed reading up to {tr.chunk_window} experts of the next layer "
+                         "ahead, as recorded")
     first = loaded[0]
     sizes0 = first.expert_bytes
     total = sum(sizes0.get(k, 1) * v for k, v in first.num_experts.items())
@@ -447,7 +493,7 @@ def run_cache_sim(traces: list[Path], budgets_gb: list[float] | None = None, pol
                             p, reqs, lambda k, s=sizes, o=one: s.get(k[0], o),
                             budget if pins is None else budget, decode, hl,
                             pinned=_hot_share(pinned, sizes, one, budget, hot_fraction), ahead=tr.ahead,
-                            depth=depth)
+                            depth=depth, chunk=tr.chunk, window=tr.chunk_window)
                         agg.add(r)
                     cell = f"{agg.hit_rate:.1%} ({agg.decode_hit_rate:.1%})"
                     if depth:

@@ -102,6 +102,23 @@ def predict_next(following: list, x: torch.Tensor) -> list[tuple[int, list[int]]
     return out
 
 
+@torch.inference_mode()
+def predict_chunk(following: list, x: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """The experts the first of the ``following`` blocks' routers sends the chunk ``x`` [T, H] to, in the order
+    :class:`Prefetcher` reads a chunk's next layer ahead: by how many of the T x top_k token slots route to
+    each, most first, ties by lower id; only those with a slot.
+
+    Returns ``[(layer, [expert, ...])]``, or ``[]`` when ``following`` is empty (the last MoE layer).
+    """
+    if not following:
+        return []
+    block = following[0]
+    _, idx = block.route(x)
+    counts = torch.bincount(idx.reshape(-1).cpu(), minlength=block.num_experts)
+    order = torch.argsort(-counts, stable=True)  # most routings first, then by id
+    return [(block.layer, order[: int((counts > 0).sum())].tolist())]
+
+
 class Prefetcher:
     """Predicts and reads ahead the experts of the next MoE layers.
 
@@ -180,22 +197,17 @@ class Prefetcher:
                     self._planned.append(key)
 
     def _plan_chunk(self, layer: int, x: torch.Tensor) -> None:
-        nxt = self._following.get(layer, ())
-        if not nxt:
-            return
-        block = nxt[0]
-        _, idx = block.route(x)
-        counts = torch.bincount(idx.reshape(-1).cpu(), minlength=block.num_experts)
-        order = torch.argsort(-counts, stable=True)  # most routings first, then by id
-        room = self.window - sum(1 for k in self._chunk if k[0] == block.layer)
-        for e, n in zip(order.tolist(), counts[order].tolist()):
-            if room <= 0 or n == 0:
-                break
-            key = (block.layer, e)
-            if self._wanted(key):
-                self._planned.append(key)
-                self._chunk.add(key)
-                room -= 1
+        # the routing traces record predict_chunk's order too: cachesim replays this loop on it
+        for nxt, order in predict_chunk(self._following.get(layer, ()), x):
+            room = self.window - sum(1 for k in self._chunk if k[0] == nxt)
+            for e in order:
+                if room <= 0:
+                    break
+                key = (nxt, e)
+                if self._wanted(key):
+                    self._planned.append(key)
+                    self._chunk.add(key)
+                    room -= 1
 
     def issue(self) -> None:
         """Start the planned reads (they queue behind every demand read)."""

@@ -3,9 +3,14 @@
 * **moestream** (``--trace FILE``, :class:`moestream.usage.TraceWriter`): JSON lines, a header
   ``{"format": "moestream-trace", ...}`` (experts per layer, bytes per expert, top-k), then one
   record per MoE layer per forward pass ``{"token": t0, "layer": l, "experts": [[e, ...], ...],
-  "ahead": [[l2, [e, ...]], ...]}``: one row of expert ids per token (tokens t0, t0+1, ...) and,
-  in traces written since prefetch could be simulated, the experts the following layers' routers
-  predict from this layer's input (what ``--prefetch-ahead`` would read).
+  "ahead": [[l2, [e, ...]], ...], "chunk": [[l + 1, [e, ...]]]}``: one row of expert ids per token
+  (tokens t0, t0+1, ...) and, in traces written since prefetch could be simulated, the experts the
+  following layers' routers predict from this layer's input (``ahead``: what ``--prefetch-ahead``
+  reads in a one-token step). In traces written since prefill reads ahead, a record of several
+  tokens also has ``chunk``: the experts the next MoE layer's router sends the chunk's token slots
+  to, most slots first (:func:`moestream.prefetch.predict_chunk`; ``[]`` at the last MoE layer),
+  from which the engine read the first ``chunk_window`` (the header's) not already held; such a
+  step reads nothing else ahead. A trace without ``chunk`` replays its chunks from ``ahead``.
 * **JSON lines** as public routing logs write them: one object per line with ``layer``, an
   optional ``token`` (or ``token_idx``; else the records of a layer are its tokens in order),
   and the expert ids in ``experts``, ``selected_ids`` or ``topk_ids``: a list of ids (one token)
@@ -41,13 +46,16 @@ Ahead = list[tuple[int, list[int]]]  # (following layer, predicted experts)
 @dataclass
 class Trace:
     """A routing trace: records in execution order (token-major, then layer), and per record the
-    following layers' predicted experts (empty where the trace has none)."""
+    following layers' predicted experts (``ahead``, empty where the trace has none) and, for a record
+    of several tokens, the next layer's experts in chunk read-ahead order (``chunk``: None where not
+    recorded: one-token records, and every record of older traces; an empty list means none)."""
 
     path: Path
     format: str
     header: dict
     records: list[Record]
     ahead: list[Ahead] = field(default_factory=list)
+    chunk: list[Ahead | None] = field(default_factory=list)
 
     @property
     def num_experts(self) -> dict[int, int]:
@@ -68,6 +76,16 @@ class Trace:
     @property
     def has_ahead(self) -> bool:
         return any(self.ahead)
+
+    @property
+    def has_chunk(self) -> bool:
+        """Whether the trace recorded what prefill chunks read ahead (moestream traces since that was added)."""
+        return any(c is not None for c in self.chunk)
+
+    @property
+    def chunk_window(self) -> int:
+        """Experts of the next layer the engine read ahead per chunk (the header's ``chunk_window``; 0: none)."""
+        return int(self.header.get("chunk_window", 0) or 0)
 
     @property
     def tokens(self) -> int:
@@ -125,7 +143,8 @@ def _cut(trace: Trace, max_tokens: int | None) -> Trace:
     keep = [i for i, (t, _l, _r) in enumerate(trace.records) if t < max_tokens]
     recs = [(t, layer, rows[: max_tokens - t]) for t, layer, rows in (trace.records[i] for i in keep)]
     ahead = [trace.ahead[i] for i in keep] if trace.ahead else []
-    return Trace(trace.path, trace.format, trace.header, recs, ahead)
+    chunk = [trace.chunk[i] for i in keep] if trace.chunk else []
+    return Trace(trace.path, trace.format, trace.header, recs, ahead, chunk)
 
 
 def _lines(path: Path):
@@ -136,8 +155,13 @@ def _lines(path: Path):
         raise MoestreamError(f"trace {path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
 
 
+def _pairs(value) -> Ahead:
+    """``[[layer, [expert, ...]], ...]`` as ``[(layer, [expert, ...]), ...]``; raises TypeError/ValueError."""
+    return [(int(layer), [int(e) for e in es]) for layer, es in value]
+
+
 def _read_moestream(path: Path) -> Trace:
-    header, records, ahead = {}, [], []
+    header, records, ahead, chunk = {}, [], [], []
     for n, line in _lines(path):
         if n == 1:
             header = json.loads(line)
@@ -147,12 +171,14 @@ def _read_moestream(path: Path) -> Trace:
         try:
             r = json.loads(line)
             rec = (int(r["token"]), int(r["layer"]), _ids(r["experts"], "experts"))
-            pred = [(int(layer), [int(e) for e in es]) for layer, es in r.get("ahead", [])]
+            pred = _pairs(r.get("ahead", []))
+            plan = None if r.get("chunk") is None else _pairs(r["chunk"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise MoestreamError(f"trace {path}: line {n} is not a routing record ({e})") from None
         records.append(rec)
         ahead.append(pred)
-    return Trace(path, "moestream", header, records, ahead)
+        chunk.append(plan)
+    return Trace(path, "moestream", header, records, ahead, chunk)
 
 
 def _read_jsonl(path: Path) -> Trace:
@@ -185,7 +211,7 @@ def _read_jsonl(path: Path) -> Trace:
     if not raw:
         raise MoestreamError(f"trace {path}: no routing records")
     raw.sort(key=lambda r: (r[0], r[1]))  # the order a forward pass visits them
-    return Trace(path, "jsonl", {}, raw, [[] for _ in raw])
+    return Trace(path, "jsonl", {}, raw, [[] for _ in raw], [None for _ in raw])
 
 
 def _read_flame(path: Path, max_tokens: int | None) -> Trace:
@@ -224,7 +250,7 @@ def _read_flame(path: Path, max_tokens: int | None) -> Trace:
         per_layer[layer] = rows
     n = min(len(r) for r in per_layer.values())
     records = [(t, layer, [per_layer[layer][t]]) for t in range(n) for layer in sorted(per_layer)]
-    return Trace(path, "flame-moe", {}, records, [[] for _ in records])
+    return Trace(path, "flame-moe", {}, records, [[] for _ in records], [None for _ in records])
 
 
 def _bad(r):

@@ -10,10 +10,12 @@
   the ``model_id`` they were made for.
 - A **routing trace** (``--trace FILE``) is JSON lines: a header, then one record per
   MoE layer per forward pass, ``{"token": t0, "layer": l, "experts": [[e, ...], ...],
-  "ahead": [[l + 1, [e, ...]], [l + 2, [e, ...]]]}`` (one row of top-k expert indices per
-  token, tokens t0, t0+1, ...; ``ahead``: the experts the next two MoE layers' routers
-  predict from this layer's input, what ``--prefetch-ahead`` would read), which
-  ``moestream cache-sim`` replays (:mod:`moestream.traces` reads it and public formats).
+  "ahead": [[l + 1, [e, ...]], [l + 2, [e, ...]]], "chunk": [[l + 1, [e, ...]]]}`` (one row of
+  top-k expert indices per token, tokens t0, t0+1, ...; ``ahead``: the experts the next two MoE
+  layers' routers predict from this layer's input, what ``--prefetch-ahead`` would read; ``chunk``,
+  in records of several tokens: the next layer's experts in the order prefill reads them ahead,
+  up to the header's ``chunk_window``), which ``moestream cache-sim`` replays
+  (:mod:`moestream.traces` reads it and public formats).
 
 A profile, hot list or pin file that is not valid JSON, belongs to another model, or
 names layers or experts the model does not have is ignored with a warning naming the
@@ -35,7 +37,7 @@ import torch
 
 from .errors import MoestreamError
 from .models.moe import StreamedMoE
-from .prefetch import following_blocks, predict_next
+from .prefetch import following_blocks, predict_chunk, predict_next
 from .traces import TRACE_FORMAT, load_trace
 
 Key = tuple[int, int]
@@ -239,19 +241,23 @@ class TraceWriter:
     Args:
         path: the file to create (replaced if it exists).
         header: model facts the simulator needs (``num_experts`` and ``expert_bytes`` per
-            layer, ``top_k``, ``model_id``).
+            layer, ``top_k``, ``model_id``, ``ahead``, ``chunk_window``).
         predict: ``predict(layer, x)`` -> the experts the following MoE layers' routers predict
             from layer ``layer``'s input ``x`` [T, H] (``[(layer, [expert, ...]), ...]``, as
             ``--prefetch-ahead`` would read them); recorded as ``ahead`` so that ``cache-sim``
             can replay prefetch. None: not recorded.
+        chunk: ``chunk(layer, x)`` -> for ``x`` of several tokens, the next MoE layer's experts in the
+            order prefill reads them ahead (``[(layer, [expert, ...])]``, ``[]`` at the last layer:
+            :func:`moestream.prefetch.predict_chunk`); recorded as ``chunk`` in records of more than
+            one token, so that ``cache-sim`` replays prefill read-ahead. None: not recorded.
 
     Raises:
         MoestreamError: the file cannot be created (naming it).
     """
 
-    def __init__(self, path: Path, header: dict, predict=None):
+    def __init__(self, path: Path, header: dict, predict=None, chunk=None):
         self.path = Path(path)
-        self.predict = predict
+        self.predict, self.chunk = predict, chunk
         try:
             self._f = open(self.path, "w")  # noqa: SIM115 -- closed by close()
         except OSError as e:
@@ -267,14 +273,21 @@ class TraceWriter:
             self._token += self._last[1]
         self._last = (layer, idx.shape[0])
         ahead = self.predict(layer, x) if self.predict is not None and x is not None else None
-        self.record(self._token, layer, idx.tolist(), ahead)
+        self.record(self._token, layer, idx.tolist(), ahead, self.plan_chunk(layer, x))
 
-    def record(self, token: int, layer: int, experts: list[list[int]], ahead=None) -> None:
+    def plan_chunk(self, layer: int, x: torch.Tensor | None):
+        """What ``chunk`` says for ``x`` [T, H] of more than one token; None otherwise (one token, or not recorded)."""
+        return self.chunk(layer, x) if self.chunk is not None and x is not None and x.shape[0] > 1 else None
+
+    def record(self, token: int, layer: int, experts: list[list[int]], ahead=None, chunk=None) -> None:
         """Write one record: tokens ``token``.. routed at ``layer`` to ``experts`` [T][K]; ``ahead``: the
-        following layers' predicted experts ``[(layer, [expert, ...]), ...]`` (None: not recorded)."""
+        following layers' predicted experts ``[(layer, [expert, ...]), ...]``; ``chunk``: the next layer's
+        experts in chunk read-ahead order ``[(layer, [expert, ...])]`` (either None: not recorded)."""
         rec = {"token": token, "layer": layer, "experts": experts}
         if ahead is not None:
             rec["ahead"] = [[nxt, es] for nxt, es in ahead]
+        if chunk is not None:
+            rec["chunk"] = [[nxt, es] for nxt, es in chunk]
         self._f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
@@ -393,12 +406,15 @@ def setup_cache_policy(checkpoint, model, cache, num_experts: dict[int, int], op
         profile_path = Path(usage_file) if usage_file is not None else default_profile_path(checkpoint.path, model_id)
     writer = None
     if trace is not None:
+        # the prefetcher (started before this) reads prefill chunks ahead only on the CPU cache with a budget
+        prefetcher = getattr(cache, "prefetcher", None)
         header = {
             "model_id": model_id, "model": name, "top_k": top_k, "max_active_experts": max_active_experts,
             "num_experts": {str(k): v for k, v in num_experts.items()},
             "expert_bytes": {str(k): cache.store.cached_nbytes((k, 0)) for k in num_experts},
-            "ahead": TRACE_AHEAD,
+            "ahead": TRACE_AHEAD, "chunk_window": prefetcher.window if prefetcher is not None else 0,
         }
         following = following_blocks(model.moe_blocks(), TRACE_AHEAD)
-        writer = TraceWriter(Path(trace), header, lambda layer, x: predict_next(following.get(layer, ()), x))
+        writer = TraceWriter(Path(trace), header, lambda layer, x: predict_next(following.get(layer, ()), x),
+                             lambda layer, x: predict_chunk(following.get(layer, ()), x))
     return UsageState(model_id, name, num_experts, profile_path, writer)

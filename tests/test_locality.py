@@ -66,6 +66,69 @@ def test_prefetch_and_pins_replayed_by_hand():
     assert nothing.hits == 2  # (0,0) at request 2, (1,1) at request 3
 
 
+def test_chunk_read_ahead_replayed_by_hand():
+    """Prefill chunks read the next layer's most used experts ahead (window 2), as Prefetcher._plan_chunk; then
+    decode reads ahead at depth 1. A cache of 4 experts with (1,3) pinned, LRU, traced by hand."""
+    reqs = [(0, [0, 1]), (1, [0, 3, 1]), (0, [1, 2]), (1, [2, 3])]
+    decode = [False, False, True, True]
+    ahead = [[(1, [1])], [], [(1, [2, 0])], []]  # request 0's is the decode-style guess a chunk does not read
+    chunk = [[(1, [3, 0, 2, 1])], [], None, None]  # the chunk order; [] at the last layer; None: one token
+    # request 0 (layer 0, chunk): (1,3) is pinned, so (1,0) (1,2) fill the window of 2 ((1,1) is not read);
+    #   (0,0) (0,1) missed: 4 reads
+    # request 1 (layer 1, chunk): (1,0) claimed, (1,3) a pinned hit, (1,1) missed, (1,2) wasted; evicts (0,0)
+    # request 2 (layer 0, decode): (1,2) predicted and read ahead, (1,0) predicted but cached; (0,1) a hit,
+    #   (0,2) missed, evicting (1,0)
+    # request 3 (layer 1, decode): (1,2) claimed, (1,3) a pinned hit
+    r = simulate(reqs, lambda k: 1, 4, make_policy("lru"), decode, pinned=[(1, 3)], ahead=ahead, depth=1,
+                 chunk=chunk, window=2)
+    assert (r.lookups, r.hits, r.prefetch_hits, r.pinned_hits, r.wasted, r.reads) == (9, 5, 2, 2, 1, 4 + 1 + 2)
+    assert (r.chunk_issued, r.chunk_hits, r.chunk_wasted) == (2, 1, 1)
+    assert (r.decode_lookups, r.decode_hits, r.decode_prefetch_hits, r.decode_reads) == (4, 3, 1, 2)
+    # a trace without chunk records (older traces) replays its chunks from ahead, as before: request 0 reads (1,1)
+    # ahead, claimed at request 1 where (1,0) is missed; nothing is wasted
+    old = simulate(reqs, lambda k: 1, 4, make_policy("lru"), decode, pinned=[(1, 3)], ahead=ahead, depth=1)
+    assert (old.hits, old.prefetch_hits, old.wasted, old.reads, old.chunk_issued) == (5, 2, 0, 3 + 1 + 2, 0)
+    assert simulate(reqs, lambda k: 1, 4, make_policy("lru"), decode, pinned=[(1, 3)], ahead=ahead, depth=1,
+                    chunk=[None] * 4, window=2) == old
+    # window 0: chunks read nothing ahead (the engine's GPU tiers), nor their decode-style guesses
+    none = simulate(reqs, lambda k: 1, 4, make_policy("lru"), decode, pinned=[(1, 3)], ahead=ahead, depth=1,
+                    chunk=chunk, window=0)
+    assert (none.prefetch_hits, none.chunk_issued, none.reads) == (1, 0, 2 + 2 + 2)
+
+
+def test_chunk_waste_does_not_switch_decode_read_ahead_off():
+    """The switch-off counts decode reads ahead only (Prefetcher._judge): two chunk reads ahead wasted leave it on."""
+    reqs = [(0, [0]), (1, [0]), (0, [0]), (1, [3])]
+    chunk = [[(1, [1, 2])], [], None, None]
+    ahead = [[], [], [(1, [3])], []]
+    r = simulate(reqs, lambda k: 1, 10, make_policy("lru"), [False, False, True, True], ahead=ahead, depth=1,
+                 min_decided=1, chunk=chunk, window=2)
+    assert (r.chunk_issued, r.chunk_wasted, r.prefetch_hits, r.decode_prefetch_hits) == (2, 2, 1, 1)
+
+
+def test_moestream_trace_chunk_records(tmp_path):
+    """A moestream trace's chunk records and window are read (and cut with the tokens); older traces have neither;
+    a malformed chunk is refused naming the line."""
+    head = {"format": "moestream-trace", "version": 1, "num_experts": {"0": 4, "1": 4}, "ahead": 2}
+    recs = [{"token": 0, "layer": 0, "experts": [[0, 1], [1, 2]], "ahead": [[1, [1, 2]]], "chunk": [[1, [2, 1, 0]]]},
+            {"token": 0, "layer": 1, "experts": [[0, 1], [1, 3]], "ahead": [], "chunk": []},
+            {"token": 2, "layer": 0, "experts": [[3, 1]], "ahead": [[1, [0, 1]]]},
+            {"token": 2, "layer": 1, "experts": [[2, 1]], "ahead": []}]
+    new, old = tmp_path / "new.jsonl", tmp_path / "old.jsonl"
+    new.write_text("\n".join(json.dumps(x) for x in [{**head, "chunk_window": 6}, *recs]) + "\n")
+    old.write_text("\n".join(json.dumps(x) for x in [head, *({k: v for k, v in r.items() if k != "chunk"}
+                                                          for r in recs)]) + "\n")
+    tr = load_trace(new)
+    assert tr.chunk == [[(1, [2, 1, 0])], [], None, None] and tr.chunk_window == 6 and tr.has_chunk
+    assert load_trace(new, max_tokens=2).chunk == [[(1, [2, 1, 0])], []]
+    o = load_trace(old)
+    assert o.chunk == [None] * 4 and o.chunk_window == 0 and not o.has_chunk and o.ahead == tr.ahead
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps(x) for x in [head, recs[0], {**recs[1], "chunk": [[1, ["x"]]]}]) + "\n")
+    with pytest.raises(MoestreamError, match="line 3 is not a routing record"):
+        load_trace(bad)
+
+
 def test_public_json_lines_traces(tmp_path):
     a = tmp_path / "experts.jsonl"  # one token per line, the token field named
     a.write_text("\n".join(json.dumps({"token": t, "layer": layer, "experts": rows[0], "weights": [0.6, 0.4]})

@@ -221,12 +221,20 @@ def test_trace_replays_to_the_cache_hits(model, tmp_path):
     # a replay has no read-ahead: the experts prefill read ahead (hits of the cache) are its misses, read early
     assert cache.stats.prefetch_hits > 0
     assert (sim.lookups, sim.hits) == (cache.stats.lookups, cache.stats.hits - cache.stats.prefetch_hits)
+    # replaying the prefill chunks' reads ahead (on by default, without --prefetch-ahead) gives the cache's hits
+    tr = load_trace(trace)
+    chunked = simulate_policy("lru", reqs, lambda k: size, budget_experts * size, decode, chunk=tr.chunk,
+                              window=tr.chunk_window)
+    assert (chunked.lookups, chunked.hits, chunked.prefetch_hits) == (
+        cache.stats.lookups, cache.stats.hits, cache.stats.prefetch_hits)
+    assert chunked.chunk_hits == cache.prefetcher.stats.chunk_hits == cache.stats.prefetch_hits
 
 
 @pytest.mark.parametrize("ahead", [1, 2])
 def test_trace_replays_prefetch_and_pins_to_the_cache_hits(model, tmp_path, ahead):
-    """The trace records what the prefetcher predicts; replaying it reads ahead, claims and wastes as the engine
-    did, so the simulated hits, prefetch hits and pinned hits are the cache's."""
+    """The trace records what the prefetcher predicts (decode's next layers' guesses, prefill chunks' read-ahead
+    order and window); replaying it reads ahead, claims and wastes as the engine did, so the simulated hits,
+    prefetch hits and pinned hits are the cache's, and its chunk counts the prefetcher's."""
     budget_experts, size = 16, one_expert(model)
     pins = [[0, 3], [2, 5], [1, 0]]
     pin_file = tmp_path / "pins.json"
@@ -237,12 +245,21 @@ def test_trace_replays_prefetch_and_pins_to_the_cache_hits(model, tmp_path, ahea
     tr = load_trace(trace)
     assert tr.header["ahead"] == 2 and tr.has_ahead
     assert [len(a) for a in tr.ahead[:3]] == [2, 1, 0]  # the next two MoE layers, fewer near the last
+    # prefill's chunks record the next layer's experts in read-ahead order, and the window (2 per reader thread)
+    assert tr.chunk_window == 2 * 3 and tr.has_chunk
+    assert [None if c is None else [layer for layer, _ in c] for c in tr.chunk[:3]] == [[1], [2], []]
+    assert all((c is None) == (len(rows) == 1) for c, (_t, _l, rows) in zip(tr.chunk, tr.records))
     reqs, decode = requests_of(tr.records)
     sim = simulate_policy("lru", reqs, lambda k: size, budget_experts * size, decode,
-                          pinned=[tuple(p) for p in pins], ahead=tr.ahead, depth=ahead)
+                          pinned=[tuple(p) for p in pins], ahead=tr.ahead, depth=ahead, chunk=tr.chunk,
+                          window=tr.chunk_window)
+    pf = cache.prefetcher.stats
     assert cache.stats.prefetch_hits > 0 and cache.stats.pinned_hits > 0
+    assert pf.chunk_hits > 0 and pf.hits > pf.chunk_hits  # both prefill's and decode's reads ahead were claimed
     assert (sim.lookups, sim.hits, sim.prefetch_hits, sim.pinned_hits) == (
         cache.stats.lookups, cache.stats.hits, cache.stats.prefetch_hits, cache.stats.pinned_hits)
+    assert (sim.chunk_issued, sim.chunk_hits, sim.chunk_wasted) == (pf.chunk_issued, pf.chunk_hits, pf.chunk_wasted)
+    assert (sim.wasted, sim.reads) == (pf.wasted, cache.stats.misses + pf.issued)  # every read, ahead or not
 
 
 def test_cli_hotlist_and_cache_sim(tmp_path, capsys):
