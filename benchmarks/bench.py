@@ -21,11 +21,22 @@ One command runs everything (root needed for the cgroup and for dropping the pag
 5. Compute time per token with every expert resident (budget ``all``), for the floor:
    measured on the checkpoint itself when it fits the cap, else on 1- and 2-layer synths of
    the same config (no cap) and extrapolated linearly in layers.
-6. ``report.md`` (table, machine, commands), ``results.json``, ``decode_vs_budget.png`` and
+6. ``--quantized`` (issue 21's end-to-end run), after the bf16 runs: ``moestream convert --bits 4``
+   (group 64) of the synth into ``WORK/<name>-q4``, and llama.cpp's own 4-bit build of the same
+   synth (its GGUF quantized to Q4_K_M by ``llama_cpp.llama_model_quantize``, default params).
+   In a cap of a third of the smaller of the two (``--quantized-cap``), the same tokens: moestream
+   q4 and, for reference, moestream bf16 at each ``--quantized-budgets``; llama.cpp Q4_K_M with
+   its defaults and with its CPU repack off (``use_extra_bufts=False``). Then with no cap (all in
+   RAM): moestream q4 at budget all, llama.cpp Q4_K_M with its defaults. The report gives the
+   issue's targets, hit or miss.
+7. ``report.md`` (table, machine, commands), ``results.json``, ``decode_vs_budget.png`` and
    ``hit_rate_vs_budget.png`` in ``--out``.
 
 ``--smoke`` runs the whole pipeline on a tiny model in seconds (for CI): peers are skipped
-when not installed, and without root there is no cap and no dropped cache; it says so.
+when not installed, and without root there is no cap and no dropped cache; it says so. With
+``--quantized`` it runs the quantized part too, on a tiny model of 256-wide matrices (every
+matrix takes group 64 and Q4_K's 256-weight blocks), in the ``--cap`` (a third of a tiny file
+would not hold the interpreter).
 """
 
 from __future__ import annotations
@@ -62,6 +73,9 @@ TINY_CONFIG = {  # the tests' tiny qwen3_moe (tests/helpers.py), vocabulary of t
     "tie_word_embeddings": False, "eos_token_id": 151645, "max_position_embeddings": 4096,
     "decoder_sparse_step": 1, "mlp_only_layers": [],
 }
+# --smoke --quantized: widths that moestream's group 64 and llama.cpp's Q4_K blocks (256) both divide, so every
+# matrix is quantized as at real shapes (and llama.cpp's repack has Q4_K tensors to take)
+TINY_Q = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256, "head_dim": 64}
 
 
 def log(msg: str) -> None:
@@ -299,7 +313,7 @@ def summarize(run: dict, progress: Path, result: Path) -> None:
     for k in ("hit_rate", "distinct_experts", "experts_per_layer", "decode_bytes", "decode_prefetch_bytes",
               "resident_gb", "cache_peak_gb", "budget_gb", "peak_rss_gb", "read_path", "placement", "note",
               "prefill_read_ahead", "decode_prefetch_per_layer", "decode_prefetch_accuracy",
-              "decode_prefetch_plan_cpu_s", "prefetch_status"):
+              "decode_prefetch_plan_cpu_s", "prefetch_status", "use_extra_bufts"):
         if k in res:
             run[k] = res[k]
     if "distinct_experts" in run:
@@ -389,13 +403,14 @@ def floor_s(run: dict, best: float | None, compute: float | None) -> float | Non
 
 def table(res: dict) -> str:
     best, compute = res.get("disk_best_gb_s"), res.get("compute_s_per_token")
+    q4_compute = res.get("quantized", {}).get("compute_s_per_token")  # the q4 rows' floor: q4 compute at budget all
     head = ("| run | status | load s | prefill tok/s | decode tok/s (tokens) | s / token | floor s / token "
             "(x floor) | peak charged GB | GB read (per decoded token) | hit rate | distinct experts / layer "
             "| CPU s / token | CPU split: reads / kernels / rest | load avg (min-max) |")
     rows = [head, "|" + " --- |" * 14]
     for r in res["runs"]:
         spt = r["decode_s"] / r["decoded"] if r.get("decoded") and r.get("decode_s") else None
-        fl = floor_s(r, best, compute)
+        fl = floor_s(r, best, q4_compute if r.get("weights") == "q4" else compute)
         per_tok = (r["decode_bytes"] / r["decoded"] if "decode_bytes" in r and r.get("decoded")
                    else r.get("decode_read_bytes_per_token"))
         status = r["status"]
@@ -425,9 +440,10 @@ def plots(res: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ms = [r for r in res["runs"] if r["engine"] == "moestream" and r.get("mode") == "forced"
+    bf16 = [r for r in res["runs"] if r.get("section") != "quantized"]  # the quantized rows have their own targets
+    ms = [r for r in bf16 if r["engine"] == "moestream" and r.get("mode") == "forced"
           and isinstance(r.get("budget"), float)]
-    peers = [r for r in res["runs"] if r["engine"] != "moestream" and r.get("mode") == "forced"]
+    peers = [r for r in bf16 if r["engine"] != "moestream" and r.get("mode") == "forced"]
     files = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for opt, marker in (("default", "o"), ("best", "s"), ("trained", "^")):
@@ -479,8 +495,10 @@ def plots(res: dict, out: Path) -> list[Path]:
 def targets(res: dict) -> list[str]:
     """Measured against the issue's targets (reported, never asserted)."""
     best, compute = res.get("disk_best_gb_s"), res.get("compute_s_per_token")
-    # the peers ran on the spread checkpoint: compare them with moestream on the same one
-    ms = [r for r in res["runs"] if r["engine"] == "moestream" and r.get("mode") == "forced" and r.get("decode_tok_s")
+    # the peers ran on the spread checkpoint: compare them with moestream on the same one (the quantized rows: see
+    # quant_targets)
+    runs = [r for r in res["runs"] if r.get("section") != "quantized"]
+    ms = [r for r in runs if r["engine"] == "moestream" and r.get("mode") == "forced" and r.get("decode_tok_s")
           and r.get("init", "spread") == "spread"]
     out = []
     if not ms:
@@ -491,7 +509,7 @@ def targets(res: dict) -> list[str]:
     if fl:
         x = (top["decode_s"] / top["decoded"]) / fl
         out.append(f"floor: {x:.2f}x the floor ({fl:.3f} s/token; target <= 1.3x): {'met' if x <= 1.3 else 'missed'}")
-    for r in res["runs"]:
+    for r in runs:
         if r["engine"] == "moestream" or r.get("mode") != "forced":
             continue
         if r.get("decode_tok_s"):
@@ -514,8 +532,8 @@ def targets(res: dict) -> list[str]:
             x = r["cpu_s_per_token"] / cpu_all
             out.append(f"CPU per token {r['label']}: {r['cpu_s_per_token']:.3f} s, {x:.2f}x budget all's {cpu_all:.3f} "
                        f"(target <= 1.2x): {'met' if x <= 1.2 else 'missed'}")
-    resident = next((r["resident_gb"] for r in res["runs"] if r.get("resident_gb")), None)
-    for r in ms + [r for r in res["runs"] if r["engine"] == "moestream" and r["status"] == "killed (OOM)"]:
+    resident = next((r["resident_gb"] for r in runs if r.get("resident_gb")), None)
+    for r in ms + [r for r in runs if r["engine"] == "moestream" and r["status"] == "killed (OOM)"]:
         if r.get("cap_peak_bytes") and isinstance(r.get("budget"), float) and resident:
             allowed = r["budget"] + resident + 1.5
             peak = r["cap_peak_bytes"] / GB
@@ -525,7 +543,62 @@ def targets(res: dict) -> list[str]:
     return out
 
 
+def quant_targets(res: dict) -> list[str]:
+    """The ``--quantized`` rows against issue 21's end-to-end targets: hit or miss from the rows (never asserted).
+
+    Capped (a third of the smaller file): moestream q4's decode >= 10x llama.cpp Q4_K_M with its repack off and
+    >= 2.5x moestream bf16 at the same budget; its prefill >= llama.cpp's (both ways). No cap: decode and
+    prefill >= llama.cpp's. A llama.cpp run that did not decode or prefill at all in the cap is beaten: hit; a
+    bf16 reference that did not is no comparison: no verdict.
+    """
+    q = [r for r in res["runs"] if r.get("section") == "quantized"]
+
+    def pick(key: str, weights: str, capped: bool, **kw) -> dict | None:
+        """The fastest matching row by ``key`` (one that has none when none has it; None when no row matches)."""
+        rs = [r for r in q if r["weights"] == weights and r["capped"] == capped
+              and all(r.get(k) == v for k, v in kw.items())]
+        return max(rs, key=lambda r: r.get(key) or 0.0) if rs else None
+
+    def vs(what: str, key: str, mine: dict | None, peer: dict | None, tgt: float | None, beaten: str = "hit") -> str:
+        if mine is None or peer is None:
+            return f"{what}: not measured ({'no run' if mine is None else 'peer not run'})"
+        kind = key.split("_")[0]
+        if not mine.get(key):
+            return f"{what}: {mine['label']} has no {kind} ({mine['status']}): " + ("miss" if tgt else "reported")
+        if not peer.get(key):
+            return (f"{what}: {mine[key]:.3f} tok/s; {peer['label']} has no {kind} ({peer['status']})"
+                    + (f": {beaten}" if tgt else ""))
+        x = mine[key] / peer[key]
+        verdict = f" (target >= {tgt:g}x): {'hit' if x >= tgt else 'miss'}" if tgt else " (reported, no target)"
+        return f"{what}: {mine[key]:.3f} / {peer[key]:.3f} tok/s = {x:.2f}x{verdict}"
+
+    out = []
+    lr, ld = pick("decode_tok_s", "Q4_K_M", True, repack="off"), pick("decode_tok_s", "Q4_K_M", True, repack="on")
+    dec, pre = pick("decode_tok_s", "q4", True), pick("prefill_tok_s", "q4", True)
+    out.append(vs("capped decode, fastest moestream q4 vs llama.cpp Q4_K_M repack off", "decode_tok_s", dec, lr, 10))
+    out.append(vs("capped decode, fastest moestream q4 vs llama.cpp Q4_K_M defaults", "decode_tok_s", dec, ld, None))
+    for r in [r for r in q if r["weights"] == "q4" and r["capped"]]:
+        out.append(vs(f"capped decode at {r['budget']:g} GB, moestream q4 vs bf16", "decode_tok_s", r,
+                      pick("decode_tok_s", "bf16", True, budget=r["budget"]), 2.5, "no verdict"))
+    out.append(vs("capped prefill, fastest moestream q4 vs llama.cpp Q4_K_M repack off", "prefill_tok_s", pre, lr, 1))
+    out.append(vs("capped prefill, fastest moestream q4 vs llama.cpp Q4_K_M defaults", "prefill_tok_s", pre, ld, 1))
+    ua, ul = pick("decode_tok_s", "q4", False), pick("decode_tok_s", "Q4_K_M", False)
+    out.append(vs("no cap decode, moestream q4 budget all vs llama.cpp Q4_K_M defaults", "decode_tok_s", ua, ul, 1))
+    out.append(vs("no cap prefill, moestream q4 budget all vs llama.cpp Q4_K_M defaults", "prefill_tok_s", ua, ul, 1))
+    return out
+
+
 def report(res: dict, out: Path) -> Path:
+    q = res.get("quantized")
+    quant = [] if q is None else [
+        "Quantized run (`--quantized`): moestream q4 "
+        f"{q['q4_gb']:.2f} GB ({q.get('convert_note', 'converted earlier')}); llama.cpp Q4_K_M "
+        f"{fmt(q.get('q4_k_m_gb'), 2)} GB "
+        f"({q.get('quantize_note', 'made earlier' if q.get('q4_k_m_gb') else 'none')}); "
+        f"cap {q['cap_gib']:.2f} GiB ({q['cap_note']}); the same tokens; q4 compute per decoded token at budget "
+        f"all, no cap: {fmt(q.get('compute_s_per_token'), 3)} s (the q4 rows' floor).",
+        "", "Quantized targets (issue 21, measured, not asserted):", "",
+        *[f"- {t}" for t in quant_targets(res)], ""]
     lines = [
         f"# moestream side by side: {res['model_name']}",
         "",
@@ -551,6 +624,7 @@ def report(res: dict, out: Path) -> Path:
         "",
         *[f"- {t}" for t in targets(res)],
         "",
+        *quant,
         "Skipped: " + ("; ".join(res["skipped"]) if res["skipped"] else "nothing"),
         "",
         "Command: `" + res["command"] + "`",
@@ -571,7 +645,12 @@ def machine() -> str:
     cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
                 if x.startswith("model name")), platform.processor())
     mem = int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1])
-    return f"{os.cpu_count()} CPUs ({cpu}), {mem / 2**20:.1f} GiB RAM, Linux {platform.release()}"
+    # the SIMD flags the kernels choose by (x86 "flags", ARM "Features")
+    flags = next((x.split(":", 1)[1].split() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                  if x.startswith(("flags", "Features"))), [])
+    simd = " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "asimd", "sve", "bf16", "i8mm")))
+    return (f"{os.cpu_count()} CPUs ({cpu}; {simd or 'no SIMD flags listed'}), {mem / 2**20:.1f} GiB RAM, "
+            f"Linux {platform.release()}")
 
 
 def main() -> int:
@@ -614,6 +693,12 @@ def main() -> int:
                    help="with --report-from: also list the runs of this results.json (repeatable)")
     p.add_argument("--compute-from", type=Path, default=None,
                    help="with --report-from: take the compute runs from this results.json (an --only-compute run)")
+    p.add_argument("--quantized", action="store_true",
+                   help="after the bf16 runs, the quantized run: moestream convert --bits 4 against llama.cpp Q4_K_M")
+    p.add_argument("--quantized-cap", default=None,
+                   help="memory cap of the capped quantized runs (default: a third of the smaller 4-bit file)")
+    p.add_argument("--quantized-budgets", default="0.3,1",
+                   help="moestream budgets (GB) of the capped quantized runs, q4 and bf16 alike")
     p.add_argument("--smoke", action="store_true", help="a tiny model, seconds; peers only when installed")
     a = p.parse_args()
     # One OpenMP wait policy for every engine (llama.cpp's ggml and PyTorch both use libgomp): moestream's
@@ -643,10 +728,12 @@ def main() -> int:
     if a.smoke:
         global DROP_CACHES
         DROP_CACHES = False
-        a.config = a.work / "tiny-config.json"
-        a.config.write_text(json.dumps(TINY_CONFIG))
+        a.config = a.work / ("tiny-q-config.json" if a.quantized else "tiny-config.json")
+        a.config.write_text(json.dumps({**TINY_CONFIG, **(TINY_Q if a.quantized else {})}))
         a.layers, a.prompt_tokens, a.tokens, a.disk_gb = None, 64, 8, 0.01
-        a.budgets = a.best_budgets = a.trained_budget = "0.00002"  # about 6 of the tiny model's 16 experts
+        # about 6 of the tiny model's 16 experts (bf16 3 kB each; 256 wide: 393 kB, 111 kB in q4)
+        a.budgets = a.best_budgets = a.trained_budget = "0.0024" if a.quantized else "0.00002"
+        a.quantized_budgets = "0.0007,1"
         a.greedy_budget = ""
         a.no_setup = True
         a.limit = a.peer_limit = 120
@@ -662,11 +749,15 @@ def main() -> int:
         subprocess.run(["sh", str(HERE / "peers/setup_peers.sh")], check=True,
                        env={**os.environ, "PEERS_DIR": str(a.peers_dir)})
 
+    ready: dict[str, bool] = {}
+
     def peer_ready(eng: str) -> bool:
-        """Whether the peers' venv can run ``eng``; records the skip (and says so) when not."""
+        """Whether the peers' venv can run ``eng``; records the skip (and says so) once when not."""
+        if eng in ready:
+            return ready[eng]
         mod = {"llama": "llama_cpp", "transformers": "accelerate", "fastllm": "ftllm"}[eng]
-        ok = peers_py.exists() and subprocess.run([str(peers_py), "-c", f"import {mod}"],
-                                                  capture_output=True).returncode == 0
+        ok = ready[eng] = peers_py.exists() and subprocess.run([str(peers_py), "-c", f"import {mod}"],
+                                                               capture_output=True).returncode == 0
         if not ok:
             skipped.append(f"{eng}: not installed in {a.peers_dir} (benchmarks/peers/setup_peers.sh installs it)")
             log(f"SKIPPING {eng}: not installed in {a.peers_dir}")
@@ -763,10 +854,13 @@ def main() -> int:
         moestream_runs(plan)
 
     # 6. llama.cpp
-    if "llama" in engines and peer_ready("llama"):
-        gguf = model.with_name(model.name + ".bf16.gguf")
+    gguf, tried = model.with_name(model.name + ".bf16.gguf"), []
+
+    def make_gguf() -> bool:
+        """The bf16 GGUF of the synth by llama.cpp's own converter (tried once); False when it failed."""
         conv = a.peers_dir / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
-        if not gguf.exists():
+        if not gguf.exists() and not tried:
+            tried.append(True)
             cmd = [str(a.peers_dir / "convert-venv/bin/python"), str(conv), str(model), "--outfile",
                    str(gguf) + ".partial", "--outtype", "bf16"]
             text = {**ck, **(ck.get("text_config") or {})}
@@ -783,13 +877,17 @@ def main() -> int:
                 res["gguf_note"] = f"convert_hf_to_gguf.py --outtype bf16, {time.perf_counter() - t0:.0f} s"
         if gguf.exists():
             res["gguf_gb"] = gguf.stat().st_size / GB
+        return gguf.exists()
+
+    if "llama" in engines and peer_ready("llama"):
+        if make_gguf():
             for mm in ("on", "off"):
                 r = do_run(a, f"llama-mmap-{mm}", "llama", str(peers_py), gguf, ["--mmap", mm], a.peer_limit,
                            tokens_file, n_prompt, cap_or_none,
                            {"label": f"llama.cpp, mmap {mm}" + (" (default)" if mm == "on" else ""), "mode": "forced"})
                 res["runs"].append(r)
                 save()
-            if not a.keep:
+            if not a.keep and not a.quantized:  # --quantized makes its Q4_K_M from it
                 gguf.unlink()
 
     # 7. transformers + accelerate disk offload
@@ -834,6 +932,87 @@ def main() -> int:
         save()
         if not a.keep:
             shutil.rmtree(trained)
+
+    # 10. quantized: moestream's 4-bit build and llama.cpp's own of the same synth, in a cap of a third of the
+    # smaller file, then both all in RAM
+    if a.quantized and "moestream" in engines:
+        q = res["quantized"] = {}
+        q4 = a.work / f"{name}-q4"
+        if not q4.exists():
+            part = q4.with_name(q4.name + ".partial")
+            shutil.rmtree(part, ignore_errors=True)
+            cmd = [mpy, "-m", "moestream", "convert", "--model", str(model), "--bits", "4", "--out"]
+            log(f"q4: {shlex.join(cmd + [str(q4)])} (into {part.name}, renamed when done)")
+            t0 = time.perf_counter()
+            subprocess.run(cmd + [str(part)], check=True)
+            os.rename(part, q4)
+            q["convert_note"] = (f"`{shlex.join(cmd + [str(q4)])}` (group 64, its default), "
+                                 f"{time.perf_counter() - t0:.0f} s")
+        q["q4_gb"] = sum(f.stat().st_size for f in q4.glob("*.safetensors")) / GB
+        qg = model.with_name(model.name + ".q4_k_m.gguf")
+        llama_q = "llama" in engines and peer_ready("llama") and (qg.exists() or make_gguf())
+        if llama_q:
+            if not qg.exists():
+                code = ("import ctypes, sys, llama_cpp as L; p = L.llama_model_quantize_default_params(); "
+                        "p.ftype = L.LLAMA_FTYPE_MOSTLY_Q4_K_M; "
+                        "sys.exit(L.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))")
+                log(f"Q4_K_M: llama_cpp.llama_model_quantize({gguf}, {qg}), default params, LLAMA_FTYPE_MOSTLY_Q4_K_M")
+                t0 = time.perf_counter()
+                r = subprocess.run([str(peers_py), "-c", code, str(gguf), f"{qg}.partial"], capture_output=True,
+                                   text=True)
+                if r.returncode == 0:
+                    os.rename(f"{qg}.partial", qg)
+                    q["quantize_note"] = (f"llama_cpp.llama_model_quantize of the bf16 GGUF, "
+                                          f"llama_model_quantize_default_params(), ftype LLAMA_FTYPE_MOSTLY_Q4_K_M, "
+                                          f"{time.perf_counter() - t0:.0f} s")
+                else:
+                    skipped.append(f"llama Q4_K_M: llama_model_quantize failed: {r.stderr.strip().splitlines()[-1:]}")
+                    log(r.stderr[-3000:])
+            llama_q = qg.exists()
+        q["q4_k_m_gb"] = qg.stat().st_size / GB if llama_q else None
+        smaller = min(x for x in (q["q4_gb"], q.get("q4_k_m_gb")) if x)
+        qcap = (parse_size(a.quantized_cap) if a.quantized_cap else cap if a.smoke else int(smaller * GB / 3))
+        q["cap_gib"] = qcap / 2**30
+        q["cap_note"] = (f"{qcap / GB / smaller:.2f} of the smaller file ({smaller:.2f} GB)"
+                         + (" (--quantized-cap)" if a.quantized_cap else " (--smoke: the --cap)" if a.smoke else "")
+                         + ("" if is_root() else "; NOT applied: not root"))
+        qc = qcap if is_root() else None
+
+        def qrun(nm: str, engine: str, path: Path, args: list[str], capped: bool, label: str, **kw) -> dict:
+            py, lim = (mpy, a.limit) if engine == "moestream" else (str(peers_py), a.peer_limit)
+            if engine == "moestream":  # a fresh usage profile per run, as the others
+                args = [*args, "--usage-file", str(a.out / "runs" / f"usage-{nm}.json")]
+            where = f"cap {q['cap_gib']:.2f} GiB" if capped else "no cap (all in RAM)"
+            res["runs"].append(do_run(a, nm, engine, py, path, args, lim, tokens_file, n_prompt,
+                                      qc if capped else None, {"label": f"{label}, quantized run, {where}",
+                                                               "mode": "forced", "section": "quantized",
+                                                               "capped": capped, **kw}))
+            save()
+            return res["runs"][-1]
+
+        for b in budgets(a.quantized_budgets):
+            qrun(f"q4-moestream-{b:g}GB", "moestream", q4, ["--budget", str(b)], True, f"moestream q4 g64 {b:g} GB",
+                 weights="q4", budget=b)
+        for b in budgets(a.quantized_budgets):  # the bf16 synth of the same shape in the same cap
+            qrun(f"q4-bf16-moestream-{b:g}GB", "moestream", model, ["--budget", str(b)], True,
+                 f"moestream bf16 {b:g} GB", weights="bf16", budget=b)
+        for rp in ("on", "off") if llama_q else ():
+            qrun(f"q4-llama-repack-{rp}", "llama", qg, ["--repack", rp], True, "llama.cpp Q4_K_M, "
+                 + ("defaults" if rp == "on" else "repack off (use_extra_bufts=False)"), weights="Q4_K_M", repack=rp)
+        top = qrun("q4-moestream-all", "moestream", q4, ["--budget", "all"], False, "moestream q4 g64 budget all",
+                   weights="q4", budget="all")
+        # the q4 floor's compute: the all-in-RAM q4 run's CPU time per token / 2 threads (as compute_estimate)
+        q["compute_s_per_token"] = top["cpu_s_per_token"] / THREADS if top.get("cpu_s_per_token") else None
+        if llama_q:
+            qrun("q4-llama-nocap", "llama", qg, [], False, "llama.cpp Q4_K_M, defaults", weights="Q4_K_M",
+                 repack="on")
+        if not a.keep:
+            shutil.rmtree(q4)
+            qg.unlink(missing_ok=True)
+    elif a.quantized:
+        skipped.append("quantized: needs the moestream engine")
+    if a.quantized and not a.keep:  # kept for the Q4_K_M until here
+        gguf.unlink(missing_ok=True)
 
     res["disk_after"] = disk_best(shards, int(a.disk_gb * GB), seed=1)
     vals = [x for x in (res["disk_before"], res["disk_after"]) if x]

@@ -17,7 +17,7 @@ Engines (all with 2 compute threads):
 - ``moestream``: ``moestream.engine.load`` with the CLI's defaults unless flags say otherwise;
   a fresh usage profile per run (``--usage-file``), so no run learns from an earlier one.
 - ``llama``: llama-cpp-python's ``Llama`` (``n_ctx`` 1024, ``n_batch`` 512) on a GGUF file,
-  ``use_mmap`` on (its default) or off.
+  ``use_mmap`` on (its default) or off, its CPU weight repack (``use_extra_bufts``) on (its default) or off.
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(device_map="auto",
   max_memory={"cpu": ...}, offload_folder=...)``: accelerate's disk offload.
 - ``fastllm``: ``ftllm``'s ``llm.model`` with its disk MoE mode (experts read into a RAM cache of
@@ -139,14 +139,29 @@ def run_moestream(a, prompt: list[int], stream: list[int], progress: Progress) -
 
 
 def run_llama(a, prompt: list[int], stream: list[int], progress: Progress) -> dict:
+    import llama_cpp.llama_cpp as lib
     import numpy as np
     from llama_cpp import Llama
 
+    if a.repack == "off":
+        # Llama() (0.3.36) takes no use_extra_bufts argument (its **kwargs swallow one silently) and builds its
+        # model params from llama_model_default_params() at load: hand it defaults with the repack off
+        default = lib.llama_model_default_params
+
+        def no_repack():
+            params = default()
+            params.use_extra_bufts = False
+            return params
+
+        lib.llama_model_default_params = no_repack
     t0 = time.perf_counter()
     llm = Llama(model_path=a.model, n_ctx=1024, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
                 use_mmap=a.mmap == "on", verbose=False)
     load_s = time.perf_counter() - t0
-    progress(phase="loaded", load_s=load_s)
+    extra = bool(llm.model_params.use_extra_bufts)  # what the model was loaded with, not what was asked
+    if extra != (a.repack == "on"):
+        raise SystemExit(f"use_extra_bufts is {extra}, asked --repack {a.repack}")
+    progress(phase="loaded", load_s=load_s, use_extra_bufts=extra)
     t0 = time.perf_counter()
     llm.eval(prompt)
     prefill_s = time.perf_counter() - t0
@@ -157,7 +172,8 @@ def run_llama(a, prompt: list[int], stream: list[int], progress: Progress) -> di
         llm.eval([tok])
         progress(phase="token", i=i + 1, decode_s=time.perf_counter() - t0)
     decode_s = time.perf_counter() - t0
-    return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "decoded": len(stream)}
+    return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "decoded": len(stream),
+            "use_extra_bufts": extra}
 
 
 def run_transformers(a, prompt: list[int], stream: list[int], progress: Progress) -> dict:
@@ -251,6 +267,8 @@ def main() -> int:
     p.add_argument("--moestream-options", default="{}", help="moestream: load() keyword arguments as JSON")
     p.add_argument("--usage-file", default=None, help="moestream: usage profile (a fresh one per run)")
     p.add_argument("--mmap", choices=("on", "off"), default="on", help="llama: use_mmap")
+    p.add_argument("--repack", choices=("on", "off"), default="on",
+                   help="llama: use_extra_bufts, its CPU weight repack into anonymous memory (default on, its own)")
     p.add_argument("--cpu-gb", type=float, default=2.0, help="transformers: max_memory for the CPU, GB")
     p.add_argument("--offload-folder", default=None, help="transformers: accelerate's offload folder")
     p.add_argument("--moe-cpu-cache-gb", type=float, default=2.0,

@@ -37,3 +37,30 @@ def test_bench_smoke_writes_table_and_plots(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "work" / "tiny-config").exists()  # the checkpoints are deleted unless --keep
     assert not (tmp_path / "work" / "tiny-config-trained").exists()
+
+
+def test_bench_smoke_quantized_rows_and_targets(tmp_path):
+    """``--smoke --quantized`` without peers: the 4-bit build's capped and all-in-RAM moestream rows, the bf16
+    reference rows in the same cap, and the quantized targets (the llama.cpp ones "not measured")."""
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench.py"), "--smoke", "--quantized", "--engines", "moestream",
+         "--work", str(tmp_path / "work"), "--out", str(out), "--peers-dir", str(tmp_path / "no-peers")],
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    q = {x["name"]: x for x in res["runs"] if x.get("section") == "quantized"}
+    assert set(q) == {"q4-moestream-0.0007GB", "q4-moestream-1GB", "q4-bf16-moestream-0.0007GB",
+                      "q4-bf16-moestream-1GB", "q4-moestream-all"}
+    for run in q.values():
+        assert run["status"] == "finished" and run["decoded"] == 8 and "quantized run" in run["label"]
+        assert run["capped"] == (run["budget"] != "all")
+    # the same synth's bf16 and q4 builds: at 0.7 MB a bf16 expert (393 kB) barely fits, q4 ones (111 kB) do
+    assert q["q4-moestream-0.0007GB"]["hit_rate"] > q["q4-bf16-moestream-0.0007GB"]["hit_rate"]
+    assert q["q4-moestream-all"]["budget_gb"] == "all" and res["quantized"]["compute_s_per_token"] > 0
+    assert 0 < res["quantized"]["q4_gb"] < res["checkpoint_gb"] / 2 and res["quantized"]["q4_k_m_gb"] is None
+    report = (out / "report.md").read_text()
+    lines = report.split("Quantized targets")[1].split("Skipped")[0]
+    assert lines.count("vs llama.cpp") == 6 and lines.count("not measured (peer not run)") == 6
+    assert lines.count("moestream q4 vs bf16") == 2 and lines.count("(target >= 2.5x): ") == 2
+    assert not (tmp_path / "work" / "tiny-q-config-q4").exists()
