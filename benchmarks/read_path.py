@@ -97,7 +97,7 @@ def cgroup_run(cmd: list[str], cap: str, name: str) -> tuple[int, int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--config", type=Path, default=HERE.parent.parent / "shared/models/configs/Qwen3-30B-A3B.json")
+    p.add_argument("--config", type=Path, default=HERE.parent / "shared/models/configs/Qwen3-30B-A3B.json")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--cap", default="6G")
     p.add_argument("--budget", default="2", help="--cache-budget-gb of the runs (default 2)")
