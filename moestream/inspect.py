@@ -64,6 +64,7 @@ class Inspection:
     checkpoint_format: str = ""  # an MLX build: its naming rules and quantization (moestream.mlx_format)
     quant_format: str = ""
     quantized_modules: list[str] = field(default_factory=list)
+    tensor_types: dict[str, str] = field(default_factory=dict)  # a GGUF file: tensor kind -> its ggml types
 
     def to_text(self) -> str:
         lines = [f"source:             {self.source}", f"model_type:         {self.model_type}"]
@@ -75,6 +76,8 @@ class Inspection:
         total = self.expert_bytes + self.resident_bytes
         if self.checkpoint_format:
             lines.append(f"format:             {self.checkpoint_format}")
+        if self.tensor_types:
+            lines.append("tensor types:       " + ", ".join(f"{k} {v}" for k, v in self.tensor_types.items()))
         lines += [
             f"decoder layers:     {self.layers} ({self.moe_layers} MoE)",
             f"experts per layer:  {self.experts_per_layer}, top-k {self.top_k} ({self.expert_layout} layout)",
@@ -224,4 +227,5 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         expert_layout=first.kind, unused_examples=unused[:3], quantization=quantization,
         checkpoint_format=ckpt.source_format.describe(cfg) if ckpt is not None and ckpt.source_format else "",
         quant_format=qfmt, quantized_modules=qmods,
+        tensor_types={k: "/".join(v) for k, v in getattr(ckpt.source_format, "types", {}).items()} if ckpt else {},
     )
