@@ -73,12 +73,14 @@ def decode(data: np.ndarray, qt: gguf.GGMLQuantizationType) -> torch.Tensor:
 
 
 def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = None, tie: bool = False,
-               split_max_tensors: int = 0, seed: int = 0, arch: str = "qwen3moe") -> dict[str, torch.Tensor]:
+               split_max_tensors: int = 0, seed: int = 0, arch: str = "qwen3moe", extra=None
+               ) -> dict[str, torch.Tensor]:
     """Write ``model`` (transformers Qwen3-MoE) as a GGUF file at ``path``; return the weights it holds.
 
     2-D and 3-D weights are stored as ``qtype`` (``types`` maps a GGUF tensor kind such as
     ``ffn_down_exps`` to another type), norms and routers as F32, as llama.cpp's quantizer leaves them.
     ``tie``: no ``output`` tensor. ``split_max_tensors``: a split set of files of at most that many tensors.
+    ``extra(writer)`` adds more metadata (a tokenizer).
     Returns Hugging Face name -> float32 weight as the file holds it (transformers' own names: fused
     ``mlp.experts.gate_up_proj``).
     """
@@ -100,6 +102,8 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if extra is not None:
+        extra(w)
     held: dict[str, torch.Tensor] = {}
     for hf, t in model.state_dict().items():
         if tie and hf == "lm_head.weight":
