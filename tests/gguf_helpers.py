@@ -138,9 +138,14 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
 
 
 def reference(model, held: dict[str, torch.Tensor]):
-    """transformers' Qwen3MoeForCausalLM of ``model``'s config holding the weights ``held`` (float32)."""
+    """transformers' Qwen3MoeForCausalLM of ``model``'s config holding the weights ``held`` (float32; its
+    experts computed by the eager loop, which also runs in float64)."""
+    import copy
+
     from transformers import Qwen3MoeForCausalLM
 
-    ref = Qwen3MoeForCausalLM(model.config).eval()
+    cfg = copy.deepcopy(model.config)
+    cfg._experts_implementation = "eager"
+    ref = Qwen3MoeForCausalLM(cfg).eval()
     ref.load_state_dict({k: v.float() for k, v in held.items()})
     return ref

@@ -16,9 +16,12 @@ from moestream.engine import load
 from moestream.errors import CheckpointError
 from moestream.gguf_format import NAMES, hf_name, open_gguf
 from moestream.inspect import inspect
-from moestream.quant import ggml
+from moestream.quant import ggml, native
+from moestream.quant.expert import QuantizedSwiGLU
+from moestream.quant.formats import ExpertFormat, LinearFormat, ggml_scheme
 
 from .gguf_helpers import K_SHAPE, K_TYPES, QUANTIZABLE, _random_blocks, make_model, reference, write_gguf
+from .test_quant_native import PATHS, on
 
 IDS = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(1))
 TYPES = ("F32", "F16", "BF16", *QUANTIZABLE, *K_TYPES)
@@ -34,8 +37,9 @@ def logits(path, budget, ids=IDS, **kw):
 
 
 def want_logits(model, held, ids=IDS):
+    """transformers' logits in float64 (moestream's float32 accumulation differs from float32 matmuls in order)."""
     with torch.no_grad():
-        return reference(model, held)(ids[None]).logits[0]
+        return reference(model, held).double()(ids[None]).logits[0]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +64,46 @@ def test_dequantize_matches_the_gguf_package_bit_for_bit(qtype):
     assert torch.equal(got, torch.from_numpy(dequantize(raw, qt)))
 
 
+def _blocks(qtype: str, out: int, inn: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if qtype in K_TYPES:
+        return torch.from_numpy(_random_blocks((out, inn), qtype, 0.05, rng))
+    return torch.from_numpy(quantize(rng.normal(0, 0.05, (out, inn)).astype(np.float32),
+                                     gguf.GGMLQuantizationType[qtype]))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", list(ggml.TYPES))
+def test_cpu_kernels_on_ggml_blocks(path, qtype):
+    """The compiled kernels on the stored blocks: within float32 accumulation of the float64 product of the
+    gguf package's dequantized weights; a token's bits do not depend on the tokens beside it."""
+    w = _blocks(qtype, 37, 512, seed=1)
+    lf = LinearFormat("w", ggml_scheme(ggml.dtype_name(qtype)), 37, 512)
+    want_w = torch.from_numpy(dequantize(w.numpy(), gguf.GGMLQuantizationType[qtype])).double()
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
+    with on(path):
+        y = native.linear(x, {"w": w}, lf)
+        alone = native.linear(x[4:5], {"w": w}, lf)
+    want = x.double() @ want_w.t()
+    assert ((y.double() - want).abs().max() / want.abs().max()) < 1e-5
+    assert torch.equal(alone, y[4:5])
+
+
+def test_expert_in_one_call_matches_the_pytorch_path():
+    """A Q4_K_M-style expert (gate and up Q4_K, down Q6_K) through the kernels and through the PyTorch path."""
+    h, i = 512, 256
+    w = {"gate": _blocks("Q4_K", i, h, 1), "up": _blocks("Q4_K", i, h, 2), "down": _blocks("Q6_K", h, i, 3)}
+    fmt = ExpertFormat({r: LinearFormat(r, ggml_scheme(ggml.dtype_name(t)), *s) for r, t, s in
+                        (("gate", "Q4_K", (i, h)), ("up", "Q4_K", (i, h)), ("down", "Q6_K", (h, i)))})
+    x = torch.randn(5, h, generator=torch.Generator().manual_seed(4))
+    with native.use("torch"):
+        ref = QuantizedSwiGLU(fmt)(x, w)
+    if native.selected() == "torch":
+        pytest.skip("the CPU kernels are not built here")
+    got = QuantizedSwiGLU(fmt)(x, w)
+    assert ((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_type_matches_transformers_on_the_dequantized_weights(qtype, small, kshape, tmp_path):
     model = kshape if qtype in K_TYPES else small
@@ -68,10 +112,14 @@ def test_type_matches_transformers_on_the_dequantized_weights(qtype, small, ksha
     want = want_logits(model, held)
     got, engine = logits(path, "all")
     assert engine.dtype == torch.float32
-    rel = (got - want).abs().max() / want.abs().max()
+    rel = (got.double() - want).abs().max() / want.abs().max()
     assert rel < 1e-5, f"{qtype}: max relative error {rel:.2e}"
     tiny, _ = logits(path, "0")
     assert torch.equal(tiny, got), f"{qtype}: streaming at budget 0 differs from budget all"
+    if qtype in ("Q4_K", "Q8_0"):  # the PyTorch reference path end to end
+        with native.use("torch"):
+            ref_path, _ = logits(path, "0")
+        assert (ref_path.double() - want).abs().max() / want.abs().max() < 1e-5
 
 
 def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
@@ -82,7 +130,7 @@ def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
     want = want_logits(kshape, held)
     got, engine = logits(one, "all")
     assert engine.checkpoint.source_format.tied
-    assert (got - want).abs().max() / want.abs().max() < 1e-5
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
     write_gguf(kshape, tmp_path / "split.gguf", "Q4_K", types=mix, tie=True, split_max_tensors=12)
     parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
     assert len(parts) > 2
