@@ -137,6 +137,9 @@ def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
     split, engine = logits(parts[0], "0.0002")
     assert len(engine.checkpoint.shards) == len(parts)
     assert torch.equal(split, got)
+    # O_DIRECT reads (experts at any byte offset of the file) with read-ahead: the same bits
+    direct, _ = logits(parts[0], "0", use_page_cache=False, prefetch_ahead=1)
+    assert torch.equal(direct, got)
     with pytest.raises(CheckpointError, match="give the first part"):
         open_gguf(parts[1])
     parts[-1].unlink()
