@@ -26,11 +26,13 @@ down}_exps.weight`` (``ne`` = [in, out, E]: torch [E, out, in]) become
 store, cache and O_DIRECT path as any checkpoint. The Hugging Face config is built from the
 metadata (:func:`hf_config`).
 
-Architectures (``general.architecture``): ``qwen3moe`` (family ``qwen3_moe``). llama.cpp's
-``convert_hf_to_gguf.py`` permutes q and k rows only for its ``llama``-derived models
-(``LlamaModel.undo_permute``); ``Qwen3MoeModel`` derives from ``TextModel`` and stores q and k
-as Hugging Face has them, so nothing is undone. llama.cpp's qwen3moe graph always
-renormalizes the top-k router weights (``norm_topk_prob``), which the metadata does not say.
+Architectures (``general.architecture``): ``qwen3moe`` (family ``qwen3_moe``) and ``llama`` with
+experts (Mixtral; family ``mixtral``). llama.cpp's ``convert_hf_to_gguf.py`` permutes the q and k
+rows of its ``llama``-derived models (``LlamaModel.permute``, for its interleaved rotary
+embedding): for ``llama`` they are read back into Hugging Face order (derived tensors, whole rows
+moved: any type). ``Qwen3MoeModel`` derives from ``TextModel`` and stores q and k as Hugging Face
+has them, so nothing is undone there. llama.cpp's qwen3moe graph always renormalizes the top-k
+router weights (``norm_topk_prob``), which the metadata does not say.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -51,10 +54,10 @@ SUFFIX = ".gguf"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # general.architecture -> (Hugging Face model_type, architectures)
-ARCHITECTURES = {"qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+ARCHITECTURES = {"qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "llama": ("mixtral", "MixtralForCausalLM")}
 
-# llama.cpp tensor name (without the .weight / .bias suffix) -> Hugging Face module path; {i} the layer
-NAMES = {
+# llama.cpp tensor name (without the .weight / .bias suffix) -> Hugging Face module path; {i} the layer, {e} an expert
+_SHARED = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
@@ -63,27 +66,51 @@ NAMES = {
     "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
     "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
     "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
-    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
-    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
     "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
-    "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",
-    "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.switch_mlp.gate_proj",
-    "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.switch_mlp.up_proj",
-    "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.switch_mlp.down_proj",
-    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
-    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
-    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
 }
-_NAME_RE = [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(\d+)") + r"\.(weight|bias)$"), v)
-            for k, v in NAMES.items()]
+NAMES = {
+    "qwen3moe": {
+        **_SHARED,
+        "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+        "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+        "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",
+        "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.switch_mlp.gate_proj",
+        "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.switch_mlp.up_proj",
+        "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.switch_mlp.down_proj",
+        "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
+        "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+        "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+    },
+    "llama": {  # Mixtral: llama with experts
+        **_SHARED,
+        "blk.{i}.ffn_gate_inp": "model.layers.{i}.block_sparse_moe.gate",
+        "blk.{i}.ffn_gate_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.gate_proj",
+        "blk.{i}.ffn_up_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.up_proj",
+        "blk.{i}.ffn_down_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.down_proj",
+        # conversions from before llama.cpp stacked the experts (early 2024): one tensor per expert
+        "blk.{i}.ffn_gate.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w1",
+        "blk.{i}.ffn_up.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w3",
+        "blk.{i}.ffn_down.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w2",
+    },
+}
+# architectures whose q and k rows convert_hf_to_gguf.py permutes (LlamaModel.permute), undone at read
+_PERMUTED_QK = ("llama",)
+
+
+def _pattern(key: str) -> re.Pattern:
+    pat = re.escape(key).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile("^" + pat + r"\.(?P<param>weight|bias)$")
+
+
+_NAME_RE = {arch: [(_pattern(k), v) for k, v in names.items()] for arch, names in NAMES.items()}
 _FLOAT = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # ggml float type -> tensor-index dtype
 # metadata arrays longer than this are kept as their length only (the tokenizer's vocabulary and merges)
 _MAX_ARRAY = 1024
 
 
 def is_gguf(path) -> bool:
-    """Whether ``path`` names a GGUF file (by its suffix; the header is checked when opened)."""
-    return str(path).endswith(SUFFIX)
+    """Whether ``path`` names a GGUF file (by its suffix, not a folder; the header is checked when opened)."""
+    return str(path).endswith(SUFFIX) and not Path(path).is_dir()
 
 
 def split_files(path: Path) -> list[Path]:
@@ -231,16 +258,23 @@ def _index(path: Path, infos: list, data_offset: int, alignment: int) -> dict[st
     return out
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name (``blk.3.attn_q.weight`` ->
+def hf_name(name: str, arch: str = "qwen3moe") -> str | None:
+    """The Hugging Face name of architecture ``arch``'s llama.cpp tensor name (``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``), or None when :data:`NAMES` has no rule for it."""
-    for pat, repl in _NAME_RE:
+    for pat, repl in _NAME_RE.get(arch, ()):
         m = pat.match(name)
         if m:
-            groups = m.groups()
-            path = repl.format(i=groups[0]) if "{i}" in repl else repl
-            return f"{path}.{groups[-1]}"
+            return repl.format(**{k: v for k, v in m.groupdict().items() if k != "param"}) + "." + m["param"]
     return None
+
+
+def _unpermute(info: TensorInfo, heads: int, ckpt) -> torch.Tensor:
+    """q or k rows [heads * D, ...] back in Hugging Face order from llama.cpp's (``LlamaModel.permute``
+    stores row ``(h, i, j)`` of each head's pairs for Hugging Face row ``(h, j, i)``; j in 0..1, i < D/2).
+    Whole rows move, so it holds for block-quantized rows too."""
+    t = ckpt.read_info(info)
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
 
 
 def _meta(meta: dict, key: str, where, kind=int, default=None, required: bool = True):
@@ -288,25 +322,33 @@ def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise CheckpointError(f"{where}: no token_embd.weight tensor")
-    experts = _meta(meta, p + "expert_count", where)
+    experts = _meta(meta, p + "expert_count", where, default=0, required=False)
+    if not experts:
+        raise CheckpointError(f"{where}: a {arch} model without experts ({p}expert_count is {experts}): a dense "
+                              "model has nothing to stream")
     cfg = {
         "model_type": model_type, "architectures": [cls],
         "vocab_size": embed.shape[0],
         "hidden_size": hidden,
         "num_hidden_layers": _meta(meta, p + "block_count", where),
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-        "num_experts": experts,
         "num_experts_per_tok": _meta(meta, p + "expert_used_count", where),
-        "moe_intermediate_size": _meta(meta, p + "expert_feed_forward_length", where),
-        "norm_topk_prob": _meta(meta, p + "expert_weights_norm", where, bool, default=True),
         "rms_norm_eps": _meta(meta, p + "attention.layer_norm_rms_epsilon", where, float),
         "rope_theta": _meta(meta, p + "rope.freq_base", where, float, default=10000.0),
         "max_position_embeddings": _meta(meta, p + "context_length", where),
         "tie_word_embeddings": False,  # a file without `output` gets the embedding's bytes as lm_head
         "torch_dtype": "float32",
     }
-    # feed_forward_length is the dense MLP's width (unused while every layer is MoE)
-    cfg["intermediate_size"] = _meta(meta, p + "feed_forward_length", where, default=cfg["moe_intermediate_size"])
+    if arch == "qwen3moe":
+        cfg["num_experts"] = experts
+        cfg["moe_intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where)
+        cfg["norm_topk_prob"] = _meta(meta, p + "expert_weights_norm", where, bool, default=True)
+        # feed_forward_length is the dense MLP's width (unused while every layer is MoE)
+        cfg["intermediate_size"] = _meta(meta, p + "feed_forward_length", where, default=cfg["moe_intermediate_size"])
+    else:  # Mixtral: convert_hf_to_gguf.py writes the experts' width as feed_forward_length
+        cfg["num_local_experts"] = experts
+        ff = _meta(meta, p + "feed_forward_length", where, required=False)
+        cfg["intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where, default=ff)
     scaling = meta.get(p + "rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": meta.get(p + "rope.scaling.factor"),
@@ -370,19 +412,29 @@ def open_gguf(path) -> GGUFCheckpoint:
                      metadata=meta)
     tensors: dict[str, TensorInfo] = {}
     types: dict[str, set] = {}
+    arch = str(meta.get("general.architecture"))
     for name, info in raw.items():
-        hf = hf_name(name) or name  # a tensor without a rule keeps its name (reported unused)
+        hf = hf_name(name, arch) or name  # a tensor without a rule keeps its name (reported unused)
         tensors[hf] = info
         kind = re.sub(r"^blk\.\d+\.", "", name).removesuffix(".weight")
         types.setdefault(kind, set()).add(ggml.block_type(info.dtype) or info.dtype)
     fmt.types = {k: sorted(v) for k, v in sorted(types.items())}
     cfg = hf_config(meta, tensors, path)
+    derived = {}
+    if arch in _PERMUTED_QK:
+        for hf, info in tensors.items():
+            m = re.match(r"^model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$", hf)
+            if m:
+                heads = cfg["num_attention_heads"] if m[1] == "q" else cfg["num_key_value_heads"]
+                derived[hf] = partial(_unpermute, info, heads)
     if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         # llama.cpp ties the head to the embedding when the file has no `output` tensor: the same bytes
         emb = tensors["model.embed_tokens.weight"]
         tensors["lm_head.weight"] = emb
         fmt.tied = True
-    return GGUFCheckpoint(path, cfg, tensors, files, identities, fmt)
+    ckpt = GGUFCheckpoint(path, cfg, tensors, files, identities, fmt)
+    ckpt.derived = derived
+    return ckpt
 
 
 __all__ = ["ARCHITECTURES", "GGUFCheckpoint", "GGUFFormat", "NAMES", "hf_config", "hf_name", "is_gguf", "open_gguf",

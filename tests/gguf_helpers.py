@@ -22,14 +22,19 @@ K_SHAPE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256
                num_key_value_heads=2, head_dim=64)
 
 
-def make_model(seed: int = 0, **overrides):
-    """A random float32 transformers Qwen3MoeForCausalLM (norms and routers randomized too)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def make_model(seed: int = 0, family: str = "qwen3_moe", **overrides):
+    """A random float32 transformers Qwen3MoeForCausalLM (or MixtralForCausalLM; norms and routers randomized too)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from .helpers import TINY
 
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, **overrides})).eval()
+    if family == "mixtral":
+        args = {k: v for k, v in TINY.items() if k not in ("moe_intermediate_size", "num_experts", "norm_topk_prob")}
+        args = {**args, "intermediate_size": 32, "num_local_experts": 8, "rope_theta": 1e6, **overrides}
+        model = MixtralForCausalLM(MixtralConfig(**args)).eval()
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, **overrides})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -72,22 +77,33 @@ def decode(data: np.ndarray, qt: gguf.GGMLQuantizationType) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(dequantize(data, qt)))
 
 
+def llama_permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py): the q/k row order its rotary embedding wants."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = None, tie: bool = False,
-               split_max_tensors: int = 0, seed: int = 0, arch: str = "qwen3moe", extra=None
-               ) -> dict[str, torch.Tensor]:
-    """Write ``model`` (transformers Qwen3-MoE) as a GGUF file at ``path``; return the weights it holds.
+               split_max_tensors: int = 0, seed: int = 0, arch: str | None = None, extra=None,
+               per_expert: bool = False) -> dict[str, torch.Tensor]:
+    """Write ``model`` (transformers Qwen3-MoE, or Mixtral as llama.cpp's ``llama`` architecture with its q/k
+    rows permuted as convert_hf_to_gguf.py does) as a GGUF file at ``path``; return the weights it holds.
 
     2-D and 3-D weights are stored as ``qtype`` (``types`` maps a GGUF tensor kind such as
     ``ffn_down_exps`` to another type), norms and routers as F32, as llama.cpp's quantizer leaves them.
     ``tie``: no ``output`` tensor. ``split_max_tensors``: a split set of files of at most that many tensors.
-    ``extra(writer)`` adds more metadata (a tokenizer).
+    ``extra(writer)`` adds more metadata (a tokenizer). ``per_expert``: one tensor per expert
+    (``blk.N.ffn_gate.E.weight``, as llama.cpp wrote Mixtral before it stacked them).
     Returns Hugging Face name -> float32 weight as the file holds it (transformers' own names: fused
     ``mlp.experts.gate_up_proj``).
     """
     cfg = model.config
+    mixtral = cfg.model_type == "mixtral"
     rng = np.random.default_rng(seed)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg.num_hidden_layers)
-    w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if mixtral else gguf.MODEL_ARCH.QWEN3MOE,
+                                     cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(path, arch or ("llama" if mixtral else "qwen3moe"), split_max_tensors=split_max_tensors)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -99,9 +115,10 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]) if getattr(cfg, "rope_parameters", None)
                          else float(cfg.rope_theta))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
+    w.add_expert_count(cfg.num_local_experts if mixtral else cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if not mixtral:  # llama.cpp's LlamaModel writes the experts' width as feed_forward_length only
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if extra is not None:
         extra(w)
     held: dict[str, torch.Tensor] = {}
@@ -115,6 +132,11 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
             parts = {stem + "gate_proj.weight": t[:, :half], stem + "up_proj.weight": t[:, half:]}
         elif hf.endswith("mlp.experts.down_proj"):
             parts = {hf + ".weight": t}
+        perm = None
+        if mixtral and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            kv = None if hf.endswith("q_proj.weight") else cfg.num_key_value_heads
+            perm = llama_permute(torch.arange(t.shape[0]), cfg.num_attention_heads, kv)  # file row r holds row perm[r]
+            parts = {hf: t[perm]}
         got = {}
         for name, v in parts.items():
             g = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -124,7 +146,17 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
             data, qt = encode(v.float().numpy(), want, rng)
             w.add_tensor(g, data, raw_dtype=qt)
             got[name] = decode(data, qt).reshape(v.shape)
-        if hf.endswith("mlp.experts.gate_up_proj"):
+        if per_expert and ".experts." in hf:  # rewrite the stacked tensors just written as one per expert
+            for name, v in parts.items():
+                g = names.get_name(name, try_suffixes=(".weight",))
+                info = w.tensors[-1].pop(g)
+                for e in range(v.shape[0]):
+                    one = np.ascontiguousarray(info.tensor[e])
+                    w.add_tensor(g.replace("_exps.weight", f".{e}.weight"), one, raw_dtype=info.dtype)
+        if perm is not None:
+            held[hf] = torch.empty_like(got[hf])
+            held[hf][perm] = got[hf]  # back in Hugging Face order for the reference
+        elif hf.endswith("mlp.experts.gate_up_proj"):
             held[hf] = torch.cat([got[n] for n in parts], dim=1)
         else:
             held[hf] = next(iter(got.values()))
@@ -138,14 +170,12 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
 
 
 def reference(model, held: dict[str, torch.Tensor]):
-    """transformers' Qwen3MoeForCausalLM of ``model``'s config holding the weights ``held`` (float32; its
+    """transformers' model of ``model``'s class and config holding the weights ``held`` (float32; its
     experts computed by the eager loop, which also runs in float64)."""
     import copy
 
-    from transformers import Qwen3MoeForCausalLM
-
     cfg = copy.deepcopy(model.config)
     cfg._experts_implementation = "eager"
-    ref = Qwen3MoeForCausalLM(cfg).eval()
+    ref = type(model)(cfg).eval()
     ref.load_state_dict({k: v.float() for k, v in held.items()})
     return ref

@@ -115,7 +115,13 @@ def test_type_matches_transformers_on_the_dequantized_weights(qtype, small, ksha
     rel = (got.double() - want).abs().max() / want.abs().max()
     assert rel < 1e-5, f"{qtype}: max relative error {rel:.2e}"
     tiny, _ = logits(path, "0")
-    assert torch.equal(tiny, got), f"{qtype}: streaming at budget 0 differs from budget all"
+    assert torch.equal(tiny, got)
+    if qtype == "Q8_0":  # an early-2024 conversion: one tensor per expert, the same model
+        old = tmp_path / "mixtral-per-expert.gguf"
+        write_gguf(model, old, qtype, per_expert=True)
+        per, engine = logits(old, "0")
+        assert engine.layout.layers[0].kind == "per-expert"
+        assert torch.equal(per, got), f"{qtype}: streaming at budget 0 differs from budget all"
     if qtype in ("Q4_K", "Q8_0"):  # the PyTorch reference path end to end
         with native.use("torch"):
             ref_path, _ = logits(path, "0")
@@ -147,18 +153,23 @@ def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
         open_gguf(parts[0])
 
 
-def test_names_agree_with_the_gguf_packages_tensor_map():
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, 4)
+@pytest.mark.parametrize("arch, model_arch, least", [("qwen3moe", gguf.MODEL_ARCH.QWEN3MOE, 15),
+                                                   ("llama", gguf.MODEL_ARCH.LLAMA, 13)])
+def test_names_agree_with_the_gguf_packages_tensor_map(arch, model_arch, least):
+    names = gguf.get_tensor_name_map(model_arch, 4)
     checked = 0
-    for key, hf in NAMES.items():
-        g = key.format(i=3) + ".weight"
-        want = hf.format(i=3).replace(".switch_mlp.", ".experts.") + ".weight"
-        if names.get_name(want, try_suffixes=(".weight",)) is None:  # dense ffn_*: not in qwen3moe's map
+    for key, hf in NAMES[arch].items():
+        g = key.format(i=3, e=5) + ".weight"
+        want = hf.format(i=3, e=5).replace(".switch_mlp.", ".experts.") + ".weight"
+        if arch == "llama":  # the map knows Mixtral's stacked experts by their w1/w3/w2 names
+            want = want.replace("experts.gate_proj", "experts.w1").replace("experts.up_proj", "experts.w3")
+            want = want.replace("experts.down_proj", "experts.w2")
+        if names.get_name(want, try_suffixes=(".weight",)) is None:  # dense ffn_*, per-expert: not in the map
             continue
         assert names.get_name(want, try_suffixes=(".weight",)) == g
-        assert hf_name(g) == hf.format(i=3) + ".weight"
+        assert hf_name(g, arch) == hf.format(i=3, e=5) + ".weight"
         checked += 1
-    assert checked >= 15
+    assert checked >= least
 
 
 def test_inspect_names_the_types_and_bytes_as_stored(kshape, tmp_path):
@@ -239,10 +250,33 @@ def test_unknown_and_unsupported_types_are_refused_naming_the_tensor(q8_file):
 
 
 def test_other_architectures_are_refused_by_name(small, tmp_path):
-    path = tmp_path / "llama.gguf"
-    write_gguf(small, path, "F32", arch="llama")
-    with pytest.raises(CheckpointError, match="GGUF architecture 'llama' is not supported; moestream reads qwen3moe"):
+    path = tmp_path / "gemma3.gguf"
+    write_gguf(small, path, "F32", arch="gemma3")
+    with pytest.raises(CheckpointError, match="GGUF architecture 'gemma3' is not supported; moestream reads "
+                       "qwen3moe, llama"):
         open_gguf(path)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K", "Q6_K"])
+def test_mixtral_as_llama_with_permuted_q_and_k(qtype, tmp_path):
+    """Mixtral is llama.cpp's ``llama`` architecture with experts, q and k rows permuted by the converter."""
+    shape = dict(K_SHAPE, intermediate_size=256) if qtype.endswith("_K") else {}
+    shape.pop("moe_intermediate_size", None)
+    model = make_model(seed=8, family="mixtral", **shape)
+    path = tmp_path / f"mixtral-{qtype}.gguf"
+    held = write_gguf(model, path, qtype)
+    want = want_logits(model, held)
+    got, engine = logits(path, "all")
+    assert engine.family.__name__ == "moestream.models.mixtral"
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
+    tiny, _ = logits(path, "0")
+    assert torch.equal(tiny, got)
+    if qtype == "Q8_0":  # an early-2024 conversion: one tensor per expert, the same model
+        old = tmp_path / "mixtral-per-expert.gguf"
+        write_gguf(model, old, qtype, per_expert=True)
+        per, engine = logits(old, "0")
+        assert engine.layout.layers[0].kind == "per-expert"
+        assert torch.equal(per, got)
 
 
 # -- tokenizer ------------------------------------------------------------------------------------------
