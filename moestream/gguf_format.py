@@ -26,8 +26,8 @@ down}_exps.weight`` (``ne`` = [in, out, E]: torch [E, out, in]) become
 store, cache and O_DIRECT path as any checkpoint. The Hugging Face config is built from the
 metadata (:func:`hf_config`).
 
-Architectures (``general.architecture``): ``qwen3moe`` (family ``qwen3_moe``) and ``llama`` with
-experts (Mixtral; family ``mixtral``). llama.cpp's ``convert_hf_to_gguf.py`` permutes the q and k
+Architectures (``general.architecture``): ``qwen3moe`` (family ``qwen3_moe``), ``olmoe`` (family
+``olmoe``) and ``llama`` with experts (Mixtral; family ``mixtral``). llama.cpp's ``convert_hf_to_gguf.py`` permutes the q and k
 rows of its ``llama``-derived models (``LlamaModel.permute``, for its interleaved rotary
 embedding): for ``llama`` they are read back into Hugging Face order (derived tensors, whole rows
 moved: any type). ``Qwen3MoeModel`` derives from ``TextModel`` and stores q and k as Hugging Face
@@ -54,7 +54,8 @@ SUFFIX = ".gguf"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # general.architecture -> (Hugging Face model_type, architectures)
-ARCHITECTURES = {"qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "llama": ("mixtral", "MixtralForCausalLM")}
+ARCHITECTURES = {"qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "llama": ("mixtral", "MixtralForCausalLM"),
+                 "olmoe": ("olmoe", "OlmoeForCausalLM")}
 
 # llama.cpp tensor name (without the .weight / .bias suffix) -> Hugging Face module path; {i} the layer, {e} an expert
 _SHARED = {
@@ -80,6 +81,15 @@ NAMES = {
         "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
         "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
         "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+    },
+    "olmoe": {  # q_norm and k_norm over the whole projection (model.layers.N.self_attn.{q,k}_norm), as HF
+        **_SHARED,
+        "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+        "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+        "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",
+        "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.switch_mlp.gate_proj",
+        "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.switch_mlp.up_proj",
+        "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.switch_mlp.down_proj",
     },
     "llama": {  # Mixtral: llama with experts
         **_SHARED,
@@ -345,6 +355,11 @@ def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
         cfg["norm_topk_prob"] = _meta(meta, p + "expert_weights_norm", where, bool, default=True)
         # feed_forward_length is the dense MLP's width (unused while every layer is MoE)
         cfg["intermediate_size"] = _meta(meta, p + "feed_forward_length", where, default=cfg["moe_intermediate_size"])
+    elif arch == "olmoe":  # OlmoeModel writes the experts' width as feed_forward_length; llama.cpp's graph
+        cfg["num_experts"] = experts  # renormalizes the top-k weights only when told (norm_w false)
+        cfg["norm_topk_prob"] = _meta(meta, p + "expert_weights_norm", where, bool, default=False)
+        ff = _meta(meta, p + "feed_forward_length", where, required=False)
+        cfg["intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where, default=ff)
     else:  # Mixtral: convert_hf_to_gguf.py writes the experts' width as feed_forward_length
         cfg["num_local_experts"] = experts
         ff = _meta(meta, p + "feed_forward_length", where, required=False)

@@ -24,7 +24,8 @@ K_SHAPE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256
 
 def make_model(seed: int = 0, family: str = "qwen3_moe", **overrides):
     """A random float32 transformers Qwen3MoeForCausalLM (or MixtralForCausalLM; norms and routers randomized too)."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     from .helpers import TINY
 
@@ -33,6 +34,10 @@ def make_model(seed: int = 0, family: str = "qwen3_moe", **overrides):
         args = {k: v for k, v in TINY.items() if k not in ("moe_intermediate_size", "num_experts", "norm_topk_prob")}
         args = {**args, "intermediate_size": 32, "num_local_experts": 8, "rope_theta": 1e6, **overrides}
         model = MixtralForCausalLM(MixtralConfig(**args)).eval()
+    elif family == "olmoe":
+        args = {k: v for k, v in TINY.items() if k not in ("moe_intermediate_size", "norm_topk_prob", "head_dim")}
+        args = {**args, "intermediate_size": 32, "norm_topk_prob": False, **overrides}
+        model = OlmoeForCausalLM(OlmoeConfig(**args)).eval()
     else:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, **overrides})).eval()
     with torch.no_grad():
@@ -99,25 +104,29 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
     ``mlp.experts.gate_up_proj``).
     """
     cfg = model.config
-    mixtral = cfg.model_type == "mixtral"
+    mixtral, olmoe = cfg.model_type == "mixtral", cfg.model_type == "olmoe"
     rng = np.random.default_rng(seed)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if mixtral else gguf.MODEL_ARCH.QWEN3MOE,
-                                     cfg.num_hidden_layers)
-    w = gguf.GGUFWriter(path, arch or ("llama" if mixtral else "qwen3moe"), split_max_tensors=split_max_tensors)
+    model_arch = gguf.MODEL_ARCH.LLAMA if mixtral else gguf.MODEL_ARCH.OLMOE if olmoe else gguf.MODEL_ARCH.QWEN3MOE
+    names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(path, arch or gguf.MODEL_ARCH_NAMES[model_arch], split_max_tensors=split_max_tensors)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]) if getattr(cfg, "rope_parameters", None)
                          else float(cfg.rope_theta))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_local_experts if mixtral else cfg.num_experts)
+    if olmoe:
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    if not mixtral:  # llama.cpp's LlamaModel writes the experts' width as feed_forward_length only
+    if not (mixtral or olmoe):  # llama.cpp's LlamaModel and OlmoeModel write the experts' width as
+        # feed_forward_length only
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if extra is not None:
         extra(w)

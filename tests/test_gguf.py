@@ -154,7 +154,8 @@ def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
 
 
 @pytest.mark.parametrize("arch, model_arch, least", [("qwen3moe", gguf.MODEL_ARCH.QWEN3MOE, 15),
-                                                   ("llama", gguf.MODEL_ARCH.LLAMA, 13)])
+                                                   ("llama", gguf.MODEL_ARCH.LLAMA, 13),
+                                                   ("olmoe", gguf.MODEL_ARCH.OLMOE, 15)])
 def test_names_agree_with_the_gguf_packages_tensor_map(arch, model_arch, least):
     names = gguf.get_tensor_name_map(model_arch, 4)
     checked = 0
@@ -253,7 +254,7 @@ def test_other_architectures_are_refused_by_name(small, tmp_path):
     path = tmp_path / "gemma3.gguf"
     write_gguf(small, path, "F32", arch="gemma3")
     with pytest.raises(CheckpointError, match="GGUF architecture 'gemma3' is not supported; moestream reads "
-                       "qwen3moe, llama"):
+                       "qwen3moe, llama, olmoe"):
         open_gguf(path)
 
 
@@ -320,3 +321,19 @@ def test_tokenizer_is_built_from_the_gguf_metadata(small, tmp_path):
     write_gguf(small, bare, "F32")
     with pytest.raises(CheckpointError, match="--tokenizer"):
         load(bare, cache_budget_gb="0", workers=1)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q5_K"])
+def test_olmoe(qtype, tmp_path):
+    """OLMoE (``olmoe``): q and k normalized over the whole projection, top-k weights not renormalized."""
+    shape = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4) \
+        if qtype.endswith("_K") else {}
+    model = make_model(seed=9, family="olmoe", **shape)
+    path = tmp_path / f"olmoe-{qtype}.gguf"
+    held = write_gguf(model, path, qtype)
+    want = want_logits(model, held)
+    got, engine = logits(path, "all")
+    assert engine.family.__name__ == "moestream.models.olmoe"
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
+    tiny, _ = logits(path, "0")
+    assert torch.equal(tiny, got)
