@@ -27,11 +27,12 @@ store, cache and O_DIRECT path as any checkpoint. The Hugging Face config is bui
 metadata (:func:`hf_config`).
 
 Architectures (``general.architecture``): ``qwen3moe`` (family ``qwen3_moe``), ``olmoe`` (family
-``olmoe``) and ``llama`` with experts (Mixtral; family ``mixtral``). llama.cpp's ``convert_hf_to_gguf.py`` permutes the q and k
-rows of its ``llama``-derived models (``LlamaModel.permute``, for its interleaved rotary
-embedding): for ``llama`` they are read back into Hugging Face order (derived tensors, whole rows
-moved: any type). ``Qwen3MoeModel`` derives from ``TextModel`` and stores q and k as Hugging Face
-has them, so nothing is undone there. llama.cpp's qwen3moe graph always renormalizes the top-k
+``olmoe``) and ``llama`` with experts (Mixtral; family ``mixtral``). llama.cpp's
+``convert_hf_to_gguf.py`` permutes the q and k rows of its ``llama``-derived models
+(``LlamaModel.permute``, for its interleaved rotary embedding): for ``llama`` they are read back
+into Hugging Face order (derived tensors, whole rows moved: any type). ``Qwen3MoeModel`` and
+``OlmoeModel`` derive from ``TextModel`` and store q and k as Hugging Face has them, so nothing is
+undone there. llama.cpp's qwen3moe graph always renormalizes the top-k
 router weights (``norm_topk_prob``), which the metadata does not say.
 """
 

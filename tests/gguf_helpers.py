@@ -24,8 +24,14 @@ K_SHAPE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256
 
 def make_model(seed: int = 0, family: str = "qwen3_moe", **overrides):
     """A random float32 transformers Qwen3MoeForCausalLM (or MixtralForCausalLM; norms and routers randomized too)."""
-    from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     from .helpers import TINY
 
