@@ -13,9 +13,11 @@ import torch
 from gguf.quants import dequantize, quantize
 
 # bytes of each block that hold float16 scales (ggml-common.h), set to finite values in random blocks
-_F16_FIELDS = {"Q2_K": (80, 84), "Q3_K": (108, 110), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}
+_F16_FIELDS = {"Q2_K": (80, 84), "Q3_K": (108, 110), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210),
+               "IQ4_NL": (0, 2), "IQ4_XS": (0, 2)}
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-K_TYPES = tuple(_F16_FIELDS)
+RANDOM_TYPES = tuple(_F16_FIELDS)  # no quantizer in gguf.quants: random blocks
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # blocks of 256
 
 # a shape whose every linear takes a multiple of 256 inputs (the K-quants' block)
 K_SHAPE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, num_attention_heads=4,
@@ -76,7 +78,7 @@ def encode(arr: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, gguf.GGMLQuant
         return arr.astype(np.float32), qt
     if qtype == "F16":
         return arr.astype(np.float16), qt
-    if qtype in K_TYPES:
+    if qtype in RANDOM_TYPES:
         return _random_blocks(arr.shape, qtype, float(arr.std()), rng), qt
     return quantize(arr.astype(np.float32), qt), qt
 

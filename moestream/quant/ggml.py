@@ -28,6 +28,10 @@ float16; ``QK_K`` = 256):
   bit 4 of weight ``l`` of the low / high nibble half of 64-weight chunk ``i``.
 * ``Q6_K`` (256, 210): ``ql[128]`` (low 4 bits), ``qh[64]`` (high 2 bits), ``scales[16]`` int8, ``d``;
   ``d * sc * (q - 32)``.
+* ``IQ4_NL`` (32, 18): ``d``, ``qs[16]`` (nibbles as Q4_0); ``d * KVALUES[q]``, a non-linear 16-entry table.
+* ``IQ4_XS`` (256, 136): ``d``, ``scales_h`` (uint16: 2 high bits per 32 weights), ``scales_l[4]`` (4 low
+  bits per 32 weights), ``qs[128]`` (per 32 weights, 16 bytes: low then high nibbles);
+  ``d * (scale - 32) * KVALUES[q]``.
 
 :func:`dequantize` is the float32 reference of every type; its float operations are those
 of ggml's ``dequantize_row_*`` (and of the ``gguf`` package's ``gguf.quants``), so it gives
@@ -55,7 +59,11 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_K": (QK_K, 144, 4),
     "Q5_K": (QK_K, 176, 5),
     "Q6_K": (QK_K, 210, 6),
+    "IQ4_NL": (32, 18, 4),
+    "IQ4_XS": (QK_K, 136, 4),
 }
+# the IQ4 types' code values (ggml-common.h kvalues_iq4nl)
+KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # ggml float types, read as the float dtypes of the same names
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -199,8 +207,27 @@ def _q6_k(b):
     return (dl * q.view(n, 16, 16).float()).reshape(n, QK_K)
 
 
+def _kv(q: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(KVALUES, dtype=torch.float32, device=q.device)[q.long()]
+
+
+def _iq4_nl(b):
+    return _f16(b[:, :2]) * _kv(_nibbles(b[:, 2:]))
+
+
+def _iq4_xs(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    hi = ((b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF).view(n, 1)
+          >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
+    lo = torch.stack((b[:, 4:8] & 0x0F, b[:, 4:8] >> 4), dim=-1).reshape(n, 8).to(torch.int32)
+    dl = (d * ((lo | (hi << 4)) - 32).float()).view(n, 8, 1)
+    return (dl * _kv(_nibbles(b[:, 8:].reshape(n, 8, 16)))).reshape(n, QK_K)
+
+
 _DEQUANT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-            "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+            "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl,
+            "IQ4_XS": _iq4_xs}
 
 
 def dequantize(raw: torch.Tensor, ggml_type: str, n: int) -> torch.Tensor:

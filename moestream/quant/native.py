@@ -3,7 +3,7 @@
 ``csrc/`` (``kernels.h`` describes it) computes ``y = x W^T`` with ``W`` [out, in] in its stored form --
 MLX affine (2, 3, 4, 5, 6, 8 bits; bf16, fp16 or float32 scales and biases), FP8 e4m3 with
 block, per-channel or per-tensor scales, MXFP4 (gpt-oss and compressed-tensors bytes),
-turboquant codebooks and ggml blocks of GGUF files (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) --
+turboquant codebooks and ggml blocks of GGUF files (Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS) --
 straight from the tensors the expert store read: nothing is
 repacked per read. Each weight is dequantized in a float32 register and multiplied into
 float32 accumulators (FMA); activations are never quantized. Threads split the output rows,
@@ -60,7 +60,7 @@ LIBRARY = "libmoestream_cpu.so"
 AFFINE, FP8, MXFP4, CODEBOOK, GGML = 0, 1, 2, 3, 4
 # ggml block types (csrc/kernels.h GgmlType) and the weights sharing one scale the kernels decode at a time
 GGML_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, "Q3_K": 6, "Q4_K": 7, "Q5_K": 8,
-              "Q6_K": 9}
+              "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11}
 GGML_GROUP = {"Q2_K": 16, "Q3_K": 16, "Q6_K": 16}  # the others: 32
 SPEC, PTRS = 16, 8
 STREAM, TEN3, TRITS = 0, 1, 2  # codebook packings

@@ -287,10 +287,33 @@ static MS_INLINE float ggml_f16(const uint8_t* p) {
   return half_to_float(h);
 }
 
+// the IQ4 types' code values (ggml-common.h kvalues_iq4nl)
+static constexpr float IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
 // sub-block g (of `group` weights) of a ggml row, dequantized into out[group]
 template <int T>
 static MS_INLINE void ggml_group(const uint8_t* row, int64_t g, float* out) {
-  if constexpr (T == G_Q4_0 || T == G_Q4_1 || T == G_Q5_0 || T == G_Q5_1 || T == G_Q8_0) {
+  if constexpr (T == G_IQ4_NL || T == G_IQ4_XS) {
+    const uint8_t* qs;
+    float dl;
+    if constexpr (T == G_IQ4_NL) {
+      const uint8_t* b = row + g * 18;
+      dl = ggml_f16(b);
+      qs = b + 2;
+    } else {  // 8 sub-blocks of 32: 4 low scale bits in scales_l, 2 high ones in the uint16 scales_h
+      const uint8_t* b = row + (g / 8) * 136;
+      const int ib = int(g % 8);
+      uint16_t sh;
+      std::memcpy(&sh, b + 2, 2);
+      const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+      dl = ggml_f16(b) * float(ls - 32);
+      qs = b + 8 + 16 * ib;
+    }
+    for (int j = 0; j < 16; ++j) {
+      out[j] = dl * IQ4_VALUES[qs[j] & 15];
+      out[j + 16] = dl * IQ4_VALUES[qs[j] >> 4];
+    }
+  } else if constexpr (T == G_Q4_0 || T == G_Q4_1 || T == G_Q5_0 || T == G_Q5_1 || T == G_Q8_0) {
     constexpr int64_t size = T == G_Q4_0 ? 18 : T == G_Q4_1 ? 20 : T == G_Q5_0 ? 22 : T == G_Q5_1 ? 24 : 34;
     const uint8_t* b = row + g * size;
     const float d = ggml_f16(b);
@@ -582,6 +605,8 @@ static void rows_ggml(const Lin& L, const float* x, int64_t n, int64_t r0, int64
     case G_Q3_K: return rows_with<A, DecG<A, G_Q3_K>>(L, x, n, r0, r1, y, ldy);
     case G_Q4_K: return rows_with<A, DecG<A, G_Q4_K>>(L, x, n, r0, r1, y, ldy);
     case G_Q5_K: return rows_with<A, DecG<A, G_Q5_K>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ4_NL: return rows_with<A, DecG<A, G_IQ4_NL>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ4_XS: return rows_with<A, DecG<A, G_IQ4_XS>>(L, x, n, r0, r1, y, ldy);
     default: return rows_with<A, DecG<A, G_Q6_K>>(L, x, n, r0, r1, y, ldy);
   }
 }

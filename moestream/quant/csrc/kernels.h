@@ -48,7 +48,7 @@ namespace ms {
 enum Kind : int { AFFINE = 0, FP8 = 1, MXFP4 = 2, CODEBOOK = 3, GGML = 4 };
 // ggml block types of GGML linears (Lin::bits holds one; moestream/quant/ggml.py names the layouts)
 enum GgmlType : int { G_Q4_0 = 0, G_Q4_1 = 1, G_Q5_0 = 2, G_Q5_1 = 3, G_Q8_0 = 4, G_Q2_K = 5, G_Q3_K = 6,
-                      G_Q4_K = 7, G_Q5_K = 8, G_Q6_K = 9 };
+                      G_Q4_K = 7, G_Q5_K = 8, G_Q6_K = 9, G_IQ4_NL = 10, G_IQ4_XS = 11 };
 enum Path : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
 enum Dt : int { F32 = 0, BF16 = 1, F16 = 2 };
 
