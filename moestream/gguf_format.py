@@ -119,6 +119,9 @@ _FLOAT = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # ggml float type -> tens
 _MAX_ARRAY = 1024
 
 
+UNSUPPORTED = f"a ggml type moestream does not compute on yet; it reads {', '.join([*_FLOAT, *ggml.TYPES])}"
+
+
 def is_gguf(path) -> bool:
     """Whether ``path`` names a GGUF file (by its suffix, not a folder; the header is checked when opened)."""
     return str(path).endswith(SUFFIX) and not Path(path).is_dir()
@@ -162,6 +165,7 @@ class GGUFFormat:
     types: dict[str, list[str]] = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
     tied: bool = False
+    unsupported: list = field(default_factory=list)
 
     name = "gguf"  # what a family's ``adapt_to_source`` is told
     compute_dtype = torch.float32  # llama.cpp computes activations in float32
@@ -226,8 +230,13 @@ def _read_file(path: Path) -> tuple[dict, list, int, int, int]:
     return meta, infos, data_offset, alignment, version
 
 
-def _index(path: Path, infos: list, data_offset: int, alignment: int) -> dict[str, TensorInfo]:
-    """llama.cpp name -> TensorInfo of one file's tensors, each checked against the file (see module doc)."""
+def _index(path: Path, infos: list, data_offset: int, alignment: int, unsupported: list | None = None
+           ) -> dict[str, TensorInfo]:
+    """llama.cpp name -> TensorInfo of one file's tensors, each checked against the file (see module doc).
+
+    ``unsupported``: when given, a tensor of a type moestream does not compute on is indexed (as its
+    bytes) and its name and type appended here instead of refused (``moestream inspect``).
+    """
     size = path.stat().st_size
     out: dict[str, TensorInfo] = {}
     for name, raw, ne, rel in infos:
@@ -241,8 +250,9 @@ def _index(path: Path, infos: list, data_offset: int, alignment: int) -> dict[st
                                   "type newer than this gguf package)") from None
         tname = qtype.name
         if tname not in _FLOAT and tname not in ggml.TYPES:
-            raise CheckpointError(f"{where} is {tname}, a ggml type moestream does not compute on yet; it reads "
-                                  f"{', '.join([*_FLOAT, *ggml.TYPES])}")
+            if unsupported is None:
+                raise CheckpointError(f"{where} is {tname}, {UNSUPPORTED}")
+            unsupported.append((name, tname))
         if not ne or any(d < 0 for d in ne):
             raise CheckpointError(f"{where} has dimensions {ne}")
         block, type_size = GGML_QUANT_SIZES[qtype]
@@ -394,8 +404,11 @@ class GGUFCheckpoint(Checkpoint):
         self.source_format = fmt
 
 
-def open_gguf(path) -> GGUFCheckpoint:
+def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     """Open the GGUF model ``path`` (a ``.gguf`` file or the first of a split set); nothing but headers is read.
+
+    ``inspect_only``: index tensors of types moestream does not compute on instead of refusing them
+    (listed in ``source_format.unsupported``; such a checkpoint is for ``moestream inspect`` only).
 
     Raises:
         CheckpointError: naming the file, and the tensor or metadata key, of anything that is not
@@ -408,13 +421,14 @@ def open_gguf(path) -> GGUFCheckpoint:
     identities = {f: file_identity(f) for f in files}  # before the headers: a later change shows
     raw: dict[str, TensorInfo] = {}
     meta, version, alignment = {}, 0, 0
+    unsupported: list | None = [] if inspect_only else None
     for n, f in enumerate(files):
         m, infos, data_offset, align, ver = _read_file(f)
         if n == 0:
             meta, version, alignment = m, ver, align
         elif len(files) > 1 and m.get("split.no") not in (None, n):
             raise CheckpointError(f"{f}: metadata split.no is {m.get('split.no')}, expected {n}")
-        for name, info in _index(f, infos, data_offset, align).items():
+        for name, info in _index(f, infos, data_offset, align, unsupported).items():
             if name in raw:
                 raise CheckpointError(f"{f}: tensor {name!r} is also in {raw[name].file.name}")
             raw[name] = info
@@ -425,7 +439,7 @@ def open_gguf(path) -> GGUFCheckpoint:
         if total is not None and total != len(raw):
             raise CheckpointError(f"{path}: metadata split.tensors.count is {total}, but the files hold {len(raw)}")
     fmt = GGUFFormat(str(meta.get("general.architecture")), version, [f.name for f in files], alignment,
-                     metadata=meta)
+                     metadata=meta, unsupported=unsupported or [])
     tensors: dict[str, TensorInfo] = {}
     types: dict[str, set] = {}
     arch = str(meta.get("general.architecture"))
@@ -453,5 +467,6 @@ def open_gguf(path) -> GGUFCheckpoint:
     return ckpt
 
 
-__all__ = ["ARCHITECTURES", "GGUFCheckpoint", "GGUFFormat", "NAMES", "hf_config", "hf_name", "is_gguf", "open_gguf",
+__all__ = ["ARCHITECTURES", "UNSUPPORTED", "GGUFCheckpoint", "GGUFFormat", "NAMES", "hf_config", "hf_name", "is_gguf",
+           "open_gguf",
            "split_files"]
