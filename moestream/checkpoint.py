@@ -54,13 +54,23 @@ INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
+# A block-quantized GGUF tensor (moestream.quant.ggml) is indexed as its raw bytes under the dtype name
+# ``GGML_<type>`` ("GGML_Q4_K"), shape [..., row bytes]: one byte per element for every layer above.
+BLOCK_DTYPE_PREFIX = "GGML_"
+
+
 def dtype_size(st_dtype: str) -> int:
-    """Bytes per element of a safetensors dtype name such as ``"BF16"``."""
+    """Bytes per element of a safetensors dtype name such as ``"BF16"`` (1 for a ``GGML_*`` block type)."""
+    if st_dtype.startswith(BLOCK_DTYPE_PREFIX):
+        return 1
     return _DTYPES[st_dtype][1]
 
 
 def torch_dtype(st_dtype: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name; raises CheckpointError if this torch lacks it."""
+    """The torch dtype of a safetensors dtype name (uint8 for a ``GGML_*`` block type's bytes); raises
+    CheckpointError if this torch lacks it."""
+    if st_dtype.startswith(BLOCK_DTYPE_PREFIX):
+        return torch.uint8
     dt = _DTYPES.get(st_dtype, (None, 0))[0]
     if dt is None:
         raise CheckpointError(f"dtype {st_dtype} is not supported by this PyTorch build")
@@ -324,21 +334,23 @@ def _refuse_pickle_shard(index: Path, shard: str) -> None:
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
-    """A local checkpoint folder for ``model``: a folder path, or a Hugging Face Hub id.
+    """A local checkpoint for ``model``: a folder path, a GGUF file (``*.gguf``), or a Hugging Face Hub id.
 
     A Hub id (``org/name``) is resolved with ``huggingface_hub.snapshot_download``,
     fetching only config, safetensors, index and tokenizer files (or the local Hub
     cache when offline).
 
     Raises:
-        CheckpointError: when ``model`` is neither an existing folder nor a Hub id that
+        CheckpointError: when ``model`` is neither an existing folder, a GGUF file nor a Hub id that
             can be fetched.
     """
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.exists() and path.suffix == ".gguf":  # moestream.gguf_format reads it
+        return path
     if path.exists():
-        raise CheckpointError(f"{path}: --model must be a checkpoint folder, not a file")
+        raise CheckpointError(f"{path}: --model must be a checkpoint folder or a .gguf file, not another file")
     text = str(model)
     if not re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", text):
         raise CheckpointError(f"{text}: no such folder, and not a Hugging Face Hub id (org/name)")

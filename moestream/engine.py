@@ -228,7 +228,8 @@ def _check_layout(model: CausalLM, layout: ExpertLayout, where, quantized: dict 
 
 
 def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT_BUDGET_GB, *,
-         options: EngineOptions | None = None, tokenizer: bool = True, progress: bool | None = None,
+         options: EngineOptions | None = None, tokenizer: bool | str | os.PathLike = True,
+         progress: bool | None = None,
          parallel=None, **engine_options) -> Engine:
     """Open a checkpoint and make it ready to generate.
 
@@ -243,7 +244,8 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
             in); or give its fields as keywords (``workers=2``, ``prefetch_ahead=1``,
             ``host_cache_gb="auto"``, ...; see :meth:`EngineOptions.make`), not both.
         tokenizer: also load the checkpoint's tokenizer (before the weights, so a missing
-            one fails fast).
+            one fails fast); a path: load that tokenizer folder's instead (a GGUF file's
+            default is the one transformers builds from its metadata).
         progress: show progress bars (None: only on a terminal).
         parallel: a :class:`moestream.parallel.ExpertParallel` (torchrun): this process owns a
             share of each layer's experts (placed by rank 0, balanced from the usage profile
@@ -304,7 +306,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         plan = _plan_budget(net, store, keys, opened.dtype, dev, tiered, io, options, parallel)
         tok = None
         if tokenizer:
-            tok = load_tokenizer(ckpt.path)
+            tok = load_tokenizer(ckpt.path if tokenizer is True else tokenizer)
         unused = _load_resident(ckpt, opened, progress, io)
         net.to(dev).eval()
         use_fast_linear(net)  # wide bf16 matmuls in float32 on CPUs without native bf16 (models/linear.py)

@@ -18,6 +18,7 @@ import torch
 from .checkpoint import Checkpoint, TensorInfo, resolve_model, safetensors_dtype
 from .decode_graph import graph_unsupported
 from .errors import ConfigError, LayoutError, MoestreamError
+from .gguf_format import UNSUPPORTED, is_gguf, open_gguf
 from .layout import discover_experts
 from .mlx_format import open_checkpoint
 from .models import family_for, supported_model_types
@@ -67,17 +68,18 @@ class Inspection:
     quant_format: str = ""
     quantized_modules: list[str] = field(default_factory=list)
     gpu_kernel: str = ""  # the expert kernel and decode path with --device cuda
+    tensor_types: dict[str, str] = field(default_factory=dict)  # a GGUF file: tensor kind -> its ggml types
 
     def to_text(self) -> str:
         lines = [f"source:             {self.source}", f"model_type:         {self.model_type}"]
         if self.family:
             lines.append(f"family module:      {self.family}")
         if not self.can_stream:
+            lines += self._format_lines()
             lines.append(f"can stream:         no: {self.reason}")
             return "\n".join(lines)
         total = self.expert_bytes + self.resident_bytes
-        if self.checkpoint_format:
-            lines.append(f"format:             {self.checkpoint_format}")
+        lines += self._format_lines()
         lines += [
             f"decoder layers:     {self.layers} ({self.moe_layers} MoE)",
             f"experts per layer:  {self.experts_per_layer}, top-k {self.top_k} ({self.expert_layout} layout)",
@@ -97,6 +99,12 @@ class Inspection:
             lines.append(f"on a GPU:           {self.gpu_kernel}")
         lines.append("can stream:         yes")
         return "\n".join(lines)
+
+    def _format_lines(self) -> list[str]:
+        lines = [f"format:             {self.checkpoint_format}"] if self.checkpoint_format else []
+        if self.tensor_types:
+            lines.append("tensor types:       " + ", ".join(f"{k} {v}" for k, v in self.tensor_types.items()))
+        return lines
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -159,7 +167,9 @@ def inspect(model: str | None = None, config: str | Path | None = None, dtype: s
             raise ConfigError(f"{path}: not a JSON object")
         source, ckpt = str(path), None
     else:
-        ckpt = open_checkpoint(resolve_model(model))
+        path = resolve_model(model)
+        # a GGUF file is described even when some tensor has a type moestream does not compute on
+        ckpt = open_gguf(path, inspect_only=True) if is_gguf(path) else open_checkpoint(path)
         raw, source = ckpt.config, str(ckpt.path)
     try:
         return _inspect(raw, source, ckpt, config, dtype)
@@ -181,6 +191,17 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
             if model_type else "config.json has no model_type"
         )
         return Inspection(source, model_type, None, False, reason)
+    unsupported = getattr(ckpt.source_format, "unsupported", None) if ckpt is not None else None
+    if unsupported:
+        (name, kind), more = unsupported[0], len(unsupported) - 1
+        kinds = sorted({k for _, k in unsupported})
+        return Inspection(
+            source, model_type, family.__name__, False,
+            f"tensor {name!r} is {kind}, {UNSUPPORTED}"
+            + (f" ({more} more tensors of types {', '.join(kinds)})" if more else ""),
+            checkpoint_format=ckpt.source_format.describe(raw),
+            tensor_types={k: "/".join(v) for k, v in ckpt.source_format.types.items()},
+        )
     if ckpt is None:
         cfg, tensors = _synth_index(Path(config), dtype)
     else:
@@ -230,6 +251,7 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         expert_layout=first.kind, unused_examples=unused[:3], quantization=quantization,
         checkpoint_format=ckpt.source_format.describe(cfg) if ckpt is not None and ckpt.source_format else "",
         quant_format=qfmt, quantized_modules=qmods,
+        tensor_types={k: "/".join(v) for k, v in getattr(ckpt.source_format, "types", {}).items()} if ckpt else {},
     )
 
 

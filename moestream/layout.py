@@ -35,7 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import TensorInfo, dtype_size
+from .checkpoint import BLOCK_DTYPE_PREFIX, TensorInfo, dtype_size
 from .errors import LayoutError
 
 LAYER_PREFIXES = ("model.layers", "model.language_model.layers", "language_model.model.layers")
@@ -398,9 +398,9 @@ def _piece1d(role: str, info: TensorInfo, index: int, cols: slice) -> Piece:
 
 
 def _quantized(pieces: tuple[Piece, ...]) -> bool:
-    """Whether an expert's pieces are quantized (packed or fp8 weights, scales, mxfp4 blocks)."""
-    return any(p.dtype in QUANT_DTYPES or p.role.partition(".")[2] in QUANT_PARAMS
-               for p in pieces)
+    """Whether an expert's pieces are quantized (packed or fp8 weights, scales, mxfp4 or ggml blocks)."""
+    return any(p.dtype in QUANT_DTYPES or p.dtype.startswith(BLOCK_DTYPE_PREFIX)
+               or p.role.partition(".")[2] in QUANT_PARAMS for p in pieces)
 
 
 def _check_rank(info: TensorInfo, rank: int, name: str) -> None:

@@ -65,6 +65,7 @@ import torch
 
 from .checkpoint import Checkpoint, TensorInfo, dtype_size, torch_dtype
 from .errors import CheckpointError
+from .gguf_format import is_gguf, open_gguf
 from .quant import affine
 from .quant.formats import QuantConfig, check_affine
 
@@ -168,7 +169,10 @@ def _model_type(cfg: dict) -> str | None:
 
 def open_checkpoint(path) -> Checkpoint:
     """A :class:`~moestream.checkpoint.Checkpoint` of folder ``path``, an mlx-lm build's names and layouts
-    mapped onto Hugging Face ones (:func:`adapt`). Raises what those raise."""
+    mapped onto Hugging Face ones (:func:`adapt`); of a GGUF file, llama.cpp's names mapped
+    (:func:`moestream.gguf_format.open_gguf`). Raises what those raise."""
+    if is_gguf(path):
+        return open_gguf(path)
     ckpt = Checkpoint(path)
     try:
         adapt(ckpt)

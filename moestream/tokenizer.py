@@ -24,10 +24,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 def load_tokenizer(folder: str | Path):
     """Load the tokenizer in ``folder`` offline (never runs code from the folder).
 
+    ``folder`` may be a GGUF file (:func:`load_gguf_tokenizer`).
+
     Raises:
         CheckpointError: when the folder holds no tokenizer files or they cannot be loaded.
     """
     folder = Path(folder)
+    if folder.suffix == ".gguf" and folder.is_file():
+        return load_gguf_tokenizer(folder)
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise CheckpointError(f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     from transformers import AutoTokenizer
@@ -52,6 +56,26 @@ def load_tokenizer(folder: str | Path):
         )
     except Exception:
         raise CheckpointError(f"{folder}: cannot load the tokenizer: {error}") from None
+
+
+def load_gguf_tokenizer(path: str | Path):
+    """The tokenizer of a GGUF file: built by transformers from the file's metadata (``tokenizer.ggml.*``,
+    ``tokenizer.chat_template``), else the tokenizer files in the folder beside it.
+
+    Raises:
+        CheckpointError: when neither gives a tokenizer (naming both reasons; ``--tokenizer`` names a folder).
+    """
+    path = Path(path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as e:  # transformers raises many kinds for metadata it cannot convert
+        error = " ".join(str(e).split()) or type(e).__name__
+    if any((path.parent / f).is_file() for f in TOKENIZER_FILES):
+        return load_tokenizer(path.parent)
+    raise CheckpointError(f"{path}: transformers cannot build a tokenizer from the GGUF metadata ({error}), and the "
+                          f"folder beside it holds no tokenizer files; give a tokenizer folder with --tokenizer")
 
 
 def _declared_tokenizer_class(folder: Path):

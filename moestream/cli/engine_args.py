@@ -13,7 +13,11 @@ from ..policies import POLICIES
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, cache and I/O options, shared by every command that loads a model (generate, serve)."""
-    p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face Hub id")
+    p.add_argument("--model", required=True,
+                   help="checkpoint folder, Hugging Face Hub id, or GGUF file (the first file of a split set)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder to use instead of the model's own (a GGUF file's default: the tokenizer "
+                   "transformers builds from its metadata, else the tokenizer files beside it)")
     p.add_argument(
         "--cache-budget-gb", default="3",
         help="expert cache budget in GB (10^9 bytes), or 'all' to keep every expert resident, or 'auto' to size it "
@@ -105,4 +109,6 @@ def load_engine(args: argparse.Namespace, options, tokenizer: bool = True):
     this rank's :class:`~moestream.parallel.ExpertParallel` (``args._parallel``)."""
     from ..engine import load
 
+    if tokenizer and getattr(args, "tokenizer", None):
+        tokenizer = args.tokenizer
     return load(args.model, options=options, tokenizer=tokenizer, parallel=getattr(args, "_parallel", None))

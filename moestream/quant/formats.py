@@ -11,6 +11,9 @@ Three published formats are read as they are, never dequantized on disk:
   ``weight`` (F8_E4M3) and ``weight_scale_inv``.
 * ``mxfp4`` -- MXFP4 (:mod:`moestream.quant.mxfp4`): ``quantization_config: {quant_method:
   "mxfp4"}``; tensors ``<name>_blocks`` and ``<name>_scales`` (gpt-oss experts).
+* ``gguf`` -- ggml block types (:mod:`moestream.quant.ggml`) of a GGUF file
+  (:mod:`moestream.gguf_format`): one tensor of raw block bytes per weight, its type in its
+  dtype name (``GGML_Q4_K``); no config entry, every tensor carries its own type.
 
 A tensor is taken as quantized by what the checkpoint holds (a uint32 weight with
 scales, an fp8 weight, blocks); the config says how, and every disagreement -- a
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 
 from ..errors import CheckpointError
-from . import affine
+from . import affine, ggml
 from .fp8 import block_scales_shape
 
 
@@ -36,11 +39,12 @@ class QuantError(CheckpointError):
 class Scheme:
     """How one linear is quantized.
 
-    ``method``: ``"affine"``, ``"fp8"`` or ``"mxfp4"``; ``bits``: bits per weight code
-    (affine 2-8; fp8 8; mxfp4 4); ``group_size``: values sharing one scale along the input
-    dimension (affine group, fp8 block width, mxfp4 32); ``block``: fp8 (rows, cols).
-    ``scale``: the name of the scale tensor beside the weight when it is not the
-    method's own (``weight_scale`` in compressed-tensors checkpoints, :mod:`.compressed`).
+    ``method``: ``"affine"``, ``"fp8"``, ``"mxfp4"`` or ``"gguf"``; ``bits``: bits per weight code
+    (affine 2-8; fp8 8; mxfp4 4; gguf the type's nominal bits); ``group_size``: values sharing one
+    scale along the input dimension (affine group, fp8 block width, mxfp4 32, a ggml block);
+    ``block``: fp8 (rows, cols). ``scale``: the name of the scale tensor beside the weight when
+    it is not the method's own (``weight_scale`` in compressed-tensors checkpoints,
+    :mod:`.compressed`). ``ggml``: the ggml block type of a gguf weight (``"Q4_K"``).
     """
 
     method: str
@@ -48,6 +52,7 @@ class Scheme:
     group_size: int
     block: tuple[int, int] | None = None
     scale: str | None = None
+    ggml: str | None = None
 
     @property
     def scale_param(self) -> str:
@@ -66,7 +71,34 @@ class Scheme:
             if self.block == (0, 0):
                 return "fp8 e4m3, per-tensor scale"
             return f"fp8 e4m3, blocks {self.block[0]}x{self.block[1]}"
+        if self.method == "gguf":
+            return f"gguf {self.ggml}"
         return "mxfp4"
+
+
+def ggml_scheme(dtype: str) -> Scheme | None:
+    """The :class:`Scheme` of a tensor stored as ggml blocks (dtype name ``GGML_<type>``), else None.
+
+    Raises:
+        QuantError: a ggml type :mod:`.ggml` does not compute on.
+    """
+    t = ggml.block_type(dtype)
+    if t is None:
+        return None
+    if t not in ggml.TYPES:
+        raise QuantError(f"ggml type {t} is not supported (moestream reads {', '.join(ggml.TYPES)})")
+    block, _, bits = ggml.TYPES[t]
+    return Scheme("gguf", bits, block, ggml=t)
+
+
+def check_ggml(name: str, scheme: Scheme, shape: tuple[int, ...], where) -> tuple[int, int]:
+    """[out, in] of a ggml weight stored as bytes [out, row bytes]; QuantError naming ``name`` when the row
+    is not whole blocks."""
+    inn = ggml.in_features(scheme.ggml, shape[-1])
+    if len(shape) < 2 or inn is None:
+        raise QuantError(f"{where}: tensor {name!r} {list(shape)} is not whole {scheme.ggml} blocks "
+                         f"of {ggml.TYPES[scheme.ggml][1]} bytes per row")
+    return shape[-2], inn
 
 
 def _affine_scheme(entry: dict, where: str) -> Scheme:
@@ -256,7 +288,8 @@ def expert_format(lay, qcfg: QuantConfig | None, shape: tuple[int, int], where) 
     weights = ("gate_up", "down") if fused else ("gate", "up", "down")
     logical = {"gate": (inter, hidden), "up": (inter, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
     quantized = any(
-        p.dtype in ("U32", "F8_E4M3") or "." in r and r.split(".", 1)[1] in ("scales", "weight_scale_inv", "blocks")
+        p.dtype in ("U32", "F8_E4M3") or ggml.block_type(p.dtype)
+        or "." in r and r.split(".", 1)[1] in ("scales", "weight_scale_inv", "blocks")
         for r, p in pieces.items()
     )
     if not quantized:
@@ -272,7 +305,13 @@ def expert_format(lay, qcfg: QuantConfig | None, shape: tuple[int, int], where) 
         alias = f"{lay.block}.switch_mlp.{proj}"
         what = f"{name} (layer {lay.layer}, expert 0)" if lay.kind != "per-expert" else name
         out_in = logical[role]
-        if w.dtype == "U32":
+        if ggml.block_type(w.dtype):  # a GGUF file's block bytes: the type is the dtype's
+            try:
+                scheme = ggml_scheme(w.dtype)
+            except QuantError as e:
+                raise QuantError(f"{where}: tensor {what!r}: {e}") from None
+            got = check_ggml(what, scheme, w.shape, where)
+        elif w.dtype == "U32":
             scheme = qcfg.scheme(module, alias) if qcfg and qcfg.method == "affine" else None
             if scheme is None:
                 raise QuantError(f"{where}: tensor {what!r} is packed uint32 but config.json declares no mlx affine "
@@ -316,4 +355,4 @@ def is_quant_param(role: str) -> bool:
     return "." in role and role.split(".", 1)[1] in ("scales", "biases", "weight_scale_inv", "weight_scale")
 
 
-__all__ = ["QuantError", "Scheme", "QuantConfig", "LinearFormat", "ExpertFormat", "expert_format"]
+__all__ = ["QuantError", "Scheme", "QuantConfig", "LinearFormat", "ExpertFormat", "expert_format", "ggml_scheme"]

@@ -9,7 +9,7 @@ resident linear) whose weight ``W`` [out, in] is stored quantized, on the pieces
   ``MOESTREAM_CPU_KERNELS=torch`` turns them off (then the paths below are the reference).
 * ``int8``: affine 8-bit weights with one group per row (``group_size == in``), through
   ``torch._weight_int8pack_mm`` (per-channel scales) plus the bias term ``b * sum(x)``.
-* ``chunks``: every other case (any bits, fp8, mxfp4, other devices): dequantize ``ROWS``
+* ``chunks``: every other case (any bits, fp8, mxfp4, ggml blocks, other devices): dequantize ``ROWS``
   output rows at a time into a float32 buffer that stays in cache and multiply, so no
   dequantized layer is ever held. :func:`dequantize_rows` is the float reference of every
   format.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import affine, fp8, mxfp4, native
+from . import affine, fp8, ggml, mxfp4, native
 from .formats import LinearFormat
 
 # float32 elements dequantized per chunk (256 KiB: stays in L2 while it is multiplied)
@@ -44,6 +44,8 @@ def dequantize_rows(t: dict[str, torch.Tensor], lf: LinearFormat, r0: int, r1: i
                                  s.bits, s.group_size, torch.float32)
     if s.method == "fp8":
         return fp8.dequantize_rows(t[role], t[role + "." + s.scale_param], s.block, r0, r1, torch.float32)
+    if s.method == "gguf":  # rows of ggml blocks [out, row bytes]
+        return ggml.dequantize(t[role][r0:r1], s.ggml, lf.in_features)
     # gpt-oss blocks [out, in/32, 16] or compressed-tensors' packed [out, in/2]: the same bytes
     blocks = t[role][r0:r1]
     return mxfp4.dequantize(blocks.reshape(blocks.shape[0], -1, 16), t[role + "." + s.scale_param][r0:r1],

@@ -87,7 +87,7 @@ def describe(ckpt, layout, net) -> tuple[str, list[str]]:
         fmt = qcfg.tag
     else:
         tags = sorted({f.tag for f in formats.values()})
-        method = qcfg.method if qcfg else "quantized"
+        method = qcfg.method if qcfg else getattr(ckpt.source_format, "name", None) or "quantized"
         if tags and all(t.startswith(method) for t in tags):  # "affine 4-bit, group 32", not "affine (affine ...)"
             fmt = "; ".join(tags)
         else:
@@ -96,7 +96,11 @@ def describe(ckpt, layout, net) -> tuple[str, list[str]]:
 
 
 def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:
-    """The compute dtype when the embedding is quantized: its scales' dtype (mlx), else ``dtype``."""
+    """The compute dtype by default: a source format's own (a GGUF file computes in float32, as llama.cpp),
+    else ``dtype`` (the embedding's) when it is float, else the embedding scales' dtype (mlx)."""
+    own = getattr(ckpt.source_format, "compute_dtype", None)
+    if own is not None:
+        return own
     if dtype.is_floating_point and dtype.itemsize > 1:
         return dtype
     scales = ckpt.tensors.get(embed_name[: -len("weight")] + "scales")

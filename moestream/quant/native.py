@@ -2,8 +2,9 @@
 
 ``csrc/`` (``kernels.h`` describes it) computes ``y = x W^T`` with ``W`` [out, in] in its stored form --
 MLX affine (2, 3, 4, 5, 6, 8 bits; bf16, fp16 or float32 scales and biases), FP8 e4m3 with
-block, per-channel or per-tensor scales, MXFP4 (gpt-oss and compressed-tensors bytes) and
-turboquant codebooks -- straight from the tensors the expert store read: nothing is
+block, per-channel or per-tensor scales, MXFP4 (gpt-oss and compressed-tensors bytes),
+turboquant codebooks and ggml blocks of GGUF files (Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS) --
+straight from the tensors the expert store read: nothing is
 repacked per read. Each weight is dequantized in a float32 register and multiplied into
 float32 accumulators (FMA); activations are never quantized. Threads split the output rows,
 never the reduction, and each output's reduction order is fixed (see the source's header),
@@ -46,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from . import fp8, mxfp4
+from . import fp8, ggml, mxfp4
 from .hadamard import block_size, sloane_matrix
 
 ENV = "MOESTREAM_CPU_KERNELS"
@@ -56,7 +57,11 @@ SOURCES = ("capi.cpp", "portable.cpp", "avx2.cpp", "avx512.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off"]
 LIBRARY = "libmoestream_cpu.so"
 # kinds and the spec layout of csrc/capi.cpp (make_lin)
-AFFINE, FP8, MXFP4, CODEBOOK = 0, 1, 2, 3
+AFFINE, FP8, MXFP4, CODEBOOK, GGML = 0, 1, 2, 3, 4
+# ggml block types (csrc/kernels.h GgmlType) and the weights sharing one scale the kernels decode at a time
+GGML_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, "Q3_K": 6, "Q4_K": 7, "Q5_K": 8,
+              "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11}
+GGML_GROUP = {"Q2_K": 16, "Q3_K": 16, "Q6_K": 16}  # the others: 32
 SPEC, PTRS = 16, 8
 STREAM, TEN3, TRITS = 0, 1, 2  # codebook packings
 TRIT, LEVEL_BITS = 3, {2: 1, 4: 2, 8: 3, 16: 4}  # turboquant codebook length -> code bits (3: ternary)
@@ -282,7 +287,8 @@ def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: t
             - fp8: ``<role>`` float8_e4m3fn [rows, in] and ``<role>.<scale_param>``
               [ceil(rows / bn), ceil(in / bk)] in float32, bf16 or fp16 (per-tensor: [1]);
             - mxfp4: ``<role>`` uint8 [rows, in / 32, 16] (gpt-oss) or [rows, in / 2]
-              (compressed-tensors), ``<role>.<scale_param>`` uint8 e8m0 [rows, in / 32].
+              (compressed-tensors), ``<role>.<scale_param>`` uint8 e8m0 [rows, in / 32];
+            - gguf: ``<role>`` uint8 [rows, row bytes], ggml blocks (:mod:`.ggml`).
         role: the key of the weight in ``t`` (default ``lf.role``).
         rows: (first, step): output row ``r`` is stored row ``first + r * step`` (gate and up
             of an interleaved ``gate_up``).
@@ -295,9 +301,11 @@ def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: t
     role = role or lf.role
     out = out or lf.out_features
     inn = lf.in_features
-    if s is None or s.method not in ("affine", "fp8", "mxfp4") or inn % 32:
+    if s is None or s.method not in ("affine", "fp8", "mxfp4", "gguf") or inn % 32:
         return None
     w = t[role]
+    if s.method == "gguf":
+        return _ggml_spec(lf, w, role, rows, out)
     sc = t.get(role + "." + s.scale_param)
     if sc is None or w.device.type != "cpu" or w.dim() < 2:
         return None
@@ -339,6 +347,23 @@ def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: t
     fields = head + [out, inn, rows[0], rows[1], 0, row_bytes] + tail
     fields += [0] * (SPEC - len(fields))
     return Spec(fields, [_contig(w), _contig(sc), None if bias is None else _contig(bias), table])
+
+
+def _ggml_spec(lf, w: torch.Tensor, role: str, rows: tuple[int, int], out: int) -> Spec | None:
+    """The kernel's view of a linear stored as ggml blocks [rows, row bytes] (:mod:`.ggml`)."""
+    kind = lf.scheme.ggml
+    if kind not in GGML_TYPES or w.device.type != "cpu" or w.dim() < 2 or w.element_size() != 1:
+        return None
+    inn, stored = lf.in_features, w.shape[0]
+    need = rows[0] + (out - 1) * rows[1] + 1
+    _check(stored >= need, f"{role}: weight {list(w.shape)} holds fewer than {need} rows")
+    row_bytes = w.numel() // stored
+    want = ggml.row_bytes(kind, inn)
+    _check(row_bytes == want, f"{role}: weight {list(w.shape)} has {row_bytes} bytes per row; [{out}, {inn}] as "
+           f"{lf.scheme.tag} needs {want}")
+    fields = [GGML, GGML_TYPES[kind], GGML_GROUP.get(kind, 32), 1, out, inn, rows[0], rows[1], 0, row_bytes]
+    fields += [0] * (SPEC - len(fields))
+    return Spec(fields, [_contig(w)])
 
 
 def _cached(t: torch.Tensor, make):

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from ..checkpoint import torch_dtype
-from . import affine
+from . import affine, ggml
 from .compressed import linear_format
-from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8
+from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8, check_ggml, ggml_scheme
 from .kernels import dequantize_linear, qlinear
 
-_SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",)}
+_SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",), "gguf": ()}
 
 
 def _param(shape, st_dtype: str) -> nn.Parameter:
@@ -56,7 +56,8 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """An mlx affine-quantized embedding: ids [T] -> [T, H], rows dequantized on lookup (in the scales' dtype)."""
+    """A quantized embedding: ids [T] -> [T, H], rows dequantized on lookup: mlx affine (in the scales'
+    dtype) or ggml blocks (float32), then cast to the compute dtype."""
 
     def __init__(self, fmt: LinearFormat, shapes: dict[str, tuple[tuple[int, ...], str]]):
         super().__init__()
@@ -67,7 +68,10 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         s = self.fmt.scheme
-        w = affine.dequantize(self.weight[ids], self.scales[ids], self.biases[ids], s.bits, s.group_size)
+        if s.method == "gguf":
+            w = ggml.dequantize(self.weight[ids], s.ggml, self.fmt.in_features)
+        else:
+            w = affine.dequantize(self.weight[ids], self.scales[ids], self.biases[ids], s.bits, s.group_size)
         return w if self.dtype is None else w.to(self.dtype)
 
 
@@ -79,7 +83,16 @@ def _format(path: str, tensors: dict, qcfg: QuantConfig | None, shape: tuple[int
     if w is None:
         return None
     name = f"{path}.weight"
-    if w.dtype == "U32" or path + ".scales" in tensors:
+    if ggml.block_type(w.dtype):  # a GGUF file's block bytes [out, row bytes]
+        try:
+            scheme = ggml_scheme(w.dtype)
+        except QuantError as e:
+            raise QuantError(f"{where}: tensor {name!r}: {e}") from None
+        got = check_ggml(name, scheme, w.shape, where)
+        if got != shape:
+            raise QuantError(f"{where}: tensor {name!r} is {list(got)} once unpacked; the model config implies "
+                             f"{list(shape)}")
+    elif w.dtype == "U32" or path + ".scales" in tensors:
         # affine, or a turboquant build's affine extras
         scheme = qcfg.scheme(path) if qcfg is not None and qcfg.method in ("affine", "turboquant") else None
         if scheme is None:
@@ -138,8 +151,9 @@ def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None,
         elif isinstance(mod, nn.Embedding):
             got = _format(path, tensors, qcfg, (mod.num_embeddings, mod.embedding_dim), where)
             if got is not None:
-                if got[0].scheme.method != "affine":
-                    raise QuantError(f"{where}: tensor {path}.weight: only affine-quantized embeddings are supported")
+                if got[0].scheme.method not in ("affine", "gguf"):
+                    raise QuantError(f"{where}: tensor {path}.weight: only affine-quantized and ggml embeddings "
+                                     "are supported")
                 if getattr(model, "tie_word_embeddings", False):
                     raise QuantError(f"{where}: tensor {path}.weight is quantized and tied to the LM head; "
                                      "tied quantized embeddings are not supported yet")

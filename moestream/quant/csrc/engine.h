@@ -276,6 +276,156 @@ struct DecP {
 };
 
 // ---------------------------------------------------------------------------------------
+// ggml blocks (GGUF files; layouts in moestream/quant/ggml.py, from ggml-common.h): any arch. group()
+// dequantizes one sub-block (16 or 32 weights sharing a scale) into the row's buffer with the float
+// operations of ggml's dequantize_row_* (multiply, then add or subtract: -ffp-contract=off), so the
+// weights are the reference's bits; load() reads W of them.
+
+static MS_INLINE float ggml_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+// the IQ4 types' code values (ggml-common.h kvalues_iq4nl)
+static constexpr float IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// sub-block g (of `group` weights) of a ggml row, dequantized into out[group]
+template <int T>
+static MS_INLINE void ggml_group(const uint8_t* row, int64_t g, float* out) {
+  if constexpr (T == G_IQ4_NL || T == G_IQ4_XS) {
+    const uint8_t* qs;
+    float dl;
+    if constexpr (T == G_IQ4_NL) {
+      const uint8_t* b = row + g * 18;
+      dl = ggml_f16(b);
+      qs = b + 2;
+    } else {  // 8 sub-blocks of 32: 4 low scale bits in scales_l, 2 high ones in the uint16 scales_h
+      const uint8_t* b = row + (g / 8) * 136;
+      const int ib = int(g % 8);
+      uint16_t sh;
+      std::memcpy(&sh, b + 2, 2);
+      const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+      dl = ggml_f16(b) * float(ls - 32);
+      qs = b + 8 + 16 * ib;
+    }
+    for (int j = 0; j < 16; ++j) {
+      out[j] = dl * IQ4_VALUES[qs[j] & 15];
+      out[j + 16] = dl * IQ4_VALUES[qs[j] >> 4];
+    }
+  } else if constexpr (T == G_Q4_0 || T == G_Q4_1 || T == G_Q5_0 || T == G_Q5_1 || T == G_Q8_0) {
+    constexpr int64_t size = T == G_Q4_0 ? 18 : T == G_Q4_1 ? 20 : T == G_Q5_0 ? 22 : T == G_Q5_1 ? 24 : 34;
+    const uint8_t* b = row + g * size;
+    const float d = ggml_f16(b);
+    if constexpr (T == G_Q8_0) {
+      for (int j = 0; j < 32; ++j) out[j] = float(int8_t(b[2 + j])) * d;
+    } else if constexpr (T == G_Q4_0) {
+      for (int j = 0; j < 16; ++j) {
+        out[j] = d * float(int(b[2 + j] & 15) - 8);
+        out[j + 16] = d * float(int(b[2 + j] >> 4) - 8);
+      }
+    } else if constexpr (T == G_Q4_1) {
+      const float m = ggml_f16(b + 2);
+      for (int j = 0; j < 16; ++j) {
+        out[j] = d * float(b[4 + j] & 15) + m;
+        out[j + 16] = d * float(b[4 + j] >> 4) + m;
+      }
+    } else {
+      constexpr int hs = T == G_Q5_0 ? 2 : 4;  // qh after d (and m)
+      uint32_t qh;
+      std::memcpy(&qh, b + hs, 4);
+      const uint8_t* qs = b + hs + 4;
+      const float m = T == G_Q5_1 ? ggml_f16(b + 2) : 0.0f;
+      for (int j = 0; j < 16; ++j) {
+        const int lo = int((qs[j] & 15) | (((qh >> j) & 1) << 4)), hi = int((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        if constexpr (T == G_Q5_0) {
+          out[j] = d * float(lo - 16);
+          out[j + 16] = d * float(hi - 16);
+        } else {
+          out[j] = d * float(lo) + m;
+          out[j + 16] = d * float(hi) + m;
+        }
+      }
+    }
+  } else if constexpr (T == G_Q2_K || T == G_Q3_K || T == G_Q6_K) {  // 16 sub-blocks of 16
+    constexpr int64_t size = T == G_Q2_K ? 84 : T == G_Q3_K ? 110 : 210;
+    const uint8_t* b = row + (g / 16) * size;
+    const int s = int(g % 16);
+    if constexpr (T == G_Q6_K) {
+      const float dl = ggml_f16(b + 208) * float(int8_t(b[192 + s]));
+      const int n = s / 8, k = (s % 8) / 2, l0 = (s % 2) * 16;  // chunk of 128, run of 32, offset in it
+      const uint8_t* ql = b + n * 64 + (k % 2) * 32;
+      const uint8_t* qh = b + 128 + n * 32;
+      for (int l = 0; l < 16; ++l) {
+        const int low = (k < 2 ? ql[l0 + l] & 15 : ql[l0 + l] >> 4), high = (qh[l0 + l] >> (2 * k)) & 3;
+        out[l] = dl * float((low | (high << 4)) - 32);
+      }
+    } else {
+      const int n = s / 8, shift = 2 * ((s % 8) / 2), l0 = (s % 2) * 16;
+      const uint8_t* q = b + (T == G_Q2_K ? 16 : 32) + n * 32 + l0;
+      if constexpr (T == G_Q2_K) {
+        const float dl = ggml_f16(b + 80) * float(b[s] & 15), ml = ggml_f16(b + 82) * float(b[s] >> 4);
+        for (int l = 0; l < 16; ++l) out[l] = dl * float((q[l] >> shift) & 3) - ml;
+      } else {
+        const uint8_t* sc = b + 96;
+        const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4, high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        const float dl = ggml_f16(b + 108) * float(int(int8_t(uint8_t(low | (high << 4)))) - 32);
+        const uint8_t* hm = b + l0;
+        for (int l = 0; l < 16; ++l) {
+          const int code = int((q[l] >> shift) & 3) - (((hm[l] >> (s / 2)) & 1) ? 0 : 4);
+          out[l] = dl * float(code);
+        }
+      }
+    }
+  } else {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
+    constexpr int64_t size = T == G_Q4_K ? 144 : 176;
+    const uint8_t* b = row + (g / 8) * size;
+    const int s = int(g % 8);
+    const uint8_t* sc = b + 4;
+    int scale, mn;
+    if (s < 4) {
+      scale = sc[s] & 63;
+      mn = sc[s + 4] & 63;
+    } else {
+      scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+      mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+    }
+    const float dl = ggml_f16(b) * float(scale), ml = ggml_f16(b + 2) * float(mn);
+    const uint8_t* qs = b + (T == G_Q4_K ? 16 : 48) + (s / 2) * 32;
+    for (int l = 0; l < 32; ++l) {
+      int q = s % 2 ? qs[l] >> 4 : qs[l] & 15;
+      if constexpr (T == G_Q5_K) q |= ((b[16 + l] >> s) & 1) << 4;
+      out[l] = dl * float(q) - ml;
+    }
+  }
+}
+
+template <class A, int T>
+struct DecG {
+  using V = typename A::V;
+  const Lin& L;
+  struct Row {
+    const uint8_t* p;
+    int64_t g0;  // first vector of the buffered group
+    alignas(64) float w[32];
+  };
+  explicit DecG(const Lin& l) : L(l) {}
+  MS_INLINE void start(Row& r, int64_t row) const { r.p = L.w + L.stored(row) * L.row_bytes; }
+  MS_INLINE void prefetch(const Row& r, int64_t g) const {
+#if defined(__GNUC__)
+    __builtin_prefetch(r.p + (g * L.group * L.row_bytes) / L.in + PREFETCH_BYTES, 0, 3);
+#else
+    (void)r, (void)g;
+#endif
+  }
+  MS_INLINE void group(Row& r, int64_t g) const {
+    ggml_group<T>(r.p, g, r.w);
+    r.g0 = g * (L.group / A::W);
+  }
+  MS_INLINE V load(const Row& r, int64_t v) const { return A::loadu(r.w + (v - r.g0) * A::W); }
+};
+
+// ---------------------------------------------------------------------------------------
 // The dot engine: R rows x T tokens, two accumulators each (vector v -> accumulator v % 2).
 
 template <class A, class D, int R, int T>
@@ -443,9 +593,28 @@ static void rows_with(const Lin& L, const float* x, int64_t n, int64_t r0, int64
   rows_range<A, D>(dec, L, x, n, r0, r1, y, ldy, buf);
 }
 
+template <class A>
+static void rows_ggml(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  switch (L.bits) {
+    case G_Q4_0: return rows_with<A, DecG<A, G_Q4_0>>(L, x, n, r0, r1, y, ldy);
+    case G_Q4_1: return rows_with<A, DecG<A, G_Q4_1>>(L, x, n, r0, r1, y, ldy);
+    case G_Q5_0: return rows_with<A, DecG<A, G_Q5_0>>(L, x, n, r0, r1, y, ldy);
+    case G_Q5_1: return rows_with<A, DecG<A, G_Q5_1>>(L, x, n, r0, r1, y, ldy);
+    case G_Q8_0: return rows_with<A, DecG<A, G_Q8_0>>(L, x, n, r0, r1, y, ldy);
+    case G_Q2_K: return rows_with<A, DecG<A, G_Q2_K>>(L, x, n, r0, r1, y, ldy);
+    case G_Q3_K: return rows_with<A, DecG<A, G_Q3_K>>(L, x, n, r0, r1, y, ldy);
+    case G_Q4_K: return rows_with<A, DecG<A, G_Q4_K>>(L, x, n, r0, r1, y, ldy);
+    case G_Q5_K: return rows_with<A, DecG<A, G_Q5_K>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ4_NL: return rows_with<A, DecG<A, G_IQ4_NL>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ4_XS: return rows_with<A, DecG<A, G_IQ4_XS>>(L, x, n, r0, r1, y, ldy);
+    default: return rows_with<A, DecG<A, G_Q6_K>>(L, x, n, r0, r1, y, ldy);
+  }
+}
+
 template <class A, template <int> class D>
 static void rows_by_kind(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
   switch (L.kind) {
+    case GGML: return rows_ggml<A>(L, x, n, r0, r1, y, ldy);
     case AFFINE: return rows_with<A, D<K_AFFINE>>(L, x, n, r0, r1, y, ldy);
     case FP8: return rows_with<A, D<K_FP8>>(L, x, n, r0, r1, y, ldy);
     case MXFP4: return rows_with<A, D<K_MXFP4>>(L, x, n, r0, r1, y, ldy);

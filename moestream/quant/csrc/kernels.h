@@ -9,7 +9,8 @@
 // capi.cpp holds the C entry points (ctypes, from native.py) and splits the output rows over threads.
 //
 // Arithmetic (every path): each weight is dequantized in a float32 register (affine:
-// fma(q, scale, bias); fp8, mxfp4, codebooks: value * scale, one rounding) and multiplied
+// fma(q, scale, bias); fp8, mxfp4, codebooks: value * scale, one rounding; ggml blocks: one
+// sub-block at a time with the float operations of ggml's dequantize_row_*) and multiplied
 // into float32 accumulators with FMA (portable: multiply, then add). Per (output row,
 // token): the row's W-wide weight vectors v = 0, 1, ... go to accumulator v % 2, in order;
 // the two are added and reduced horizontally in a fixed order. Activations are never
@@ -44,15 +45,18 @@
 
 namespace ms {
 
-enum Kind : int { AFFINE = 0, FP8 = 1, MXFP4 = 2, CODEBOOK = 3 };
+enum Kind : int { AFFINE = 0, FP8 = 1, MXFP4 = 2, CODEBOOK = 3, GGML = 4 };
+// ggml block types of GGML linears (Lin::bits holds one; moestream/quant/ggml.py names the layouts)
+enum GgmlType : int { G_Q4_0 = 0, G_Q4_1 = 1, G_Q5_0 = 2, G_Q5_1 = 3, G_Q8_0 = 4, G_Q2_K = 5, G_Q3_K = 6,
+                      G_Q4_K = 7, G_Q5_K = 8, G_Q6_K = 9, G_IQ4_NL = 10, G_IQ4_XS = 11 };
 enum Path : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
 enum Dt : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 // One quantized linear [out, in] as stored, and how its rows map to stored rows.
 struct Lin {
   int kind = AFFINE;
-  int bits = 4;         // affine code width; codebook code width (ternary: transcoded to 2)
-  int64_t group = 64;   // inputs sharing one scale (fp8: the block's columns)
+  int bits = 4;         // affine code width; codebook code width (ternary: transcoded to 2); ggml: its GgmlType
+  int64_t group = 64;   // inputs sharing one scale (fp8: the block's columns; ggml: a sub-block of 16 or 32)
   int64_t bn = 1;       // fp8: the block's rows
   int64_t out = 0, in = 0;
   const uint8_t* w = nullptr;

@@ -1,0 +1,247 @@
+"""ggml block quantization (the weights of GGUF files, as llama.cpp writes them): layouts and dequantization.
+
+A ggml-quantized weight [out, in] is stored row after row; each row is ``in / block``
+blocks of ``type_size`` bytes, each block holding ``block`` consecutive weights of the row
+(``in`` a multiple of the block). moestream keeps such a weight as its raw bytes, a uint8
+tensor [out, in / block * type_size] whose dtype name in the tensor index is ``GGML_<type>``
+(:data:`DTYPE_PREFIX`), so one expert of a stacked ``[E, out, in]`` tensor is one contiguous
+byte range and one row is ``row_bytes`` contiguous bytes.
+
+Block layouts (ggml ``ggml-common.h``; all multi-byte fields little-endian, ``d``/``m``/``dmin``
+float16; ``QK_K`` = 256):
+
+* ``Q4_0`` (32 weights, 18 bytes): ``d``, ``qs[16]``; weight ``j`` is ``d * ((qs[j] & 15) - 8)``,
+  weight ``j + 16`` is ``d * ((qs[j] >> 4) - 8)``.
+* ``Q4_1`` (32, 20): ``d``, ``m``, ``qs[16]``; ``d * q + m`` with ``q`` as in Q4_0 without the 8.
+* ``Q5_0`` (32, 22): ``d``, ``qh[4]``, ``qs[16]``; bit ``j`` of the 32-bit ``qh`` is bit 4 of weight
+  ``j``; ``d * (q - 16)``.
+* ``Q5_1`` (32, 24): ``d``, ``m``, ``qh[4]``, ``qs[16]``; ``d * q + m``.
+* ``Q8_0`` (32, 34): ``d``, ``qs[32]`` int8; ``d * qs[j]``.
+* ``Q2_K`` (256, 84): ``scales[16]`` (low nibble scale, high nibble min of each 16 weights),
+  ``qs[64]`` (2-bit codes: per 128 weights, 32 bytes read at shifts 0, 2, 4, 6), ``d``, ``dmin``;
+  ``d * sc * q - dmin * mn``.
+* ``Q3_K`` (256, 110): ``hmask[32]`` (bit 2 of each code, cleared meaning minus 4), ``qs[64]``
+  (low 2 bits, as Q2_K), ``scales[12]`` (16 6-bit scales, offset by 32), ``d``.
+* ``Q4_K`` (256, 144): ``d``, ``dmin``, ``scales[12]`` (8 6-bit scales and mins), ``qs[128]``
+  (per 64 weights, 32 bytes: low nibbles the first 32, high nibbles the next); ``d * sc * q - dmin * mn``.
+* ``Q5_K`` (256, 176): as Q4_K plus ``qh[32]`` before ``qs``: bit ``2 i`` / ``2 i + 1`` of ``qh[l]`` is
+  bit 4 of weight ``l`` of the low / high nibble half of 64-weight chunk ``i``.
+* ``Q6_K`` (256, 210): ``ql[128]`` (low 4 bits), ``qh[64]`` (high 2 bits), ``scales[16]`` int8, ``d``;
+  ``d * sc * (q - 32)``.
+* ``IQ4_NL`` (32, 18): ``d``, ``qs[16]`` (nibbles as Q4_0); ``d * KVALUES[q]``, a non-linear 16-entry table.
+* ``IQ4_XS`` (256, 136): ``d``, ``scales_h`` (uint16: 2 high bits per 32 weights), ``scales_l[4]`` (4 low
+  bits per 32 weights), ``qs[128]`` (per 32 weights, 16 bytes: low then high nibbles);
+  ``d * (scale - 32) * KVALUES[q]``.
+
+:func:`dequantize` is the float32 reference of every type; its float operations are those
+of ggml's ``dequantize_row_*`` (and of the ``gguf`` package's ``gguf.quants``), so it gives
+their bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint import BLOCK_DTYPE_PREFIX
+
+DTYPE_PREFIX = BLOCK_DTYPE_PREFIX
+QK_K = 256
+
+# type -> (weights per block, bytes per block, nominal bits): the types moestream computes on
+TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (32, 18, 4),
+    "Q4_1": (32, 20, 4),
+    "Q5_0": (32, 22, 5),
+    "Q5_1": (32, 24, 5),
+    "Q8_0": (32, 34, 8),
+    "Q2_K": (QK_K, 84, 2),
+    "Q3_K": (QK_K, 110, 3),
+    "Q4_K": (QK_K, 144, 4),
+    "Q5_K": (QK_K, 176, 5),
+    "Q6_K": (QK_K, 210, 6),
+    "IQ4_NL": (32, 18, 4),
+    "IQ4_XS": (QK_K, 136, 4),
+}
+# the IQ4 types' code values (ggml-common.h kvalues_iq4nl)
+KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# ggml float types, read as the float dtypes of the same names
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def dtype_name(ggml_type: str) -> str:
+    """The tensor-index dtype name of a block type: ``"Q4_K"`` -> ``"GGML_Q4_K"``."""
+    return DTYPE_PREFIX + ggml_type
+
+
+def block_type(dtype: str) -> str | None:
+    """The ggml block type of a tensor-index dtype name (``"GGML_Q4_K"`` -> ``"Q4_K"``), else None."""
+    return dtype[len(DTYPE_PREFIX):] if isinstance(dtype, str) and dtype.startswith(DTYPE_PREFIX) else None
+
+
+def row_bytes(ggml_type: str, n: int) -> int:
+    """Bytes of one row of ``n`` weights; raises ValueError when ``n`` is not a whole number of blocks."""
+    block, size, _ = TYPES[ggml_type]
+    if n % block:
+        raise ValueError(f"{n} weights are not a whole number of {ggml_type} blocks of {block}")
+    return n // block * size
+
+
+def in_features(ggml_type: str, nbytes: int) -> int | None:
+    """Weights in a row of ``nbytes`` bytes, or None when ``nbytes`` is not a whole number of blocks."""
+    block, size, _ = TYPES[ggml_type]
+    return None if nbytes % size else nbytes // size * block
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[n, 2] little-endian float16 bytes -> [n, 1] float32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., k] bytes -> [..., 2k] codes: the k low nibbles, then the k high nibbles."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _bits(b: torch.Tensor) -> torch.Tensor:
+    """[..., k] bytes -> [..., 8k] bits, bit ``i`` of byte ``j`` at ``8 j + i``."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
+    return ((b.unsqueeze(-1) >> shifts) & 1).flatten(-2)
+
+
+def _q4_0(b):
+    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
+
+
+def _q4_1(b):
+    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
+
+
+def _q5(b, start: int):
+    hi = _bits(b[:, start:start + 4])  # bit j of the 32-bit qh: bit 4 of weight j
+    return _nibbles(b[:, start + 4:]) | (hi << 4)
+
+
+def _q5_0(b):
+    return _f16(b[:, :2]) * (_q5(b, 2).to(torch.int8) - 16).float()
+
+
+def _q5_1(b):
+    return _f16(b[:, :2]) * _q5(b, 4).float() + _f16(b[:, 2:4])
+
+
+def _q8_0(b):
+    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
+
+
+_SHIFT2 = (0, 2, 4, 6)
+
+
+def _two_bit(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K/Q3_K's 2-bit codes: [n, 64] bytes -> [n, 16, 16] (per 128 weights, 32 bytes at shifts 0, 2, 4, 6)."""
+    n = qs.shape[0]
+    shifts = torch.tensor(_SHIFT2, dtype=torch.uint8, device=qs.device).view(1, 1, 4, 1)
+    return ((qs.view(n, 2, 1, 32) >> shifts) & 3).reshape(n, 16, 16)
+
+
+def _q2_k(b):
+    n = b.shape[0]
+    sc, qs = b[:, :16], b[:, 16:80]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    dl = (d * (sc & 0x0F).float()).view(n, 16, 1)
+    ml = (dmin * (sc >> 4).float()).view(n, 16, 1)
+    return (dl * _two_bit(qs).float() - ml).reshape(n, QK_K)
+
+
+def _q3_k(b):
+    n = b.shape[0]
+    hmask, qs, sc, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
+    # 16 6-bit scales: low nibbles from bytes 0-7 (low then high nibble halves), high 2 bits from bytes 8-11
+    low = torch.cat((sc[:, :8] & 0x0F, sc[:, :8] >> 4), dim=-1)
+    shifts = torch.tensor(_SHIFT2, dtype=torch.uint8, device=b.device).view(1, 4, 1)
+    high = ((sc[:, 8:12].view(n, 1, 4) >> shifts) & 3).reshape(n, 16)
+    scales = ((low | (high << 4)).to(torch.int8) - 32).float()
+    dl = (d * scales).view(n, 16, 1)
+    # hmask: bit j of byte l is bit 2 of code 32 j + l (a cleared bit means minus 4)
+    hbits = ((hmask.view(n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1)
+    q = _two_bit(qs).to(torch.int8) - ((hbits.reshape(n, 16, 16) ^ 1) << 2).to(torch.int8)
+    return (dl * q.float()).reshape(n, QK_K)
+
+
+def _scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 scale bytes -> 8 6-bit scales and 8 6-bit mins ([n, 8] each)."""
+    d, m, md = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
+    scale = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return scale, mn
+
+
+def _k4(b, q: torch.Tensor):
+    n = b.shape[0]
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    dl = (d * sc.float()).view(n, 8, 1)
+    ml = (dmin * mn.float()).view(n, 8, 1)
+    return (dl * q.view(n, 8, 32).float() - ml).reshape(n, QK_K)
+
+
+def _q4_k(b):
+    n = b.shape[0]
+    return _k4(b, _nibbles(b[:, 16:].reshape(n, 4, 32)))
+
+
+def _q5_k(b):
+    n = b.shape[0]
+    low = _nibbles(b[:, 48:].reshape(n, 4, 32)).view(n, 8, 32)
+    hi = (b[:, 16:48].view(n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
+    return _k4(b, low | (hi << 4))
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
+    dl = (d * sc.contiguous().view(torch.int8).float()).view(n, 16, 1)
+    low = _nibbles(ql.reshape(n, 2, 64)).view(n, 2, 4, 32)  # per 128 weights: 4 runs of 32 low nibbles
+    shifts = torch.tensor(_SHIFT2, dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3
+    q = (low | (high << 4)).to(torch.int8) - 32
+    return (dl * q.view(n, 16, 16).float()).reshape(n, QK_K)
+
+
+def _kv(q: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(KVALUES, dtype=torch.float32, device=q.device)[q.long()]
+
+
+def _iq4_nl(b):
+    return _f16(b[:, :2]) * _kv(_nibbles(b[:, 2:]))
+
+
+def _iq4_xs(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    hi = ((b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF).view(n, 1)
+          >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
+    lo = torch.stack((b[:, 4:8] & 0x0F, b[:, 4:8] >> 4), dim=-1).reshape(n, 8).to(torch.int32)
+    dl = (d * ((lo | (hi << 4)) - 32).float()).view(n, 8, 1)
+    return (dl * _kv(_nibbles(b[:, 8:].reshape(n, 8, 16)))).reshape(n, QK_K)
+
+
+_DEQUANT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
+            "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl,
+            "IQ4_XS": _iq4_xs}
+
+
+def dequantize(raw: torch.Tensor, ggml_type: str, n: int) -> torch.Tensor:
+    """The float32 weight [..., n] of ``raw`` [..., n / block * type_size] (uint8) stored as ``ggml_type``.
+
+    Raises:
+        ValueError: a type this module does not read, or bytes that are not whole blocks of ``n`` weights.
+    """
+    if ggml_type not in _DEQUANT:
+        raise ValueError(f"ggml type {ggml_type} is not supported (moestream reads {', '.join(TYPES)})")
+    block, size, _ = TYPES[ggml_type]
+    lead = raw.shape[:-1]
+    if raw.shape[-1] != row_bytes(ggml_type, n):
+        raise ValueError(f"{ggml_type}: a row of {n} weights takes {row_bytes(ggml_type, n)} bytes, "
+                         f"got {raw.shape[-1]}")
+    blocks = raw.contiguous().view(torch.uint8).reshape(-1, size)
+    return _DEQUANT[ggml_type](blocks).reshape(*lead, n)

@@ -1,0 +1,351 @@
+"""GGUF files (llama.cpp's format) read as they are: tiny files written by the ``gguf`` package's own writer
+and quantizers (tests/gguf_helpers.py) from random transformers Qwen3-MoE models; for each ggml type,
+moestream's logits match transformers run on the weights ``gguf.quants.dequantize`` reads from the file,
+streaming at a tiny budget is bit-identical to every expert resident, and malformed or unsupported files
+are refused naming the file, tensor and type."""
+
+import struct
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from moestream.engine import load
+from moestream.errors import CheckpointError
+from moestream.gguf_format import NAMES, hf_name, open_gguf
+from moestream.inspect import inspect
+from moestream.quant import ggml, native
+from moestream.quant.expert import QuantizedSwiGLU
+from moestream.quant.formats import ExpertFormat, LinearFormat, ggml_scheme
+
+from .gguf_helpers import (
+    K_SHAPE,
+    K_TYPES,
+    QUANTIZABLE,
+    RANDOM_TYPES,
+    _random_blocks,
+    make_model,
+    reference,
+    write_gguf,
+)
+from .test_quant_native import PATHS, on
+
+IDS = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(1))
+TYPES = ("F32", "F16", "BF16", *QUANTIZABLE, *RANDOM_TYPES)
+
+
+def logits(path, budget, ids=IDS, **kw):
+    engine = load(path, cache_budget_gb=budget, tokenizer=False, workers=2, **kw)
+    try:
+        with torch.inference_mode():
+            return engine.model(ids, 0, engine.model.new_kv_cache(), all_logits=True), engine
+    finally:
+        engine.close()
+
+
+def want_logits(model, held, ids=IDS):
+    """transformers' logits in float64 (moestream's float32 accumulation differs from float32 matmuls in order)."""
+    with torch.no_grad():
+        return reference(model, held).double()(ids[None]).logits[0]
+
+
+@pytest.fixture(scope="module")
+def small():
+    return make_model(seed=5)
+
+
+@pytest.fixture(scope="module")
+def kshape():
+    return make_model(seed=6, **K_SHAPE)
+
+
+@pytest.mark.parametrize("qtype", list(ggml.TYPES))
+def test_dequantize_matches_the_gguf_package_bit_for_bit(qtype):
+    rng = np.random.default_rng(3)
+    qt = gguf.GGMLQuantizationType[qtype]
+    if qtype in RANDOM_TYPES:
+        raw = _random_blocks((6, 512), qtype, 0.05, rng)
+    else:
+        raw = quantize(rng.normal(0, 1, (6, 512)).astype(np.float32), qt)
+    got = ggml.dequantize(torch.from_numpy(raw), qtype, 512)
+    assert torch.equal(got, torch.from_numpy(dequantize(raw, qt)))
+
+
+def _blocks(qtype: str, out: int, inn: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if qtype in RANDOM_TYPES:
+        return torch.from_numpy(_random_blocks((out, inn), qtype, 0.05, rng))
+    return torch.from_numpy(quantize(rng.normal(0, 0.05, (out, inn)).astype(np.float32),
+                                     gguf.GGMLQuantizationType[qtype]))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", list(ggml.TYPES))
+def test_cpu_kernels_on_ggml_blocks(path, qtype):
+    """The compiled kernels on the stored blocks: within float32 accumulation of the float64 product of the
+    gguf package's dequantized weights; a token's bits do not depend on the tokens beside it."""
+    w = _blocks(qtype, 37, 512, seed=1)
+    lf = LinearFormat("w", ggml_scheme(ggml.dtype_name(qtype)), 37, 512)
+    want_w = torch.from_numpy(dequantize(w.numpy(), gguf.GGMLQuantizationType[qtype])).double()
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
+    with on(path):
+        y = native.linear(x, {"w": w}, lf)
+        alone = native.linear(x[4:5], {"w": w}, lf)
+    want = x.double() @ want_w.t()
+    assert ((y.double() - want).abs().max() / want.abs().max()) < 1e-5
+    assert torch.equal(alone, y[4:5])
+
+
+def test_expert_in_one_call_matches_the_pytorch_path():
+    """A Q4_K_M-style expert (gate and up Q4_K, down Q6_K) through the kernels and through the PyTorch path."""
+    h, i = 512, 256
+    w = {"gate": _blocks("Q4_K", i, h, 1), "up": _blocks("Q4_K", i, h, 2), "down": _blocks("Q6_K", h, i, 3)}
+    fmt = ExpertFormat({r: LinearFormat(r, ggml_scheme(ggml.dtype_name(t)), *s) for r, t, s in
+                        (("gate", "Q4_K", (i, h)), ("up", "Q4_K", (i, h)), ("down", "Q6_K", (h, i)))})
+    x = torch.randn(5, h, generator=torch.Generator().manual_seed(4))
+    with native.use("torch"):
+        ref = QuantizedSwiGLU(fmt)(x, w)
+    if native.selected() == "torch":
+        pytest.skip("the CPU kernels are not built here")
+    got = QuantizedSwiGLU(fmt)(x, w)
+    assert ((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_type_matches_transformers_on_the_dequantized_weights(qtype, small, kshape, tmp_path):
+    model = kshape if qtype in K_TYPES else small
+    path = tmp_path / f"m-{qtype}.gguf"
+    held = write_gguf(model, path, qtype)
+    want = want_logits(model, held)
+    got, engine = logits(path, "all")
+    assert engine.dtype == torch.float32
+    rel = (got.double() - want).abs().max() / want.abs().max()
+    assert rel < 1e-5, f"{qtype}: max relative error {rel:.2e}"
+    tiny, _ = logits(path, "0")
+    assert torch.equal(tiny, got), f"{qtype}: streaming at budget 0 differs from budget all"
+    if qtype in ("Q4_K", "Q8_0"):  # the PyTorch reference path end to end
+        with native.use("torch"):
+            ref_path, _ = logits(path, "0")
+        assert (ref_path.double() - want).abs().max() / want.abs().max() < 1e-5
+
+
+def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
+    # Q4_K_M keeps some tensors in Q6_K; a file without `output` ties the head to the embedding
+    mix = {"ffn_down_exps": "Q6_K", "attn_v": "Q6_K", "token_embd": "Q6_K"}
+    one = tmp_path / "one.gguf"
+    held = write_gguf(kshape, one, "Q4_K", types=mix, tie=True)
+    want = want_logits(kshape, held)
+    got, engine = logits(one, "all")
+    assert engine.checkpoint.source_format.tied
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
+    write_gguf(kshape, tmp_path / "split.gguf", "Q4_K", types=mix, tie=True, split_max_tensors=12)
+    parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(parts) > 2
+    split, engine = logits(parts[0], "0.0002")
+    assert len(engine.checkpoint.shards) == len(parts)
+    assert torch.equal(split, got)
+    # O_DIRECT reads (experts at any byte offset of the file) with read-ahead: the same bits
+    direct, _ = logits(parts[0], "0", use_page_cache=False, prefetch_ahead=1)
+    assert torch.equal(direct, got)
+    with pytest.raises(CheckpointError, match="give the first part"):
+        open_gguf(parts[1])
+    parts[-1].unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        open_gguf(parts[0])
+
+
+@pytest.mark.parametrize("arch, model_arch, least", [("qwen3moe", gguf.MODEL_ARCH.QWEN3MOE, 15),
+                                                   ("llama", gguf.MODEL_ARCH.LLAMA, 13),
+                                                   ("olmoe", gguf.MODEL_ARCH.OLMOE, 15)])
+def test_names_agree_with_the_gguf_packages_tensor_map(arch, model_arch, least):
+    names = gguf.get_tensor_name_map(model_arch, 4)
+    checked = 0
+    for key, hf in NAMES[arch].items():
+        g = key.format(i=3, e=5) + ".weight"
+        want = hf.format(i=3, e=5).replace(".switch_mlp.", ".experts.") + ".weight"
+        if arch == "llama":  # the map knows Mixtral's stacked experts by their w1/w3/w2 names
+            want = want.replace("experts.gate_proj", "experts.w1").replace("experts.up_proj", "experts.w3")
+            want = want.replace("experts.down_proj", "experts.w2")
+        if names.get_name(want, try_suffixes=(".weight",)) is None:  # dense ffn_*, per-expert: not in the map
+            continue
+        assert names.get_name(want, try_suffixes=(".weight",)) == g
+        assert hf_name(g, arch) == hf.format(i=3, e=5) + ".weight"
+        checked += 1
+    assert checked >= least
+
+
+def test_inspect_names_the_types_and_bytes_as_stored(kshape, tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(kshape, path, "Q4_K", types={"ffn_down_exps": "Q6_K"})
+    got = inspect(str(path))
+    assert got.can_stream and got.model_type == "qwen3_moe" and got.top_k == 2
+    assert got.tensor_types["ffn_gate_exps"] == "Q4_K" and got.tensor_types["ffn_down_exps"] == "Q6_K"
+    assert got.tensor_types["ffn_gate_inp"] == "F32"
+    inter, hidden = 256, 256  # gate and up [I, H] in Q4_K (144 bytes / 256), down [H, I] in Q6_K (210 / 256)
+    assert got.bytes_per_expert == 2 * inter * hidden // 256 * 144 + hidden * inter // 256 * 210
+    assert got.active_expert_bytes == 2 * 3 * got.bytes_per_expert
+    text = got.to_text()
+    assert "GGUF v3, qwen3moe" in text and "ffn_down_exps Q6_K" in text
+
+
+# -- refusals ------------------------------------------------------------------------------------------
+@pytest.fixture
+def q8_file(small, tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(small, path, "Q8_0")
+    return path
+
+
+def _info_field(path, tensor: str):
+    """(file offset of the tensor's ggml type field, of its data offset field), found by gguf's own reader."""
+    r = gguf.GGUFReader(path)
+    t = next(t for t in r.tensors if t.name == tensor)
+    parts = t.field.parts
+    start = t.field.offset + sum(int(p.nbytes) for p in parts[:4])
+    return start, start + 4
+
+
+def _patch(path, at: int, fmt: str, value) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(struct.pack(fmt, value))
+
+
+def test_truncated_file_is_refused_naming_the_tensor(q8_file):
+    size = q8_file.stat().st_size
+    with open(q8_file, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(CheckpointError, match=r"m\.gguf: tensor '.*' .*truncated"):
+        open_gguf(q8_file)
+    with open(q8_file, "r+b") as f:
+        f.truncate(200)  # inside the metadata
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        open_gguf(q8_file)
+
+
+def test_bad_magic_is_refused(q8_file):
+    _patch(q8_file, 0, "<4s", b"GGUX")
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        load(q8_file, tokenizer=False)
+
+
+def test_misaligned_tensor_is_refused(q8_file):
+    _, offset_at = _info_field(q8_file, "blk.1.attn_q.weight")
+    with open(q8_file, "rb") as f:
+        f.seek(offset_at)
+        (offset,) = struct.unpack("<Q", f.read(8))
+    _patch(q8_file, offset_at, "<Q", offset + 4)
+    with pytest.raises(CheckpointError, match=r"tensor 'blk\.1\.attn_q\.weight' .*not a multiple of the file's "
+                       r"alignment 32"):
+        open_gguf(q8_file)
+
+
+def test_unknown_and_unsupported_types_are_refused_naming_the_tensor(q8_file):
+    type_at, _ = _info_field(q8_file, "blk.0.ffn_up_exps.weight")
+    _patch(q8_file, type_at, "<I", 250)
+    with pytest.raises(CheckpointError, match=r"'blk\.0\.ffn_up_exps\.weight' has ggml type 250, which is not"):
+        open_gguf(q8_file)
+    _patch(q8_file, type_at, "<I", int(gguf.GGMLQuantizationType.IQ2_XXS))
+    with pytest.raises(CheckpointError, match=r"'blk\.0\.ffn_up_exps\.weight' is IQ2_XXS, a ggml type moestream "
+                       "does not compute on yet"):
+        load(q8_file, tokenizer=False)
+
+def test_inspect_describes_a_file_it_cannot_stream(kshape, tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(kshape, path, "Q8_0")
+    type_at, _ = _info_field(path, "blk.0.ffn_up_exps.weight")
+    _patch(path, type_at, "<I", int(gguf.GGMLQuantizationType.IQ2_XXS))  # rows of 256: whole IQ2_XXS blocks
+    got = inspect(str(path))
+    assert not got.can_stream and "'blk.0.ffn_up_exps.weight' is IQ2_XXS" in got.reason
+    assert got.tensor_types["ffn_up_exps"] == "IQ2_XXS/Q8_0" and "GGUF v3, qwen3moe" in got.to_text()
+
+
+def test_other_architectures_are_refused_by_name(small, tmp_path):
+    path = tmp_path / "gemma3.gguf"
+    write_gguf(small, path, "F32", arch="gemma3")
+    with pytest.raises(CheckpointError, match="GGUF architecture 'gemma3' is not supported; moestream reads "
+                       "qwen3moe, llama, olmoe"):
+        open_gguf(path)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K", "Q6_K"])
+def test_mixtral_as_llama_with_permuted_q_and_k(qtype, tmp_path):
+    """Mixtral is llama.cpp's ``llama`` architecture with experts, q and k rows permuted by the converter."""
+    shape = dict(K_SHAPE, intermediate_size=256) if qtype.endswith("_K") else {}
+    shape.pop("moe_intermediate_size", None)
+    model = make_model(seed=8, family="mixtral", **shape)
+    path = tmp_path / f"mixtral-{qtype}.gguf"
+    held = write_gguf(model, path, qtype)
+    want = want_logits(model, held)
+    got, engine = logits(path, "all")
+    assert engine.family.__name__ == "moestream.models.mixtral"
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
+    tiny, _ = logits(path, "0")
+    assert torch.equal(tiny, got)
+    if qtype == "Q8_0":  # an early-2024 conversion: one tensor per expert, the same model
+        old = tmp_path / "mixtral-per-expert.gguf"
+        write_gguf(model, old, qtype, per_expert=True)
+        per, engine = logits(old, "0")
+        assert engine.layout.layers[0].kind == "per-expert"
+        assert torch.equal(per, got)
+
+
+# -- tokenizer ------------------------------------------------------------------------------------------
+def test_tokenizer_is_built_from_the_gguf_metadata(small, tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog, and the cat sat on the mat"] * 20, trainer)
+    vocab = bpe.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    import json
+
+    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(bpe.to_str())["model"]["merges"]]
+
+    path = tmp_path / "m.gguf"
+
+    def extra(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
+        w.add_token_merges(merges)
+        w.add_eos_token_id(vocab["<|endoftext|>"])
+        w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+    write_gguf(small, path, "F32", extra=extra)
+    engine = load(path, cache_budget_gb="0", workers=1)
+    try:
+        text = "the lazy cat jumps over the brown dog"
+        assert engine.tokenizer.encode(text, add_special_tokens=False) == bpe.encode(text).ids
+        assert engine.tokenizer.eos_token == "<|endoftext|>"
+    finally:
+        engine.close()
+    # no tokenizer metadata and no folder beside: refused, naming --tokenizer
+    bare = tmp_path / "bare" / "m.gguf"
+    bare.parent.mkdir()
+    write_gguf(small, bare, "F32")
+    with pytest.raises(CheckpointError, match="--tokenizer"):
+        load(bare, cache_budget_gb="0", workers=1)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q5_K"])
+def test_olmoe(qtype, tmp_path):
+    """OLMoE (``olmoe``): q and k normalized over the whole projection, top-k weights not renormalized."""
+    shape = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4) \
+        if qtype.endswith("_K") else {}
+    model = make_model(seed=9, family="olmoe", **shape)
+    path = tmp_path / f"olmoe-{qtype}.gguf"
+    held = write_gguf(model, path, qtype)
+    want = want_logits(model, held)
+    got, engine = logits(path, "all")
+    assert engine.family.__name__ == "moestream.models.olmoe"
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
+    tiny, _ = logits(path, "0")
+    assert torch.equal(tiny, got)
