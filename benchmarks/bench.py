@@ -28,7 +28,11 @@ One command runs everything (root needed for the cgroup and for dropping the pag
    q4 and, for reference, moestream bf16 at each ``--quantized-budgets``; llama.cpp Q4_K_M with
    its defaults and with its CPU repack off (``use_extra_bufts=False``). Then with no cap (all in
    RAM): moestream q4 at budget all, llama.cpp Q4_K_M with its defaults. The report gives the
-   issue's targets, hit or miss.
+   issue's targets, hit or miss. With ``--gguf`` (issue 26's GGUF line) moestream also runs on that
+   very Q4_K_M file (``--model <file>.gguf``) at each ``--quantized-budgets`` in the same cap and at
+   budget all with no cap, against both llama.cpp runs. ``--gguf-only FILE.gguf`` runs only those:
+   moestream on FILE and llama.cpp on FILE (repack on and off in the cap, defaults with no cap),
+   the tokens from ``--model``'s tokenizer when given, else the file's own.
 7. ``report.md`` (table, machine, commands), ``results.json``, ``decode_vs_budget.png`` and
    ``hit_rate_vs_budget.png`` in ``--out``.
 
@@ -36,7 +40,8 @@ One command runs everything (root needed for the cgroup and for dropping the pag
 when not installed, and without root there is no cap and no dropped cache; it says so. With
 ``--quantized`` it runs the quantized part too, on a tiny model of 256-wide matrices (every
 matrix takes group 64 and Q4_K's 256-weight blocks), in the ``--cap`` (a third of a tiny file
-would not hold the interpreter).
+would not hold the interpreter); with ``--gguf`` too, and llama.cpp installed, moestream runs on that
+tiny model's real Q4_K_M (``qwen3moe``).
 """
 
 from __future__ import annotations
@@ -205,9 +210,9 @@ def run_capped(cmd: list[str], cap_bytes: int | None, limit_s: float, logfile: P
 
 def make_tokens(model: Path, prompt_tokens: int, steps: int) -> dict:
     """The chat prompt (exactly ``prompt_tokens`` ids when the text allows) and the continuation ids."""
-    from transformers import AutoTokenizer
+    from moestream.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+    tok = load_tokenizer(model)  # a folder's tokenizer files, or a GGUF file's metadata
 
     def chat(content: str) -> list[int]:
         text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
@@ -403,14 +408,15 @@ def floor_s(run: dict, best: float | None, compute: float | None) -> float | Non
 
 def table(res: dict) -> str:
     best, compute = res.get("disk_best_gb_s"), res.get("compute_s_per_token")
-    q4_compute = res.get("quantized", {}).get("compute_s_per_token")  # the q4 rows' floor: q4 compute at budget all
+    q = res.get("quantized", {})  # the q4 (GGUF) rows' floor: q4 (GGUF) compute at budget all
+    computes = {"q4": q.get("compute_s_per_token"), "gguf": q.get("gguf_compute_s_per_token")}
     head = ("| run | status | load s | prefill tok/s | decode tok/s (tokens) | s / token | floor s / token "
             "(x floor) | peak charged GB | GB read (per decoded token) | hit rate | distinct experts / layer "
             "| CPU s / token | CPU split: reads / kernels / rest | load avg (min-max) |")
     rows = [head, "|" + " --- |" * 14]
     for r in res["runs"]:
         spt = r["decode_s"] / r["decoded"] if r.get("decoded") and r.get("decode_s") else None
-        fl = floor_s(r, best, q4_compute if r.get("weights") == "q4" else compute)
+        fl = floor_s(r, best, computes.get(r.get("weights"), compute))
         per_tok = (r["decode_bytes"] / r["decoded"] if "decode_bytes" in r and r.get("decoded")
                    else r.get("decode_read_bytes_per_token"))
         status = r["status"]
@@ -549,7 +555,8 @@ def quant_targets(res: dict) -> list[str]:
     Capped (a third of the smaller file): moestream q4's decode >= 10x llama.cpp Q4_K_M with its repack off and
     >= 2.5x moestream bf16 at the same budget; its prefill >= llama.cpp's (both ways). No cap: decode and
     prefill >= llama.cpp's. A llama.cpp run that did not decode or prefill at all in the cap is beaten: hit; a
-    bf16 reference that did not is no comparison: no verdict.
+    bf16 reference that did not is no comparison: no verdict. ``--gguf`` (issue 26): moestream on the Q4_K_M
+    file itself, capped decode >= 10x both llama.cpp runs in the cap, no cap decode >= llama.cpp's.
     """
     q = [r for r in res["runs"] if r.get("section") == "quantized"]
 
@@ -574,6 +581,14 @@ def quant_targets(res: dict) -> list[str]:
 
     out = []
     lr, ld = pick("decode_tok_s", "Q4_K_M", True, repack="off"), pick("decode_tok_s", "Q4_K_M", True, repack="on")
+    ul = pick("decode_tok_s", "Q4_K_M", False)
+    if res["quantized"].get("gguf"):
+        g, ga, gm = pick("decode_tok_s", "gguf", True), pick("decode_tok_s", "gguf", False), "moestream on the GGUF"
+        out.append(vs(f"capped decode, fastest {gm} vs llama.cpp Q4_K_M repack off", "decode_tok_s", g, lr, 10))
+        out.append(vs(f"capped decode, fastest {gm} vs llama.cpp Q4_K_M defaults", "decode_tok_s", g, ld, 10))
+        out.append(vs(f"no cap decode, {gm} budget all vs llama.cpp Q4_K_M defaults", "decode_tok_s", ga, ul, 1))
+    if res["quantized"].get("gguf_only"):
+        return out
     dec, pre = pick("decode_tok_s", "q4", True), pick("prefill_tok_s", "q4", True)
     out.append(vs("capped decode, fastest moestream q4 vs llama.cpp Q4_K_M repack off", "decode_tok_s", dec, lr, 10))
     out.append(vs("capped decode, fastest moestream q4 vs llama.cpp Q4_K_M defaults", "decode_tok_s", dec, ld, None))
@@ -582,7 +597,7 @@ def quant_targets(res: dict) -> list[str]:
                       pick("decode_tok_s", "bf16", True, budget=r["budget"]), 2.5, "no verdict"))
     out.append(vs("capped prefill, fastest moestream q4 vs llama.cpp Q4_K_M repack off", "prefill_tok_s", pre, lr, 1))
     out.append(vs("capped prefill, fastest moestream q4 vs llama.cpp Q4_K_M defaults", "prefill_tok_s", pre, ld, 1))
-    ua, ul = pick("decode_tok_s", "q4", False), pick("decode_tok_s", "Q4_K_M", False)
+    ua = pick("decode_tok_s", "q4", False)
     out.append(vs("no cap decode, moestream q4 budget all vs llama.cpp Q4_K_M defaults", "decode_tok_s", ua, ul, 1))
     out.append(vs("no cap prefill, moestream q4 budget all vs llama.cpp Q4_K_M defaults", "prefill_tok_s", ua, ul, 1))
     return out
@@ -591,39 +606,45 @@ def quant_targets(res: dict) -> list[str]:
 def report(res: dict, out: Path) -> Path:
     q = res.get("quantized")
     quant = [] if q is None else [
-        "Quantized run (`--quantized`): moestream q4 "
-        f"{q['q4_gb']:.2f} GB ({q.get('convert_note', 'converted earlier')}); llama.cpp Q4_K_M "
+        "Quantized run (`--quantized`" + (", `--gguf`" if q.get("gguf") else "") + "): "
+        + ("no moestream q4 build (`--gguf-only`)" if q.get("gguf_only") else
+           f"moestream q4 {q['q4_gb']:.2f} GB ({q.get('convert_note', 'converted earlier')})") + "; llama.cpp Q4_K_M "
         f"{fmt(q.get('q4_k_m_gb'), 2)} GB "
         f"({q.get('quantize_note', 'made earlier' if q.get('q4_k_m_gb') else 'none')}); "
-        f"cap {q['cap_gib']:.2f} GiB ({q['cap_note']}); the same tokens; q4 compute per decoded token at budget "
-        f"all, no cap: {fmt(q.get('compute_s_per_token'), 3)} s (the q4 rows' floor).",
-        "", "Quantized targets (issue 21, measured, not asserted):", "",
+        f"cap {q['cap_gib']:.2f} GiB ({q['cap_note']}); the same tokens; compute per decoded token at budget all, "
+        "no cap (the floor of the rows of the same weights): "
+        + ("" if q.get("gguf_only") else f"moestream q4 {fmt(q.get('compute_s_per_token'), 3)} s")
+        + ("; " if q.get("gguf") and not q.get("gguf_only") else "")
+        + (f"moestream on the GGUF {fmt(q.get('gguf_compute_s_per_token'), 3)} s" if q.get("gguf") else "") + ".",
+        "", "Quantized targets (issue 21" + (", issue 26's GGUF line" if q.get("gguf") else "")
+        + ", measured, not asserted):", "",
         *[f"- {t}" for t in quant_targets(res)], ""]
     lines = [
         f"# moestream side by side: {res['model_name']}",
         "",
         f"Machine: {res['machine']}. Run {res['started']} - {res['ended']} UTC; load average at start "
         f"{res['load_start']:.2f}, at end {res['load_end']:.2f} (the machine is shared).",
-        f"Checkpoint: `moestream synth` (spread init, random weights; the `trained` line: `--init trained`) of "
-        f"`{res['config']}`, {res['layers']} layers, "
-        f"{res['checkpoint_gb']:.2f} GB ({res['expert_gb']:.2f} GB of experts, {res['expert_mb']:.2f} MB each). "
-        f"GGUF: {fmt(res.get('gguf_gb'), 2)} GB ({res.get('gguf_note', '')}).",
+        (f"Checkpoint: the GGUF `{res['config']}` (`--gguf-only`: only its runs), {res['layers']} layers, "
+         if res.get("gguf_only") else
+         "Checkpoint: `moestream synth` (spread init, random weights; the `trained` line: `--init trained`) of "
+         f"`{res['config']}`, {res['layers']} layers, ")
+        + f"{res['checkpoint_gb']:.2f} GB ({res['expert_gb']:.2f} GB of experts, {res['expert_mb']:.2f} MB each)."
+        + ("" if res.get("gguf_only") else f" GGUF: {fmt(res.get('gguf_gb'), 2)} GB ({res.get('gguf_note', '')})."),
         f"Cap: {res['cap_gib']} GiB ({res['cap_note']}); page cache dropped before each run: {res['cold']}. "
         f"Prompt: {res['prompt_tokens']} tokens through the chat template; then {res['steps']} tokens of a fixed "
         "natural-language continuation fed one per step (the same ids for every engine); 2 compute threads each"
         f", OpenMP wait policy {res.get('omp_wait_policy', 'not recorded')} for every engine.",
         f"Disk best (O_DIRECT, 16 MiB random reads into huge pages, one thread): {fmt(res.get('disk_best_gb_s'), 2)} "
         f"GB/s (before the runs {fmt(res.get('disk_before'), 2)}, after {fmt(res.get('disk_after'), 2)}).",
-        f"Compute per decoded token at budget all: {fmt(res.get('compute_s_per_token'), 3)} s "
-        f"({res.get('compute_note', '')}); CPU per decoded token at budget all: "
-        f"{fmt(res.get('compute_cpu_s_per_token'), 3)} s.",
+        *([] if res.get("gguf_only") else [
+            f"Compute per decoded token at budget all: {fmt(res.get('compute_s_per_token'), 3)} s "
+            f"({res.get('compute_note', '')}); CPU per decoded token at budget all: "
+            f"{fmt(res.get('compute_cpu_s_per_token'), 3)} s."]),
         "",
         table(res),
         "",
-        "Targets (measured, not asserted):",
-        "",
-        *[f"- {t}" for t in targets(res)],
-        "",
+        *([] if res.get("gguf_only") else
+          ["Targets (measured, not asserted):", "", *[f"- {t}" for t in targets(res)], ""]),
         *quant,
         "Skipped: " + ("; ".join(res["skipped"]) if res["skipped"] else "nothing"),
         "",
@@ -699,8 +720,17 @@ def main() -> int:
                    help="memory cap of the capped quantized runs (default: a third of the smaller 4-bit file)")
     p.add_argument("--quantized-budgets", default="0.3,1",
                    help="moestream budgets (GB) of the capped quantized runs, q4 and bf16 alike")
+    p.add_argument("--gguf", action="store_true",
+                   help="with --quantized: moestream on llama.cpp's Q4_K_M file itself, capped and uncapped")
+    p.add_argument("--gguf-only", type=Path, default=None, metavar="FILE.gguf",
+                   help="only the --gguf runs and llama.cpp's Q4_K_M runs, on this file (tokens: --model's "
+                        "tokenizer when given, else the file's); keeps every file")
     p.add_argument("--smoke", action="store_true", help="a tiny model, seconds; peers only when installed")
     a = p.parse_args()
+    if a.gguf and not a.quantized:
+        p.error("--gguf requires --quantized")
+    if a.gguf_only and not a.gguf_only.is_file():
+        p.error(f"--gguf-only: no such file {a.gguf_only}")
     # One OpenMP wait policy for every engine (llama.cpp's ggml and PyTorch both use libgomp): moestream's
     # default, PASSIVE, since threads spinning on a shared machine take the cores their siblings need. The
     # workers inherit it; importing moestream here would set it anyway.
@@ -721,7 +751,8 @@ def main() -> int:
         compute_estimate(res)
         (a.out / "results.json").write_text(json.dumps(res, indent=1))
         print(report(res, a.out).read_text())
-        plots(res, a.out)
+        if not res.get("gguf_only"):
+            plots(res, a.out)
         return 0
     a.work.mkdir(parents=True, exist_ok=True)
     skipped: list[str] = []
@@ -737,7 +768,12 @@ def main() -> int:
         a.greedy_budget = ""
         a.no_setup = True
         a.limit = a.peer_limit = 120
+    if a.gguf_only:  # section 10's GGUF runs alone: no synth, no bf16 or q4 runs, nothing deleted
+        a.quantized = a.gguf = a.keep = a.skip_compute = True
+        a.budgets = a.best_budgets = a.greedy_budget = a.trained_budget = ""
     engines = set(a.engines.split(","))
+    if a.gguf_only:
+        engines &= {"moestream", "llama"}
     res: dict = {"started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load_start": load_avg(),
                  "machine": machine(), "command": shlex.join([sys.executable, *sys.argv]), "runs": [],
                  "skipped": skipped, "steps": a.tokens, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
@@ -763,23 +799,24 @@ def main() -> int:
             log(f"SKIPPING {eng}: not installed in {a.peers_dir}")
         return ok
 
-    # 2. checkpoint, tokens
-    name = a.config.stem + (f"-{a.layers}l" if a.layers else "")
-    model = a.model or a.work / name
-    synth(a.config, model, a.layers)
-    ck = json.loads((model / "config.json").read_text())
-    shards = sorted(model.glob("*.safetensors"))
-    res.update(model_name=name, config=str(a.config),
-               layers=ck.get("num_hidden_layers") or ck.get("text_config", {}).get("num_hidden_layers"),
-               checkpoint_gb=sum(s.stat().st_size for s in shards) / GB)
-    from moestream.checkpoint import Checkpoint
+    # 2. checkpoint, tokens (--gguf-only: the GGUF's figures; the tokens from --model's tokenizer, else the GGUF's)
+    name = (a.gguf_only.name.removesuffix(".gguf") if a.gguf_only
+            else a.config.stem + (f"-{a.layers}l" if a.layers else ""))
+    model = a.model or (None if a.gguf_only else a.work / name)
+    if not a.gguf_only:
+        synth(a.config, model, a.layers)
     from moestream.layout import discover_experts
+    from moestream.mlx_format import open_checkpoint
 
-    with Checkpoint(model) as c:
+    with open_checkpoint(a.gguf_only or model) as c:
+        ck, shards = c.config, sorted(c.shards)
         lay = discover_experts(c.tensors)
         nbytes = [sum(p.nbytes for p in e) for ly in lay.layers.values() for e in ly.experts]
+    res.update(model_name=name, config=str(a.gguf_only or a.config), gguf_only=bool(a.gguf_only),
+               layers=ck.get("num_hidden_layers") or ck.get("text_config", {}).get("num_hidden_layers"),
+               checkpoint_gb=sum(s.stat().st_size for s in shards) / GB)
     res["expert_gb"], res["expert_mb"] = sum(nbytes) / GB, nbytes[0] / 1e6
-    tokens = make_tokens(model, a.prompt_tokens, a.tokens)
+    tokens = make_tokens(model or a.gguf_only, a.prompt_tokens, a.tokens)
     tokens_file = a.out / "tokens.json"
     tokens_file.write_text(json.dumps(tokens))
     n_prompt = len(tokens["prompt"])
@@ -854,7 +891,7 @@ def main() -> int:
         moestream_runs(plan)
 
     # 6. llama.cpp
-    gguf, tried = model.with_name(model.name + ".bf16.gguf"), []
+    gguf, tried = model.with_name(model.name + ".bf16.gguf") if model else None, []
 
     def make_gguf() -> bool:
         """The bf16 GGUF of the synth by llama.cpp's own converter (tried once); False when it failed."""
@@ -879,7 +916,7 @@ def main() -> int:
             res["gguf_gb"] = gguf.stat().st_size / GB
         return gguf.exists()
 
-    if "llama" in engines and peer_ready("llama"):
+    if "llama" in engines and not a.gguf_only and peer_ready("llama"):
         if make_gguf():
             for mm in ("on", "off"):
                 r = do_run(a, f"llama-mmap-{mm}", "llama", str(peers_py), gguf, ["--mmap", mm], a.peer_limit,
@@ -936,9 +973,9 @@ def main() -> int:
     # 10. quantized: moestream's 4-bit build and llama.cpp's own of the same synth, in a cap of a third of the
     # smaller file, then both all in RAM
     if a.quantized and "moestream" in engines:
-        q = res["quantized"] = {}
+        q = res["quantized"] = {"gguf": a.gguf, "gguf_only": bool(a.gguf_only)}
         q4 = a.work / f"{name}-q4"
-        if not q4.exists():
+        if not a.gguf_only and not q4.exists():
             part = q4.with_name(q4.name + ".partial")
             shutil.rmtree(part, ignore_errors=True)
             cmd = [mpy, "-m", "moestream", "convert", "--model", str(model), "--bits", "4", "--out"]
@@ -948,8 +985,8 @@ def main() -> int:
             os.rename(part, q4)
             q["convert_note"] = (f"`{shlex.join(cmd + [str(q4)])}` (group 64, its default), "
                                  f"{time.perf_counter() - t0:.0f} s")
-        q["q4_gb"] = sum(f.stat().st_size for f in q4.glob("*.safetensors")) / GB
-        qg = model.with_name(model.name + ".q4_k_m.gguf")
+        q["q4_gb"] = None if a.gguf_only else sum(f.stat().st_size for f in q4.glob("*.safetensors")) / GB
+        qg = a.gguf_only or model.with_name(model.name + ".q4_k_m.gguf")
         llama_q = "llama" in engines and peer_ready("llama") and (qg.exists() or make_gguf())
         if llama_q:
             if not qg.exists():
@@ -969,7 +1006,9 @@ def main() -> int:
                     skipped.append(f"llama Q4_K_M: llama_model_quantize failed: {r.stderr.strip().splitlines()[-1:]}")
                     log(r.stderr[-3000:])
             llama_q = qg.exists()
-        q["q4_k_m_gb"] = qg.stat().st_size / GB if llama_q else None
+        q["q4_k_m_gb"] = qg.stat().st_size / GB if llama_q or a.gguf_only else None
+        if a.gguf and not qg.exists():
+            skipped.append("gguf: no Q4_K_M file (llama.cpp makes it)")
         smaller = min(x for x in (q["q4_gb"], q.get("q4_k_m_gb")) if x)
         qcap = (parse_size(a.quantized_cap) if a.quantized_cap else cap if a.smoke else int(smaller * GB / 3))
         q["cap_gib"] = qcap / 2**30
@@ -977,6 +1016,8 @@ def main() -> int:
                          + (" (--quantized-cap)" if a.quantized_cap else " (--smoke: the --cap)" if a.smoke else "")
                          + ("" if is_root() else "; NOT applied: not root"))
         qc = qcap if is_root() else None
+        if a.gguf_only:  # the only cap any run had
+            res["cap_gib"], res["cap_note"] = q["cap_gib"], q["cap_note"]
 
         def qrun(nm: str, engine: str, path: Path, args: list[str], capped: bool, label: str, **kw) -> dict:
             py, lim = (mpy, a.limit) if engine == "moestream" else (str(peers_py), a.peer_limit)
@@ -990,28 +1031,36 @@ def main() -> int:
             save()
             return res["runs"][-1]
 
-        for b in budgets(a.quantized_budgets):
+        gguf_runs = a.gguf and qg.exists()  # issue 26: moestream on the very file llama.cpp reads
+        gm = "moestream on llama.cpp's Q4_K_M GGUF"
+        for b in budgets(a.quantized_budgets) if not a.gguf_only else ():
             qrun(f"q4-moestream-{b:g}GB", "moestream", q4, ["--budget", str(b)], True, f"moestream q4 g64 {b:g} GB",
                  weights="q4", budget=b)
-        for b in budgets(a.quantized_budgets):  # the bf16 synth of the same shape in the same cap
+        for b in budgets(a.quantized_budgets) if not a.gguf_only else ():  # the bf16 synth, same shape, same cap
             qrun(f"q4-bf16-moestream-{b:g}GB", "moestream", model, ["--budget", str(b)], True,
                  f"moestream bf16 {b:g} GB", weights="bf16", budget=b)
+        for b in budgets(a.quantized_budgets) if gguf_runs else ():
+            qrun(f"q4-gguf-moestream-{b:g}GB", "moestream", qg, ["--budget", str(b)], True, f"{gm} {b:g} GB",
+                 weights="gguf", budget=b)
         for rp in ("on", "off") if llama_q else ():
             qrun(f"q4-llama-repack-{rp}", "llama", qg, ["--repack", rp], True, "llama.cpp Q4_K_M, "
                  + ("defaults" if rp == "on" else "repack off (use_extra_bufts=False)"), weights="Q4_K_M", repack=rp)
-        top = qrun("q4-moestream-all", "moestream", q4, ["--budget", "all"], False, "moestream q4 g64 budget all",
-                   weights="q4", budget="all")
-        # the q4 floor's compute: the all-in-RAM q4 run's CPU time per token / 2 threads (as compute_estimate)
-        q["compute_s_per_token"] = top["cpu_s_per_token"] / THREADS if top.get("cpu_s_per_token") else None
+        # the floors' compute: the all-in-RAM run's CPU time per token / 2 threads (as compute_estimate)
+        for key, nm, path, label, w in (("compute_s_per_token", "q4-moestream-all", q4, "moestream q4 g64", "q4"),
+                                        ("gguf_compute_s_per_token", "q4-gguf-moestream-all", qg, gm, "gguf")):
+            if (w == "q4" and not a.gguf_only) or (w == "gguf" and gguf_runs):
+                top = qrun(nm, "moestream", path, ["--budget", "all"], False, f"{label} budget all", weights=w,
+                           budget="all")
+                q[key] = top["cpu_s_per_token"] / THREADS if top.get("cpu_s_per_token") else None
         if llama_q:
             qrun("q4-llama-nocap", "llama", qg, [], False, "llama.cpp Q4_K_M, defaults", weights="Q4_K_M",
                  repack="on")
-        if not a.keep:
+        if not a.keep:  # never with --gguf-only
             shutil.rmtree(q4)
             qg.unlink(missing_ok=True)
     elif a.quantized:
         skipped.append("quantized: needs the moestream engine")
-    if a.quantized and not a.keep:  # kept for the Q4_K_M until here
+    if a.quantized and not a.keep:  # kept for the Q4_K_M until here (and always with --gguf-only)
         gguf.unlink(missing_ok=True)
 
     res["disk_after"] = disk_best(shards, int(a.disk_gb * GB), seed=1)
@@ -1021,7 +1070,7 @@ def main() -> int:
     res["load_end"] = load_avg()
     save()
     path = report(res, a.out)
-    pngs = plots(res, a.out)
+    pngs = [] if a.gguf_only else plots(res, a.out)  # the plots show the bf16 rows: none here
     if not a.keep:
         shutil.rmtree(model)
     print(path.read_text())
