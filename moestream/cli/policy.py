@@ -9,6 +9,7 @@ Options (in every command that loads a model, through ``cli.add_engine_args``):
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -75,6 +76,9 @@ def run_command(args: argparse.Namespace, out=None) -> bool:
         depths = [int(d) for d in raw]
         if args.max_tokens is not None and args.max_tokens < 1:
             raise MoestreamError(f"--max-tokens {args.max_tokens}: give a number of tokens >= 1")
+        # checked here, not by the LFU policy mid-replay (a traceback), and 0 is not "the default"
+        if args.half_life is not None and not 0 < args.half_life < math.inf:
+            raise MoestreamError(f"--half-life {args.half_life}: give a number of lookups above 0")
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         bad = [p for p in policies if p not in (*POLICIES, "belady")]
         if bad or not policies:
