@@ -52,6 +52,19 @@ _TORCH_TO_ST = {v[0]: k for k, v in _DTYPES.items() if v[0] is not None}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_SHARD_GB = 1e6  # a million GB: past any disk, and int(gb * 1e9) stays exact
+
+
+def shard_bytes(shard_gb: float) -> int:
+    """Bytes per shard for a ``--shard-gb`` size in GB (10^9 bytes): the one check ``synth`` and
+    ``convert`` share.
+
+    Raises:
+        ConfigError: ``shard_gb`` is not above 0 and below :data:`MAX_SHARD_GB` (nan and inf included).
+    """
+    if not 0 < shard_gb < MAX_SHARD_GB:
+        raise ConfigError(f"--shard-gb {shard_gb}: expected a size in GB above 0 and below {MAX_SHARD_GB:.0f}")
+    return int(shard_gb * 1e9)
 
 
 # A block-quantized GGUF tensor (moestream.quant.ggml) is indexed as its raw bytes under the dtype name
