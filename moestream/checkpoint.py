@@ -355,7 +355,7 @@ def resolve_model(model: str | os.PathLike) -> Path:
 
     Raises:
         CheckpointError: when ``model`` is neither an existing folder, a GGUF file nor a Hub id that
-            can be fetched.
+            can be fetched ("no such file" for a missing ``*.gguf``).
     """
     path = Path(model).expanduser()
     if path.is_dir():
@@ -365,7 +365,11 @@ def resolve_model(model: str | os.PathLike) -> Path:
     if path.exists():
         raise CheckpointError(f"{path}: --model must be a checkpoint folder or a .gguf file, not another file")
     text = str(model)
+    if text.endswith(".gguf"):  # a file's path, even when shaped as a Hub id (dir/x.gguf)
+        raise CheckpointError(f"{text}: no such file")
     if not re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", text):
+        if re.fullmatch(r"\.[A-Za-z][A-Za-z0-9]{0,15}", path.suffix):  # a file's suffix, not a version's dot (.5-7B)
+            raise CheckpointError(f"{text}: no such file or folder")
         raise CheckpointError(f"{text}: no such folder, and not a Hugging Face Hub id (org/name)")
     from huggingface_hub import snapshot_download
 
