@@ -37,8 +37,8 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder or Hub id (bf16, fp16, fp32 or fp8)")
     p.add_argument("--out", type=Path, default=None, help="folder to create (default: <model>-e<bits>g<group>...)")
     p.add_argument("--bits", type=int, default=4,
-                   help="bits for every part not given below: 2-6, 8; 16 = float (--bits 16 alone: the float model, "
-                   "routers included, in the streaming layout, no quantization)")
+                   help="bits for every part not given below (default 4): 2-6, 8; 16 = float (--bits 16 alone: the "
+                   "float model, routers included, in the streaming layout, no quantization)")
     p.add_argument("--group-size", type=int, default=64, help="weights per scale and bias: 32, 64 or 128 (default 64)")
     p.add_argument("--expert-bits", type=int, default=None,
                    help="routed experts' gate and up (default --bits; 16 = float)")

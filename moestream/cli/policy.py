@@ -42,9 +42,11 @@ def add_commands(sub, add_engine_args) -> None:
     c.add_argument("--trace", required=True, type=Path, nargs="+",
                    help="traces: written with --trace, JSON lines with layer/token/experts (or selected_ids), or "
                         "FLAME-MoE parquet (a layer_NN.parquet file or a folder of them; needs pyarrow)")
-    c.add_argument("--budgets", default=None, help="cache budgets in GB, comma-separated (e.g. 0.5,1,2)")
+    c.add_argument("--budgets", default=None,
+                   help="cache budgets in GB, comma-separated (e.g. 0.5,1,2); this or --residency is required")
     c.add_argument("--residency", default=None,
-                   help="cache budgets as shares of all experts, comma-separated (e.g. 0.1,0.2,0.4)")
+                   help="cache budgets as shares of all experts, comma-separated (e.g. 0.1,0.2,0.4); this or "
+                        "--budgets is required")
     c.add_argument("--prefetch", default="0",
                    help="read-ahead depths to replay, comma-separated, 0-2 (default 0; 1 and 2 need a moestream trace)")
     c.add_argument("--hot-from", type=Path, nargs="+", default=None,
