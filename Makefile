@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $@
 	@# moestream's CPU kernels for this CPU (cached per CPU; without a compiler the PyTorch path runs)
-	-$(BIN)/python -c 'import sys; from moestream.quant.native import main; sys.exit(main())'
+	-@$(BIN)/python -c 'import sys; from moestream.quant.native import main; sys.exit(main())'
 
 demo: setup
 	$(BIN)/moestream demo

@@ -420,10 +420,10 @@ def run_cache_sim(traces: list[Path], budgets_gb: list[float] | None = None, pol
     Budgets are GB (``budgets_gb``; moestream traces, which record bytes per expert) or
     residencies (``residencies``: shares of all the model's experts; for traces without sizes
     every expert counts one). Hit rates are summed over the traces. ``half_life`` (lookups) of
-    the LFU-based policies defaults to the number of routed experts in the model, as in the
-    engine. ``prefetch``: read-ahead depths to replay (1 and 2 need traces that recorded
-    predictions); prefill chunks are read ahead as the engine read them wherever the trace
-    recorded that (its ``chunk_window``), at every depth; ``hot_from``: traces whose usage
+    the LFU-based policies defaults (when None) to the number of routed experts in the model, as in
+    the engine; a value not above 0 raises ValueError. ``prefetch``: read-ahead depths to replay
+    (1 and 2 need traces that recorded predictions); prefill chunks are read ahead as the engine
+    read them wherever the trace recorded that (its ``chunk_window``), at every depth; ``hot_from``: traces whose usage
     makes a hot list, pinned up to ``hot_fraction`` of the budget as the engine pins one
     (tables with and without it).
     Each trace's locality statistics come first.
@@ -485,7 +485,7 @@ def run_cache_sim(traces: list[Path], budgets_gb: list[float] | None = None, pol
                         n_all = sum(tr.num_experts.values())
                         tr_total = sum(sizes.get(k, one) * v for k, v in tr.num_experts.items())
                         budget = amount if in_bytes else int(amount * tr_total)
-                        hl = half_life or n_all or 1024
+                        hl = half_life if half_life is not None else (n_all or 1024)
                         held = min(budget // one, n_all)
                         reqs, decode = requests_of(tr.records)
                         pinned = [k for k in pins if k[0] in tr.num_experts] if pins else None

@@ -52,6 +52,19 @@ _TORCH_TO_ST = {v[0]: k for k, v in _DTYPES.items() if v[0] is not None}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_SHARD_GB = 1e6  # a million GB: past any disk, and int(gb * 1e9) stays exact
+
+
+def shard_bytes(shard_gb: float) -> int:
+    """Bytes per shard for a ``--shard-gb`` size in GB (10^9 bytes): the one check ``synth`` and
+    ``convert`` share.
+
+    Raises:
+        ConfigError: ``shard_gb`` is not above 0 and below :data:`MAX_SHARD_GB` (nan and inf included).
+    """
+    if not 0 < shard_gb < MAX_SHARD_GB:
+        raise ConfigError(f"--shard-gb {shard_gb}: expected a size in GB above 0 and below {MAX_SHARD_GB:.0f}")
+    return int(shard_gb * 1e9)
 
 
 # A block-quantized GGUF tensor (moestream.quant.ggml) is indexed as its raw bytes under the dtype name
@@ -342,7 +355,7 @@ def resolve_model(model: str | os.PathLike) -> Path:
 
     Raises:
         CheckpointError: when ``model`` is neither an existing folder, a GGUF file nor a Hub id that
-            can be fetched.
+            can be fetched ("no such file" for a missing ``*.gguf``).
     """
     path = Path(model).expanduser()
     if path.is_dir():
@@ -352,7 +365,11 @@ def resolve_model(model: str | os.PathLike) -> Path:
     if path.exists():
         raise CheckpointError(f"{path}: --model must be a checkpoint folder or a .gguf file, not another file")
     text = str(model)
+    if text.endswith(".gguf"):  # a file's path, even when shaped as a Hub id (dir/x.gguf)
+        raise CheckpointError(f"{text}: no such file")
     if not re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", text):
+        if re.fullmatch(r"\.[A-Za-z][A-Za-z0-9]{0,15}", path.suffix):  # a file's suffix, not a version's dot (.5-7B)
+            raise CheckpointError(f"{text}: no such file or folder")
         raise CheckpointError(f"{text}: no such folder, and not a Hugging Face Hub id (org/name)")
     from huggingface_hub import snapshot_download
 

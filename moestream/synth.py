@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import INDEX_FILE, safetensors_dtype
+from .checkpoint import INDEX_FILE, safetensors_dtype, shard_bytes
 from .errors import ConfigError, MoestreamError
 from .models import family_for
 from .models.base import SynthTensor
@@ -145,8 +145,7 @@ def plan_synth(
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if init not in INITS:
         raise ConfigError(f"--init {init!r}: expected {', '.join(INITS)}")
-    if not 0 < shard_gb < 1e6:
-        raise ConfigError(f"--shard-gb {shard_gb}: expected a size in GB above 0")
+    nbytes_shard = shard_bytes(shard_gb)
     src = Path(tokenizer) if tokenizer else BUNDLED_QWEN3
     if not (src.is_dir() and any((src / f).is_file() for f in TOKENIZER_FILES)):
         raise ConfigError(f"--tokenizer {src}: no tokenizer files there ({', '.join(TOKENIZER_FILES)})")
@@ -165,7 +164,7 @@ def plan_synth(
             TrainedInit(cfg)  # refuses a family it is not made for
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    return SynthPlan(cfg, tensors, dtype, seed, init, int(shard_gb * 1e9), src)
+    return SynthPlan(cfg, tensors, dtype, seed, init, nbytes_shard, src)
 
 
 def tensor_maker(plan: SynthPlan, device: str = "cpu") -> Callable[[SynthTensor], torch.Tensor]:

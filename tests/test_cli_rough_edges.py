@@ -207,3 +207,22 @@ def test_line_progress_prints_at_most_one_line_per_interval():
     with pytest.raises(KeyboardInterrupt), LineProgress(10, "writing m", out=out) as bar:
         raise KeyboardInterrupt
     assert out.getvalue().splitlines() == ["writing m: 0.00 GB to go"]  # no "done" for a run that did not end
+
+
+@pytest.mark.parametrize("command, wanted", [
+    ("cache-sim", ["--budgets BUDGETS cache budgets in GB, comma-separated (e.g. 0.5,1,2); this or --residency is "
+                   "required", "(e.g. 0.1,0.2,0.4); this or --budgets is required"]),
+    ("convert", ["--bits BITS bits for every part not given below (default 4): 2-6, 8;"]),
+    ("inspect", ["--model MODEL checkpoint folder, GGUF file (the first file of a split set) or Hugging Face Hub id"]),
+])
+def test_help_says_what_is_required_and_the_defaults(command, wanted, capsys):
+    """cache-sim's help says one of --budgets and --residency is required (it used to say so only once run),
+    convert's gives --bits' default, inspect's says --model takes a GGUF file too."""
+    from moestream.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    for w in wanted:
+        assert w in text, text

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -51,6 +52,28 @@ def test_missing_config(good, tmp_path):
 def test_missing_folder(tmp_path):
     with pytest.raises(CheckpointError, match="no such folder, and not a Hugging Face Hub id"):
         resolve_model(tmp_path / "nowhere" / "deeper")
+    with pytest.raises(CheckpointError, match="no such folder, and not a Hugging Face Hub id"):
+        resolve_model(tmp_path / "Qwen2.5-7B")  # a version's dot is no file suffix
+
+
+@pytest.mark.parametrize("name", ["missing.gguf", "rel/missing.gguf"])
+def test_a_missing_gguf_file_is_no_such_file(tmp_path, capsys, monkeypatch, name):
+    """A missing ``*.gguf`` path is "no such file": it used to be "no such folder, and not a Hugging Face Hub id"
+    (and a relative ``dir/x.gguf``, shaped as a Hub id, was sent to the Hub)."""
+    from moestream.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(name)}: no such file$"):
+        resolve_model(name)
+    assert main(["inspect", "--model", name]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"moestream: error: {name}: no such file"]
+
+
+def test_a_missing_file_path_is_no_such_file_or_folder(tmp_path):
+    """A path with a file's suffix that is not there (nor a Hub id) says so, not "no such folder"."""
+    for path in (tmp_path / "model.safetensors", tmp_path / "config.json", tmp_path / "Model-Q4_K_M.GGUF"):
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: no such file or folder$"):
+            resolve_model(path)
 
 
 def test_shard_named_in_index_but_absent(good, tmp_path):

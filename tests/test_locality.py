@@ -229,3 +229,16 @@ def test_cache_sim_cli_on_json_lines(tmp_path, capsys):
     assert "records no predictions" in capsys.readouterr().err
     assert main(["cache-sim", "--trace", str(path)]) == 2  # neither --budgets nor --residency
     assert main(["cache-sim", "--trace", str(path), "--residency", "1.5"]) == 2
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_cache_sim_refuses_a_half_life_not_above_zero(tmp_path, capsys, value):
+    """--half-life must be a finite number of lookups above 0: -1, nan and inf used to end in a ValueError
+    traceback from the LFU policy, and 0 was silently replaced by the default."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"layer": layer, "token": t0 + j, "experts": row}) + "\n"
+                            for t0, layer, rows in RECORDS for j, row in enumerate(rows)))
+    assert main(["cache-sim", "--trace", str(path), "--residency", "0.4", "--half-life", value]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"moestream: error: --half-life {float(value)}: give a number of lookups above 0", err
+    assert main(["cache-sim", "--trace", str(path), "--residency", "0.4", "--half-life", "0.5"]) == 0

@@ -334,3 +334,46 @@ def test_routers_of_other_names_take_8_bits_and_route_through_their_forward(tmp_
                 assert idx.shape == (6, 2) and not router.weight.is_floating_point()  # packed words, and it routed
         finally:
             engine.close()
+
+
+def test_convert_refuses_every_bad_argument_before_its_first_progress_line(src, tmp_path, capsys):
+    """Each refusal is one line on stderr and nothing else -- no "writing X: ... GB to go" printed before it --
+    and nothing is created: a --shard-gb not a size (nan was a ValueError traceback, inf an OverflowError, 0 and
+    -1 refused only after the progress line), an --out that exists, an --out in a missing folder (its parents
+    were created silently), and an input already quantized."""
+    q4 = tmp_path / "q4"
+    assert main(["convert", "--model", str(src[0]), "--bits", "4", "--group-size", "32", "--out", str(q4)]) == 0
+    capsys.readouterr()
+    o = tmp_path / "o"
+    missing = tmp_path / "no" / "such" / "o"
+    cases = [(["--model", str(src[0]), "--out", str(o), "--shard-gb", v],
+              f"--shard-gb {float(v)}: expected a size in GB above 0 and below 1000000")
+             for v in ("nan", "inf", "0", "-1")]
+    cases += [
+        (["--model", str(src[0]), "--out", str(q4)], f"{q4}: already exists; choose another --out or delete it"),
+        (["--model", str(src[0]), "--out", str(missing)],
+         f"--out {missing}: {missing.parent} is not an existing folder (convert makes only the last folder)"),
+        (["--model", str(q4), "--out", str(o)],
+         f"{q4}: tensor 'lm_head.weight' is U32: convert reads float or fp8 checkpoints"),
+    ]
+    for args, message in cases:
+        assert main(["convert", "--bits", "4", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.splitlines() == [f"moestream: error: {message}"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q4"]  # no o, no .o.partial, no no/such/
+
+
+def test_synth_and_convert_check_shard_gb_with_one_function(tmp_path):
+    """synth and convert refuse the same --shard-gb values with the same words (one check, shared)."""
+    from moestream.checkpoint import shard_bytes
+    from moestream.errors import ConfigError
+    from moestream.synth import plan_synth
+
+    assert shard_bytes(5.0) == 5_000_000_000 and shard_bytes(0.001) == 1_000_000
+    cfg = json.loads((Path(__file__).parent / "configs" / "Qwen3-30B-A3B.json").read_text())
+    for bad in (float("nan"), float("inf"), 0.0, -1.0, 1e6):
+        with pytest.raises(ConfigError, match=r"^--shard-gb .*: expected a size in GB above 0 and below 1000000$"):
+            shard_bytes(bad)
+        with pytest.raises(ConfigError, match=r"^--shard-gb .*: expected a size in GB above 0 and below 1000000$"):
+            plan_synth(cfg, layers=1, shard_gb=bad)
+    assert plan_synth(cfg, layers=1, shard_gb=0.5).shard_bytes == 500_000_000

@@ -7,6 +7,7 @@ Bound: float32 accumulation on weights dequantized in float32 (one rounding each
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -304,6 +305,36 @@ assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert run.returncode == 0, run.stderr
     notes = [ln for ln in run.stderr.splitlines() if "CPU kernels could not be built" in ln]
     assert len(notes) == 1 and "no C++ compiler" in notes[0], run.stderr
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="no make on this machine")
+def test_make_setup_builds_the_kernels_without_echoing_the_command(tmp_path):
+    """``make setup``'s kernel step prints moestream's own lines, not its raw ``python -c ...`` recipe, and a
+    failed build does not fail the set-up (the recipe's ``-`` kept). The set-up runs for real against stand-ins:
+    a Python without torch (so the venv branch), a pip that does nothing, the venv's python this one, and a
+    compiler that fails at once (so the build notice prints and the step fails quickly)."""
+    repo = Path(__file__).resolve().parent.parent
+    (tmp_path / "pyproject.toml").write_text("")
+    bin_ = tmp_path / "v" / "bin"
+    bin_.mkdir(parents=True)
+    scripts = {tmp_path / "py": '[ "$1" = "-c" ] && exit 1; exit 0',  # no torch here; `-m venv` succeeds
+               bin_ / "pip": "exit 0", bin_ / "python": f'exec "{sys.executable}" "$@"'}
+    for path, body in scripts.items():
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+    env = dict(os.environ, CXX=shutil.which("false") or "false", MOESTREAM_KERNEL_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=str(repo))
+    env.pop(native.ENV, None)
+    run = subprocess.run(["make", "-f", str(repo / "Makefile"), "VENV=v", f"PYTHON={tmp_path / 'py'}", "setup"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "v" / ".installed").exists()
+    assert "moestream.quant.native" not in run.stdout + run.stderr, run.stdout  # the raw recipe, echoed
+    assert "v/bin/pip install -q -e '.[dev]'" in run.stdout  # make still echoes the other steps
+    notes = [ln for ln in run.stderr.splitlines() if ln.startswith("moestream: building the CPU kernels")]
+    assert len(notes) == 1 and notes[0].startswith(  # 150 s on a loaded 2-core machine: not "under a minute"
+        f"moestream: building the CPU kernels for this CPU once (a minute or a few), into {tmp_path / 'cache'}/"), notes
+    assert "CPU kernels could not be built" in run.stderr
 
 
 # turboquant: codebook codes behind the blockwise Hadamard rotation (moestream.quant.turboquant)

@@ -54,7 +54,8 @@ def _main(argv: list[str] | None) -> int:
     _add_serve_args(v)
     i = sub.add_parser("inspect", help="what a checkpoint (or a config at its real size) holds, and whether it streams")
     src = i.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="checkpoint folder or Hugging Face Hub id (reads headers only)")
+    src.add_argument("--model", help="checkpoint folder, GGUF file (the first file of a split set) or Hugging "
+                                      "Face Hub id (reads headers only)")
     src.add_argument("--config", type=Path, help="a bare config.json, sized at its real shape without weights")
     i.add_argument("--dtype", default="bf16", help="storage assumed for --config: bf16 (default), fp16 or fp32")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -37,8 +37,8 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder or Hub id (bf16, fp16, fp32 or fp8)")
     p.add_argument("--out", type=Path, default=None, help="folder to create (default: <model>-e<bits>g<group>...)")
     p.add_argument("--bits", type=int, default=4,
-                   help="bits for every part not given below: 2-6, 8; 16 = float (--bits 16 alone: the float model, "
-                   "routers included, in the streaming layout, no quantization)")
+                   help="bits for every part not given below (default 4): 2-6, 8; 16 = float (--bits 16 alone: the "
+                   "float model, routers included, in the streaming layout, no quantization)")
     p.add_argument("--group-size", type=int, default=64, help="weights per scale and bias: 32, 64 or 128 (default 64)")
     p.add_argument("--expert-bits", type=int, default=None,
                    help="routed experts' gate and up (default --bits; 16 = float)")
@@ -53,22 +53,16 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> Path:
     from ..engine import progress_bar
     from ..quant.affine import BITS
-    from ..quant.convert import ConvertSpec, convert, default_out
+    from ..quant.convert import ConvertSpec, plan_convert, write_convert
 
     if args.bits not in (*BITS, 16):
         raise MoestreamError(f"--bits {args.bits}: expected one of {BITS} or 16 (float)")
     expert = args.expert_bits or args.bits
     spec = ConvertSpec(args.group_size, expert, args.expert_down_bits or expert, args.attn_bits or args.bits,
                        args.other_bits or args.bits)
-    spec.check()
-    from ..checkpoint import Checkpoint, resolve_model
-
-    src = resolve_model(args.model)
-    with Checkpoint(src) as ckpt:
-        total = ckpt.total_bytes
-    out = args.out if args.out is not None else default_out(args.model, src, spec)
-    with progress_bar(total, f"writing {out.name}", log_lines=True) as bar:
-        out = convert(src, out, spec, args.shard_gb, bar.update)
+    job = plan_convert(args.model, args.out, spec, args.shard_gb)  # every check before the first progress line
+    with progress_bar(job.nbytes, f"writing {job.out.name}", log_lines=True) as bar:
+        out = write_convert(job, bar.update)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {out} ({size / 1e9:.2f} GB)")
     return out

@@ -9,6 +9,7 @@ Options (in every command that loads a model, through ``cli.add_engine_args``):
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -41,9 +42,11 @@ def add_commands(sub, add_engine_args) -> None:
     c.add_argument("--trace", required=True, type=Path, nargs="+",
                    help="traces: written with --trace, JSON lines with layer/token/experts (or selected_ids), or "
                         "FLAME-MoE parquet (a layer_NN.parquet file or a folder of them; needs pyarrow)")
-    c.add_argument("--budgets", default=None, help="cache budgets in GB, comma-separated (e.g. 0.5,1,2)")
+    c.add_argument("--budgets", default=None,
+                   help="cache budgets in GB, comma-separated (e.g. 0.5,1,2); this or --residency is required")
     c.add_argument("--residency", default=None,
-                   help="cache budgets as shares of all experts, comma-separated (e.g. 0.1,0.2,0.4)")
+                   help="cache budgets as shares of all experts, comma-separated (e.g. 0.1,0.2,0.4); this or "
+                        "--budgets is required")
     c.add_argument("--prefetch", default="0",
                    help="read-ahead depths to replay, comma-separated, 0-2 (default 0; 1 and 2 need a moestream trace)")
     c.add_argument("--hot-from", type=Path, nargs="+", default=None,
@@ -75,6 +78,9 @@ def run_command(args: argparse.Namespace, out=None) -> bool:
         depths = [int(d) for d in raw]
         if args.max_tokens is not None and args.max_tokens < 1:
             raise MoestreamError(f"--max-tokens {args.max_tokens}: give a number of tokens >= 1")
+        # checked here, not by the LFU policy mid-replay (a traceback), and 0 is not "the default"
+        if args.half_life is not None and not 0 < args.half_life < math.inf:
+            raise MoestreamError(f"--half-life {args.half_life}: give a number of lookups above 0")
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         bad = [p for p in policies if p not in (*POLICIES, "belady")]
         if bad or not policies:

@@ -33,7 +33,16 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import INDEX_FILE, Checkpoint, dtype_size, pread_full, resolve_model, safetensors_dtype, torch_dtype
+from ..checkpoint import (
+    INDEX_FILE,
+    Checkpoint,
+    dtype_size,
+    pread_full,
+    resolve_model,
+    safetensors_dtype,
+    shard_bytes,
+    torch_dtype,
+)
 from ..errors import ConfigError, MoestreamError
 from ..layout import discover_experts
 from ..mlx_format import open_checkpoint
@@ -303,15 +312,99 @@ def default_out(model: str | Path, src: Path, spec: ConvertSpec) -> Path:
     return Path.cwd() / spec.folder_name(str(model).rstrip("/").split("/")[-1])
 
 
+@dataclass(frozen=True)
+class ConvertPlan:
+    """A checked convert job (nothing written yet): :func:`plan_convert` makes it, :func:`write_convert` runs it.
+
+    Attributes:
+        src: the local checkpoint (folder or GGUF file) read.
+        out: the folder to create (absent, in an existing folder).
+        spec: bit widths and group size.
+        shard_bytes: shard size in bytes.
+        nbytes: bytes of tensor data in ``src`` (what the progress counts down).
+    """
+
+    src: Path
+    out: Path
+    spec: ConvertSpec
+    shard_bytes: int
+    nbytes: int
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an ``out`` that exists, or whose folder does not (convert makes only the last folder)."""
+    if out.exists():
+        raise MoestreamError(f"{out}: already exists; choose another --out or delete it")
+    if not out.parent.is_dir():
+        raise MoestreamError(
+            f"--out {out}: {out.parent} is not an existing folder (convert makes only the last folder)")
+
+
+def _dtype(ckpt: Checkpoint) -> torch.dtype:
+    """The float dtype the output keeps unquantized tensors in: the config's, else bf16."""
+    cfg_dtype = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "bfloat16"
+    return {"float16": torch.float16, "float32": torch.float32}.get(cfg_dtype, torch.bfloat16)
+
+
+def plan_convert(model: str | Path, out: str | Path | None = None, spec: ConvertSpec | None = None,
+                 shard_gb: float = 5.0) -> ConvertPlan:
+    """Check every convert argument and the input's tensors (headers only; nothing is written), so a
+    refusal comes before any progress output.
+
+    Args: as :func:`convert`.
+
+    Raises:
+        ConfigError: a bad option (spec, ``shard_gb``); QuantError: an input already quantized or fp8
+        without its scales; CheckpointError: an unreadable input; MoestreamError: ``out`` exists, or
+        its folder does not.
+    """
+    spec = spec or ConvertSpec()
+    spec.check()
+    nbytes_shard = shard_bytes(shard_gb)
+    src = resolve_model(model)
+    out = Path(out) if out is not None else default_out(model, src, spec)
+    _check_out(out)
+    with open_checkpoint(src) as ckpt:
+        plan(ckpt, spec, _dtype(ckpt))  # refuses what convert cannot read, by tensor name
+        nbytes = ckpt.total_bytes
+    return ConvertPlan(src, out, spec, nbytes_shard, nbytes)
+
+
+def write_convert(job: ConvertPlan, progress: Callable[[int], None] | None = None) -> Path:
+    """Write the planned quantized checkpoint into ``job.out`` (as a hidden ``.partial`` folder renamed
+    when complete; removed on failure). ``progress`` is called with the input bytes of each tensor or
+    expert converted. Returns ``job.out``.
+
+    Raises:
+        MoestreamError: ``job.out`` was created since the plan; what :func:`plan_convert` raises.
+    """
+    out = job.out
+    _check_out(out)
+    with open_checkpoint(job.src) as ckpt:
+        items, qdict = plan(ckpt, job.spec, _dtype(ckpt))
+        tmp = out.parent / f".{out.name}.partial"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            _write(ckpt, items, qdict, tmp, job.shard_bytes, progress)
+            tmp.rename(out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out
+
+
 def convert(model: str | Path, out: str | Path | None = None, spec: ConvertSpec | None = None,
             shard_gb: float = 5.0, progress: Callable[[int], None] | None = None) -> Path:
-    """Write the quantized checkpoint of ``model`` into the new folder ``out``.
+    """Write the quantized checkpoint of ``model`` into the new folder ``out``: :func:`plan_convert`,
+    then :func:`write_convert`.
 
     Args:
         model: checkpoint folder or Hub id (bf16, fp16, fp32 or fp8 with block scales).
-        out: the folder to create (default: :func:`default_out`).
+        out: the folder to create, in an existing folder (default: :func:`default_out`).
         spec: bit widths and group size (:class:`ConvertSpec`).
-        shard_gb: shard size in GB (10^9 bytes).
+        shard_gb: shard size in GB (10^9 bytes), above 0.
         progress: called with the input bytes of each tensor or expert converted.
 
     Returns:
@@ -319,30 +412,10 @@ def convert(model: str | Path, out: str | Path | None = None, spec: ConvertSpec 
 
     Raises:
         ConfigError: a bad option; QuantError: an input already quantized or fp8 without
-        its scales; CheckpointError: an unreadable input; MoestreamError: ``out`` exists.
+        its scales; CheckpointError: an unreadable input; MoestreamError: ``out`` exists, or its
+        folder does not.
     """
-    spec = spec or ConvertSpec()
-    src = resolve_model(model)
-    out = Path(out) if out is not None else default_out(model, src, spec)
-    if out.exists():
-        raise MoestreamError(f"{out}: already exists; choose another --out or delete it")
-    if shard_gb <= 0:
-        raise ConfigError(f"--shard-gb {shard_gb} must be positive")
-    with open_checkpoint(src) as ckpt:
-        cfg_dtype = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "bfloat16"
-        dtype = {"float16": torch.float16, "float32": torch.float32}.get(cfg_dtype, torch.bfloat16)
-        items, qdict = plan(ckpt, spec, dtype)
-        tmp = out.parent / f".{out.name}.partial"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        try:
-            _write(ckpt, items, qdict, tmp, int(shard_gb * 1e9), progress)
-            tmp.rename(out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return out
+    return write_convert(plan_convert(model, out, spec, shard_gb), progress)
 
 
 def _write(ckpt: Checkpoint, items: list[_Item], qdict: dict | None, folder: Path, shard_bytes: int, progress) -> None:

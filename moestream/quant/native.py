@@ -170,7 +170,7 @@ def _load() -> ctypes.CDLL:
         cxx = _compiler()
         if cxx is None:
             raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++, g++ or clang++'}) found")
-        print(f"moestream: building the CPU kernels for this CPU once (under a minute), into {where}",
+        print(f"moestream: building the CPU kernels for this CPU once (a minute or a few), into {where}",
               file=sys.stderr, flush=True)
         where.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
