@@ -283,8 +283,11 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
 
 
 def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, free: int,
-                       device, context_tokens: int | None) -> BudgetPlan:
+                       device, context_tokens: int | None, extra_resident: int = 0) -> BudgetPlan:
     """The VRAM expert budget on a CUDA device with ``free`` bytes free.
+
+    ``extra_resident``: bytes the resident weights take beyond their parameters' (quantized resident
+    linears dequantized at load on the GPU).
 
     ``budget`` as given (refused, before any weight is read, when resident weights plus it
     exceed the free device memory), or for ``auto`` the free memory less resident weights,
@@ -294,7 +297,7 @@ def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, expert
     Raises:
         BudgetError: with the numbers.
     """
-    resident = resident_bytes(net, dtype)
+    resident = resident_bytes(net, dtype) + extra_resident
     ctx = context_tokens_for(net, context_tokens)
     reserve = int(1e9) + 4 * net.top_k * one + 2 * ctx * kv_bytes_per_token(net, dtype)
     if budget == AUTO:

@@ -34,6 +34,8 @@ from .options import DEFAULT_BUDGET_GB, EngineOptions
 from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline, FusedSwiGLUKernel
 from .policies import make_policy
 from .quant import model as quant
+from .quant.expert import QuantizedSwiGLU
+from .quant.resident import dense_extra_bytes, dequantize_resident
 from .quant.turboquant import set_fast
 from .store import ExpertStore
 from .tiered_cache import PinnedBufferPool, TieredExpertCache, device_free_bytes, resolve_device
@@ -308,6 +310,8 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         if tokenizer:
             tok = load_tokenizer(ckpt.path if tokenizer is True else tokenizer)
         unused = _load_resident(ckpt, opened, progress, io)
+        if dev.type == "cuda" and opened.quantized_resident:
+            dequantize_resident(net, opened.dtype)  # stored-form GEMVs on the GPU: not yet (docs/gpu.md)
         net.to(dev).eval()
         use_fast_linear(net)  # wide bf16 matmuls in float32 on CPUs without native bf16 (models/linear.py)
         policy = make_policy(options.cache_policy, half_life=sum(opened.num_experts.values()))
@@ -315,6 +319,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         if tiered:
             cache = TieredExpertCache(store, plan.budget, opened.num_experts, policy=policy, device=dev,
                                       host_budget_bytes=plan.host, slots=fused)
+            _check_quantized_tier(ckpt, opened, quant_fns, fused, cache.pool is not None)
             fused = fused and cache.pool is not None  # experts of more than one layout: no slot pool
         else:
             cache = ExpertCache(store, plan.budget, opened.num_experts, policy=policy)
@@ -399,8 +404,6 @@ def _open(ckpt: Checkpoint, options: EngineOptions) -> _Opened:
 def _check_device(ckpt: Checkpoint, opened: _Opened, dev: torch.device, tiered: bool,
                   options: EngineOptions) -> None:
     """Refuse what the GPU tier does not do yet, and set what CUDA needs for exact bits."""
-    if tiered and (opened.formats or opened.quantized_resident):
-        raise ConfigError(f"{ckpt.path}: quantized weights are not supported on the GPU tier yet; use --device cpu")
     if tiered and options.wire_memory:
         raise ConfigError("--wire-memory applies to the CPU expert cache; with --device cuda use --host-cache-gb")
     if dev.type == "cuda":
@@ -416,9 +419,9 @@ def _plan_budget(net: CausalLM, store: ExpertStore, keys: list, dtype: torch.dty
     sizes = [store.cached_nbytes(k) for k in keys]
     experts, one = sum(sizes), max(sizes, default=0)
     share = 1 if parallel is None else parallel.local_world
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # quantized resident linears are dequantized at load there (_load_resident)
         plan = plan_device_budget(net, options.cache_budget, dtype, experts, one, device_free_bytes(dev), dev,
-                                  options.context_tokens)
+                                  options.context_tokens, extra_resident=dense_extra_bytes(net, dtype))
     else:
         plan = plan_cpu_budget(net, options.cache_budget, dtype, experts, one, options.workers, io.use_page_cache,
                                options.prefetch_ahead, options.context_tokens, share, store.read_buffers(keys),
@@ -446,13 +449,16 @@ def _load_resident(ckpt: Checkpoint, opened: _Opened, progress, io: IOSettings) 
 
 def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool, fused: bool = False) -> dict:
     """layer -> the expert kernel of each MoE block, chosen once: the quantized layers' functions on
-    their stored pieces (``quant_fns``); for the plain SwiGLU expert the fused Triton kernel from VRAM
+    their stored pieces (``quant_fns``), or where ``fused`` and the layer's experts are SwiGLU the fused
+    kernel on the stored pieces; for the plain SwiGLU expert the fused Triton kernel from VRAM
     slots where ``fused``, else the batched SwiGLU chain where ``batched``; else the family's own
     expert function."""
     out = {}
     for block in net.moe_blocks():
         fn = quant_fns.get(block.layer)
-        if fn is not None:
+        if fn is not None and fused and isinstance(fn, QuantizedSwiGLU):
+            out[block.layer] = FusedSwiGLUKernel(fn.fmt)
+        elif fn is not None:
             out[block.layer] = ExpertKernel(fn)
         elif fused and block.expert_fn is swiglu_expert:
             out[block.layer] = FusedSwiGLUKernel()
@@ -467,7 +473,8 @@ def _use_fused(net: CausalLM, options: EngineOptions, dev: torch.device, tiered:
                quant_fns: dict) -> bool:
     """Whether the SwiGLU experts run on the fused Triton kernel from a VRAM slot pool: on CUDA when Triton is
     there (``fused_experts`` None), never under expert parallelism (its slot exchange needs the batched
-    chain's shapes) nor for quantized experts.
+    chain's shapes); quantized experts only as SwiGLU experts in a format it reads
+    (:func:`moestream.quant.model.gpu_unsupported`).
 
     Raises:
         ConfigError: ``fused_experts=True`` where the kernel cannot run.
@@ -475,15 +482,35 @@ def _use_fused(net: CausalLM, options: EngineOptions, dev: torch.device, tiered:
     want = options.fused_experts
     if want is False:
         return False
-    can = fused_moe.available(dev) and tiered and parallel is None and not quant_fns and any(
+    can = fused_moe.available(dev) and tiered and parallel is None and quant.gpu_unsupported(quant_fns) is None and any(
         b.expert_fn is swiglu_expert for b in net.moe_blocks())
     if want is None:  # by default on CUDA only: the CPU path keeps its per-expert kernels
         return can and dev.type == "cuda"
     if not can:
         raise ConfigError("fused_experts: the fused MoE kernel needs Triton on a CUDA device (or TRITON_INTERPRET=1), "
-                          "the GPU tier (--device cuda or a host tier), SwiGLU experts in bf16/fp16/fp32 and no "
-                          "expert parallelism")
+                          "the GPU tier (--device cuda or a host tier), SwiGLU experts in bf16/fp16/fp32 or as MLX "
+                          "affine, fp8 or MXFP4, and no expert parallelism")
     return can
+
+
+def _check_quantized_tier(ckpt: Checkpoint, opened: _Opened, quant_fns: dict, fused: bool, pooled: bool) -> None:
+    # fused: the engine chose the fused kernel; pooled: the cache could lay every expert out in one slot pool
+    """Quantized experts on the GPU tier are computed only by the fused kernel, from the stored bytes in VRAM
+    slots (no dequantized copy of an expert in VRAM); refuse, naming why, where it cannot run.
+
+    Raises:
+        ConfigError: naming the checkpoint and the reason.
+    """
+    if not opened.formats or (fused and pooled):
+        return
+    why = quant.gpu_unsupported(quant_fns)
+    if why is None and fused_moe.triton is None:
+        why = "the fused kernel needs Triton, which this PyTorch lacks"
+    elif why is None and fused:
+        why = "its MoE layers store experts in more than one layout (one slot pool holds one)"
+    elif why is None:
+        why = "the fused kernel is off (fused_experts=False, or expert parallelism)"
+    raise ConfigError(f"{ckpt.path}: quantized experts on the GPU tier: {why}; use --device cpu")
 
 
 def _fuse_norms(net: CausalLM) -> None:

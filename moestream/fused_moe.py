@@ -36,6 +36,7 @@ set before this module is imported), which is how the CPU tests check their logi
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -70,8 +71,54 @@ if triton is not None:
     constexpr = tl.constexpr if interpreted() else None
 
     @triton.jit
-    def _gate_up_rows(x_ptr, idx_ptr, table_ptr, wg_ptr, wu_ptr, h_ptr, K: constexpr, H: constexpr, NI: constexpr,
-                      sx, sws, swn, sh, BN: tl.constexpr, BK: tl.constexpr):
+    def _wload(q_ptr, s_ptr, b_ptr, slot, r, c, m, sq0, sq1, ss0, ss1, sb0, sb1,
+               FMT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr):
+        # weights [r, c] of the expert in `slot` as float32, dequantized in registers; r (output rows) and c
+        # (input columns) are broadcastable int index tensors, m their mask. Codes are bytes (uint8 views).
+        r64 = r.to(tl.int64)
+        if FMT == 0:  # float, the compute dtype
+            w = tl.load(q_ptr + slot * sq0 + r64 * sq1 + c, mask=m, other=0.0).to(tl.float32)
+        elif FMT == 1:  # MLX affine: one little-endian bit stream per row; scale * q + bias per group
+            bit = c * BITS
+            byte = bit >> 3
+            sh = bit & 7
+            base = q_ptr + slot * sq0 + r64 * sq1 + byte
+            v = tl.load(base, mask=m, other=0).to(tl.int32)
+            if BITS == 3 or BITS == 5 or BITS == 6:  # a code may straddle two bytes
+                v = v | (tl.load(base + 1, mask=m & (sh + BITS > 8), other=0).to(tl.int32) << 8)
+            q = ((v >> sh) & ((1 << BITS) - 1)).to(tl.float32)
+            g = c // GS
+            sc = tl.load(s_ptr + slot * ss0 + r64 * ss1 + g, mask=m, other=0.0).to(tl.float32)
+            bi = tl.load(b_ptr + slot * sb0 + r64 * sb1 + g, mask=m, other=0.0).to(tl.float32)
+            w = q * sc + bi
+        elif FMT == 2:  # fp8 e4m3fn times the scale of its (BR x GS) block
+            v = tl.load(q_ptr + slot * sq0 + r64 * sq1 + c, mask=m, other=0).to(tl.int32)
+            e = (v >> 3) & 15
+            mant = v & 7
+            sign = (v & 0x80) << 24
+            normal = (sign | ((e + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+            sub = mant.to(tl.float32) * 0.001953125  # e == 0: mant * 2^-9
+            w = tl.where(e == 0, tl.where(sign != 0, -sub, sub), normal)
+            w = tl.where((v & 0x7F) == 0x7F, float("nan"), w)
+            sc = tl.load(s_ptr + slot * ss0 + (r64 // BR) * ss1 + c // GS, mask=m, other=0.0).to(tl.float32)
+            w = w * sc
+        else:  # MXFP4: e2m1 nibbles (low nibble = even column) times 2^(e8m0 - 127) per 32 columns
+            v = tl.load(q_ptr + slot * sq0 + r64 * sq1 + (c >> 1), mask=m, other=0).to(tl.int32)
+            nib = (v >> ((c & 1) * 4)) & 15
+            ex = (nib >> 1) & 3
+            mb = nib & 1
+            val = tl.where(ex == 0, mb, (2 + mb) << tl.maximum(ex - 1, 0)).to(tl.float32) * 0.5
+            val = tl.where(nib >= 8, -val, val)
+            se = tl.load(s_ptr + slot * ss0 + r64 * ss1 + c // 32, mask=m, other=127).to(tl.int32)
+            scale = tl.where(se == 0, 5.877471754111438e-39, (se << 23).to(tl.float32, bitcast=True))
+            w = val * scale
+        return w
+
+    @triton.jit
+    def _gate_up_rows(x_ptr, idx_ptr, table_ptr, wg_ptr, sg_ptr, bg_ptr, wu_ptr, su_ptr, bu_ptr, h_ptr,
+                      K: constexpr, H: constexpr, NI: constexpr, sx, q0, q1, s0, s1, b0, b1, sh,
+                      BN: tl.constexpr, BK: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                      BR: tl.constexpr):
         # one program: routing slot s = t*K + k, gate/up output features n in [nb*BN, nb*BN + BN)
         s = tl.program_id(0)
         nb = tl.program_id(1)
@@ -82,22 +129,25 @@ if triton is not None:
         nmask = n < NI
         accg = tl.zeros([BN], dtype=tl.float32)
         accu = tl.zeros([BN], dtype=tl.float32)
-        wrow = slot * sws + n[:, None].to(tl.int64) * swn
         for k0 in range(0, H, BK):
             kk = k0 + tl.arange(0, BK)
             km = kk < H
             xv = tl.load(x_ptr + t * sx + kk, mask=km, other=0.0).to(tl.float32)
             m2 = nmask[:, None] & km[None, :]
-            g = tl.load(wg_ptr + wrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-            u = tl.load(wu_ptr + wrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            g = _wload(wg_ptr, sg_ptr, bg_ptr, slot, n[:, None], kk[None, :], m2, q0, q1, s0, s1, b0, b1,
+                       F, BITS, GS, BR)
+            u = _wload(wu_ptr, su_ptr, bu_ptr, slot, n[:, None], kk[None, :], m2, q0, q1, s0, s1, b0, b1,
+                       F, BITS, GS, BR)
             accg += tl.sum(g * xv[None, :], axis=1)
             accu += tl.sum(u * xv[None, :], axis=1)
         h = accg / (1.0 + tl.exp(-accg)) * accu
         tl.store(h_ptr + s * sh + n, h, mask=nmask)
 
     @triton.jit
-    def _down_sum_rows(h_ptr, w_ptr, idx_ptr, table_ptr, wd_ptr, out_ptr, K: constexpr, H: constexpr, NI: constexpr,
-                       sh, sds, sdn, so, BN: tl.constexpr, BK: tl.constexpr):
+    def _down_sum_rows(h_ptr, w_ptr, idx_ptr, table_ptr, wd_ptr, sd_ptr, bd_ptr, out_ptr, K: constexpr,
+                       H: constexpr, NI: constexpr, sh, q0, q1, s0, s1, b0, b1, so,
+                       BN: tl.constexpr, BK: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                       BR: tl.constexpr):
         # one program: token t, output features n in [nb*BN, nb*BN + BN), its K experts in routing order
         t = tl.program_id(0)
         nb = tl.program_id(1)
@@ -109,22 +159,23 @@ if triton is not None:
             e = tl.load(idx_ptr + s)
             slot = tl.load(table_ptr + e).to(tl.int64)
             wt = tl.load(w_ptr + s).to(tl.float32)
-            drow = slot * sds + n[:, None].to(tl.int64) * sdn
             acc = tl.zeros([BN], dtype=tl.float32)
             for i0 in range(0, NI, BK):
                 ii = i0 + tl.arange(0, BK)
                 im = ii < NI
                 hv = tl.load(h_ptr + s * sh + ii, mask=im, other=0.0)
-                d = tl.load(wd_ptr + drow + ii[None, :], mask=nmask[:, None] & im[None, :], other=0.0).to(tl.float32)
+                d = _wload(wd_ptr, sd_ptr, bd_ptr, slot, n[:, None], ii[None, :], nmask[:, None] & im[None, :],
+                           q0, q1, s0, s1, b0, b1, F, BITS, GS, BR)
                 acc += tl.sum(d * hv[None, :], axis=1)
             out += acc * wt
         tl.store(out_ptr + t * so + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
 
     @triton.jit
-    def _gate_up_blocks(x_ptr, rows_ptr, bexp_ptr, table_ptr, wg_ptr, wu_ptr, h_ptr, K: constexpr, TK, E,
-                        H: constexpr, NI: constexpr,
-                        sx, sws, swn, sh, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        PREC: tl.constexpr, UPCAST: tl.constexpr):
+    def _gate_up_blocks(x_ptr, rows_ptr, bexp_ptr, table_ptr, wg_ptr, sg_ptr, bg_ptr, wu_ptr, su_ptr, bu_ptr, h_ptr,
+                        K: constexpr, TK, E, H: constexpr, NI: constexpr, sx, q0, q1, s0, s1, b0, b1, sh,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        UPCAST: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                        BR: tl.constexpr):
         # one program: a block of BM routing slots of one expert, gate/up features [nb*BN, nb*BN + BN)
         b = tl.program_id(0)
         nb = tl.program_id(1)
@@ -139,16 +190,19 @@ if triton is not None:
         nmask = n < NI
         accg = tl.zeros([BM, BN], dtype=tl.float32)
         accu = tl.zeros([BM, BN], dtype=tl.float32)
-        wcol = slot * sws + n[None, :].to(tl.int64) * swn
         for k0 in range(0, H, BK):
             kk = k0 + tl.arange(0, BK)
             km = kk < H
             a = tl.load(x_ptr + tok[:, None] * sx + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
             m2 = km[:, None] & nmask[None, :]
-            g = tl.load(wg_ptr + wcol + kk[:, None], mask=m2, other=0.0)
-            u = tl.load(wu_ptr + wcol + kk[:, None], mask=m2, other=0.0)
+            g = _wload(wg_ptr, sg_ptr, bg_ptr, slot, n[None, :], kk[:, None], m2, q0, q1, s0, s1, b0, b1,
+                       F, BITS, GS, BR)
+            u = _wload(wu_ptr, su_ptr, bu_ptr, slot, n[None, :], kk[:, None], m2, q0, q1, s0, s1, b0, b1,
+                       F, BITS, GS, BR)
             if UPCAST:  # the interpreter's tl.dot mistakes 16-bit floats
-                a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+                a = a.to(tl.float32)
+            else:  # tensor-core operands in the input's dtype (float weights come as they are stored)
+                g, u = g.to(x_ptr.dtype.element_ty), u.to(x_ptr.dtype.element_ty)
             accg = tl.dot(a, g, accg, input_precision=PREC)
             accu = tl.dot(a, u, accu, input_precision=PREC)
         h = accg / (1.0 + tl.exp(-accg)) * accu
@@ -156,9 +210,10 @@ if triton is not None:
                  mask=rmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _down_blocks(h_ptr, w_ptr, rows_ptr, bexp_ptr, table_ptr, wd_ptr, y_ptr, TK, E, H: constexpr, NI: constexpr,
-                     sh, sds, sdn, sy, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     PREC: tl.constexpr, UPCAST: tl.constexpr):
+    def _down_blocks(h_ptr, w_ptr, rows_ptr, bexp_ptr, table_ptr, wd_ptr, sd_ptr, bd_ptr, y_ptr, TK, E,
+                     H: constexpr, NI: constexpr, sh, q0, q1, s0, s1, b0, b1, sy,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                     UPCAST: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr):
         # one program: a block of BM routing slots of one expert, output features [nb*BN, nb*BN + BN)
         b = tl.program_id(0)
         nb = tl.program_id(1)
@@ -172,14 +227,16 @@ if triton is not None:
         n = nb * BN + tl.arange(0, BN)
         nmask = n < H
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        dcol = slot * sds + n[None, :].to(tl.int64) * sdn
         for i0 in range(0, NI, BK):
             ii = i0 + tl.arange(0, BK)
             im = ii < NI
             a = tl.load(h_ptr + r64[:, None] * sh + ii[None, :], mask=rmask[:, None] & im[None, :], other=0.0)
-            d = tl.load(wd_ptr + dcol + ii[:, None], mask=im[:, None] & nmask[None, :], other=0.0)
+            d = _wload(wd_ptr, sd_ptr, bd_ptr, slot, n[None, :], ii[:, None], im[:, None] & nmask[None, :],
+                       q0, q1, s0, s1, b0, b1, F, BITS, GS, BR)
             if UPCAST:
-                a, d = a.to(tl.float32), d.to(tl.float32)
+                a = a.to(tl.float32)
+            else:
+                d = d.to(h_ptr.dtype.element_ty)
             acc = tl.dot(a, d, acc, input_precision=PREC)
         wt = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + r64[:, None] * sy + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nmask[None, :])
@@ -271,9 +328,130 @@ def _rows_config(h: int, i: int) -> tuple[int, int, int, int]:
     return 16, min(256, triton.next_power_of_2(h)), 8, min(1024, triton.next_power_of_2(i))
 
 
+FLOAT, AFFINE, FP8, MXFP4 = 0, 1, 2, 3  # the kernels' weight formats (their FMT constant)
+_METHODS = {"affine": AFFINE, "fp8": FP8, "mxfp4": MXFP4}
+# what the kernels dequantize in registers (Scheme.method -> bits they take)
+GPU_FORMATS = {"affine": (2, 3, 4, 5, 6, 8), "fp8": (8,), "mxfp4": (4,)}
+
+
+@dataclass(frozen=True)
+class Proj:
+    """One projection of every slot as the kernels read it (rows ``out`` x columns ``in`` per slot).
+
+    ``q``: float weights [S, out, in] in the compute dtype (``fmt`` FLOAT), else the codes as bytes
+    (uint8 [S, out, row bytes]: affine's bit stream, fp8 bytes, MXFP4 nibble pairs); ``s``/``b``:
+    scales and biases [S, rows, groups] (affine), block scales [S, ceil(out/br), ceil(in/gs)]
+    (fp8), e8m0 scales [S, out, in/32] (MXFP4); ``q`` again where a format has none (never read).
+    ``bits``, ``gs`` (columns per scale), ``br`` (rows per fp8 scale block): the format's constants.
+    """
+
+    q: torch.Tensor
+    s: torch.Tensor
+    b: torch.Tensor
+    fmt: int = FLOAT
+    bits: int = 16
+    gs: int = 1
+    br: int = 1
+    out_features: int = 0
+    in_features: int = 0
+
+    @classmethod
+    def float(cls, w: torch.Tensor) -> "Proj":
+        """A float weight view [S, out, in] (last two dimensions contiguous)."""
+        if w.stride(-1) != 1 or w.stride(-2) != w.shape[-1]:
+            raise ValueError("expert views must be contiguous in their last two dimensions")
+        return cls(w, w, w, FLOAT, 16, 1, 1, w.shape[1], w.shape[2])
+
+    def strides(self) -> tuple[int, ...]:
+        """(slot, row) strides of q, s and b, in their elements."""
+        return (self.q.stride(0), self.q.stride(1), self.s.stride(0), self.s.stride(1),
+                self.b.stride(0), self.b.stride(1))
+
+    def consts(self) -> dict:
+        return dict(F=self.fmt, BITS=self.bits, GS=self.gs, BR=self.br)
+
+    def rows(self, start: int, step: int) -> "Proj":
+        """Every ``step``-th row from ``start`` (gpt-oss style interleaved ``gate_up``: gate the even rows)."""
+        if self.fmt == FP8:  # a block scale would span gate and up rows
+            raise ValueError("an interleaved gate_up in fp8 blocks is not a layout the kernels read")
+        q = self.q[:, start::step]
+        if self.fmt == FLOAT:
+            s = b = q
+        else:
+            s = self.s[:, start::step]
+            b = self.b[:, start::step] if self.fmt == AFFINE else s
+        return Proj(q, s, b, self.fmt, self.bits, self.gs, self.br, -(-(self.out_features - start) // step),
+                    self.in_features)
+
+
+def gpu_format(scheme) -> str | None:
+    """Why the kernels cannot read weights of ``scheme`` (a :class:`moestream.quant.formats.Scheme`),
+    or None when they can (float, MLX affine 2-8 bits, fp8 e4m3 with block/channel/tensor scales, MXFP4)."""
+    if scheme is None:
+        return None
+    bits = GPU_FORMATS.get(scheme.method)
+    if bits is None or scheme.bits not in bits:
+        return f"{scheme.tag} weights have no GPU kernel (float, MLX affine 2-8 bit, fp8 e4m3 and MXFP4 do)"
+    return None
+
+
+def quant_proj(views: dict[str, torch.Tensor], lf) -> Proj:
+    """The :class:`Proj` of linear ``lf`` (a :class:`moestream.quant.formats.LinearFormat`) from the slot
+    pool's views (role -> [S, *piece shape]: ``gate``, ``gate.scales``, ``gate.biases``, ...).
+
+    Raises:
+        ValueError: a format the kernels do not read (see :func:`gpu_format`), or pieces whose shapes
+            disagree with ``lf``.
+    """
+    role, sch, out_f, in_f = lf.role, lf.scheme, lf.out_features, lf.in_features
+    why = gpu_format(sch)
+    if why is not None:
+        raise ValueError(f"{role}: {why}")
+    w = views[role]
+    if sch is None:
+        return Proj.float(w)
+    nslots = w.shape[0]
+    q = w.view(torch.uint8).view(nslots, out_f, -1)  # the slot pool's views: contiguous within a slot
+    sc = views[role + "." + sch.scale_param]
+    if sch.method == "affine":
+        if q.shape[-1] * 8 != in_f * sch.bits:
+            raise ValueError(f"{role}: {q.shape[-1]} bytes per row do not hold {in_f} {sch.bits}-bit codes")
+        bi = views[role + ".biases"]
+        return Proj(q, sc.view(nslots, out_f, -1), bi.view(nslots, out_f, -1), AFFINE, sch.bits,
+                    sch.group_size, 1, out_f, in_f)
+    if sch.method == "fp8":
+        br, bc = sch.block[0] or out_f, sch.block[1] or in_f
+        sc = sc.reshape(nslots, -(-out_f // br), -(-in_f // bc))  # a per-tensor [] or [1] too
+        return Proj(q, sc, sc, FP8, 8, bc, br, out_f, in_f)
+    sc = sc.view(nslots, out_f, in_f // 32)  # MXFP4: blocks [out, in/32, 16] or packed [out, in/2]
+    return Proj(q, sc, sc, MXFP4, 4, 32, 1, out_f, in_f)
+
+
+def expert_projections(views: dict[str, torch.Tensor], fmt=None) -> tuple[Proj, Proj, Proj]:
+    """(gate, up, down) :class:`Proj` of a SwiGLU layer's slots, for experts stored as ``fmt`` (a
+    :class:`moestream.quant.formats.ExpertFormat`, None: float ``gate``/``up``/``down``). An
+    interleaved ``gate_up`` (gpt-oss's layout) is read as its even (gate) and odd (up) rows.
+
+    Raises:
+        ValueError: from :func:`quant_proj`.
+    """
+    if fmt is None:
+        return Proj.float(views["gate"]), Proj.float(views["up"]), Proj.float(views["down"])
+    lin = fmt.linears
+    if fmt.fused_gate_up:
+        gu = quant_proj(views, lin["gate_up"])
+        gate, up = gu.rows(0, 2), gu.rows(1, 2)
+    else:
+        gate, up = quant_proj(views, lin["gate"]), quant_proj(views, lin["up"])
+        if gate.consts() != up.consts():
+            raise ValueError(f"gate ({lin['gate'].scheme.tag if lin['gate'].scheme else 'float'}) and up "
+                             f"({lin['up'].scheme.tag if lin['up'].scheme else 'float'}) are stored alike "
+                             "for the fused kernel")
+    return gate, up, quant_proj(views, lin["down"])
+
+
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: torch.Tensor,
-              gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, out: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              gate, up, down, out: torch.Tensor | None = None) -> torch.Tensor:
     """A layer's routed SwiGLU experts from their slots, summed over k in routing order.
 
     Args:
@@ -282,28 +460,31 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
         idx: [T, K] int64 (or int32) expert ids in routing order.
         table: int32 [E] on x's device: expert -> slot; every id in ``idx`` must map to a slot
             that holds that expert (the pipeline fetches the layer's experts first).
-        gate, up: [S, I, H]; down: [S, H, I]: the slot pool's views (any slot stride; the last
-            two dimensions contiguous), x's dtype.
+        gate, up: [S, I, H]; down: [S, H, I]: the slot pool's float views in x's dtype (any slot
+            stride; the last two dimensions contiguous), or :class:`Proj` (quantized experts
+            as stored: :func:`expert_projections`), dequantized in registers, never in memory.
         out: optional [T, H] output buffer in x's dtype.
 
     Returns:
         [T, H] in x's dtype: ``sum_k weights[t, k] * down(silu(gate x_t) * up x_t)``, accumulated
-        in float32 over k = 0..K-1 and rounded once.
+        in float32 over k = 0..K-1 and rounded once. Quantized weights are dequantized to float32
+        (exact for fp8 and MXFP4; affine ``scale * q + bias`` in float32); on the prefill path
+        they then enter the tensor cores in x's dtype.
 
     Raises:
         RuntimeError: when Triton is missing (see :func:`available`).
+        ValueError: weight shapes that do not fit the input's width.
     """
     if triton is None:
         raise RuntimeError("the fused MoE kernel needs Triton (pip install triton), which this PyTorch lacks")
+    gate, up, down = (w if isinstance(w, Proj) else Proj.float(w) for w in (gate, up, down))
     t, h = x.shape
     k = idx.shape[1]
-    s_, i_, h2 = gate.shape
-    if h2 != h or tuple(down.shape[1:]) != (h, i_) or tuple(up.shape) != tuple(gate.shape):
-        raise ValueError(f"expert shapes gate {list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} "
-                         f"do not fit the input's width {h}")
-    for w in (gate, up, down):
-        if w.stride(-1) != 1 or w.stride(-2) != w.shape[-1]:
-            raise ValueError("expert views must be contiguous in their last two dimensions")
+    i_, h2 = gate.out_features, gate.in_features
+    if (h2 != h or (down.out_features, down.in_features) != (h, i_)
+            or (up.out_features, up.in_features) != (i_, h)):
+        raise ValueError(f"expert shapes gate {[i_, h2]}, up {[up.out_features, up.in_features]}, "
+                         f"down {[down.out_features, down.in_features]} do not fit the input's width {h}")
     if out is None:
         out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
@@ -311,15 +492,17 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
     flat = idx.reshape(-1)
     wflat = weights.reshape(-1)
     tk = t * k
+    gu = (gate.q, gate.s, gate.b, up.q, up.s, up.b)
+    dn = (down.q, down.s, down.b)
     if tk <= ROWS_MAX:
         bn1, bk1, bn2, bk2 = _rows_config(h, i_)
         hbuf = torch.empty(tk, i_, dtype=torch.float32, device=x.device)
         _gate_up_rows[(tk, triton.cdiv(i_, bn1))](
-            x, flat, table, gate, up, hbuf, k, h, i_, x.stride(0), gate.stride(0), gate.stride(1), hbuf.stride(0),
-            BN=bn1, BK=bk1, num_warps=4)
+            x, flat, table, *gu, hbuf, k, h, i_, x.stride(0), *gate.strides(), hbuf.stride(0),
+            BN=bn1, BK=bk1, **gate.consts(), num_warps=4)
         _down_sum_rows[(t, triton.cdiv(h, bn2))](
-            hbuf, wflat, flat, table, down, out, k, h, i_, hbuf.stride(0), down.stride(0), down.stride(1),
-            out.stride(0), BN=bn2, BK=bk2, num_warps=4)
+            hbuf, wflat, flat, table, *dn, out, k, h, i_, hbuf.stride(0), *down.strides(),
+            out.stride(0), BN=bn2, BK=bk2, **down.consts(), num_warps=4)
         return out
     e = table.numel()
     bm = block_m(t, k, e)
@@ -330,12 +513,12 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
     bn, bk = 64, 64
     hbuf = torch.empty(tk, i_, dtype=x.dtype, device=x.device)
     _gate_up_blocks[(nblocks, triton.cdiv(i_, bn))](
-        x, rows, bexp, table, gate, up, hbuf, k, tk, e, h, i_, x.stride(0), gate.stride(0), gate.stride(1),
-        hbuf.stride(0), BM=bm, BN=bn, BK=bk, PREC=prec, UPCAST=up16, num_warps=4, num_stages=3)
+        x, rows, bexp, table, *gu, hbuf, k, tk, e, h, i_, x.stride(0), *gate.strides(),
+        hbuf.stride(0), BM=bm, BN=bn, BK=bk, PREC=prec, UPCAST=up16, **gate.consts(), num_warps=4, num_stages=3)
     y = torch.empty(tk, h, dtype=torch.float32, device=x.device)
     _down_blocks[(nblocks, triton.cdiv(h, bn))](
-        hbuf, wflat, rows, bexp, table, down, y, tk, e, h, i_, hbuf.stride(0), down.stride(0), down.stride(1),
-        y.stride(0), BM=bm, BN=bn, BK=bk, PREC=prec, UPCAST=up16, num_warps=4, num_stages=3)
+        hbuf, wflat, rows, bexp, table, *dn, y, tk, e, h, i_, hbuf.stride(0), *down.strides(),
+        y.stride(0), BM=bm, BN=bn, BK=bk, PREC=prec, UPCAST=up16, **down.consts(), num_warps=4, num_stages=3)
     _sum_k[(t, triton.cdiv(h, 128))](y, out, k, h, y.stride(0), out.stride(0), BN=128, num_warps=4)
     return out
 

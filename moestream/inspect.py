@@ -243,7 +243,8 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
     top_k = _top_k(cfg)
     active = sum(top_k * layout.expert_nbytes(i, 0) for i in layout.layers)
     return Inspection(
-        gpu_kernel=gpu_kernel(net, bool(qfmt or quantization)),
+        gpu_kernel=gpu_kernel(net, _quantized_fns(ckpt, layout, net) if (qfmt or quantization) else None,
+                              per_expert, active),
         source=source, model_type=model_type, family=family.__name__, can_stream=True,
         layers=len(net.decoder.layers), moe_layers=len(layout.layers), experts_per_layer=first.num_experts,
         top_k=top_k, bytes_per_expert=per_expert, expert_bytes=layout.total_bytes, resident_bytes=resident,
@@ -255,11 +256,27 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
     )
 
 
-def gpu_kernel(net, quantized: bool) -> str:
+def _quantized_fns(ckpt, layout, net) -> dict:
+    """layer -> expert function of a quantized checkpoint's MoE layers, as the engine would pick (on meta)."""
+    return quant.attach(net, quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path), torch.float32)
+
+
+def gpu_kernel(net, quant_fns: dict | None = None, per_expert: int = 0, per_token: int = 0) -> str:
     """What runs a model's routed experts with ``--device cuda``: the fused Triton kernel for the plain SwiGLU
-    expert (with decode steps as CUDA graphs where the family is plain), the family's own function otherwise."""
-    if quantized:
-        return "not on the GPU tier (it takes float experts only; use --device cpu)"
+    expert (with decode steps as CUDA graphs where the family is plain), on a quantized checkpoint's stored
+    bytes where the kernel reads its format (``quant_fns``: layer -> expert function, None for float
+    experts; then the VRAM bytes per expert and the most bytes one token moves over PCIe), the family's
+    own function otherwise."""
+    if quant_fns is not None:
+        why = quant.gpu_unsupported(quant_fns)
+        if why is not None or not quant_fns:
+            return f"not on the GPU tier ({why or 'quantized resident weights with float experts'}; use --device cpu)"
+        why = graph_unsupported(net)
+        steps = "decode steps as CUDA graphs" if why is None else f"decode steps eager ({why})"
+        tag = next(iter(quant_fns.values())).fmt.tag
+        return (f"experts by the fused SwiGLU kernel on their stored bytes ({tag}, dequantized in registers), "
+                f"{steps}; {per_expert / MB:.2f} MB of VRAM per expert, at most {per_token / GB:.3f} GB over "
+                "PCIe per token (every routed expert a miss); quantized resident linears dequantized once at load")
     blocks = net.moe_blocks()
     if blocks and all(b.expert_fn is swiglu_expert for b in blocks):
         why = graph_unsupported(net)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .fused_moe import fused_moe
+from .fused_moe import expert_projections, fused_moe
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -167,17 +167,32 @@ class FusedSwiGLUKernel:
     no routing on the host when every expert is resident. Its bits depend only on the inputs,
     the routing and the shapes (never on the slot or tier an expert came from); they differ from
     the other kernels'. Needs the cache's :class:`~moestream.tiered_cache.SlotPool`.
+
+    ``fmt``: the layer's :class:`~moestream.quant.formats.ExpertFormat` when its experts are stored
+    quantized (MLX affine, fp8, MXFP4: the slots hold the stored bytes, dequantized in registers);
+    None for float experts.
     """
 
     batched = True
     slotted = True
-    name = "fused SwiGLU (Triton, in place from VRAM slots)"
+
+    def __init__(self, fmt=None):
+        self.fmt = fmt
+        self._proj = None  # (the pool's views, their projections): the views never change
+
+    @property
+    def name(self) -> str:
+        kind = "" if self.fmt is None else f" on {self.fmt.tag} as stored"
+        return f"fused SwiGLU (Triton, in place from VRAM slots{kind})"
 
     def compute_from_slots(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: torch.Tensor,
                            views: dict[str, torch.Tensor]) -> torch.Tensor:
         """``x`` [T, H], ``weights`` [T, K], ``idx`` [T, K] int64, ``table`` int32 [E] (expert -> slot),
-        ``views`` the pool's ``gate``/``up`` [S, I, H] and ``down`` [S, H, I] -> [T, H] in x's dtype."""
-        return fused_moe(x.contiguous(), weights, idx, table, views["gate"], views["up"], views["down"])
+        ``views`` the pool's pieces (``gate``/``up`` [S, I, H] and ``down`` [S, H, I], or their stored
+        quantized pieces) -> [T, H] in x's dtype."""
+        if self._proj is None or self._proj[0] is not views:
+            self._proj = (views, expert_projections(views, self.fmt))
+        return fused_moe(x.contiguous(), weights, idx, table, *self._proj[1])
 
 
 def keep_top_experts(

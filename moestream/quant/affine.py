@@ -65,6 +65,12 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"{n} codes of {bits} bits do not fill whole uint32 words")
     lead = codes.shape[:-1]
     per, nbytes = _pack_shape(bits)
+    if nbytes == 1:  # 2, 4, 8 bits: whole codes per byte, combined in uint8 (the int64 path is 10x slower)
+        c = codes.to(torch.uint8).reshape(*lead, -1, per)
+        raw = c[..., 0].clone()
+        for j in range(1, per):
+            raw |= c[..., j] << (j * bits)
+        return raw.reshape(*lead, -1).contiguous().view(torch.uint32)
     wide = torch.int64
     c = codes.to(wide).reshape(*lead, -1, per)
     shifts = torch.arange(0, per * bits, bits, dtype=wide, device=codes.device)

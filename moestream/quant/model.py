@@ -13,12 +13,13 @@ import sys
 
 import torch
 
+from .. import fused_moe
 from ..checkpoint import torch_dtype
 from ..models.moe import swiglu_expert
 from . import turboquant
 from .compressed import module_pattern
 from .convert import padding_tensors  # noqa: F401  (the engine skips convert's padding tensors)
-from .expert import expert_fn_for
+from .expert import QuantizedSwiGLU, expert_fn_for
 from .formats import ExpertFormat, QuantConfig, QuantError, expert_format
 from .resident import QuantEmbedding, QuantLinear, quantize_resident
 from .turboquant import TQExpertFormat, TQExperts, TQLinear
@@ -148,3 +149,24 @@ def expert_functions(model, formats: dict) -> dict:
         fn = block.expert_fn
         out[block.layer] = TQExperts(fmt, holders, None if fn is swiglu_expert else fn)
     return out
+
+
+def gpu_unsupported(fns: dict) -> str | None:
+    """Why the quantized expert layers ``fns`` (layer -> expert function, from :func:`attach`) cannot run on
+    the GPU tier's fused kernel, or None when they can: SwiGLU experts (:class:`~.expert.QuantizedSwiGLU`)
+    in a format it dequantizes in registers (:func:`moestream.fused_moe.gpu_format`: MLX affine 2-8 bit,
+    fp8 e4m3, MXFP4)."""
+    for layer, fn in sorted(fns.items()):
+        if not isinstance(fn, QuantizedSwiGLU):
+            fmt = getattr(fn, "fmt", None)
+            what = getattr(fmt, "tag", None) or type(fn).__name__
+            return (f"layer {layer}'s experts ({what}) are not SwiGLU experts in a format the fused GPU kernel "
+                    "reads (MLX affine 2-8 bit, fp8 e4m3, MXFP4)")
+        for lf in fn.fmt.linears.values():
+            why = fused_moe.gpu_format(lf.scheme)
+            if why is not None:
+                return f"layer {layer}: {why}"
+        gu = fn.fmt.linears.get("gate_up")
+        if fn.fmt.fused_gate_up and gu is not None and gu.scheme is not None and gu.scheme.method == "fp8":
+            return f"layer {layer}: an interleaved gate_up in fp8 blocks has no GPU kernel"
+    return None

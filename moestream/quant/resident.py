@@ -160,3 +160,39 @@ def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None,
                 model.set_submodule(path, QuantEmbedding(*got))
                 swapped.append(path)
     return swapped
+
+
+def dense_extra_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes that :func:`dequantize_resident` adds: each quantized linear or embedding's float weight
+    [out, in] in ``dtype`` less its stored parameters (shapes only: works on the meta device)."""
+    extra = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear | QuantEmbedding):
+            stored = sum(p.numel() * p.element_size() for n, p in m.named_parameters(recurse=False) if n != "bias")
+            extra += m.fmt.out_features * m.fmt.in_features * dtype.itemsize - stored
+    return extra
+
+
+def dequantize_resident(model: nn.Module, dtype: torch.dtype) -> int:
+    """Swap every loaded :class:`QuantLinear` / :class:`QuantEmbedding` of ``model`` for a float
+    ``nn.Linear`` / ``nn.Embedding`` in ``dtype`` holding its dequantized weight (the GPU tier: one
+    dequantization at load, then cuBLAS; attention, routers, dense MLPs and the LM head are a few
+    percent of an MoE model's bytes). Returns the number of modules swapped.
+
+    The float weight is the CPU path's own dequantization (:meth:`QuantLinear.dense_weight`), rounded
+    once to ``dtype``."""
+    swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+    for name, m in swaps:
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        if isinstance(m, QuantLinear):
+            dense = nn.Linear(m.fmt.in_features, m.fmt.out_features, bias=m.bias is not None, device="meta")
+            dense.weight = nn.Parameter(m.dense_weight(dtype), requires_grad=False)
+            if m.bias is not None:
+                dense.bias = nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
+        else:
+            ids = torch.arange(m.fmt.out_features)
+            w = torch.cat([m.forward(ids[i:i + 4096]).to(dtype) for i in range(0, len(ids), 4096)])
+            dense = nn.Embedding(*w.shape, device="meta")
+            dense.weight = nn.Parameter(w, requires_grad=False)
+        setattr(parent, name.rpartition(".")[2], dense)
+    return len(swaps)

@@ -1,0 +1,130 @@
+"""Quantized experts on the GPU against bf16 ones: the same Qwen3-30B-A3B-shaped synth in bf16 and converted
+by ``moestream convert`` to 4-bit MLX affine (group 64), decoded fed the same varied tokens, in three tiers:
+
+- every expert in VRAM (budget ``all``, CUDA graphs);
+- a VRAM budget of 25% of the bf16 model's expert bytes plus the host tier (``--host-cache-gb auto``);
+- the same VRAM budget with the disk behind it and no host tier.
+
+One command on a CUDA machine (it writes the checkpoints when their folders do not exist):
+
+    python benchmarks/gpu_quant.py --root /tmp/gq --layers 24 --out gpu_quant.json
+
+Per configuration (``gpu_tiers.run_config``: a warm-up prefill of ``--warm`` tokens and ``--warm-decode``
+steps first, so the tiers start warm): ms per token (mean and median), VRAM / host / disk shares of the
+lookups, MB per token over PCIe and from disk; the 4-bit / bf16 decode-rate ratio per tier, against the
+issue's targets (>= 2.5x with the host tier, >= 1x all in VRAM, >= 3x from disk); and, per model, whether
+every tier's logits equal budget all's (``torch.equal``). Writes everything to ``--out`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from gpu_tiers import CONFIG, disk_rate, run_config  # noqa: E402
+
+TARGETS = {"all": 1.0, "25% + host": 2.5, "25% + disk": 3.0}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def prepare(root: Path, layers: int) -> dict:
+    """The bf16 synth and its 4-bit conversion under ``root`` (written when missing); seconds each took."""
+    from moestream.quant.convert import ConvertSpec, convert
+    from moestream.synth import plan_synth, write_synth
+
+    took = {}
+    bf16, q4 = root / "bf16", root / "q4"
+    if not bf16.exists():
+        t0 = time.perf_counter()
+        write_synth(plan_synth(CONFIG, layers, "bf16", 0, None, "spread", 5.0), bf16, device="cuda")
+        os.sync()
+        took["synth_s"] = time.perf_counter() - t0
+    if not q4.exists():
+        t0 = time.perf_counter()
+        convert(bf16, q4, ConvertSpec(64, 4, 4, 4, 4))
+        os.sync()
+        took["convert_s"] = time.perf_counter() - t0
+    return took
+
+
+def expert_bytes(path: Path) -> int:
+    from moestream.checkpoint import Checkpoint
+    from moestream.layout import discover_experts
+
+    with Checkpoint(path) as c:
+        lay = discover_experts(c.tensors)
+        return sum(lay.expert_nbytes(i, e) for i, x in lay.layers.items() for e in range(x.num_experts))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", type=Path, required=True, help="folder for the bf16 and q4 checkpoints")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--tokens", type=int, default=24, help="timed decode steps")
+    p.add_argument("--warm", type=int, default=256, help="warm-up prefill tokens")
+    p.add_argument("--warm-decode", type=int, default=8)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--only", default="", help="comma-separated tiers to run (all, 25%% + host, 25%% + disk)")
+    p.add_argument("--out", type=Path, default=Path("gpu_quant.json"))
+    p.add_argument("--prepare-only", action="store_true", help="write the checkpoints and stop")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "layers": a.layers}
+    result["prepare"] = prepare(a.root, a.layers)
+    log("prepared", result["prepare"])
+    if a.prepare_only:
+        return
+    models = {"bf16": a.root / "bf16", "q4": a.root / "q4"}
+    sizes = {m: expert_bytes(path) for m, path in models.items()}
+    result["expert_gb"] = {m: s / 1e9 for m, s in sizes.items()}
+    shards = sorted(models["bf16"].glob("*.safetensors"))
+    result["disk_gb_s"] = disk_rate(shards, total=2 << 30)
+    rng = random.Random(7)
+    tokens = [rng.randrange(100, 150000) for _ in range(a.tokens)]
+    warm = [rng.randrange(100, 150000) for _ in range(a.warm)]
+    vram = 0.25 * sizes["bf16"] / 1e9  # the same VRAM budget for both models: 25% of the bf16 expert bytes
+    tiers = {"all": ("all", None), "25% + host": (str(vram), "auto"), "25% + disk": (str(vram), None)}
+    if a.only:
+        tiers = {k: v for k, v in tiers.items() if k in a.only.split(",")}
+    runs, exact = {}, {}
+    for m, path in models.items():
+        ref = None
+        for tier, (budget, host) in tiers.items():
+            log(f"{m} {tier} ...")
+            res, logits = run_config(path, budget, host, tokens, warm, a.warm_decode, dev, a.workers)
+            runs[f"{m} {tier}"] = res
+            log(f"  {res['median_ms']:.2f} ms/token median, {res['tok_s']:.1f} tok/s, "
+                f"h2d {res['h2d_mb_per_token']:.1f} MB/token, disk {res['disk_mb_per_token']:.1f} MB/token")
+            if ref is None:
+                ref = logits
+            else:
+                exact[f"{m} {tier}"] = all(torch.equal(x, y) for x, y in zip(ref, logits))
+            result["runs"], result["exact_vs_first_tier"] = runs, exact
+            a.out.write_text(json.dumps(result, indent=2))
+    ratios = {}
+    for tier in tiers:
+        b, q = runs.get(f"bf16 {tier}"), runs.get(f"q4 {tier}")
+        if b and q:
+            r = b["median_ms"] / q["median_ms"]
+            ratios[tier] = {"q4_over_bf16": r, "target": TARGETS[tier], "met": r >= TARGETS[tier]}
+    result["ratios"] = ratios
+    a.out.write_text(json.dumps(result, indent=2))
+    log(json.dumps({"ratios": ratios, "exact": exact}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
