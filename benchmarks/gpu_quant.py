@@ -61,6 +61,82 @@ def prepare(root: Path, layers: int) -> dict:
     return took
 
 
+def kernel_bench(dev, reps: int = 200, h: int = 2048, i: int = 768, s: int = 128, tokens=(1, 512)) -> dict:
+    """The fused kernel alone at Qwen3-30B-A3B's expert shape (H 2048, I 768, 128 slots, top-8): median us
+    per call for one token and for a 512-token prefill, bf16 experts against each stored format (random
+    bytes: the timing does not depend on the values), and the stored bytes of the routed experts per us."""
+    from moestream import fused_moe as fm
+    from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
+    from moestream.tiered_cache import SlotLayout
+
+    k = 8
+    kinds = {
+        "bf16": None,
+        "affine4-g64": (Scheme("affine", 4, 64), [("", torch.uint32, 4 / 32), ("scales", torch.bfloat16, 1 / 64),
+                                                   ("biases", torch.bfloat16, 1 / 64)]),
+        "affine8-g64": (Scheme("affine", 8, 64), [("", torch.uint32, 8 / 32), ("scales", torch.bfloat16, 1 / 64),
+                                                   ("biases", torch.bfloat16, 1 / 64)]),
+        "affine3-g64": (Scheme("affine", 3, 64), [("", torch.uint32, 3 / 32), ("scales", torch.bfloat16, 1 / 64),
+                                                   ("biases", torch.bfloat16, 1 / 64)]),
+        "fp8-128": (Scheme("fp8", 8, 128, (128, 128)), [("", torch.uint8, 1.0)]),
+        "mxfp4": (Scheme("mxfp4", 4, 32), [("", torch.uint8, 0.5), ("scales", torch.uint8, 1 / 32)]),
+    }
+    out = {}
+    g = torch.Generator(device=dev).manual_seed(0)
+    for name, spec in kinds.items():
+        pieces = []
+        for role, (o, n) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+            if spec is None:
+                pieces.append((role, torch.bfloat16, (o, n)))
+                continue
+            sch, parts = spec
+            for suffix, dt, per in parts:
+                pieces.append((role + ("." + suffix if suffix else ""), dt, (o, int(n * per))))
+            if sch.method == "fp8":
+                pieces.append((role + ".weight_scale_inv", torch.float32, (-(-o // 128), -(-n // 128))))
+        layout = SlotLayout.of(pieces)
+        storage = torch.randint(0, 256, (s, layout.slot_bytes), dtype=torch.uint8, device=dev, generator=g)
+        views = layout.views(storage)
+        for role, v in views.items():  # small finite scales (random bytes could be NaN or huge as floats)
+            if v.dtype in (torch.bfloat16, torch.float32):
+                v.copy_(torch.rand(v.shape, generator=g, device=dev) * 0.01)
+            elif role.endswith(".scales") and v.dtype == torch.uint8:
+                v.fill_(120)
+            elif v.dtype == torch.uint8 and spec is not None and spec[0].method == "fp8":
+                v.bitwise_and_(0x3F)  # finite e4m3 values
+        if spec is None:
+            proj = fm.expert_projections(views)
+        else:
+            sch = spec[0]
+            fmt = ExpertFormat({"gate": LinearFormat("gate", sch, i, h), "up": LinearFormat("up", sch, i, h),
+                                "down": LinearFormat("down", sch, h, i)})
+            proj = fm.expert_projections(views, fmt)
+        table = torch.randperm(s, device=dev, generator=g).to(torch.int32)
+        res = {"slot_bytes": layout.slot_bytes}
+        for t in tokens:
+            x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16) * 0.1
+            idx = torch.stack([torch.randperm(s, device=dev, generator=g)[:k] for _ in range(t)])
+            w = torch.rand(t, k, device=dev, generator=g)
+            for _ in range(5):
+                fm.fused_moe(x, w, idx, table, *proj)
+            times = []
+            for _ in range(reps if t == 1 else 30):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fm.fused_moe(x, w, idx, table, *proj)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3)
+            times.sort()
+            med = times[len(times) // 2]
+            res[f"t{t}_us"] = med
+            if t == 1:
+                res["t1_stored_gb_s"] = k * layout.slot_bytes / med / 1e3
+        out[name] = res
+        log(f"kernel {name}: {res}")
+    return out
+
+
 def expert_bytes(path: Path) -> int:
     from moestream.checkpoint import Checkpoint
     from moestream.layout import discover_experts
@@ -81,9 +157,14 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated tiers to run (all, 25%% + host, 25%% + disk)")
     p.add_argument("--out", type=Path, default=Path("gpu_quant.json"))
     p.add_argument("--prepare-only", action="store_true", help="write the checkpoints and stop")
+    p.add_argument("--kernels-only", action="store_true", help="time the fused kernel per format and stop")
     a = p.parse_args()
     dev = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "layers": a.layers}
+    result["kernels"] = kernel_bench(dev)
+    a.out.write_text(json.dumps(result, indent=2))
+    if a.kernels_only:
+        return
     result["prepare"] = prepare(a.root, a.layers)
     log("prepared", result["prepare"])
     if a.prepare_only:

@@ -115,10 +115,59 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _affine_dot(q_ptr, s_ptr, b_ptr, slot, n, nmask, k0, xv, NK: constexpr, sq0, sq1, ss0, ss1, sb0, sb1,
+                    BITS: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # rows n of one slot's affine weight (2, 4 or 8 bits) times x columns [k0, k0 + BK): whole uint32 words
+        # loaded (vectorized), codes unpacked in registers, then per group sum_i (s q_i + b) x_i =
+        # s * sum_i q_i x_i + b * sum_i x_i. q_ptr: int32 words; xv: [BK] float32 (0 past the row's end).
+        PER: tl.constexpr = 32 // BITS
+        NW: tl.constexpr = BK // PER
+        NG: tl.constexpr = BK // GS
+        wi = k0 // PER + tl.arange(0, NW)
+        r64 = n.to(tl.int64)
+        words = tl.load(q_ptr + slot * sq0 + r64[:, None] * sq1 + wi[None, :],
+                        mask=nmask[:, None] & (wi[None, :] < NK // PER), other=0)
+        sh = tl.arange(0, PER) * BITS
+        q = (words[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)
+        q = tl.reshape(q.to(tl.float32), (BN, NG, GS))
+        x3 = tl.reshape(xv, (NG, GS))
+        dot = tl.sum(q * x3[None, :, :], axis=2)
+        xs = tl.sum(x3, axis=1)
+        gi = k0 // GS + tl.arange(0, NG)
+        gm = nmask[:, None] & (gi[None, :] < NK // GS)
+        sc = tl.load(s_ptr + slot * ss0 + r64[:, None] * ss1 + gi[None, :], mask=gm, other=0.0).to(tl.float32)
+        bi = tl.load(b_ptr + slot * sb0 + r64[:, None] * sb1 + gi[None, :], mask=gm, other=0.0).to(tl.float32)
+        return tl.sum(sc * dot + bi * xs[None, :], axis=1)
+
+    @triton.jit
+    def _mxfp4_dot(q_ptr, s_ptr, slot, n, nmask, k0, xv, NK: constexpr, sq0, sq1, ss0, ss1,
+                   BN: tl.constexpr, BK: tl.constexpr):
+        # rows n of one slot's MXFP4 weight times x columns [k0, k0 + BK): the bytes loaded once each
+        # (vectorized), both nibbles decoded in registers, then per 32 columns 2^(e - 127) * sum_i v_i x_i
+        NB: tl.constexpr = BK // 2
+        NG: tl.constexpr = BK // 32
+        bi = k0 // 2 + tl.arange(0, NB)
+        r64 = n.to(tl.int64)
+        v = tl.load(q_ptr + slot * sq0 + r64[:, None] * sq1 + bi[None, :],
+                    mask=nmask[:, None] & (bi[None, :] < NK // 2), other=0).to(tl.int32)
+        nib = (v[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15  # low nibble = even column
+        ex = (nib >> 1) & 3
+        mb = nib & 1
+        val = tl.where(ex == 0, mb, (2 + mb) << tl.maximum(ex - 1, 0)).to(tl.float32) * 0.5
+        val = tl.where(nib >= 8, -val, val)
+        val = tl.reshape(val, (BN, NG, 32))
+        dot = tl.sum(val * tl.reshape(xv, (NG, 32))[None, :, :], axis=2)
+        gi = k0 // 32 + tl.arange(0, NG)
+        se = tl.load(s_ptr + slot * ss0 + r64[:, None] * ss1 + gi[None, :],
+                     mask=nmask[:, None] & (gi[None, :] < NK // 32), other=127).to(tl.int32)
+        scale = tl.where(se == 0, 5.877471754111438e-39, (se << 23).to(tl.float32, bitcast=True))
+        return tl.sum(dot * scale, axis=1)
+
+    @triton.jit
     def _gate_up_rows(x_ptr, idx_ptr, table_ptr, wg_ptr, sg_ptr, bg_ptr, wu_ptr, su_ptr, bu_ptr, h_ptr,
                       K: constexpr, H: constexpr, NI: constexpr, sx, q0, q1, s0, s1, b0, b1, sh,
                       BN: tl.constexpr, BK: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                      BR: tl.constexpr):
+                      BR: tl.constexpr, VEC: tl.constexpr):
         # one program: routing slot s = t*K + k, gate/up output features n in [nb*BN, nb*BN + BN)
         s = tl.program_id(0)
         nb = tl.program_id(1)
@@ -133,13 +182,22 @@ if triton is not None:
             kk = k0 + tl.arange(0, BK)
             km = kk < H
             xv = tl.load(x_ptr + t * sx + kk, mask=km, other=0.0).to(tl.float32)
-            m2 = nmask[:, None] & km[None, :]
-            g = _wload(wg_ptr, sg_ptr, bg_ptr, slot, n[:, None], kk[None, :], m2, q0, q1, s0, s1, b0, b1,
-                       F, BITS, GS, BR)
-            u = _wload(wu_ptr, su_ptr, bu_ptr, slot, n[:, None], kk[None, :], m2, q0, q1, s0, s1, b0, b1,
-                       F, BITS, GS, BR)
-            accg += tl.sum(g * xv[None, :], axis=1)
-            accu += tl.sum(u * xv[None, :], axis=1)
+            if VEC and F == 3:  # MXFP4: whole bytes
+                accg += _mxfp4_dot(wg_ptr, sg_ptr, slot, n, nmask, k0, xv, H, q0, q1, s0, s1, BN, BK)
+                accu += _mxfp4_dot(wu_ptr, su_ptr, slot, n, nmask, k0, xv, H, q0, q1, s0, s1, BN, BK)
+            elif VEC:  # affine 2/4/8 bits: whole words
+                accg += _affine_dot(wg_ptr, sg_ptr, bg_ptr, slot, n, nmask, k0, xv, H, q0, q1, s0, s1, b0, b1,
+                                    BITS, GS, BN, BK)
+                accu += _affine_dot(wu_ptr, su_ptr, bu_ptr, slot, n, nmask, k0, xv, H, q0, q1, s0, s1, b0, b1,
+                                    BITS, GS, BN, BK)
+            else:
+                m2 = nmask[:, None] & km[None, :]
+                g = _wload(wg_ptr, sg_ptr, bg_ptr, slot, n[:, None], kk[None, :], m2, q0, q1, s0, s1, b0, b1,
+                           F, BITS, GS, BR)
+                u = _wload(wu_ptr, su_ptr, bu_ptr, slot, n[:, None], kk[None, :], m2, q0, q1, s0, s1, b0, b1,
+                           F, BITS, GS, BR)
+                accg += tl.sum(g * xv[None, :], axis=1)
+                accu += tl.sum(u * xv[None, :], axis=1)
         h = accg / (1.0 + tl.exp(-accg)) * accu
         tl.store(h_ptr + s * sh + n, h, mask=nmask)
 
@@ -147,7 +205,7 @@ if triton is not None:
     def _down_sum_rows(h_ptr, w_ptr, idx_ptr, table_ptr, wd_ptr, sd_ptr, bd_ptr, out_ptr, K: constexpr,
                        H: constexpr, NI: constexpr, sh, q0, q1, s0, s1, b0, b1, so,
                        BN: tl.constexpr, BK: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                       BR: tl.constexpr):
+                       BR: tl.constexpr, VEC: tl.constexpr):
         # one program: token t, output features n in [nb*BN, nb*BN + BN), its K experts in routing order
         t = tl.program_id(0)
         nb = tl.program_id(1)
@@ -164,9 +222,15 @@ if triton is not None:
                 ii = i0 + tl.arange(0, BK)
                 im = ii < NI
                 hv = tl.load(h_ptr + s * sh + ii, mask=im, other=0.0)
-                d = _wload(wd_ptr, sd_ptr, bd_ptr, slot, n[:, None], ii[None, :], nmask[:, None] & im[None, :],
-                           q0, q1, s0, s1, b0, b1, F, BITS, GS, BR)
-                acc += tl.sum(d * hv[None, :], axis=1)
+                if VEC and F == 3:
+                    acc += _mxfp4_dot(wd_ptr, sd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, BN, BK)
+                elif VEC:
+                    acc += _affine_dot(wd_ptr, sd_ptr, bd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, b0, b1,
+                                       BITS, GS, BN, BK)
+                else:
+                    d = _wload(wd_ptr, sd_ptr, bd_ptr, slot, n[:, None], ii[None, :], nmask[:, None] & im[None, :],
+                               q0, q1, s0, s1, b0, b1, F, BITS, GS, BR)
+                    acc += tl.sum(d * hv[None, :], axis=1)
             out += acc * wt
         tl.store(out_ptr + t * so + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
 
@@ -370,6 +434,20 @@ class Proj:
     def consts(self) -> dict:
         return dict(F=self.fmt, BITS=self.bits, GS=self.gs, BR=self.br)
 
+    def words(self, bk: int) -> "Proj | None":
+        """This projection for the decode kernels' whole-word path, else None: affine 2, 4 or 8 bits with ``q``
+        as int32 words (``bk`` columns per step a multiple of the group, the codes' rows 4-byte aligned), or
+        MXFP4 bytes (``bk`` a multiple of 32)."""
+        if self.fmt == MXFP4 and bk % 32 == 0:  # bytes as stored: no alignment needed
+            return self
+        if self.fmt != AFFINE or self.bits not in (2, 4, 8) or bk % self.gs or bk < 32 // self.bits:
+            return None
+        q = self.q
+        if q.data_ptr() % 4 or q.stride(0) % 4 or q.stride(1) % 4 or q.shape[-1] % 4:
+            return None
+        return Proj(q.view(torch.int32), self.s, self.b, self.fmt, self.bits, self.gs, self.br, self.out_features,
+                    self.in_features)
+
     def rows(self, start: int, step: int) -> "Proj":
         """Every ``step``-th row from ``start`` (gpt-oss style interleaved ``gate_up``: gate the even rows)."""
         if self.fmt == FP8:  # a block scale would span gate and up rows
@@ -496,13 +574,21 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
     dn = (down.q, down.s, down.b)
     if tk <= ROWS_MAX:
         bn1, bk1, bn2, bk2 = _rows_config(h, i_)
+        if down.fmt in (AFFINE, MXFP4):  # a 256-column step over I (768 = 3 x 256) wastes no masked lanes
+            bk2 = min(bk2, 256)
+        gw, uw, dw = gate.words(bk1), up.words(bk1), down.words(bk2)
+        vec1, vec2 = gw is not None and uw is not None, dw is not None
+        if vec1:
+            gate, gu = gw, (gw.q, gw.s, gw.b, uw.q, uw.s, uw.b)
+        if vec2:
+            down, dn = dw, (dw.q, dw.s, dw.b)
         hbuf = torch.empty(tk, i_, dtype=torch.float32, device=x.device)
         _gate_up_rows[(tk, triton.cdiv(i_, bn1))](
             x, flat, table, *gu, hbuf, k, h, i_, x.stride(0), *gate.strides(), hbuf.stride(0),
-            BN=bn1, BK=bk1, **gate.consts(), num_warps=4)
+            BN=bn1, BK=bk1, **gate.consts(), VEC=vec1, num_warps=4)
         _down_sum_rows[(t, triton.cdiv(h, bn2))](
             hbuf, wflat, flat, table, *dn, out, k, h, i_, hbuf.stride(0), *down.strides(),
-            out.stride(0), BN=bn2, BK=bk2, **down.consts(), num_warps=4)
+            out.stride(0), BN=bn2, BK=bk2, **down.consts(), VEC=vec2, num_warps=4)
         return out
     e = table.numel()
     bm = block_m(t, k, e)
