@@ -61,10 +61,11 @@ def prepare(root: Path, layers: int) -> dict:
     return took
 
 
-def kernel_bench(dev, reps: int = 200, h: int = 2048, i: int = 768, s: int = 128, tokens=(1, 512)) -> dict:
-    """The fused kernel alone at Qwen3-30B-A3B's expert shape (H 2048, I 768, 128 slots, top-8): median us
-    per call for one token and for a 512-token prefill, bf16 experts against each stored format (random
-    bytes: the timing does not depend on the values), and the stored bytes of the routed experts per us."""
+def kernel_bench(dev, reps: int = 50, h: int = 2048, i: int = 768, s: int = 128, tokens=(1, 512)) -> dict:
+    """The fused kernel alone at Qwen3-30B-A3B's expert shape (H 2048, I 768, 128 slots, top-8): median GPU
+    us per call (calls replayed as a CUDA graph) for one token and for a 512-token prefill, bf16 experts
+    against each stored format (random bytes: the timing does not depend on the values), and the stored
+    bytes of the routed experts per us."""
     from moestream import fused_moe as fm
     from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
     from moestream.tiered_cache import SlotLayout
@@ -117,16 +118,30 @@ def kernel_bench(dev, reps: int = 200, h: int = 2048, i: int = 768, s: int = 128
             x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16) * 0.1
             idx = torch.stack([torch.randperm(s, device=dev, generator=g)[:k] for _ in range(t)])
             w = torch.rand(t, k, device=dev, generator=g)
-            for _ in range(5):
-                fm.fused_moe(x, w, idx, table, *proj)
+            outb = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+            for _ in range(3):
+                fm.fused_moe(x, w, idx, table, *proj, out=outb)
+            n = 20 if t == 1 else 3  # calls per graph: GPU time per call, without the host's launch cost
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(n):
+                        fm.fused_moe(x, w, idx, table, *proj, out=outb)
+                run = graph.replay
+            except RuntimeError as err:  # not capturable: eager calls (the host's launches included)
+                log(f"  {name} T={t}: no graph ({err}); timed eagerly")
+
+                def run(n=n, args=(x, w, idx, table, *proj), outb=outb):
+                    for _ in range(n):
+                        fm.fused_moe(*args, out=outb)
             times = []
-            for _ in range(reps if t == 1 else 30):
+            for _ in range(reps if t == 1 else 10):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                fm.fused_moe(x, w, idx, table, *proj)
+                run()
                 b.record()
                 b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3)
+                times.append(a.elapsed_time(b) * 1e3 / n)
             times.sort()
             med = times[len(times) // 2]
             res[f"t{t}_us"] = med
@@ -158,10 +173,21 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("gpu_quant.json"))
     p.add_argument("--prepare-only", action="store_true", help="write the checkpoints and stop")
     p.add_argument("--kernels-only", action="store_true", help="time the fused kernel per format and stop")
+    p.add_argument("--sweep", default="", help="decode block sizes to time, bn1:bk1:bn2:bk2 separated by commas")
     a = p.parse_args()
     dev = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "layers": a.layers}
     result["kernels"] = kernel_bench(dev)
+    if a.sweep:  # fused_moe.QUANT_ROWS candidates, the one-token case
+        from moestream import fused_moe as fm
+
+        default = dict(fm.QUANT_ROWS)
+        result["sweep"] = {}
+        for cfg in a.sweep.split(","):
+            fm.QUANT_ROWS.update(zip(("bn1", "bk1", "bn2", "bk2"), map(int, cfg.split(":"))))
+            result["sweep"][cfg] = {n: r["t1_us"] for n, r in kernel_bench(dev, tokens=(1,)).items() if n != "bf16"}
+            log(f"sweep {cfg}: {result['sweep'][cfg]}")
+        fm.QUANT_ROWS.update(default)
     a.out.write_text(json.dumps(result, indent=2))
     if a.kernels_only:
         return

@@ -235,6 +235,37 @@ if triton is not None:
         tl.store(out_ptr + t * so + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
 
     @triton.jit
+    def _down_rows(h_ptr, w_ptr, idx_ptr, table_ptr, wd_ptr, sd_ptr, bd_ptr, y_ptr, K: constexpr, H: constexpr,
+                   NI: constexpr, sh, q0, q1, s0, s1, b0, b1, sy,
+                   BN: tl.constexpr, BK: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                   BR: tl.constexpr, VEC: tl.constexpr):
+        # one program: routing slot s, output features n in [nb*BN, nb*BN + BN): y[s, n] = weight * down_e(h_s)
+        # (float32); _sum_k then adds a token's K rows in routing order. Quantized experts: a program per
+        # (slot, rows) keeps the GPU busy where one per (token, rows) looping over K waits on its loads.
+        s = tl.program_id(0)
+        nb = tl.program_id(1)
+        n = nb * BN + tl.arange(0, BN)
+        nmask = n < H
+        e = tl.load(idx_ptr + s)
+        slot = tl.load(table_ptr + e).to(tl.int64)
+        wt = tl.load(w_ptr + s).to(tl.float32)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for i0 in range(0, NI, BK):
+            ii = i0 + tl.arange(0, BK)
+            im = ii < NI
+            hv = tl.load(h_ptr + s * sh + ii, mask=im, other=0.0)
+            if VEC and F == 3:
+                acc += _mxfp4_dot(wd_ptr, sd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, BN, BK)
+            elif VEC:
+                acc += _affine_dot(wd_ptr, sd_ptr, bd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, b0, b1,
+                                   BITS, GS, BN, BK)
+            else:
+                d = _wload(wd_ptr, sd_ptr, bd_ptr, slot, n[:, None], ii[None, :], nmask[:, None] & im[None, :],
+                           q0, q1, s0, s1, b0, b1, F, BITS, GS, BR)
+                acc += tl.sum(d * hv[None, :], axis=1)
+        tl.store(y_ptr + s.to(tl.int64) * sy + n, acc * wt, mask=nmask)
+
+    @triton.jit
     def _gate_up_blocks(x_ptr, rows_ptr, bexp_ptr, table_ptr, wg_ptr, sg_ptr, bg_ptr, wu_ptr, su_ptr, bu_ptr, h_ptr,
                         K: constexpr, TK, E, H: constexpr, NI: constexpr, sx, q0, q1, s0, s1, b0, b1, sh,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
@@ -393,6 +424,9 @@ def _rows_config(h: int, i: int) -> tuple[int, int, int, int]:
 
 
 FLOAT, AFFINE, FP8, MXFP4 = 0, 1, 2, 3  # the kernels' weight formats (their FMT constant)
+# decode block sizes for quantized experts (rows per program, columns per step of gate/up and of down):
+# more, smaller programs than for float experts, whose loads are wider (measured on an H200, docs/gpu.md)
+QUANT_ROWS = {"bn1": 8, "bk1": 512, "bn2": 16, "bk2": 256}
 _METHODS = {"affine": AFFINE, "fp8": FP8, "mxfp4": MXFP4}
 # what the kernels dequantize in registers (Scheme.method -> bits they take)
 GPU_FORMATS = {"affine": (2, 3, 4, 5, 6, 8), "fp8": (8,), "mxfp4": (4,)}
@@ -574,8 +608,11 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
     dn = (down.q, down.s, down.b)
     if tk <= ROWS_MAX:
         bn1, bk1, bn2, bk2 = _rows_config(h, i_)
-        if down.fmt in (AFFINE, MXFP4):  # a 256-column step over I (768 = 3 x 256) wastes no masked lanes
-            bk2 = min(bk2, 256)
+        quant = gate.fmt != FLOAT or down.fmt != FLOAT
+        if gate.fmt != FLOAT:
+            bn1, bk1 = QUANT_ROWS["bn1"], min(QUANT_ROWS["bk1"], triton.next_power_of_2(h))
+        if down.fmt != FLOAT:
+            bn2, bk2 = QUANT_ROWS["bn2"], min(QUANT_ROWS["bk2"], triton.next_power_of_2(i_))
         gw, uw, dw = gate.words(bk1), up.words(bk1), down.words(bk2)
         vec1, vec2 = gw is not None and uw is not None, dw is not None
         if vec1:
@@ -586,9 +623,16 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
         _gate_up_rows[(tk, triton.cdiv(i_, bn1))](
             x, flat, table, *gu, hbuf, k, h, i_, x.stride(0), *gate.strides(), hbuf.stride(0),
             BN=bn1, BK=bk1, **gate.consts(), VEC=vec1, num_warps=4)
-        _down_sum_rows[(t, triton.cdiv(h, bn2))](
-            hbuf, wflat, flat, table, *dn, out, k, h, i_, hbuf.stride(0), *down.strides(),
-            out.stride(0), BN=bn2, BK=bk2, **down.consts(), VEC=vec2, num_warps=4)
+        if not quant:
+            _down_sum_rows[(t, triton.cdiv(h, bn2))](
+                hbuf, wflat, flat, table, *dn, out, k, h, i_, hbuf.stride(0), *down.strides(),
+                out.stride(0), BN=bn2, BK=bk2, **down.consts(), VEC=False, num_warps=4)
+            return out
+        y = torch.empty(tk, h, dtype=torch.float32, device=x.device)
+        _down_rows[(tk, triton.cdiv(h, bn2))](
+            hbuf, wflat, flat, table, *dn, y, k, h, i_, hbuf.stride(0), *down.strides(), y.stride(0),
+            BN=bn2, BK=bk2, **down.consts(), VEC=vec2, num_warps=4)
+        _sum_k[(t, triton.cdiv(h, 128))](y, out, k, h, y.stride(0), out.stride(0), BN=128, num_warps=4)
         return out
     e = table.numel()
     bm = block_m(t, k, e)
