@@ -173,11 +173,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("gpu_quant.json"))
     p.add_argument("--prepare-only", action="store_true", help="write the checkpoints and stop")
     p.add_argument("--kernels-only", action="store_true", help="time the fused kernel per format and stop")
+    p.add_argument("--skip-kernels", action="store_true", help="no kernel timing before the model runs")
     p.add_argument("--sweep", default="", help="decode block sizes to time, bn1:bk1:bn2:bk2 separated by commas")
     a = p.parse_args()
     dev = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "layers": a.layers}
-    result["kernels"] = kernel_bench(dev)
+    if not a.skip_kernels:
+        result["kernels"] = kernel_bench(dev)
     if a.sweep:  # fused_moe.QUANT_ROWS candidates, the one-token case
         from moestream import fused_moe as fm
 
