@@ -205,9 +205,9 @@ def test_quantized_checkpoint_on_the_fused_path(quant_ckpts, name):
     for a, b in zip(cpu, ref):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     one = expert_bytes(path)
-    for vram, host in ((3, 16), (0, 0)):
+    for vram, host, ahead in ((3, 16, 0), (0, 0, 0), (4, 16, 1)):
         out, cache, _ = quant_run(path, cache_budget_gb=str(vram * one / 1e9), host_cache_gb=str(host * one / 1e9),
-                                  fused_experts=True)
+                                  fused_experts=True, prefetch_ahead=ahead)
         assert all(torch.equal(a, b) for a, b in zip(ref, out)), f"{name}: VRAM {vram}, host {host}"
         assert cache.stats.misses > 0
 
@@ -220,3 +220,32 @@ def test_quantized_tier_without_the_fused_kernel_is_refused(quant_ckpts):
     with pytest.raises(ConfigError, match="quantized experts on the GPU tier.*fused kernel is off"):
         load(quant_ckpts / "mlx-4bit-g32", tokenizer=False, device="cpu", host_cache_gb="0.001",
              fused_experts=False, cache_budget_gb="0")
+
+
+def test_inspect_says_what_the_gpu_does_with_quantized_experts(quant_ckpts):
+    from moestream.inspect import inspect
+
+    text = inspect(str(quant_ckpts / "mlx-4bit-g32")).to_text()
+    gpu = next(line for line in text.splitlines() if line.startswith("on a GPU:"))
+    assert "on their stored bytes (affine 4-bit, group 32" in gpu and "MB of VRAM per expert" in gpu
+    assert "over PCIe per token" in gpu
+
+
+def test_gpu_unsupported_names_the_layer_and_why():
+    from moestream.models.moe import swiglu_expert
+    from moestream.quant.expert import DequantizedExpert, QuantizedSwiGLU
+    from moestream.quant.model import gpu_unsupported
+
+    def lin(role, sch, o=8, i=16):
+        return LinearFormat(role, sch, o, i)
+
+    ok = ExpertFormat({"gate": lin("gate", Scheme("affine", 4, 16)), "up": lin("up", Scheme("affine", 4, 16)),
+                       "down": lin("down", Scheme("affine", 4, 8), 16, 8)})
+    assert gpu_unsupported({0: QuantizedSwiGLU(ok)}) is None
+    tq = ExpertFormat({"gate": lin("gate", Scheme("gguf", 4, 32, ggml="Q4_0")),
+                       "up": lin("up", Scheme("gguf", 4, 32, ggml="Q4_0")),
+                       "down": lin("down", Scheme("gguf", 4, 32, ggml="Q4_0"), 16, 8)})
+    why = gpu_unsupported({0: QuantizedSwiGLU(ok), 3: QuantizedSwiGLU(tq)})
+    assert why.startswith("layer 3:") and "gguf Q4_0" in why
+    why = gpu_unsupported({2: DequantizedExpert(ok, swiglu_expert)})
+    assert "layer 2" in why and "not SwiGLU experts" in why
