@@ -19,21 +19,32 @@ other. A tensor of another type is refused naming the tensor and its type.
 Tensors are indexed as :class:`~moestream.checkpoint.TensorInfo` byte ranges: a float
 tensor as its dtype and torch shape (``ne`` reversed); a block-quantized one as its raw
 bytes, dtype ``GGML_<type>``, shape ``[..., rows, row bytes]``. llama.cpp's names are
-mapped onto Hugging Face names (:data:`NAMES`); the stacked experts ``blk.N.ffn_{gate,up,
-down}_exps.weight`` (``ne`` = [in, out, E]: torch [E, out, in]) become
-``model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.weight``, the stacked layout of
-:mod:`moestream.layout`, so each expert is one contiguous byte range read through the same
-store, cache and O_DIRECT path as any checkpoint. The Hugging Face config is built from the
-metadata (:func:`hf_config`).
+mapped onto Hugging Face names (:data:`NAMES`) by the mapping the ``gguf`` package itself
+defines, the one ``convert_hf_to_gguf.py`` writes by (``gguf.TensorNameMap`` of the
+architecture, :func:`derive_names`): of the Hugging Face names it lists for each llama.cpp
+tensor, the one moestream's family uses (:data:`HF_MODULES`). Overrides where moestream's
+names differ: the stacked experts ``blk.N.ffn_{gate,up,down}_exps.weight`` (``ne`` = [in,
+out, E]: torch [E, out, in]) become ``model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.weight``,
+the stacked layout of :mod:`moestream.layout`, so each expert is one contiguous byte range
+read through the same store, cache and O_DIRECT path as any checkpoint; ``exp_probs_b.bias``
+is ``mlp.gate.e_score_correction_bias`` (the converter renames it so the map finds it). The
+Hugging Face config is built from the metadata (:func:`hf_config`); a key moestream needs
+and the file lacks is refused naming the file and key.
 
 Architectures (``general.architecture``): ``qwen3moe`` (family ``qwen3_moe``), ``olmoe`` (family
-``olmoe``) and ``llama`` with experts (Mixtral; family ``mixtral``). llama.cpp's
-``convert_hf_to_gguf.py`` permutes the q and k rows of its ``llama``-derived models
-(``LlamaModel.permute``, for its interleaved rotary embedding): for ``llama`` they are read back
-into Hugging Face order (derived tensors, whole rows moved: any type). ``Qwen3MoeModel`` and
-``OlmoeModel`` derive from ``TextModel`` and store q and k as Hugging Face has them, so nothing is
-undone there. llama.cpp's qwen3moe graph always renormalizes the top-k
-router weights (``norm_topk_prob``), which the metadata does not say.
+``olmoe``), ``llama`` with experts (Mixtral; family ``mixtral``), ``deepseek2`` (DeepSeek-V2/V2.5/V3/R1,
+Kimi K2; family ``deepseek_v3`` when ``expert_gating_func`` is sigmoid, else ``deepseek_v2``) and
+``glm4moe`` (GLM-4.5/4.6; family ``glm4_moe``). llama.cpp's ``convert_hf_to_gguf.py`` permutes the
+q and k rows of its ``llama``-derived models (``LlamaModel.permute``, for its interleaved rotary
+embedding): for ``llama`` they are read back into Hugging Face order (derived tensors, whole rows
+moved: any type). ``Qwen3MoeModel``, ``OlmoeModel``, ``DeepseekV2Model`` and ``Glm4MoeModel``
+store q and k as Hugging Face has them, so nothing is undone there. llama.cpp's qwen3moe graph
+always renormalizes the top-k router weights (``norm_topk_prob``), which the metadata does not
+say. ``DeepseekV2Model`` splits each layer's ``kv_b_proj`` into ``attn_k_b`` (the key rows,
+transposed) and ``attn_v_b``; they are joined back into ``kv_b_proj`` when the resident weights
+load (:func:`_deepseek2_tensors`; a derived float32 tensor, dequantized from any type).
+GLM-4.5's multi-token-prediction layers (``nextn_predict_layers``) follow the decoder layers in
+``block_count``; they are left unused, as for Hugging Face checkpoints.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import gguf
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
@@ -54,56 +66,89 @@ from .quant import ggml
 SUFFIX = ".gguf"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
-# general.architecture -> (Hugging Face model_type, architectures)
+# general.architecture -> (Hugging Face model_type, architectures); deepseek2 is deepseek_v2 when it routes by softmax
 ARCHITECTURES = {"qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "llama": ("mixtral", "MixtralForCausalLM"),
-                 "olmoe": ("olmoe", "OlmoeForCausalLM")}
+                 "olmoe": ("olmoe", "OlmoeForCausalLM"), "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+                 "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM")}
 
-# llama.cpp tensor name (without the .weight / .bias suffix) -> Hugging Face module path; {i} the layer, {e} an expert
-_SHARED = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
-    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
-    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
-    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
-    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
-    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+# -- tensor names ---------------------------------------------------------------------------------------
+# llama.cpp's names are read back through the mapping the ``gguf`` package defines (gguf.TensorNameMap, the one
+# convert_hf_to_gguf.py writes by): for each tensor of an architecture (gguf.MODEL_TENSORS) it lists the Hugging
+# Face names of every model it converts (ffn_gate_inp is block_sparse_moe.gate for Mixtral, mlp.gate for
+# Qwen3-MoE, mlp.router for others). The one moestream's family for that architecture uses is picked from these
+# module names ({bid} the layer); a name gguf's map does not list for the architecture is never used.
+_ATTN = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "post_attention_layernorm")
+_QK_NORM = ("self_attn.q_norm", "self_attn.k_norm")
+_ROUTED = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+_DENSE = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# shared experts and the sigmoid routers' correction bias (DeepSeek-V3, GLM-4.5)
+_SHARED_EXPERTS = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj",
+                   "mlp.gate.e_score_correction")
+# Multi-head Latent Attention; k_b_proj / v_b_proj are llama.cpp's split of kv_b_proj, joined at open
+_MLA = ("self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+        "self_attn.kv_a_layernorm", "self_attn.kv_b_proj", "self_attn.k_b_proj", "self_attn.v_b_proj")
+HF_MODULES: dict[str, tuple[str, ...]] = {
+    "qwen3moe": _ATTN + _QK_NORM + _ROUTED,
+    "olmoe": _ATTN + _QK_NORM + _ROUTED,  # q_norm and k_norm over the whole projection, as HF
+    "llama": _ATTN + ("block_sparse_moe.gate", "block_sparse_moe.experts.w1", "block_sparse_moe.experts.w3",
+                      "block_sparse_moe.experts.w2"),  # Mixtral: llama with experts
+    "deepseek2": ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.o_proj", *_MLA,
+                  *_ROUTED, *_DENSE, *_SHARED_EXPERTS),
+    "glm4moe": _ATTN + _QK_NORM + _ROUTED + _DENSE + _SHARED_EXPERTS,  # post_attention_layernorm is
+    # llama.cpp's post_attention_norm there (glm4moe has no ffn_norm)
 }
-NAMES = {
-    "qwen3moe": {
-        **_SHARED,
-        "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
-        "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
-        "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",
-        "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.switch_mlp.gate_proj",
-        "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.switch_mlp.up_proj",
-        "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.switch_mlp.down_proj",
-        "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
-        "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
-        "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
-    },
-    "olmoe": {  # q_norm and k_norm over the whole projection (model.layers.N.self_attn.{q,k}_norm), as HF
-        **_SHARED,
-        "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
-        "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
-        "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",
-        "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.switch_mlp.gate_proj",
-        "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.switch_mlp.up_proj",
-        "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.switch_mlp.down_proj",
-    },
-    "llama": {  # Mixtral: llama with experts
-        **_SHARED,
-        "blk.{i}.ffn_gate_inp": "model.layers.{i}.block_sparse_moe.gate",
-        "blk.{i}.ffn_gate_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.gate_proj",
-        "blk.{i}.ffn_up_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.up_proj",
-        "blk.{i}.ffn_down_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.down_proj",
-        # conversions from before llama.cpp stacked the experts (early 2024): one tensor per expert
+_TOP_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
+# Overrides where moestream's names differ from the Hugging Face names in gguf's map. The stacked experts: the
+# map names them as convert_hf_to_gguf.py stacks them (mlp.experts.gate_proj, Mixtral's experts.w1 ...);
+# moestream's stacked layout (moestream.layout, mlx-lm's) calls them switch_mlp.{gate,up,down}_proj.
+_STACKED = ((".experts.gate_proj", ".switch_mlp.gate_proj"), (".experts.up_proj", ".switch_mlp.up_proj"),
+            (".experts.down_proj", ".switch_mlp.down_proj"), (".experts.w1", ".switch_mlp.gate_proj"),
+            (".experts.w3", ".switch_mlp.up_proj"), (".experts.w2", ".switch_mlp.down_proj"))
+# Tensors the converter renamed so the map finds them (DeepseekV2Model, Glm4MoeModel: e_score_correction_bias ->
+# e_score_correction.bias, i.e. blk.N.exp_probs_b.bias): their Hugging Face name back
+_SUFFIX_FIXES = ((".e_score_correction.bias", ".e_score_correction_bias"),)
+# Names gguf's map no longer lists: Mixtral conversions from before llama.cpp stacked the experts (early 2024),
+# one tensor per expert (llama.cpp still reads them)
+_EXTRA_NAMES = {
+    "llama": {
         "blk.{i}.ffn_gate.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w1",
         "blk.{i}.ffn_up.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w3",
         "blk.{i}.ffn_down.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w2",
     },
 }
+
+
+def _model_arch(arch: str) -> gguf.MODEL_ARCH:
+    return next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+
+
+def derive_names(arch: str) -> dict[str, str]:
+    """llama.cpp tensor name (without ``.weight`` / ``.bias``) -> Hugging Face module path of ``arch``, ``{i}``
+    the layer and ``{e}`` an expert: gguf's map restricted to :data:`HF_MODULES`, with the overrides above.
+
+    Raises:
+        ValueError: two of the architecture's module names map to one llama.cpp tensor (a vocabulary error).
+    """
+    names = (*_TOP_MODULES, *("model.layers.{bid}." + m for m in HF_MODULES[arch]))
+    want = {name.format(bid=0): name for name in names}
+    out: dict[str, str] = {}
+    for hf, (_, g) in gguf.get_tensor_name_map(_model_arch(arch), 1).mapping.items():
+        template = want.get(hf)
+        if template is None:
+            continue
+        key = re.sub(r"^blk\.0\.", "blk.{i}.", g)
+        value = template.replace("{bid}", "{i}")
+        for a, b in _STACKED:
+            value = value.replace(a, b) if value.endswith(a) else value
+        if out.get(key, value) != value:
+            raise ValueError(f"{arch}: {out[key]} and {value} both map to llama.cpp's {key}")
+        out[key] = value
+    return {**out, **_EXTRA_NAMES.get(arch, {})}
+
+
+# architecture -> {llama.cpp name: Hugging Face name}, derived from the gguf package's map (see derive_names)
+NAMES = {arch: derive_names(arch) for arch in HF_MODULES}
 # architectures whose q and k rows convert_hf_to_gguf.py permutes (LlamaModel.permute), undone at read
 _PERMUTED_QK = ("llama",)
 
@@ -281,11 +326,15 @@ def _index(path: Path, infos: list, data_offset: int, alignment: int, unsupporte
 
 def hf_name(name: str, arch: str = "qwen3moe") -> str | None:
     """The Hugging Face name of architecture ``arch``'s llama.cpp tensor name (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``), or None when :data:`NAMES` has no rule for it."""
+    ``model.layers.3.self_attn.q_proj.weight``, ``blk.3.exp_probs_b.bias`` ->
+    ``model.layers.3.mlp.gate.e_score_correction_bias``), or None when :data:`NAMES` has no rule for it."""
     for pat, repl in _NAME_RE.get(arch, ()):
         m = pat.match(name)
         if m:
-            return repl.format(**{k: v for k, v in m.groupdict().items() if k != "param"}) + "." + m["param"]
+            out = repl.format(**{k: v for k, v in m.groupdict().items() if k != "param"}) + "." + m["param"]
+            for a, b in _SUFFIX_FIXES:
+                out = out[: -len(a)] + b if out.endswith(a) else out
+            return out
     return None
 
 
@@ -324,6 +373,9 @@ def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
         raise CheckpointError(f"{where}: GGUF architecture {arch!r} is not supported; moestream reads "
                               f"{', '.join(ARCHITECTURES)}")
     model_type, cls = ARCHITECTURES[arch]
+    special = _CONFIGS.get(arch)  # architectures with their own fields (MLA, shared experts, MTP layers)
+    if special is not None:
+        return special(meta, tensors, where)
     p = arch + "."
     heads = _meta(meta, p + "attention.head_count", where)
     hidden = _meta(meta, p + "embedding_length", where)
@@ -383,6 +435,227 @@ def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
         if isinstance(meta.get(key), int):
             cfg[hf] = meta[key]
     return cfg
+
+
+# -- architectures with their own config fields and tensors ------------------------------------------------
+def _base_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -> dict:
+    """The config fields every architecture reads the same way (width, layers, heads, experts per token, norm eps,
+    rope base and context, the token ids) for :data:`_CONFIGS`' architectures.
+
+    Raises:
+        CheckpointError: a required key missing or of the wrong type, no embedding, no experts.
+    """
+    model_type, cls = ARCHITECTURES[arch]
+    p = arch + "."
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise CheckpointError(f"{where}: no token_embd.weight tensor")
+    experts = _meta(meta, p + "expert_count", where, default=0, required=False)
+    if not experts:
+        raise CheckpointError(f"{where}: a {arch} model without experts ({p}expert_count is {experts}): a dense "
+                              "model has nothing to stream")
+    heads = _meta(meta, p + "attention.head_count", where)
+    hidden = _meta(meta, p + "embedding_length", where)
+    cfg = {
+        "model_type": model_type, "architectures": [cls],
+        "vocab_size": embed.shape[0],
+        "hidden_size": hidden,
+        "num_hidden_layers": _meta(meta, p + "block_count", where),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _meta(meta, p + "attention.head_count_kv", where, default=heads),
+        "head_dim": _meta(meta, p + "attention.key_length", where, default=hidden // heads),
+        "num_experts_per_tok": _meta(meta, p + "expert_used_count", where),
+        "rms_norm_eps": _meta(meta, p + "attention.layer_norm_rms_epsilon", where, float),
+        "rope_theta": _meta(meta, p + "rope.freq_base", where, float, default=10000.0),
+        "max_position_embeddings": _meta(meta, p + "context_length", where),
+        "tie_word_embeddings": False,  # a file without `output` gets the embedding's bytes as lm_head
+        "torch_dtype": "float32",
+        "n_routed_experts": experts,
+        "moe_intermediate_size": _meta(meta, p + "expert_feed_forward_length", where),
+        "n_shared_experts": _meta(meta, p + "expert_shared_count", where),
+        "first_k_dense_replace": _meta(meta, p + "leading_dense_block_count", where),
+        # llama.cpp's defaults where the converter leaves a key out: no scaling, no renormalization, one group
+        "routed_scaling_factor": _meta(meta, p + "expert_weights_scale", where, float, default=1.0),
+        "norm_topk_prob": _meta(meta, p + "expert_weights_norm", where, bool, default=False),
+        "n_group": _meta(meta, p + "expert_group_count", where, default=1),
+    }
+    cfg["topk_group"] = _meta(meta, p + "expert_group_used_count", where, default=cfg["n_group"])
+    # the dense layers' width: the leading dense blocks need it
+    cfg["intermediate_size"] = _meta(meta, p + "feed_forward_length", where, required=cfg["first_k_dense_replace"] > 0,
+                                     default=None if cfg["first_k_dense_replace"] else cfg["moe_intermediate_size"])
+    scaling = meta.get(p + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        cfg["rope_scaling"] = {
+            "rope_type": scaling, "factor": _meta(meta, p + "rope.scaling.factor", where, float),
+            "original_max_position_embeddings": _meta(meta, p + "rope.scaling.original_context_length", where),
+            # llama.cpp's YaRN defaults, as transformers'
+            "beta_fast": _meta(meta, p + "rope.scaling.yarn_beta_fast", where, float, default=32.0),
+            "beta_slow": _meta(meta, p + "rope.scaling.yarn_beta_slow", where, float, default=1.0)}
+    for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        if isinstance(meta.get(key), int):
+            cfg[hf] = meta[key]
+    return cfg
+
+
+def _gating(meta: dict, p: str, where, default: int) -> str:
+    """``expert_gating_func`` as transformers' ``scoring_func`` (llama.cpp: 1 softmax, 2 sigmoid)."""
+    gating = _meta(meta, p + "expert_gating_func", where, default=default)
+    if gating not in (1, 2):
+        raise CheckpointError(f"{where}: metadata {p}expert_gating_func {gating}: moestream routes by softmax (1) or "
+                              "sigmoid (2)")
+    return "softmax" if gating == 1 else "sigmoid"
+
+
+def _deepseek2_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
+    """DeepSeek-V2/V2.5/V3/R1 and Kimi K2 (``deepseek2``), as convert_hf_to_gguf.py's ``DeepseekV2Model`` writes
+    them: family ``deepseek_v3`` when the experts are chosen by sigmoid (``expert_gating_func`` 2, with
+    ``exp_probs_b`` = ``e_score_correction_bias``, ``noaux_tc``), else ``deepseek_v2`` (softmax, the default for
+    V2 files without the key; greedy, or group-limited with ``expert_group_count`` > 1).
+
+    MLA: ``attention.kv_lora_rank``, ``q_lora_rank`` (absent: a plain ``q_proj``, V2-Lite), ``rope.dimension_count``
+    (the rope head dim) and the per-head q/k and v widths ``attention.key_length_mla`` / ``value_length_mla``
+    (files from before llama.cpp's absorbed MLA give them as ``key_length`` / ``value_length``; the new ones hold
+    the latent's widths there and ``head_count_kv`` 1). YaRN: llama.cpp keeps only ``yarn_log_multiplier``
+    (0.1 * ``mscale_all_dim``) and assumes ``mscale`` = ``mscale_all_dim``, so the rotary cos/sin are unscaled
+    and the softmax scale takes ``mscale(factor, mscale_all_dim)^2``, as transformers when the two are equal.
+
+    Raises:
+        CheckpointError: a required key (the MLA widths, expert widths and counts, ``leading_dense_block_count``)
+            missing or of the wrong type, naming the file and key.
+    """
+    p = "deepseek2."
+    cfg = _base_config(meta, tensors, where, "deepseek2")
+    rope_dim = _meta(meta, p + "rope.dimension_count", where)
+    qk = _meta(meta, p + "attention.key_length_mla", where, required=False)
+    if qk is not None:
+        v = _meta(meta, p + "attention.value_length_mla", where)
+    else:
+        qk, v = _meta(meta, p + "attention.key_length", where), _meta(meta, p + "attention.value_length", where)
+    if qk <= rope_dim:
+        raise CheckpointError(f"{where}: metadata {p}attention.key_length_mla {qk} leaves no unrotated key dims "
+                              f"beside rope.dimension_count {rope_dim}")
+    scoring = _gating(meta, p, where, default=1)
+    groups = cfg["n_group"]
+    cfg.update({
+        "model_type": "deepseek_v3" if scoring == "sigmoid" else "deepseek_v2",
+        "architectures": ["DeepseekV3ForCausalLM" if scoring == "sigmoid" else "DeepseekV2ForCausalLM"],
+        "num_key_value_heads": cfg["num_attention_heads"],  # the converter writes MLA's latent as one kv head
+        "q_lora_rank": _meta(meta, p + "attention.q_lora_rank", where, required=False),
+        "kv_lora_rank": _meta(meta, p + "attention.kv_lora_rank", where),
+        "qk_nope_head_dim": qk - rope_dim, "qk_rope_head_dim": rope_dim, "v_head_dim": v,
+        "scoring_func": scoring,
+        "topk_method": "noaux_tc" if scoring == "sigmoid" else "group_limited_greedy" if groups > 1 else "greedy",
+        "moe_layer_freq": 1,  # llama.cpp's deepseek2 graph: every layer from leading_dense_block_count on is MoE
+        # DeepseekV2Model does not permute q/k: the rope dims stay in DeepSeek's interleaved pairs (llama.cpp
+        # ropes deepseek2 as LLAMA_ROPE_TYPE_NORM, adjacent pairs)
+        "rope_interleave": True,
+    })
+    cfg.pop("head_dim")  # key_length is the latent's width here; MLA's head dims are the fields above
+    rope = cfg.get("rope_scaling")
+    if rope is not None and rope["rope_type"] == "yarn":
+        log_mul = _meta(meta, p + "rope.scaling.yarn_log_multiplier", where, float, default=0.0)
+        rope.update(mscale=log_mul / 0.1, mscale_all_dim=log_mul / 0.1, attention_factor=1.0)
+    return cfg
+
+
+def _glm4moe_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
+    """GLM-4.5 / GLM-4.6 (``glm4moe``), as convert_hf_to_gguf.py's ``Glm4MoeModel`` writes them: family
+    ``glm4_moe``. ``block_count`` includes the ``nextn_predict_layers`` multi-token-prediction layers written
+    after the decoder layers (loaded by no family: reported unused); ``rope.dimension_count`` is the rotated part
+    of each head (``partial_rotary_factor``); the sigmoid router's bias is ``exp_probs_b``; ``attention_bias`` and
+    ``use_qk_norm`` are read off the tensors (``attn_q.bias``, ``attn_q_norm``). Neither q nor k is permuted
+    (llama.cpp ropes glm4moe NEOX-style, transformers' rotate-half).
+
+    Raises:
+        CheckpointError: a required key missing or of the wrong type (naming the file and key), softmax
+            routing, or a rotary width the family cannot take.
+    """
+    p = "glm4moe."
+    cfg = _base_config(meta, tensors, where, "glm4moe")
+    if _gating(meta, p, where, default=2) != "sigmoid":  # llama.cpp's default for glm4moe
+        raise CheckpointError(f"{where}: metadata {p}expert_gating_func 1 (softmax): glm4_moe routes by sigmoid (2)")
+    nextn = _meta(meta, p + "nextn_predict_layers", where, default=0)
+    head_dim = cfg["head_dim"]
+    rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim)
+    factor = rot / head_dim
+    if int(head_dim * factor) != rot:  # the family rebuilds the rotary width as int(head_dim * factor)
+        raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} of head dim {head_dim} is not a "
+                              "rotary fraction glm4_moe can represent")
+    if nextn >= cfg["num_hidden_layers"]:
+        raise CheckpointError(f"{where}: metadata {p}nextn_predict_layers {nextn} leaves no decoder layers of "
+                              f"block_count {cfg['num_hidden_layers']}")
+    cfg.update({
+        "num_hidden_layers": cfg["num_hidden_layers"] - nextn, "num_nextn_predict_layers": nextn,
+        "partial_rotary_factor": factor,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
+        "use_qk_norm": "model.layers.0.self_attn.q_norm.weight" in tensors,
+    })
+    return cfg
+
+
+_CONFIGS = {"deepseek2": _deepseek2_config, "glm4moe": _glm4moe_config}
+
+
+def _float_weight(info: TensorInfo, ckpt) -> torch.Tensor:
+    """A stored weight as float32 of its logical shape (block-quantized rows dequantized, as llama.cpp reads them)."""
+    t = ckpt.read_info(info)
+    qtype = ggml.block_type(info.dtype)
+    if qtype is None:
+        return t.float()
+    return ggml.dequantize(t, qtype, ggml.in_features(qtype, info.shape[-1]))
+
+
+def _logical_shape(info: TensorInfo) -> tuple[int, ...]:
+    qtype = ggml.block_type(info.dtype)
+    if qtype is None:
+        return tuple(info.shape)
+    return (*info.shape[:-1], ggml.in_features(qtype, info.shape[-1]))
+
+
+def _kv_b(k_b: TensorInfo, v_b: TensorInfo, ckpt) -> torch.Tensor:
+    """``kv_b_proj`` [H * (nope + v), rank] float32 from llama.cpp's ``attn_k_b`` [H, rank, nope] and ``attn_v_b``
+    [H, v, rank]: per head the key rows (k_b transposed back) then the value rows."""
+    wk, wv = _float_weight(k_b, ckpt), _float_weight(v_b, ckpt)
+    return torch.cat([wk.transpose(1, 2), wv], dim=1).reshape(-1, wk.shape[1]).contiguous()
+
+
+def _deepseek2_tensors(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where) -> None:
+    """``kv_b_proj`` back as transformers has it, a derived float32 tensor (MLA reads its rows directly, so it is
+    never a quantized linear):
+
+    * from ``attn_k_b`` + ``attn_v_b``: convert_hf_to_gguf.py's ``DeepseekV2Model`` (llama.cpp's absorbed MLA,
+      2025 on) views ``kv_b_proj`` [H * (nope + v), rank] as [H, nope + v, rank], splits it into k_b [H, nope,
+      rank] and v_b [H, v, rank] and stores k_b transposed, [H, rank, nope] (quantized along nope);
+    * from ``attn_kv_b`` (older files), dequantized when it is block-quantized.
+
+    Raises:
+        CheckpointError: a layer with one half of the split, or a shape the config does not imply.
+    """
+    heads, rank = cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    for k_name in [n for n in tensors if n.endswith(".self_attn.k_b_proj.weight")]:
+        attn = k_name[: -len(".k_b_proj.weight")]
+        v_name, kv_name = attn + ".v_b_proj.weight", attn + ".kv_b_proj.weight"
+        if v_name not in tensors:
+            raise CheckpointError(f"{where}: tensor {tensors[k_name].name!r} has no attn_v_b beside it")
+        k_b, v_b = tensors.pop(k_name), tensors.pop(v_name)
+        if kv_name in tensors:  # a file holding both forms: the stored kv_b_proj is read (below)
+            continue
+        for info, want in ((k_b, (heads, rank, nope)), (v_b, (heads, v, rank))):
+            if _logical_shape(info) != want:
+                raise CheckpointError(f"{info.file}: tensor {info.name!r} is {list(_logical_shape(info))}; the "
+                                      f"metadata (heads, kv_lora_rank, qk_nope, v) implies {list(want)}")
+        tensors[kv_name] = TensorInfo(kv_name, k_b.file, k_b.offset, heads * (nope + v) * rank * 4, "F32",
+                                      (heads * (nope + v), rank))
+        derived[kv_name] = partial(_kv_b, k_b, v_b)
+    for name, info in list(tensors.items()):
+        if name.endswith(".self_attn.kv_b_proj.weight") and name not in derived and ggml.block_type(info.dtype):
+            shape = _logical_shape(info)
+            tensors[name] = TensorInfo(name, info.file, info.offset, math.prod(shape) * 4, "F32", shape)
+            derived[name] = partial(_float_weight, info)
+
+
+_TENSORS = {"deepseek2": _deepseek2_tensors}  # architecture -> its tensor rewrites at open
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -451,6 +724,9 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     fmt.types = {k: sorted(v) for k, v in sorted(types.items())}
     cfg = hf_config(meta, tensors, path)
     derived = {}
+    rewrite = _TENSORS.get(arch)
+    if rewrite is not None:
+        rewrite(tensors, cfg, derived, path)
     if arch in _PERMUTED_QK:
         for hf, info in tensors.items():
             m = re.match(r"^model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$", hf)
@@ -467,6 +743,5 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     return ckpt
 
 
-__all__ = ["ARCHITECTURES", "UNSUPPORTED", "GGUFCheckpoint", "GGUFFormat", "NAMES", "hf_config", "hf_name", "is_gguf",
-           "open_gguf",
-           "split_files"]
+__all__ = ["ARCHITECTURES", "HF_MODULES", "UNSUPPORTED", "GGUFCheckpoint", "GGUFFormat", "NAMES", "derive_names",
+           "hf_config", "hf_name", "is_gguf", "open_gguf", "split_files"]

@@ -5,6 +5,7 @@ has none: the K-quants) and read back by ``gguf.quants.dequantize`` for the refe
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gguf
@@ -196,3 +197,173 @@ def reference(model, held: dict[str, torch.Tensor]):
     ref = type(model)(cfg).eval()
     ref.load_state_dict({k: v.float() for k, v in held.items()})
     return ref
+
+
+# -- DeepSeek-V2/V3 (deepseek2) and GLM-4.5 (glm4moe) ---------------------------------------------------------
+MLA_TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=32,
+                qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=3,
+                first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=2.5, max_position_embeddings=2560,
+                tie_word_embeddings=False)  # every linear's input a multiple of 32 (Q8_0's block)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 64}
+FAMILY_MODELS = {
+    # sigmoid + correction bias, 4 groups of 2 (top 2), YaRN with mscale (Kimi K2 is the same architecture)
+    "deepseek_v3": ("DeepseekV3", dict(MLA_TINY, n_group=4, topk_group=2, norm_topk_prob=True, rope_parameters=YARN)),
+    # V2-Lite: plain q_proj, softmax greedy top-k, default rope
+    "deepseek_v2": ("DeepseekV2", dict(MLA_TINY, q_lora_rank=None, topk_method="greedy", n_shared_experts=1,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # partial rotary, attention bias, qk norm, sigmoid + bias with 4 groups of 2
+    "glm4_moe": ("Glm4Moe", dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
+                                 n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                 norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+                                 partial_rotary_factor=0.5, max_position_embeddings=512, rope_theta=10000.0)),
+}
+
+
+def make_family_model(family: str, seed: int = 0, **overrides):
+    """A random float32 transformers DeepseekV3/DeepseekV2/Glm4Moe ForCausalLM of :data:`FAMILY_MODELS`; norms,
+    routers, biases and the correction bias randomized (init leaves them 1 or 0, which would hide their misuse)."""
+    import transformers
+
+    prefix, kwargs = FAMILY_MODELS[family]
+    cfg = getattr(transformers, prefix + "Config")(**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "norm" in name and p.dim() == 1:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.3)
+            elif "bias" in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def _write_family_metadata(w: gguf.GGUFWriter, cfg, mtp_layers: int, gating: bool) -> None:
+    """What convert_hf_to_gguf.py's TextModel and DeepseekV2Model / Glm4MoeModel ``set_gguf_parameters`` write."""
+    mla = cfg.model_type.startswith("deepseek")
+    rope = dict(cfg.rope_parameters)
+    w.add_block_count(cfg.num_hidden_layers + mtp_layers)  # GLM's MTP layers follow the decoder layers
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(1 if mla else cfg.num_key_value_heads)  # DeepseekV2Model: MLA as MQA
+    if rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "n_group", None) is not None:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    if gating:  # scoring_func in config.json (DeepSeek-V3's, V2's); Glm4MoeModel writes sigmoid always
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if cfg.model_type != "deepseek_v2"
+                                 else gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:  # DeepseekV2Model writes it only when true
+        w.add_expert_weights_norm(True)
+    if mla:
+        if cfg.q_lora_rank is not None:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+        w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+        if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    else:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.5)))
+        w.add_nextn_predict_layers(mtp_layers)
+
+
+def write_gguf_family(model, path: Path, qtype: str = "F32", *, types: dict | None = None, seed: int = 0,
+                      split_kv_b: bool = True, mtp_layers: int = 0, gating: bool = True,
+                      drop: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Write a transformers DeepSeek-V2/V3 (``deepseek2``) or GLM-4.5 (``glm4moe``) model as convert_hf_to_gguf.py
+    does; return Hugging Face name -> float32 weight as the file holds it (transformers' own names).
+
+    Names from gguf's tensor-name map; ``e_score_correction_bias`` renamed ``e_score_correction.bias`` first
+    (``blk.N.exp_probs_b.bias``); experts stacked; for MLA, ``kv_b_proj`` [H * (nope + v), rank] split per head
+    into ``attn_k_b`` (the key rows, transposed: [H, rank, nope]) and ``attn_v_b`` [H, v, rank] (``split_kv_b``
+    false: one ``attn_kv_b``, as llama.cpp wrote before its absorbed MLA). 2-D and 3-D weights stored as
+    ``qtype`` (``types``: kind -> type), norms and routers F32. ``mtp_layers``: GLM multi-token-prediction layers
+    of random weights after the decoder layers (a MoE layer plus ``nextn.*``), which moestream must leave unused.
+    ``gating``: write ``expert_gating_func``. ``drop``: metadata keys to leave out.
+    """
+    cfg = model.config
+    mla = cfg.model_type.startswith("deepseek")
+    arch = gguf.MODEL_ARCH.DEEPSEEK2 if mla else gguf.MODEL_ARCH.GLM4_MOE
+    n_blocks = cfg.num_hidden_layers + mtp_layers
+    names = gguf.get_tensor_name_map(arch, n_blocks)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    _write_family_metadata(w, cfg, mtp_layers, gating)
+    for key in drop:
+        del w.kv_data[0][key]
+
+    def put(g: str, v: torch.Tensor) -> torch.Tensor:
+        kind = g.split(".")[-2]
+        want = "F32" if v.dim() == 1 or kind == "ffn_gate_inp" else (types or {}).get(kind, qtype)
+        data, qt = encode(v.float().numpy(), want, rng)
+        w.add_tensor(g, data, raw_dtype=qt)
+        return decode(data, qt).reshape(v.shape)
+
+    held: dict[str, torch.Tensor] = {}
+    state = dict(model.state_dict())
+    heads, nope, v_dim = cfg.num_attention_heads, getattr(cfg, "qk_nope_head_dim", 0), getattr(cfg, "v_head_dim", 0)
+    for i in range(cfg.num_hidden_layers, n_blocks):  # MTP layers: the last layer's tensors, redrawn, plus nextn.*
+        last = f"model.layers.{cfg.num_hidden_layers - 1}."
+        for n, t in list(state.items()):
+            if n.startswith(last):
+                state[f"model.layers.{i}." + n[len(last):]] = torch.randn(t.shape) * 0.1 + (1.0 if "norm" in n else 0)
+        h = cfg.hidden_size
+        for n, shape in (("eh_proj.weight", (h, 2 * h)), ("enorm.weight", (h,)), ("hnorm.weight", (h,)),
+                         ("shared_head.norm.weight", (h,))):
+            state[f"model.layers.{i}.{n}"] = torch.randn(shape) * 0.1
+    for hf, t in state.items():
+        mtp = (m := re.match(r"model\.layers\.(\d+)\.", hf)) is not None and int(m[1]) >= cfg.num_hidden_layers
+        if hf.endswith("mlp.experts.gate_up_proj"):  # stacked gate and up [E, I, H]
+            stem, half = hf[: -len("gate_up_proj")], t.shape[1] // 2
+            got = [put(names.get_name(stem + r, (".weight",)) + ".weight", x)
+                   for r, x in (("gate_proj", t[:, :half]), ("up_proj", t[:, half:]))]
+            got = torch.cat(got, dim=1)
+        elif hf.endswith("mlp.experts.down_proj"):
+            got = put(names.get_name(hf) + ".weight", t)
+        elif hf.endswith("e_score_correction_bias"):
+            got = put(names.get_name(hf.replace("e_score_correction_bias", "e_score_correction")) + ".bias", t)
+        elif hf.endswith("kv_b_proj.weight") and split_kv_b:  # DeepseekV2Model's split for the absorbed MLA
+            kv_b = t.view(heads, nope + v_dim, t.shape[-1])
+            k_b, v_b = kv_b[:, :nope].transpose(1, 2).contiguous(), kv_b[:, nope:].contiguous()
+            k_got = put(names.get_name(hf.replace("kv_b_proj", "k_b_proj"), (".weight",)), k_b)
+            v_got = put(names.get_name(hf.replace("kv_b_proj", "v_b_proj"), (".weight",)), v_b)
+            got = torch.cat([k_got.transpose(1, 2), v_got], dim=1).reshape(t.shape)
+        else:
+            g = names.get_name(hf, (".weight", ".bias"))
+            assert g is not None, hf
+            got = put(g, t)
+        if not mtp:
+            held[hf] = got
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
