@@ -34,6 +34,25 @@ into Hugging Face order (derived tensors, whole rows moved: any type). ``Qwen3Mo
 ``OlmoeModel`` derive from ``TextModel`` and store q and k as Hugging Face has them, so nothing is
 undone there. llama.cpp's qwen3moe graph always renormalizes the top-k
 router weights (``norm_topk_prob``), which the metadata does not say.
+
+``qwen3next`` (Qwen3-Next; family ``qwen3_next``) and ``qwen35moe`` (Qwen3.5/3.6 MoE; family
+``qwen3_5_moe``, as the text model ``qwen3_5_moe_text``): ``Qwen3NextModel.modify_tensors`` stores the
+zero-centred norms as ``1 + w`` (every ``*norm.weight`` but the DeltaNet's gated ``linear_attn.norm``),
+``A_log`` as ``blk.N.ssm_a = -exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, the conv squeezed to [C, K],
+and splits Qwen3-Next's ``in_proj_qkvz`` (grouped per key head) into ``attn_qkv`` (q, k, v of all
+heads) and ``attn_gate`` (z; older conversions kept it whole as ``ssm_in``);
+``_LinearAttentionVReorderBase`` (Qwen3.5) reorders the value heads from grouped by key head to tiled
+when there are fewer key than value heads. Each is undone at read (:func:`_adapt_hybrid`, derived
+tensors): ``w = stored - 1`` in float32 (exact while ``1 + w >= 0.5``), ``A_log = log(-ssm_a)`` in
+float64 rounded to float32, rows moved as stored (any type), ``out_proj``'s columns moved as whole
+blocks when a value head is whole blocks, else read as float32. The config comes from the ``ssm.*``
+keys, ``attention.recurrent_layers`` or ``full_attention_interval`` and ``rope.dimension_count``
+(partial rotary); llama.cpp's graphs always renormalize the top-k weights. ``gpt-oss`` (family
+``gpt_oss``): ``GptOssModel`` de-interleaves ``gate_up`` into ``ffn_gate_exps``/``ffn_up_exps`` with
+their biases and transposes ``down`` into nn.Linear orientation, which the family reads as it reads an
+mlx-lm build (separate gate and up experts); ``attn_sinks.weight`` is ``self_attn.sinks``; the
+sliding window and YaRN come from the metadata (:func:`_gpt_oss_config`). Fused gate/up experts
+(``ffn_gate_up_exps``, a converter option) are refused by name.
 """
 
 from __future__ import annotations
@@ -57,6 +76,9 @@ _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # general.architecture -> (Hugging Face model_type, architectures)
 ARCHITECTURES = {"qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "llama": ("mixtral", "MixtralForCausalLM"),
                  "olmoe": ("olmoe", "OlmoeForCausalLM")}
+ARCHITECTURES["qwen3next"] = ("qwen3_next", "Qwen3NextForCausalLM")
+ARCHITECTURES["qwen35moe"] = ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")  # the text model at model.layers
+ARCHITECTURES["gpt-oss"] = ("gpt_oss", "GptOssForCausalLM")
 
 # llama.cpp tensor name (without the .weight / .bias suffix) -> Hugging Face module path; {i} the layer, {e} an expert
 _SHARED = {
@@ -103,6 +125,62 @@ NAMES = {
         "blk.{i}.ffn_up.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w3",
         "blk.{i}.ffn_down.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w2",
     },
+}
+# the hybrid Qwen architectures (Qwen3NextModel and Qwen3_5MoeTextModel in convert_hf_to_gguf.py): names as the
+# converter writes them, before the transformations _adapt_hybrid undoes (dt_bias -> dt_proj.bias, A_log -> the
+# bare blk.N.ssm_a, in_proj_qkvz -> attn_qkv + attn_gate)
+_HYBRID = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.attn_qkv": "model.layers.{i}.linear_attn.in_proj_qkv",
+    "blk.{i}.attn_gate": "model.layers.{i}.linear_attn.in_proj_z",
+    "blk.{i}.ssm_conv1d": "model.layers.{i}.linear_attn.conv1d",
+    "blk.{i}.ssm_dt": "model.layers.{i}.linear_attn.dt_proj",
+    "blk.{i}.ssm_norm": "model.layers.{i}.linear_attn.norm",
+    "blk.{i}.ssm_out": "model.layers.{i}.linear_attn.out_proj",
+    "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",
+    "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.switch_mlp.gate_proj",
+    "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.switch_mlp.up_proj",
+    "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.switch_mlp.down_proj",
+    "blk.{i}.ffn_gate_shexp": "model.layers.{i}.mlp.shared_expert.gate_proj",
+    "blk.{i}.ffn_up_shexp": "model.layers.{i}.mlp.shared_expert.up_proj",
+    "blk.{i}.ffn_down_shexp": "model.layers.{i}.mlp.shared_expert.down_proj",
+    "blk.{i}.ffn_gate_inp_shexp": "model.layers.{i}.mlp.shared_expert_gate",
+}
+NAMES["qwen3next"] = {
+    **_HYBRID,
+    "blk.{i}.ssm_in": "model.layers.{i}.linear_attn.in_proj_qkvz",  # conversions before attn_qkv + attn_gate
+    "blk.{i}.ssm_ba": "model.layers.{i}.linear_attn.in_proj_ba",
+}
+NAMES["qwen35moe"] = {
+    **_HYBRID,
+    "blk.{i}.ssm_beta": "model.layers.{i}.linear_attn.in_proj_b",
+    "blk.{i}.ssm_alpha": "model.layers.{i}.linear_attn.in_proj_a",
+}
+NAMES["gpt-oss"] = {  # GptOssModel: experts de-interleaved into gate and up, each with its bias
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.attn_sinks": "model.layers.{i}.self_attn.sinks",  # the converter adds .weight; _adapt_gpt_oss drops it
+    "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.router",
+    "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.switch_mlp.gate_proj",
+    "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.switch_mlp.up_proj",
+    "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.switch_mlp.down_proj",
 }
 # architectures whose q and k rows convert_hf_to_gguf.py permutes (LlamaModel.permute), undone at read
 _PERMUTED_QK = ("llama",)
@@ -323,6 +401,8 @@ def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{where}: GGUF architecture {arch!r} is not supported; moestream reads "
                               f"{', '.join(ARCHITECTURES)}")
+    if arch in _CONFIGS:  # an architecture with its own builder (below)
+        return _CONFIGS[arch](meta, tensors, where)
     model_type, cls = ARCHITECTURES[arch]
     p = arch + "."
     heads = _meta(meta, p + "attention.head_count", where)
@@ -451,6 +531,8 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     fmt.types = {k: sorted(v) for k, v in sorted(types.items())}
     cfg = hf_config(meta, tensors, path)
     derived = {}
+    if arch in _ADAPT:  # the converter's renames and transformations of this architecture, undone
+        _ADAPT[arch](tensors, derived, cfg, path)
     if arch in _PERMUTED_QK:
         for hf, info in tensors.items():
             m = re.match(r"^model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$", hf)
@@ -465,6 +547,440 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     ckpt = GGUFCheckpoint(path, cfg, tensors, files, identities, fmt)
     ckpt.derived = derived
     return ckpt
+
+
+# -- qwen3next, qwen35moe (the hybrid Qwen families) and gpt-oss ---------------------------------------
+def _bools(meta: dict, key: str, where, n: int) -> list[bool] | None:
+    """A metadata array of at least ``n`` bools (its first ``n``), or None when the file lacks ``key``."""
+    v = meta.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) < n or not all(isinstance(b, bool) for b in v):
+        raise CheckpointError(f"{where}: metadata {key!r} = {str(v)[:60]!r} is not an array of {n} bools")
+    return v[:n]
+
+
+def _moe_checks(meta: dict, p: str, where, family: str, gating: int) -> int:
+    """The expert count, checked to be > 0; refuses a gating function other than ``gating`` (llama.cpp's
+    ``LLAMA_EXPERT_GATING_FUNC_TYPE``) and an expert weight scale other than 1 (the family does not scale)."""
+    experts = _meta(meta, p + "expert_count", where, default=0, required=False)
+    if not experts:
+        raise CheckpointError(f"{where}: a model without experts ({p}expert_count is {experts}): a dense model "
+                              "has nothing to stream")
+    got = _meta(meta, p + "expert_gating_func", where, required=False)
+    if got not in (None, gating):
+        raise CheckpointError(f"{where}: metadata {p}expert_gating_func {got}: {family} routes by gating function "
+                              f"{gating} only")
+    scale = _meta(meta, p + "expert_weights_scale", where, float, required=False)
+    if scale not in (None, 0.0, 1.0):  # llama.cpp reads 0 as no scaling
+        raise CheckpointError(f"{where}: metadata {p}expert_weights_scale {scale}: {family} does not scale the "
+                              "routing weights")
+    return experts
+
+
+def _base_config(meta: dict, tensors: dict, where, arch: str) -> dict:
+    """The fields every architecture below shares: vocabulary, widths, heads, norms, rope base, token ids."""
+    model_type, cls = ARCHITECTURES[arch]
+    p = arch + "."
+    heads = _meta(meta, p + "attention.head_count", where)
+    hidden = _meta(meta, p + "embedding_length", where)
+    head_dim = _meta(meta, p + "attention.key_length", where, default=hidden // heads)
+    vdim = _meta(meta, p + "attention.value_length", where, default=head_dim)
+    if vdim != head_dim:
+        raise CheckpointError(f"{where}: attention.key_length {head_dim} and value_length {vdim} differ; "
+                              f"{model_type} has one head_dim")
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise CheckpointError(f"{where}: no token_embd.weight tensor")
+    cfg = {
+        "model_type": model_type, "architectures": [cls],
+        "vocab_size": embed.shape[0], "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": _meta(meta, p + "attention.head_count_kv", where, default=heads),
+        "head_dim": head_dim,
+        "num_experts_per_tok": _meta(meta, p + "expert_used_count", where),
+        "rms_norm_eps": _meta(meta, p + "attention.layer_norm_rms_epsilon", where, float),
+        "rope_theta": _meta(meta, p + "rope.freq_base", where, float, default=10000.0),
+        "max_position_embeddings": _meta(meta, p + "context_length", where),
+        "tie_word_embeddings": False,  # a file without `output` gets the embedding's bytes as lm_head
+        "torch_dtype": "float32",
+    }
+    for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        if isinstance(meta.get(key), int):
+            cfg[hf] = meta[key]
+    return cfg
+
+
+def _hybrid_config(meta: dict, tensors: dict, where, arch: str) -> dict:
+    """Qwen3-Next (``qwen3next``) or Qwen3.5/3.6 MoE (``qwen35moe``, the text model ``qwen3_5_moe_text``).
+
+    The DeltaNet shapes come from the ``ssm.*`` keys as Qwen3NextModel.set_gguf_parameters writes them:
+    ``conv_kernel`` (linear_conv_kernel_dim), ``state_size`` (linear_key_head_dim), ``group_count``
+    (linear_num_key_heads), ``time_step_rank`` (linear_num_value_heads), ``inner_size`` (value head dim x
+    value heads). The layer kinds come from ``attention.recurrent_layers`` (true: DeltaNet), else
+    ``full_attention_interval`` (default 4, as llama.cpp). ``rope.dimension_count`` gives the partial
+    rotary factor. Blocks past ``block_count - nextn_predict_layers`` are the multi-token-prediction
+    layer. llama.cpp's graph renormalizes the top-k weights and runs every layer as MoE.
+    """
+    p = arch + "."
+    cfg = _base_config(meta, tensors, where, arch)
+    family = cfg["model_type"]
+    blocks = _meta(meta, p + "block_count", where)
+    mtp = _meta(meta, p + "nextn_predict_layers", where, default=0, required=False)
+    layers = blocks - mtp
+    if layers < 1:
+        raise CheckpointError(f"{where}: metadata {p}block_count {blocks} leaves no layer beside "
+                              f"{p}nextn_predict_layers {mtp}")
+    experts = _moe_checks(meta, p, where, family, 1)  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    head_dim = cfg["head_dim"]
+    rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim)
+    scaling = meta.get(p + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"{where}: metadata {p}rope.scaling.type {scaling!r}: {family} computes the "
+                              "default rotary embedding only")
+    rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"], "partial_rotary_factor": rot / head_dim}
+    if arch == "qwen35moe":  # interleaved M-RoPE: for text every section sees the same position
+        sections = meta.get(p + "rope.dimension_sections")
+        if isinstance(sections, list) and all(isinstance(x, int) for x in sections):
+            rope.update(mrope_section=sections[:3], mrope_interleaved=True)
+    value_heads = _meta(meta, p + "ssm.time_step_rank", where)
+    inner = _meta(meta, p + "ssm.inner_size", where)
+    if value_heads < 1 or inner % value_heads:
+        raise CheckpointError(f"{where}: metadata {p}ssm.inner_size {inner} is not a multiple of "
+                              f"{p}ssm.time_step_rank {value_heads} (the value heads)")
+    recurrent = _bools(meta, p + "attention.recurrent_layers", where, layers)
+    if recurrent is None:
+        interval = _meta(meta, p + "full_attention_interval", where, default=4, required=False)
+        if interval < 1:
+            raise CheckpointError(f"{where}: metadata {p}full_attention_interval {interval} must be at least 1")
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    moe = _meta(meta, p + "expert_feed_forward_length", where)
+    ff = _meta(meta, p + "feed_forward_length", where, required=False)
+    cfg.update({
+        "num_hidden_layers": layers,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+        "rope_parameters": rope, "partial_rotary_factor": rot / head_dim,
+        "num_experts": experts,
+        "moe_intermediate_size": moe,
+        # llama.cpp's default when the key is missing: the dense width
+        "shared_expert_intermediate_size": _meta(meta, p + "expert_shared_feed_forward_length", where, default=ff),
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "linear_conv_kernel_dim": _meta(meta, p + "ssm.conv_kernel", where),
+        "linear_key_head_dim": _meta(meta, p + "ssm.state_size", where),
+        "linear_num_key_heads": _meta(meta, p + "ssm.group_count", where),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": inner // value_heads,
+    })
+    if ff is not None:
+        cfg["intermediate_size"] = ff
+    if mtp:
+        cfg["mtp_num_hidden_layers"] = mtp
+    return cfg
+
+
+def _gpt_oss_config(meta: dict, tensors: dict, where) -> dict:
+    """gpt-oss (``gpt-oss``): GptOssModel.set_gguf_parameters' keys. The sliding layers follow
+    ``attention.sliding_window_pattern`` (bools, or a period n: layer i slides when ``i % n < n - 1``),
+    default 2, as llama.cpp (sliding, full, ...). The YaRN parameters come from ``rope.scaling.*``;
+    ``truncate`` is false, as the published configs and OpenAI's reference (ggml's YaRN rounds the
+    correction range, a difference from llama.cpp). The clamped SwiGLU's alpha 1.702 and limit 7.0 are
+    fixed in llama.cpp's graph, so the config holds those.
+    """
+    p = "gpt-oss."
+    cfg = _base_config(meta, tensors, where, "gpt-oss")
+    layers = _meta(meta, p + "block_count", where)
+    experts = _moe_checks(meta, p, where, "gpt_oss", 3)  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT
+    rot = _meta(meta, p + "rope.dimension_count", where, required=False)
+    if rot is not None and rot != cfg["head_dim"]:
+        raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} is not the head dim "
+                              f"{cfg['head_dim']}: partial rotary embeddings are not supported for gpt_oss")
+    pattern = meta.get(p + "attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = _bools(meta, p + "attention.sliding_window_pattern", where, layers)
+    else:
+        n = _meta(meta, p + "attention.sliding_window_pattern", where, default=2, required=False)
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    scaling = meta.get(p + "rope.scaling.type")
+    theta = cfg["rope_theta"]
+    if scaling in (None, "none"):
+        rope = {"rope_type": "default", "rope_theta": theta}
+    elif scaling == "yarn":
+        for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
+            if meta.get(p + key) is not None:
+                raise CheckpointError(f"{where}: metadata {p}{key} is set; gpt_oss computes YaRN's default "
+                                      "extrapolation and attention factors only")
+        rope = {"rope_type": "yarn", "rope_theta": theta,
+                "factor": _meta(meta, p + "rope.scaling.factor", where, float),
+                "original_max_position_embeddings": _meta(meta, p + "rope.scaling.original_context_length", where),
+                "beta_fast": _meta(meta, p + "rope.scaling.yarn_beta_fast", where, float, default=32.0),
+                "beta_slow": _meta(meta, p + "rope.scaling.yarn_beta_slow", where, float, default=1.0),
+                "truncate": False}
+    else:
+        raise CheckpointError(f"{where}: metadata {p}rope.scaling.type {scaling!r}: gpt_oss computes YaRN or "
+                              "the default rotary embedding")
+    cfg.update({
+        "num_hidden_layers": layers,
+        "intermediate_size": _meta(meta, p + "expert_feed_forward_length", where),
+        "num_local_experts": experts,
+        "sliding_window": _meta(meta, p + "attention.sliding_window", where),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_parameters": rope,
+        "swiglu_limit": 7.0, "attention_bias": True,
+    })
+    return cfg
+
+
+_CONFIGS = {"qwen3next": partial(_hybrid_config, arch="qwen3next"),
+            "qwen35moe": partial(_hybrid_config, arch="qwen35moe"), "gpt-oss": _gpt_oss_config}
+
+_FLOAT_SIZE = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def _as_float32(info: TensorInfo, name: str, shape: tuple[int, ...]) -> TensorInfo:
+    """``info``'s place, described as the float32 tensor ``shape`` a derived function returns."""
+    return TensorInfo(name, info.file, info.offset, math.prod(shape) * 4, "F32", tuple(shape))
+
+
+def _float(info: TensorInfo, ckpt) -> torch.Tensor:
+    """The float32 values of a stored tensor (block-quantized rows dequantized by :mod:`moestream.quant.ggml`)."""
+    t = ckpt.read_info(info)
+    qtype = ggml.block_type(info.dtype)
+    if qtype is None:
+        return t.float()
+    return ggml.dequantize(t, qtype, ggml.in_features(qtype, info.shape[-1]))
+
+
+def _values(info: TensorInfo) -> int:
+    """Values per row of ``info`` (its last dimension, or the row of blocks' weights)."""
+    qtype = ggml.block_type(info.dtype)
+    return info.shape[-1] if qtype is None else ggml.in_features(qtype, info.shape[-1])
+
+
+def _v_heads(k_heads: int, per: int, width: int) -> torch.Tensor:
+    """Index ``perm`` with ``hf = file[perm]`` for value heads stored tiled (``_LinearAttentionVReorderBase``:
+    file position ``(j, g, d)`` holds Hugging Face's ``(g, j, d)``, g the key head, j < per its value heads)."""
+    return torch.arange(k_heads * per * width).reshape(per, k_heads, width).permute(1, 0, 2).reshape(-1)
+
+
+def _take_rows(info: TensorInfo, perm: torch.Tensor, ckpt) -> torch.Tensor:
+    """Rows of ``info`` reordered (``out = stored[perm]``); whole rows move, so any type."""
+    return ckpt.read_info(info)[perm].contiguous()
+
+
+def _take_columns(info: TensorInfo, perm: torch.Tensor, block: int, ckpt) -> torch.Tensor:
+    """Columns of ``info`` reordered (``out[:, c] = stored[:, perm[c]]``): block-quantized rows move whole
+    blocks (``block`` values; ``perm`` moves runs of whole blocks), float rows move values."""
+    t = ckpt.read_info(info)
+    if block == 1:
+        return t[:, perm].contiguous()
+    size = t.shape[-1] // (perm.numel() // block)
+    blocks = perm.reshape(-1, block)[:, 0] // block
+    return t.reshape(t.shape[0], -1, size)[:, blocks].reshape(t.shape).contiguous()
+
+
+def _float_columns(info: TensorInfo, perm: torch.Tensor, ckpt) -> torch.Tensor:
+    """Columns of ``info`` reordered, as float32 (rows whose blocks straddle the moved runs)."""
+    return _float(info, ckpt)[:, perm].contiguous()
+
+
+def _unshift(info: TensorInfo, ckpt) -> torch.Tensor:
+    """A norm weight stored as ``1 + w`` (Qwen3NextModel adds 1): ``w`` in float32 (``1 + w`` gives back the
+    stored value exactly while it is >= 0.5, by Sterbenz's lemma)."""
+    return _float(info, ckpt) - 1.0
+
+
+def _a_log(info: TensorInfo, perm: torch.Tensor | None, ckpt) -> torch.Tensor:
+    """``A_log`` [V] from llama.cpp's ``ssm_a = -exp(A_log)``: ``log(-ssm_a)`` in float64, rounded to float32.
+
+    Raises:
+        CheckpointError: a value >= 0 (no A_log gives one).
+    """
+    a = _float(info, ckpt).double()
+    if perm is not None:
+        a = a[perm]
+    if not bool((a < 0).all()):
+        raise CheckpointError(f"{info.file}: tensor {info.name!r} holds a value >= 0; llama.cpp stores "
+                              "ssm_a = -exp(A_log), which is negative")
+    return torch.log(-a).float()
+
+
+def _conv(info: TensorInfo, perm: torch.Tensor | None, ckpt) -> torch.Tensor:
+    """``conv1d.weight`` [C, 1, K] from the squeezed ``ssm_conv1d`` [C, K] (channels reordered by ``perm``)."""
+    w = _float(info, ckpt)
+    if perm is not None:
+        w = w[perm]
+    return w[:, None, :].contiguous()
+
+
+def _cat_rows(first: TensorInfo, second: TensorInfo, perm: torch.Tensor, same: bool, ckpt) -> torch.Tensor:
+    """Rows of ``first`` then ``second``, reordered (``out = cat[perm]``): as stored when both are stored
+    alike (``same``), else as float32."""
+    read = ckpt.read_info if same else partial(_float, ckpt=ckpt)
+    return torch.cat([read(first), read(second)])[perm].contiguous()
+
+
+def _qkvz_rows(k_heads: int, dk: int, vdim: int) -> torch.Tensor:
+    """Index into ``cat(attn_qkv, attn_gate)`` rows giving Hugging Face's ``in_proj_qkvz`` rows: per key
+    head g its q, k, v (``vdim`` = its value heads x value dim) and z rows (Qwen3NextModel's split, undone)."""
+    kd = k_heads * dk
+    conv = 2 * kd + k_heads * vdim
+    out = []
+    for g in range(k_heads):
+        out += [torch.arange(g * dk, (g + 1) * dk), torch.arange(kd + g * dk, kd + (g + 1) * dk),
+                torch.arange(2 * kd + g * vdim, 2 * kd + (g + 1) * vdim),
+                torch.arange(conv + g * vdim, conv + (g + 1) * vdim)]
+    return torch.cat(out)
+
+
+def _derive(tensors: dict, derived: dict, name: str, info: TensorInfo, make) -> None:
+    tensors[name] = info
+    derived[name] = make
+
+
+def _adapt_hybrid(tensors: dict[str, TensorInfo], derived: dict, cfg: dict, where) -> None:
+    """Undo Qwen3NextModel's (and Qwen3_5MoeTextModel's) transformations, so the family reads the Hugging
+    Face tensors (see the module doc): zero-centred norms stored ``+ 1``; ``A_log`` as ``ssm_a = -exp(A_log)``;
+    ``dt_bias`` as ``ssm_dt.bias``; ``conv1d`` squeezed to [C, K]; Qwen3-Next's ``in_proj_qkvz`` split into
+    ``attn_qkv`` (q, k, v of all heads) and ``attn_gate`` (z); for Qwen3.5 with fewer key than value heads,
+    the value heads reordered from grouped to tiled (``_LinearAttentionVReorderBase``) in ``in_proj_qkv``'s v
+    rows, ``in_proj_z``, ``in_proj_b``/``in_proj_a``, ``A_log``, ``dt_bias``, the conv's v channels and
+    ``out_proj``'s columns. Blocks past the decoder (``nextn_predict_layers``) go under ``mtp.``.
+
+    Raises:
+        CheckpointError: a tensor a DeltaNet layer needs missing, fused gate/up experts or a fused
+            q/k/v attention (converter options moestream does not read), shapes the config does not give.
+    """
+    layers = cfg["num_hidden_layers"]
+    k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    if v_heads % k_heads:
+        raise CheckpointError(f"{where}: ssm.time_step_rank {v_heads} (value heads) is not a multiple of "
+                              f"ssm.group_count {k_heads} (key heads)")
+    per = v_heads // k_heads
+    qwen35 = cfg["model_type"] == "qwen3_5_moe_text"
+    tiled = qwen35 and per > 1  # _LinearAttentionVReorderBase reorders only when the head counts differ
+    for name in list(tensors):  # the multi-token-prediction blocks (under their llama.cpp names)
+        m = re.match(r"^(?:model\.layers|blk)\.(\d+)\.", name)
+        if m and int(m[1]) >= layers:
+            info = tensors.pop(name)
+            tensors["mtp." + info.name] = info
+        elif ".ffn_gate_up_exps." in name:
+            raise CheckpointError(f"{where}: tensor {name!r}: gate and up experts fused into one tensor "
+                                  "(convert_hf_to_gguf.py's fuse option) are not read yet")
+
+    def need(name: str) -> TensorInfo:
+        if name not in tensors:
+            raise CheckpointError(f"{where}: no tensor {name!r} (a Hugging Face name) in a linear-attention layer")
+        return tensors[name]
+
+    def unshift(name: str) -> None:
+        if name in tensors:
+            info = tensors[name]
+            _derive(tensors, derived, name, _as_float32(info, name, info.shape), partial(_unshift, info))
+
+    unshift("model.norm.weight")
+    for i in range(layers):
+        pre, gguf = f"model.layers.{i}.", f"blk.{i}."
+        for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            unshift(pre + n + ".weight")
+        gate = tensors.get(pre + "mlp.shared_expert_gate.weight")
+        if gate is not None and len(gate.shape) == 1:  # [H] -> the [1, H] linear Hugging Face has
+            tensors[pre + "mlp.shared_expert_gate.weight"] = TensorInfo(
+                gate.name, gate.file, gate.offset, gate.nbytes, gate.dtype, (1, *gate.shape))
+        la = pre + "linear_attn."
+        if cfg["layer_types"][i] != "linear_attention":
+            if la + "in_proj_qkv.weight" in tensors:
+                raise CheckpointError(f"{where}: tensor {gguf}attn_qkv.weight in full-attention layer {i}: fused "
+                                      "q/k/v attention (convert_hf_to_gguf.py's fuse option) is not read yet")
+            continue
+        vperm = _v_heads(k_heads, per, 1) if tiled else None
+        a = tensors.pop(gguf + "ssm_a", None)
+        if a is None:
+            raise CheckpointError(f"{where}: no tensor '{gguf}ssm_a' (-exp(A_log)) in linear-attention layer {i}")
+        _derive(tensors, derived, la + "A_log", _as_float32(a, la + "A_log", a.shape), partial(_a_log, a, vperm))
+        dt = tensors.pop(la + "dt_proj.bias", None)  # convert_hf_to_gguf renames dt_bias to dt_proj.bias
+        if dt is None:
+            raise CheckpointError(f"{where}: no tensor '{gguf}ssm_dt.bias' (dt_bias) in linear-attention layer {i}")
+        if vperm is None:
+            tensors[la + "dt_bias"] = dt
+        else:
+            _derive(tensors, derived, la + "dt_bias", dt, partial(_take_rows, dt, vperm))
+        conv = need(la + "conv1d.weight")
+        cperm = None
+        if tiled:
+            qk = 2 * k_heads * dk
+            cperm = torch.cat([torch.arange(qk), qk + _v_heads(k_heads, per, dv)])
+        channels = conv.shape[0] if len(conv.shape) == 2 else None
+        if len(conv.shape) == 2:
+            _derive(tensors, derived, la + "conv1d.weight",
+                    _as_float32(conv, la + "conv1d.weight", (channels, 1, _values(conv))),
+                    partial(_conv, conv, cperm))
+        if qwen35:
+            if tiled:
+                _adapt_tiled(tensors, derived, la, k_heads, per, dk, dv, where)
+        elif la + "in_proj_qkvz.weight" not in tensors:  # attn_qkv + attn_gate: back into one tensor
+            qkv, z = need(la + "in_proj_qkv.weight"), need(la + "in_proj_z.weight")
+            del tensors[la + "in_proj_qkv.weight"], tensors[la + "in_proj_z.weight"]
+            perm = _qkvz_rows(k_heads, dk, per * dv)
+            rows = qkv.shape[0] + z.shape[0]
+            if perm.numel() != rows:
+                raise CheckpointError(f"{where}: {gguf}attn_qkv and attn_gate hold {rows} rows; the ssm.* metadata "
+                                      f"gives {perm.numel()}")
+            same = qkv.dtype == z.dtype and qkv.shape[1:] == z.shape[1:]
+            name = la + "in_proj_qkvz.weight"
+            info = (TensorInfo(name, qkv.file, qkv.offset, qkv.nbytes + z.nbytes, qkv.dtype, (rows, *qkv.shape[1:]))
+                    if same else _as_float32(qkv, name, (rows, _values(qkv))))
+            _derive(tensors, derived, name, info, partial(_cat_rows, qkv, z, perm, same))
+
+
+def _adapt_tiled(tensors: dict, derived: dict, la: str, k_heads: int, per: int, dk: int, dv: int, where) -> None:
+    """Qwen3.5's value heads back from tiled to grouped order in one DeltaNet layer's projections."""
+    for proj, width, offset in (("in_proj_qkv", dv, 2 * k_heads * dk), ("in_proj_z", dv, 0),
+                                ("in_proj_b", 1, 0), ("in_proj_a", 1, 0)):
+        name = la + proj + ".weight"
+        if name not in tensors:
+            raise CheckpointError(f"{where}: no tensor {name!r}")
+        info = tensors[name]
+        perm = torch.cat([torch.arange(offset), offset + _v_heads(k_heads, per, width)])
+        if perm.numel() != info.shape[0]:
+            raise CheckpointError(f"{info.file}: tensor {info.name!r} has {info.shape[0]} rows; the ssm.* metadata "
+                                  f"gives {perm.numel()}")
+        _derive(tensors, derived, name, info, partial(_take_rows, info, perm))
+    name = la + "out_proj.weight"
+    info = tensors.get(name)
+    if info is None:
+        raise CheckpointError(f"{where}: no tensor {name!r}")
+    perm = _v_heads(k_heads, per, dv)
+    qtype = ggml.block_type(info.dtype)
+    block = 1 if qtype is None else ggml.TYPES[qtype][0]
+    if _values(info) != perm.numel():
+        raise CheckpointError(f"{info.file}: tensor {info.name!r} has rows of {_values(info)} values; the ssm.* "
+                              f"metadata gives {perm.numel()}")
+    if dv % block == 0:  # whole blocks move
+        _derive(tensors, derived, name, info, partial(_take_columns, info, perm, block))
+    else:  # a block holds parts of two heads: dequantized
+        _derive(tensors, derived, name, _as_float32(info, name, (info.shape[0], perm.numel())),
+                partial(_float_columns, info, perm))
+
+
+def _adapt_gpt_oss(tensors: dict[str, TensorInfo], derived: dict, cfg: dict, where) -> None:
+    """GptOssModel's renames undone: ``attn_sinks.weight`` is the bare ``self_attn.sinks``. Its other
+    transformations (gate_up de-interleaved into ``ffn_gate_exps``/``ffn_up_exps`` with their biases, ``down``
+    transposed into nn.Linear orientation) give the stacked layout the family reads through its
+    ``adapt_to_source`` (separate gate and up experts), so nothing else is undone.
+
+    Raises:
+        CheckpointError: fused gate/up experts (a converter option moestream does not read).
+    """
+    for name in list(tensors):
+        if name.endswith(".self_attn.sinks.weight"):
+            tensors[name[: -len(".weight")]] = tensors.pop(name)
+        elif ".ffn_gate_up_exps." in name:
+            raise CheckpointError(f"{where}: tensor {name!r}: gate and up experts fused into one tensor "
+                                  "(convert_hf_to_gguf.py's fuse option) are not read yet")
+
+
+_ADAPT = {"qwen3next": _adapt_hybrid, "qwen35moe": _adapt_hybrid, "gpt-oss": _adapt_gpt_oss}
 
 
 __all__ = ["ARCHITECTURES", "UNSUPPORTED", "GGUFCheckpoint", "GGUFFormat", "NAMES", "hf_config", "hf_name", "is_gguf",
