@@ -45,7 +45,8 @@ heads) and ``attn_gate`` (z; older conversions kept it whole as ``ssm_in``);
 when there are fewer key than value heads. Each is undone at read (:func:`_adapt_hybrid`, derived
 tensors): ``w = stored - 1`` in float32 (exact while ``1 + w >= 0.5``), ``A_log = log(-ssm_a)`` in
 float64 rounded to float32, rows moved as stored (any type), ``out_proj``'s columns moved as whole
-blocks when a value head is whole blocks, else read as float32. The config comes from the ``ssm.*``
+blocks when a value head is whole blocks, else kept as stored with the family feeding it its input in
+the stored order (``GGUFFormat.input_orders``). The config comes from the ``ssm.*``
 keys, ``attention.recurrent_layers`` or ``full_attention_interval`` and ``rope.dimension_count``
 (partial rotary); llama.cpp's graphs always renormalize the top-k weights. ``gpt-oss`` (family
 ``gpt_oss``): ``GptOssModel`` de-interleaves ``gate_up`` into ``ffn_gate_exps``/``ffn_up_exps`` with
@@ -233,7 +234,10 @@ class GGUFFormat:
     ``architecture``: ``general.architecture``; ``version``: the GGUF version; ``files``: the
     file names; ``alignment``: the data alignment; ``types``: tensor kind (llama.cpp's name
     without ``blk.N.``) -> sorted ggml types; ``metadata``: every key-value (long arrays as
-    their length); ``tied``: the file has no ``output`` tensor, so the head reads the embedding.
+    their length); ``tied``: the file has no ``output`` tensor, so the head reads the embedding;
+    ``input_orders``: linear (Hugging Face module path) -> the order of its input features its stored
+    weight expects, a permutation of Hugging Face's that the family applies to the input (a qwen35moe
+    ``out_proj`` whose blocks straddle value heads; see :func:`_adapt_tiled`).
     """
 
     architecture: str
@@ -244,6 +248,7 @@ class GGUFFormat:
     metadata: dict = field(default_factory=dict)
     tied: bool = False
     unsupported: list = field(default_factory=list)
+    input_orders: dict[str, list[int]] = field(default_factory=dict)
 
     name = "gguf"  # what a family's ``adapt_to_source`` is told
     compute_dtype = torch.float32  # llama.cpp computes activations in float32
@@ -532,7 +537,7 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     cfg = hf_config(meta, tensors, path)
     derived = {}
     if arch in _ADAPT:  # the converter's renames and transformations of this architecture, undone
-        _ADAPT[arch](tensors, derived, cfg, path)
+        _ADAPT[arch](tensors, derived, cfg, path, fmt)
     if arch in _PERMUTED_QK:
         for hf, info in tensors.items():
             m = re.match(r"^model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$", hf)
@@ -560,17 +565,14 @@ def _bools(meta: dict, key: str, where, n: int) -> list[bool] | None:
     return v[:n]
 
 
-def _moe_checks(meta: dict, p: str, where, family: str, gating: int) -> int:
-    """The expert count, checked to be > 0; refuses a gating function other than ``gating`` (llama.cpp's
-    ``LLAMA_EXPERT_GATING_FUNC_TYPE``) and an expert weight scale other than 1 (the family does not scale)."""
+def _moe_checks(meta: dict, p: str, where, family: str) -> int:
+    """The expert count, checked to be > 0; refuses an expert weight scale other than 1 (llama.cpp scales the
+    routing weights by it; the family does not). ``expert_gating_func`` is not read: llama.cpp's graphs of
+    these architectures fix their gating function (softmax; gpt-oss: softmax over the top-k), as the families."""
     experts = _meta(meta, p + "expert_count", where, default=0, required=False)
     if not experts:
         raise CheckpointError(f"{where}: a model without experts ({p}expert_count is {experts}): a dense model "
                               "has nothing to stream")
-    got = _meta(meta, p + "expert_gating_func", where, required=False)
-    if got not in (None, gating):
-        raise CheckpointError(f"{where}: metadata {p}expert_gating_func {got}: {family} routes by gating function "
-                              f"{gating} only")
     scale = _meta(meta, p + "expert_weights_scale", where, float, required=False)
     if scale not in (None, 0.0, 1.0):  # llama.cpp reads 0 as no scaling
         raise CheckpointError(f"{where}: metadata {p}expert_weights_scale {scale}: {family} does not scale the "
@@ -631,7 +633,7 @@ def _hybrid_config(meta: dict, tensors: dict, where, arch: str) -> dict:
     if layers < 1:
         raise CheckpointError(f"{where}: metadata {p}block_count {blocks} leaves no layer beside "
                               f"{p}nextn_predict_layers {mtp}")
-    experts = _moe_checks(meta, p, where, family, 1)  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    experts = _moe_checks(meta, p, where, family)
     head_dim = cfg["head_dim"]
     rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim)
     scaling = meta.get(p + "rope.scaling.type")
@@ -689,7 +691,7 @@ def _gpt_oss_config(meta: dict, tensors: dict, where) -> dict:
     p = "gpt-oss."
     cfg = _base_config(meta, tensors, where, "gpt-oss")
     layers = _meta(meta, p + "block_count", where)
-    experts = _moe_checks(meta, p, where, "gpt_oss", 3)  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT
+    experts = _moe_checks(meta, p, where, "gpt_oss")
     rot = _meta(meta, p + "rope.dimension_count", where, required=False)
     if rot is not None and rot != cfg["head_dim"]:
         raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} is not the head dim "
@@ -778,11 +780,6 @@ def _take_columns(info: TensorInfo, perm: torch.Tensor, block: int, ckpt) -> tor
     return t.reshape(t.shape[0], -1, size)[:, blocks].reshape(t.shape).contiguous()
 
 
-def _float_columns(info: TensorInfo, perm: torch.Tensor, ckpt) -> torch.Tensor:
-    """Columns of ``info`` reordered, as float32 (rows whose blocks straddle the moved runs)."""
-    return _float(info, ckpt)[:, perm].contiguous()
-
-
 def _unshift(info: TensorInfo, ckpt) -> torch.Tensor:
     """A norm weight stored as ``1 + w`` (Qwen3NextModel adds 1): ``w`` in float32 (``1 + w`` gives back the
     stored value exactly while it is >= 0.5, by Sterbenz's lemma)."""
@@ -809,7 +806,7 @@ def _conv(info: TensorInfo, perm: torch.Tensor | None, ckpt) -> torch.Tensor:
     w = _float(info, ckpt)
     if perm is not None:
         w = w[perm]
-    return w[:, None, :].contiguous()
+    return w.reshape(w.shape[0], 1, -1).contiguous()
 
 
 def _cat_rows(first: TensorInfo, second: TensorInfo, perm: torch.Tensor, same: bool, ckpt) -> torch.Tensor:
@@ -837,7 +834,7 @@ def _derive(tensors: dict, derived: dict, name: str, info: TensorInfo, make) -> 
     derived[name] = make
 
 
-def _adapt_hybrid(tensors: dict[str, TensorInfo], derived: dict, cfg: dict, where) -> None:
+def _adapt_hybrid(tensors: dict[str, TensorInfo], derived: dict, cfg: dict, where, fmt: GGUFFormat) -> None:
     """Undo Qwen3NextModel's (and Qwen3_5MoeTextModel's) transformations, so the family reads the Hugging
     Face tensors (see the module doc): zero-centred norms stored ``+ 1``; ``A_log`` as ``ssm_a = -exp(A_log)``;
     ``dt_bias`` as ``ssm_dt.bias``; ``conv1d`` squeezed to [C, K]; Qwen3-Next's ``in_proj_qkvz`` split into
@@ -910,14 +907,12 @@ def _adapt_hybrid(tensors: dict[str, TensorInfo], derived: dict, cfg: dict, wher
         if tiled:
             qk = 2 * k_heads * dk
             cperm = torch.cat([torch.arange(qk), qk + _v_heads(k_heads, per, dv)])
-        channels = conv.shape[0] if len(conv.shape) == 2 else None
-        if len(conv.shape) == 2:
-            _derive(tensors, derived, la + "conv1d.weight",
-                    _as_float32(conv, la + "conv1d.weight", (channels, 1, _values(conv))),
-                    partial(_conv, conv, cperm))
+        _derive(tensors, derived, la + "conv1d.weight",  # stored squeezed [C, K] (or already [C, 1, K])
+                _as_float32(conv, la + "conv1d.weight", (conv.shape[0], 1, _values(conv))),
+                partial(_conv, conv, cperm))
         if qwen35:
             if tiled:
-                _adapt_tiled(tensors, derived, la, k_heads, per, dk, dv, where)
+                _adapt_tiled(tensors, derived, la, k_heads, per, dk, dv, where, fmt)
         elif la + "in_proj_qkvz.weight" not in tensors:  # attn_qkv + attn_gate: back into one tensor
             qkv, z = need(la + "in_proj_qkv.weight"), need(la + "in_proj_z.weight")
             del tensors[la + "in_proj_qkv.weight"], tensors[la + "in_proj_z.weight"]
@@ -933,8 +928,12 @@ def _adapt_hybrid(tensors: dict[str, TensorInfo], derived: dict, cfg: dict, wher
             _derive(tensors, derived, name, info, partial(_cat_rows, qkv, z, perm, same))
 
 
-def _adapt_tiled(tensors: dict, derived: dict, la: str, k_heads: int, per: int, dk: int, dv: int, where) -> None:
-    """Qwen3.5's value heads back from tiled to grouped order in one DeltaNet layer's projections."""
+def _adapt_tiled(tensors: dict, derived: dict, la: str, k_heads: int, per: int, dk: int, dv: int, where,
+                 fmt: GGUFFormat) -> None:
+    """Qwen3.5's value heads back from tiled to grouped order in one DeltaNet layer's projections: rows as
+    stored; ``out_proj``'s columns as whole blocks when a value head is whole blocks (or float values), else
+    (K-quants with head dim 128) kept as stored and the order recorded in ``fmt.input_orders``: the family
+    feeds that out_proj its input in the stored order, so no weight is dequantized."""
     for proj, width, offset in (("in_proj_qkv", dv, 2 * k_heads * dk), ("in_proj_z", dv, 0),
                                 ("in_proj_b", 1, 0), ("in_proj_a", 1, 0)):
         name = la + proj + ".weight"
@@ -958,12 +957,11 @@ def _adapt_tiled(tensors: dict, derived: dict, la: str, k_heads: int, per: int, 
                               f"metadata gives {perm.numel()}")
     if dv % block == 0:  # whole blocks move
         _derive(tensors, derived, name, info, partial(_take_columns, info, perm, block))
-    else:  # a block holds parts of two heads: dequantized
-        _derive(tensors, derived, name, _as_float32(info, name, (info.shape[0], perm.numel())),
-                partial(_float_columns, info, perm))
+    else:  # a block holds parts of two heads: the input moves instead (input[:, order] @ stored.T)
+        fmt.input_orders[name.removesuffix(".weight")] = torch.argsort(perm).tolist()
 
 
-def _adapt_gpt_oss(tensors: dict[str, TensorInfo], derived: dict, cfg: dict, where) -> None:
+def _adapt_gpt_oss(tensors: dict[str, TensorInfo], derived: dict, cfg: dict, where, fmt: GGUFFormat) -> None:
     """GptOssModel's renames undone: ``attn_sinks.weight`` is the bare ``self_attn.sinks``. Its other
     transformations (gate_up de-interleaved into ``ffn_gate_exps``/``ffn_up_exps`` with their biases, ``down``
     transposed into nn.Linear orientation) give the stacked layout the family reads through its

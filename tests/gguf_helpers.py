@@ -354,11 +354,13 @@ def _convert_hybrid(model, legacy: bool) -> list[tuple[str, torch.Tensor, torch.
 
 
 def write_hybrid_gguf(model, path: Path, qtype: str = "F32", *, legacy: bool = False, seed: int = 0,
-                      recurrent_layers: bool = True, interval: int = 4, mtp: bool = False) -> dict[str, torch.Tensor]:
+                      recurrent_layers: bool = True, interval: int = 4, mtp: bool = False,
+                      types: dict | None = None) -> dict[str, torch.Tensor]:
     """Write a transformers Qwen3-Next or Qwen3.5 MoE model as ``qwen3next`` / ``qwen35moe`` GGUF, as
     convert_hf_to_gguf.py does (its renames and transformations, gguf's tensor-name map, metadata keys);
     ``legacy``: Qwen3-Next's in_proj_qkvz as one ``ssm_in`` (conversions before attn_qkv + attn_gate).
-    2-D and 3-D weights llama-quant.cpp would quantize are ``qtype``, the rest F32.
+    2-D and 3-D weights llama-quant.cpp would quantize are ``qtype`` (``types``: kind -> another type), the
+    rest F32.
     ``recurrent_layers``: write ``attention.recurrent_layers`` (else ``full_attention_interval`` only);
     ``interval``: the ``full_attention_interval`` written (the config's, 4 when it has none: transformers 5
     keeps only ``layer_types``). ``mtp``: a multi-token-prediction block after the decoder's, as _QwenMtpMixin
@@ -410,7 +412,7 @@ def write_hybrid_gguf(model, path: Path, qtype: str = "F32", *, legacy: bool = F
     for name, t, src in _convert_hybrid(model, legacy):
         g = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert g is not None, name
-        want = qtype if _quantized_by_llama(g, t.dim()) else "F32"
+        want = (types or {}).get(g.split(".")[-2], qtype) if _quantized_by_llama(g, t.dim()) else "F32"
         data, qt = encode(t.numpy(), want, rng)
         w.add_tensor(g, data, raw_dtype=qt)
         got[name] = (decode(data, qt).reshape(t.shape).double(), src)

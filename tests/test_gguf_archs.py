@@ -42,8 +42,9 @@ def _check(model, held, path, family):
     ("qwen3_next", "Q8_0", "legacy"),  # in_proj_qkvz as one ssm_in, as conversions before attn_qkv + attn_gate
     ("qwen3_next", "F16", "interval"),  # layer kinds from full_attention_interval only
     ("qwen3_next", "F32", "mtp"),  # a multi-token-prediction block after the decoder's: not loaded, named
+    ("qwen3_next", "Q8_0", "mixed"),  # attn_gate in F16 beside a Q8_0 attn_qkv: in_proj_qkvz merged as float32
     ("qwen3_5_moe", "F32", ""),
-    ("qwen3_5_moe", "Q8_0", ""),  # value heads of 16: out_proj's Q8_0 blocks straddle heads (read as float)
+    ("qwen3_5_moe", "Q8_0", ""),  # value heads of 16: out_proj's Q8_0 blocks straddle heads
     ("qwen3_5_moe", "Q8_0", "wide"),  # value heads of 32: whole blocks move
 ])
 def test_hybrid_qwen(family, qtype, variant, tmp_path):
@@ -57,7 +58,8 @@ def test_hybrid_qwen(family, qtype, variant, tmp_path):
     model = make_hybrid(family, seed=11, **shape)
     path = tmp_path / f"{family}-{qtype}.gguf"
     held = write_hybrid_gguf(model, path, qtype, legacy=variant == "legacy", recurrent_layers=variant != "interval",
-                             interval=2 if variant == "interval" else 4, mtp=variant == "mtp")
+                             interval=2 if variant == "interval" else 4, mtp=variant == "mtp",
+                             types={"attn_gate": "F16"} if variant == "mixed" else None)
     engine = _check(model, held, path, family)
     if variant == "mtp":
         assert engine.checkpoint.config["num_hidden_layers"] == 4
@@ -68,11 +70,17 @@ def test_hybrid_qwen(family, qtype, variant, tmp_path):
     assert engine.checkpoint.source_format.architecture == arch
     assert engine.checkpoint.config["layer_types"] == ["linear_attention", "full_attention"] * 2
     tensors = engine.checkpoint.tensors
-    if qtype == "Q8_0":  # rows (and whole blocks) move as stored; out_proj's straddling blocks are read as float
-        stored = "GGML_Q8_0" if family == "qwen3_next" or variant == "wide" else "F32"
-        assert tensors["model.layers.0.linear_attn.out_proj.weight"].dtype == stored
+    if qtype == "Q8_0":  # rows and whole blocks move as stored; nothing is dequantized
         fused = "in_proj_qkvz" if family == "qwen3_next" else "in_proj_qkv"
-        assert tensors[f"model.layers.0.linear_attn.{fused}.weight"].dtype == "GGML_Q8_0"
+        for proj in (fused, "out_proj"):
+            want = "F32" if variant == "mixed" and proj == fused else "GGML_Q8_0"
+            assert tensors[f"model.layers.0.linear_attn.{proj}.weight"].dtype == want
+    # value heads of 16 in Q8_0 blocks of 32: out_proj stays tiled and its input follows
+    straddles = family == "qwen3_5_moe" and qtype == "Q8_0" and variant != "wide"
+    orders = engine.checkpoint.source_format.input_orders
+    assert sorted(orders) == (["model.layers.0.linear_attn.out_proj", "model.layers.2.linear_attn.out_proj"]
+                              if straddles else [])
+    assert (engine.model.model.layers[0].linear_attn.out_order is not None) == straddles
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
