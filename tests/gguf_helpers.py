@@ -267,9 +267,13 @@ def make_gpt_oss(seed: int = 0, **overrides):
     return model
 
 
-def _quantized_by_llama(gname: str, dims: int) -> bool:
-    """Whether llama-quant.cpp's rules quantize tensor ``gname`` (2-D and up, ending in ``weight``, not a norm,
+def _quantized_by_llama(gname: str, shape: tuple[int, ...]) -> bool:
+    """Whether llama-quant.cpp's rules quantize tensor ``gname`` of torch ``shape`` (2-D and up as ggml counts
+    them, leading 1s not counted: the [1, H] shared-expert gate stays F32; ending in ``weight``; not a norm,
     the router, or the DeltaNet conv)."""
+    dims = len(shape)
+    while dims > 1 and shape[len(shape) - dims] == 1:
+        dims -= 1
     return (dims >= 2 and gname.endswith("weight") and "_norm.weight" not in gname
             and "ffn_gate_inp.weight" not in gname and "ssm_conv1d" not in gname)
 
@@ -412,7 +416,7 @@ def write_hybrid_gguf(model, path: Path, qtype: str = "F32", *, legacy: bool = F
     for name, t, src in _convert_hybrid(model, legacy):
         g = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert g is not None, name
-        want = (types or {}).get(g.split(".")[-2], qtype) if _quantized_by_llama(g, t.dim()) else "F32"
+        want = (types or {}).get(g.split(".")[-2], qtype) if _quantized_by_llama(g, tuple(t.shape)) else "F32"
         data, qt = encode(t.numpy(), want, rng)
         w.add_tensor(g, data, raw_dtype=qt)
         got[name] = (decode(data, qt).reshape(t.shape).double(), src)
@@ -508,7 +512,7 @@ def write_gpt_oss_gguf(model, path: Path, qtype: str = "F32", *, seed: int = 0) 
             g = names.get_name(n, try_suffixes=(".weight", ".bias"))
             assert g is not None, n
             v = v.contiguous()
-            want = qtype if _quantized_by_llama(g, v.dim()) else "F32"
+            want = qtype if _quantized_by_llama(g, tuple(v.shape)) else "F32"
             data, qt = encode(v.numpy(), want, rng)
             w.add_tensor(g, data, raw_dtype=qt)
             got[n] = decode(data, qt).reshape(v.shape)

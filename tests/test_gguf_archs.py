@@ -8,11 +8,13 @@ import gguf
 import pytest
 import torch
 
+from moestream.engine import load
 from moestream.errors import CheckpointError
+from moestream.generation import SamplingParams, generate
 from moestream.gguf_format import NAMES, hf_config, open_gguf
 from moestream.inspect import inspect
 
-from .gguf_helpers import make_gpt_oss, make_hybrid, write_gpt_oss_gguf, write_hybrid_gguf
+from .gguf_helpers import make_gpt_oss, make_hybrid, reference, write_gpt_oss_gguf, write_hybrid_gguf
 from .test_gguf import logits, want_logits
 
 
@@ -128,3 +130,34 @@ def test_names_are_the_gguf_packages(arch, model_arch):
     for key in NAMES[arch]:
         assert key.format(i=3) in known, key
     assert "blk.3.ssm_a" in known or arch == "gpt-oss"  # the bare A tensor, mapped by its own rule
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "gpt_oss"])
+def test_decode_steps_match_transformers(kind, tmp_path):
+    """Token-by-token decode (DeltaNet's recurrent step with the stored out_proj order; gpt-oss's sliding
+    window sliding past the prompt): each step's logits against transformers on the whole sequence, and the
+    same bits at budget 0 as at budget all."""
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "gpt_oss":
+        model = make_gpt_oss(seed=13)
+        held = write_gpt_oss_gguf(model, path, "Q8_0")
+    else:
+        model = make_hybrid(kind, seed=13)
+        held = write_hybrid_gguf(model, path, "Q8_0")
+    prompt = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = []
+    for budget in ("all", "0"):
+        engine = load(path, cache_budget_gb=budget, tokenizer=False, workers=2)
+        try:
+            runs.append(list(generate(engine, prompt, 6, SamplingParams(temperature=0.0), stop_at_eos=False,
+                                      keep_logits=True)))
+        finally:
+            engine.close()
+    steps, tiny = runs
+    tokens = [s.token for s in steps]
+    assert tokens == [s.token for s in tiny] and all(torch.equal(a.logits, b.logits) for a, b in zip(steps, tiny))
+    with torch.no_grad():
+        want = reference(model, held).double()(torch.tensor(prompt + tokens)[None]).logits[0]
+    for i, step in enumerate(steps):
+        row = want[len(prompt) - 1 + i]
+        assert (step.logits.double() - row).abs().max() / row.abs().max() < 1e-5, f"step {i}"
