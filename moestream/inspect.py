@@ -212,6 +212,9 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         raise ConfigError(f"{source}: {e}") from None
     with torch.device("meta"):
         net = family.Model(args)
+    adapt = getattr(family, "adapt_to_source", None)  # a layout the family follows (gpt-oss from MLX or GGUF)
+    if ckpt is not None and ckpt.source_format is not None and adapt is not None:
+        adapt(net, ckpt.source_format)
     if ckpt is not None:
         quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears: their scales are resident too
     layout = discover_experts(tensors)
