@@ -113,22 +113,38 @@ def test_expert_in_one_call_matches_the_pytorch_path():
     assert ((got - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
+def _check_bf16_default(path, want, qtype):
+    """The default (--dtype auto): bf16 for every file but an all-F32 one, within bf16's error of the float64
+    reference (measured 3e-3..1.8e-2; transformers itself in bf16 on the same weights: 3e-3..1.7e-2), and
+    the same bits streaming at budget 0 as with every expert resident."""
+    auto, engine = logits(path, "all")
+    assert engine.dtype == (torch.float32 if qtype == "F32" else torch.bfloat16)
+    assert auto.dtype == engine.dtype
+    if qtype == "F32":
+        return
+    rel = (auto.double() - want).abs().max() / want.abs().max()
+    assert rel < 3e-2, f"{qtype}: max relative error {rel:.2e} in bf16"
+    tiny, _ = logits(path, "0")
+    assert torch.equal(tiny, auto), f"{qtype}: bf16 streaming at budget 0 differs from budget all"
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_type_matches_transformers_on_the_dequantized_weights(qtype, small, kshape, tmp_path):
     model = kshape if qtype in K_TYPES else small
     path = tmp_path / f"m-{qtype}.gguf"
     held = write_gguf(model, path, qtype)
     want = want_logits(model, held)
-    got, engine = logits(path, "all")
+    got, engine = logits(path, "all", dtype="float32")
     assert engine.dtype == torch.float32
     rel = (got.double() - want).abs().max() / want.abs().max()
     assert rel < 1e-5, f"{qtype}: max relative error {rel:.2e}"
-    tiny, _ = logits(path, "0")
+    tiny, _ = logits(path, "0", dtype="float32")
     assert torch.equal(tiny, got), f"{qtype}: streaming at budget 0 differs from budget all"
     if qtype in ("Q4_K", "Q8_0"):  # the PyTorch reference path end to end
         with native.use("torch"):
-            ref_path, _ = logits(path, "0")
+            ref_path, _ = logits(path, "0", dtype="float32")
         assert (ref_path.double() - want).abs().max() / want.abs().max() < 1e-5
+    _check_bf16_default(path, want, qtype)
 
 
 def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
@@ -137,18 +153,27 @@ def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
     one = tmp_path / "one.gguf"
     held = write_gguf(kshape, one, "Q4_K", types=mix, tie=True)
     want = want_logits(kshape, held)
-    got, engine = logits(one, "all")
+    got, engine = logits(one, "all", dtype="float32")
     assert engine.checkpoint.source_format.tied
     assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
+    # bf16 by default: its bits checked below against the split and O_DIRECT reads (a top-k choice of this
+    # random model flips under bf16 rounding, so its logits wander: 0.22 relative, transformers' own in bf16 1.08;
+    # the per-type test checks bf16 against the reference)
+    auto, engine = logits(one, "all")
+    assert engine.dtype == torch.bfloat16
     write_gguf(kshape, tmp_path / "split.gguf", "Q4_K", types=mix, tie=True, split_max_tensors=12)
     parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
     assert len(parts) > 2
-    split, engine = logits(parts[0], "0.0002")
+    split, engine = logits(parts[0], "0.0002", dtype="float32")
     assert len(engine.checkpoint.shards) == len(parts)
     assert torch.equal(split, got)
-    # O_DIRECT reads (experts at any byte offset of the file) with read-ahead: the same bits
-    direct, _ = logits(parts[0], "0", use_page_cache=False, prefetch_ahead=1)
+    split, _ = logits(parts[0], "0.0002")
+    assert torch.equal(split, auto)
+    # O_DIRECT reads (experts at any byte offset of the file) with read-ahead: the same bits, in both dtypes
+    direct, _ = logits(parts[0], "0", use_page_cache=False, prefetch_ahead=1, dtype="float32")
     assert torch.equal(direct, got)
+    direct, _ = logits(parts[0], "0", use_page_cache=False, prefetch_ahead=1)
+    assert torch.equal(direct, auto)
     with pytest.raises(CheckpointError, match="give the first part"):
         open_gguf(parts[1])
     parts[-1].unlink()
@@ -279,15 +304,16 @@ def test_mixtral_as_llama_with_permuted_q_and_k(qtype, tmp_path):
     path = tmp_path / f"mixtral-{qtype}.gguf"
     held = write_gguf(model, path, qtype)
     want = want_logits(model, held)
-    got, engine = logits(path, "all")
+    got, engine = logits(path, "all", dtype="float32")
     assert engine.family.__name__ == "moestream.models.mixtral"
     assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
-    tiny, _ = logits(path, "0")
+    tiny, _ = logits(path, "0", dtype="float32")
     assert torch.equal(tiny, got)
+    _check_bf16_default(path, want, qtype)
     if qtype == "Q8_0":  # an early-2024 conversion: one tensor per expert, the same model
         old = tmp_path / "mixtral-per-expert.gguf"
         write_gguf(model, old, qtype, per_expert=True)
-        per, engine = logits(old, "0")
+        per, engine = logits(old, "0", dtype="float32")
         assert engine.layout.layers[0].kind == "per-expert"
         assert torch.equal(per, got)
 
@@ -344,8 +370,36 @@ def test_olmoe(qtype, tmp_path):
     path = tmp_path / f"olmoe-{qtype}.gguf"
     held = write_gguf(model, path, qtype)
     want = want_logits(model, held)
-    got, engine = logits(path, "all")
+    got, engine = logits(path, "all", dtype="float32")
     assert engine.family.__name__ == "moestream.models.olmoe"
     assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
-    tiny, _ = logits(path, "0")
+    tiny, _ = logits(path, "0", dtype="float32")
     assert torch.equal(tiny, got)
+    _check_bf16_default(path, want, qtype)
+
+
+def test_dtype_flag_reaches_the_engine(kshape, tmp_path):
+    """``--dtype`` (generate, serve): auto by default (bf16 for this Q4_K file), float32 as llama.cpp computes."""
+    import argparse
+
+    from moestream.cli import add_engine_args, engine_options
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    path = tmp_path / "m.gguf"
+    write_gguf(kshape, path, "Q4_K")
+    assert engine_options(p.parse_args(["--model", str(path)])).dtype == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", str(path), "--dtype", "float64"])
+    for flag, want in (([], torch.bfloat16), (["--dtype", "float32"], torch.float32),
+                       (["--dtype", "fp32"], torch.float32)):
+        options = engine_options(p.parse_args(["--model", str(path), "--cache-budget-gb", "0", *flag]))
+        engine = load(path, tokenizer=False, options=options)
+        try:
+            assert engine.dtype == want
+            kv = engine.model.new_kv_cache()
+            with torch.inference_mode():
+                out = engine.model(IDS[:4], 0, kv)
+            assert out.dtype == want and all(k.dtype == v.dtype == want for k, v in kv.layers)  # the KV cache
+        finally:
+            engine.close()
