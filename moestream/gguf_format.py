@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
@@ -157,8 +156,7 @@ class GGUFFormat:
     ``architecture``: ``general.architecture``; ``version``: the GGUF version; ``files``: the
     file names; ``alignment``: the data alignment; ``types``: tensor kind (llama.cpp's name
     without ``blk.N.``) -> sorted ggml types; ``metadata``: every key-value (long arrays as
-    their length); ``tied``: the file has no ``output`` tensor, so the head reads the embedding;
-    ``compute_dtype``: the compute dtype by default (:func:`compute_dtype`).
+    their length); ``tied``: the file has no ``output`` tensor, so the head reads the embedding.
     """
 
     architecture: str
@@ -170,7 +168,7 @@ class GGUFFormat:
     tied: bool = False
     unsupported: list = field(default_factory=list)
 
-    compute_dtype: torch.dtype = torch.bfloat16  # the default (``--dtype auto``): see compute_dtype()
+    compute_dtype: torch.dtype = torch.bfloat16  # the compute dtype by default (--dtype auto): compute_dtype()
 
     name = "gguf"  # what a family's ``adapt_to_source`` is told
 
@@ -197,7 +195,7 @@ class _Reader(GGUFReader):
     def _get_field_parts(self, orig_offs, raw_type):
         if raw_type != GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
-        itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        itype, alen = self._get(orig_offs, "uint32"), self._get(orig_offs + 4, "uint64")
         if len(itype) < 1 or len(alen) < 1:
             raise ValueError(f"the metadata array at byte {orig_offs} runs past the end of the file")
         count, sub = int(alen[0]), GGUFValueType(int(itype[0]))
@@ -206,7 +204,7 @@ class _Reader(GGUFReader):
         start = orig_offs + 12
         nptype = self.gguf_scalar_to_np.get(sub)
         if nptype is not None:
-            end = start + count * np.dtype(nptype).itemsize
+            end = start + count * nptype().itemsize
         elif sub == GGUFValueType.STRING:
             end = _skip_strings(self.data, start, count, ">" if self.byte_order == "S" else "<")
         else:
@@ -535,7 +533,6 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     return ckpt
 
 
-__all__ = ["ARCHITECTURES", "UNSUPPORTED", "GGUFCheckpoint", "GGUFFormat", "NAMES", "compute_dtype", "hf_config",
-           "hf_name", "is_gguf",
+__all__ = ["ARCHITECTURES", "UNSUPPORTED", "GGUFCheckpoint", "GGUFFormat", "NAMES", "hf_config", "hf_name", "is_gguf",
            "open_gguf",
            "split_files"]

@@ -1,5 +1,5 @@
 """A GGUF file's tokenizer with the real Qwen3 vocabulary (151,936 tokens, 151,387 merges), written as llama.cpp's
-convert_hf_to_gguf.py writes it (tests/gguf_helpers.py ``qwen3_tokenizer_metadata``): moestream builds the very
+convert_hf_to_gguf.py writes it (tests/gguf_vocab.py): moestream builds the very
 tokenizer ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` builds, without transformers' second parse
 of the whole vocabulary, and it tokenizes as the Qwen3 tokenizer the file was made from; opening the file
 (``open_gguf``, ``moestream inspect``) never parses the vocabulary."""
@@ -16,7 +16,8 @@ from moestream.gguf_format import open_gguf
 from moestream.inspect import inspect
 from moestream.tokenizer import load_gguf_tokenizer, load_tokenizer
 
-from .gguf_helpers import QWEN3_TOKENIZER, QWEN3_VOCAB, make_model, qwen3_tokenizer_metadata, write_gguf
+from .gguf_helpers import make_model, write_gguf
+from .gguf_vocab import QWEN3_TOKENIZER, QWEN3_VOCAB, qwen3_tokenizer_metadata
 
 TEXTS = [
     "Hello, world! Why is the sky blue?",
