@@ -13,8 +13,8 @@ QWEN3_VOCAB = 151936  # Qwen3's config vocab_size: the tokenizer's 151,669 token
 
 
 def qwen3_tokenizer_metadata(folder: Path = QWEN3_TOKENIZER, vocab_size: int = QWEN3_VOCAB):
-    """An ``extra(writer)`` for ``tests.gguf_helpers.write_gguf`` writing the tokenizer of ``folder`` (Qwen3's, bundled) as
-    llama.cpp's ``convert_hf_to_gguf.py`` does (``TextModel.get_vocab_base`` and ``_set_vocab_gpt2``): every
+    """An ``extra(writer)`` for ``tests.gguf_helpers.write_gguf`` writing the tokenizer of ``folder`` (Qwen3's,
+    bundled) as llama.cpp's ``convert_hf_to_gguf.py`` does (``TextModel.get_vocab_base`` and ``_set_vocab_gpt2``): every
     id below ``vocab_size`` a token (``[PAD<id>]``, UNUSED, where the tokenizer has none), added tokens
     CONTROL when special or looking special (``<|...|>``) else USER_DEFINED, model ``gpt2``, pre ``qwen2``;
     merges, special token ids, ``add_bos_token`` and the chat template by the ``gguf`` package's own

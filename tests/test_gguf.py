@@ -378,30 +378,3 @@ def test_olmoe(qtype, tmp_path):
     tiny, _ = logits(path, "0")
     assert torch.equal(tiny, got)
     _check_bf16_default(path, want, qtype)
-
-
-def test_dtype_flag_reaches_the_engine(kshape, tmp_path):
-    """``--dtype`` (generate, serve): auto by default (bf16 for this Q4_K file), float32 as llama.cpp computes."""
-    import argparse
-
-    from moestream.cli import add_engine_args, engine_options
-
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    path = tmp_path / "m.gguf"
-    write_gguf(kshape, path, "Q4_K")
-    assert engine_options(p.parse_args(["--model", str(path)])).dtype == "auto"
-    with pytest.raises(SystemExit):
-        p.parse_args(["--model", str(path), "--dtype", "float64"])
-    for flag, want in (([], torch.bfloat16), (["--dtype", "float32"], torch.float32),
-                       (["--dtype", "fp32"], torch.float32)):
-        options = engine_options(p.parse_args(["--model", str(path), "--cache-budget-gb", "0", *flag]))
-        engine = load(path, tokenizer=False, options=options)
-        try:
-            assert engine.dtype == want
-            kv = engine.model.new_kv_cache()
-            with torch.inference_mode():
-                out = engine.model(IDS[:4], 0, kv)
-            assert out.dtype == want and all(k.dtype == v.dtype == want for k, v in kv.layers)  # the KV cache
-        finally:
-            engine.close()
