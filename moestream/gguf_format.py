@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -257,8 +258,9 @@ class GGUFFormat:
     unsupported: list = field(default_factory=list)
     input_orders: dict[str, list[int]] = field(default_factory=dict)
 
+    compute_dtype: torch.dtype = torch.bfloat16  # the compute dtype by default (--dtype auto): compute_dtype()
+
     name = "gguf"  # what a family's ``adapt_to_source`` is told
-    compute_dtype = torch.float32  # llama.cpp computes activations in float32
 
     def describe(self, config: dict) -> str:
         """One line: ``GGUF v3, qwen3moe (llama.cpp names mapped), 1 file; Q4_K, Q6_K, F32``."""
@@ -270,7 +272,36 @@ class GGUFFormat:
 
 class _Reader(GGUFReader):
     """The ``gguf`` package's reader, stopped before it maps tensor data: header, metadata, tensor infos
-    (``infos``: name, ``ne``, raw type, offset) and the data offset and alignment."""
+    (``infos``: name, ``ne``, raw type, offset) and the data offset and alignment.
+
+    A metadata array of more than ``_MAX_ARRAY`` items (the tokenizer's vocabulary, token types and
+    merges: 151,936 + 151,936 + 151,387 items for Qwen3) is stepped over, not parsed: ``GGUFReader``
+    makes two numpy views per string (7.5 s for Qwen3's, most of opening a GGUF), where a walk over the
+    string lengths takes 0.1 s and an array of numbers is one view. Its field holds the element type and
+    count only (``_field_value`` reports the count); the tokenizer reads the lists itself
+    (:func:`moestream.tokenizer.load_gguf_tokenizer`), ``moestream inspect`` never does.
+    """
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype, alen = self._get(orig_offs, "uint32"), self._get(orig_offs + 4, "uint64")
+        if len(itype) < 1 or len(alen) < 1:
+            raise ValueError(f"the metadata array at byte {orig_offs} runs past the end of the file")
+        count, sub = int(alen[0]), GGUFValueType(int(itype[0]))
+        if count <= _MAX_ARRAY or sub == GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        start = orig_offs + 12
+        nptype = self.gguf_scalar_to_np.get(sub)
+        if nptype is not None:
+            end = start + count * nptype().itemsize
+        elif sub == GGUFValueType.STRING:
+            end = _skip_strings(self.data, start, count, ">" if self.byte_order == "S" else "<")
+        else:
+            raise ValueError(f"Unknown/unhandled array element type {sub}")
+        if end > len(self.data):
+            raise ValueError(f"the metadata array at byte {orig_offs} runs past the end of the file")
+        return end - orig_offs, [itype, alen], [], [GGUFValueType.ARRAY, sub]
 
     def _build_tensors(self, start_offs, fields):  # GGUFReader would view (and shape-check) each tensor's data
         self.infos = []
@@ -279,10 +310,26 @@ class _Reader(GGUFReader):
             self.infos.append((bytes(name).decode("utf-8"), int(raw_type[0]), [int(d) for d in dims], int(offset[0])))
 
 
+def _skip_strings(data, pos: int, count: int, order: str) -> int:
+    """The offset just past ``count`` GGUF strings (uint64 length, then the bytes) from ``pos`` in ``data``.
+
+    Raises:
+        ValueError: a length running past the end of ``data`` (a truncated file).
+    """
+    size, unpack = len(data), struct.Struct(order + "Q").unpack_from
+    for _ in range(count):
+        if pos + 8 > size:
+            raise ValueError(f"a metadata string at byte {pos} runs past the end of the file")
+        pos += 8 + unpack(data, pos)[0]
+    return pos
+
+
 def _field_value(f):
     """A metadata field's value (arrays over ``_MAX_ARRAY`` items as ``{"array_of": n}``)."""
-    if f.types and f.types[0] == GGUFValueType.ARRAY and len(f.data) > _MAX_ARRAY:
-        return {"array_of": len(f.data)}
+    if f.types and f.types[0] == GGUFValueType.ARRAY:
+        count = int(f.parts[4][0])  # parts: key length, key, value type, element type, count, ...
+        if count > _MAX_ARRAY:
+            return {"array_of": count}
     return f.contents()
 
 
@@ -367,6 +414,24 @@ def _index(path: Path, infos: list, data_offset: int, alignment: int, unsupporte
         if b1 < e0:
             raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap")
     return out
+
+
+def compute_dtype(tensors: dict[str, TensorInfo]) -> torch.dtype:
+    """The compute dtype of a GGUF model by default (``--dtype auto``): float32 when every tensor is stored
+    F32 (a float32 conversion, computed as stored, as a float32 safetensors checkpoint is), else bfloat16.
+
+    Block-quantized tensors (experts, attention, embedding, LM head) stay as their bytes whatever the
+    dtype: the kernels dequantize them in float32 registers, accumulate in float32 and round each output
+    to the compute dtype once (an embedding row is dequantized in float32, then cast). Float tensors
+    (F32 norms and routers, the weights of an F16 / BF16 file) are cast to the compute dtype at load. So
+    bf16 changes the activations between operations and the KV cache, which takes half float32's bytes
+    (the same context in less memory). llama.cpp keeps F16 / F32 weights as stored and computes its
+    activations in float32 (an F16 KV cache); bf16 keeps float32's exponent range, where F16 activations
+    can overflow, at 8 bits of precision; ``--dtype float32`` computes as llama.cpp does.
+    """
+    if tensors and all(t.dtype == "F32" for t in tensors.values()):
+        return torch.float32
+    return torch.bfloat16
 
 
 def hf_name(name: str, arch: str = "qwen3moe") -> str | None:
@@ -1171,6 +1236,7 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
         kind = re.sub(r"^blk\.\d+\.", "", name).removesuffix(".weight")
         types.setdefault(kind, set()).add(ggml.block_type(info.dtype) or info.dtype)
     fmt.types = {k: sorted(v) for k, v in sorted(types.items())}
+    fmt.compute_dtype = compute_dtype(raw)
     cfg = hf_config(meta, tensors, path)
     derived = {}
     rewrite = _TENSORS.get(arch)  # the converter's transformations of this architecture, undone
