@@ -30,7 +30,12 @@ read through the same store, cache and O_DIRECT path as any checkpoint; ``exp_pr
 is ``mlp.gate.e_score_correction_bias`` (the converter renames it so the map finds it); the
 DeltaNet's bare ``blk.N.ssm_a`` (``A_log``, no ``.weight``) has no name rule and is read by name
 (:func:`_adapt_hybrid`). The Hugging Face config is built from the metadata (:func:`hf_config`); a key moestream needs
-and the file lacks is refused naming the file and key.
+and the file lacks is refused naming the file and key. A metadata array of more than
+``_MAX_ARRAY`` items (the tokenizer's vocabulary, token types and merges) is stepped over by
+:class:`_Reader`, not parsed, and kept as its length; the tokenizer reads the lists itself
+(:func:`moestream.tokenizer.load_gguf_tokenizer`). The compute dtype by default (``--dtype
+auto``) is bf16, float32 for a file of F32 tensors only (:func:`compute_dtype`,
+``GGUFFormat.compute_dtype``); block-quantized tensors stay as their bytes in either.
 
 Architectures (``general.architecture``), each with its config builder (:data:`_CONFIGS`) and, where
 the converter did more than rename tensors, its tensor rewrites (:data:`_TENSORS`: derived tensors,
@@ -245,7 +250,8 @@ class GGUFFormat:
     their length); ``tied``: the file has no ``output`` tensor, so the head reads the embedding;
     ``input_orders``: linear (Hugging Face module path) -> the order of its input features its stored
     weight expects, a permutation of Hugging Face's that the family applies to the input (a qwen35moe
-    ``out_proj`` whose blocks straddle value heads; see :func:`_adapt_tiled`).
+    ``out_proj`` whose blocks straddle value heads; see :func:`_adapt_tiled`); ``compute_dtype``: the
+    compute dtype of ``--dtype auto`` (:func:`compute_dtype`).
     """
 
     architecture: str

@@ -201,7 +201,7 @@ def test_decode_steps_match_transformers(kind, tmp_path):
     prompt = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     runs = []
     for budget in ("all", "0"):
-        engine = load(path, cache_budget_gb=budget, tokenizer=False, workers=2)
+        engine = load(path, cache_budget_gb=budget, tokenizer=False, workers=2, dtype="float32")
         try:
             runs.append(list(generate(engine, prompt, 6, SamplingParams(temperature=0.0), stop_at_eos=False,
                                       keep_logits=True)))
