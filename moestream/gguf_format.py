@@ -751,7 +751,7 @@ def _hybrid_config(meta: dict, tensors: dict, where, arch: str) -> dict:
     cfg = _base_config(meta, tensors, where, arch)
     _one_head_dim(meta, p, where, cfg)
     family = cfg["model_type"]
-    blocks = _meta(meta, p + "block_count", where)
+    blocks = cfg["num_hidden_layers"]  # block_count, the multi-token-prediction blocks included
     mtp = _meta(meta, p + "nextn_predict_layers", where, default=0, required=False)
     layers = blocks - mtp
     if layers < 1:
@@ -815,7 +815,7 @@ def _gpt_oss_config(meta: dict, tensors: dict, where) -> dict:
     p = "gpt-oss."
     cfg = _base_config(meta, tensors, where, "gpt-oss")
     _one_head_dim(meta, p, where, cfg)
-    layers = _meta(meta, p + "block_count", where)
+    layers = cfg["num_hidden_layers"]
     experts = _moe_checks(meta, p, where, "gpt_oss")
     rot = _meta(meta, p + "rope.dimension_count", where, required=False)
     if rot is not None and rot != cfg["head_dim"]:
