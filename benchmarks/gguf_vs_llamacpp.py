@@ -76,7 +76,8 @@ def run(cmd: list[str], env: dict | None = None) -> None:
 def moestream_logits(path: Path, tokens: list[int]) -> np.ndarray:
     from moestream.engine import load
 
-    engine = load(path, cache_budget_gb="0", tokenizer=False, workers=2)
+    # float32 as llama.cpp computes its activations (and as docs/gguf.md's table was measured; the default is bf16)
+    engine = load(path, cache_budget_gb="0", tokenizer=False, workers=2, dtype="float32")
     try:
         with torch.inference_mode():
             ids = torch.tensor(tokens)

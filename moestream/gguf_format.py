@@ -19,31 +19,74 @@ other. A tensor of another type is refused naming the tensor and its type.
 Tensors are indexed as :class:`~moestream.checkpoint.TensorInfo` byte ranges: a float
 tensor as its dtype and torch shape (``ne`` reversed); a block-quantized one as its raw
 bytes, dtype ``GGML_<type>``, shape ``[..., rows, row bytes]``. llama.cpp's names are
-mapped onto Hugging Face names (:data:`NAMES`); the stacked experts ``blk.N.ffn_{gate,up,
-down}_exps.weight`` (``ne`` = [in, out, E]: torch [E, out, in]) become
-``model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.weight``, the stacked layout of
-:mod:`moestream.layout`, so each expert is one contiguous byte range read through the same
-store, cache and O_DIRECT path as any checkpoint. The Hugging Face config is built from the
-metadata (:func:`hf_config`).
+mapped onto Hugging Face names (:data:`NAMES`) by the mapping the ``gguf`` package itself
+defines, the one ``convert_hf_to_gguf.py`` writes by (``gguf.TensorNameMap`` of the
+architecture, :func:`derive_names`): of the Hugging Face names it lists for each llama.cpp
+tensor, the one moestream's family uses (:data:`HF_MODULES`). Overrides where moestream's
+names differ: the stacked experts ``blk.N.ffn_{gate,up,down}_exps.weight`` (``ne`` = [in,
+out, E]: torch [E, out, in]) become ``model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.weight``,
+the stacked layout of :mod:`moestream.layout`, so each expert is one contiguous byte range
+read through the same store, cache and O_DIRECT path as any checkpoint; ``exp_probs_b.bias``
+is ``mlp.gate.e_score_correction_bias`` (the converter renames it so the map finds it); the
+DeltaNet's bare ``blk.N.ssm_a`` (``A_log``, no ``.weight``) has no name rule and is read by name
+(:func:`_adapt_hybrid`). The Hugging Face config is built from the metadata (:func:`hf_config`); a key moestream needs
+and the file lacks is refused naming the file and key. A metadata array of more than
+``_MAX_ARRAY`` items (the tokenizer's vocabulary, token types and merges) is stepped over by
+:class:`_Reader`, not parsed, and kept as its length; the tokenizer reads the lists itself
+(:func:`moestream.tokenizer.load_gguf_tokenizer`). The compute dtype by default (``--dtype
+auto``) is bf16, float32 for a file of F32 tensors only (:func:`compute_dtype`,
+``GGUFFormat.compute_dtype``); block-quantized tensors stay as their bytes in either.
 
-Architectures (``general.architecture``): ``qwen3moe`` (family ``qwen3_moe``), ``olmoe`` (family
-``olmoe``) and ``llama`` with experts (Mixtral; family ``mixtral``). llama.cpp's
-``convert_hf_to_gguf.py`` permutes the q and k rows of its ``llama``-derived models
-(``LlamaModel.permute``, for its interleaved rotary embedding): for ``llama`` they are read back
-into Hugging Face order (derived tensors, whole rows moved: any type). ``Qwen3MoeModel`` and
-``OlmoeModel`` derive from ``TextModel`` and store q and k as Hugging Face has them, so nothing is
-undone there. llama.cpp's qwen3moe graph always renormalizes the top-k
-router weights (``norm_topk_prob``), which the metadata does not say.
+Architectures (``general.architecture``), each with its config builder (:data:`_CONFIGS`) and, where
+the converter did more than rename tensors, its tensor rewrites (:data:`_TENSORS`: derived tensors,
+computed from the stored ones when the resident weights load):
+
+* ``qwen3moe`` (family ``qwen3_moe``), ``olmoe`` (``olmoe``): q and k stored as Hugging Face has
+  them, nothing undone. llama.cpp's qwen3moe graph always renormalizes the top-k router weights
+  (``norm_topk_prob``), which the metadata does not say.
+* ``llama`` with experts (Mixtral; ``mixtral``): ``convert_hf_to_gguf.py`` permutes the q and k rows
+  (``LlamaModel.permute``, for its interleaved rotary embedding); they are read back into Hugging
+  Face order (:func:`_llama_tensors`; whole rows move: any type).
+* ``deepseek2`` (DeepSeek-V2/V2.5/V3/R1, Kimi K2; ``deepseek_v3`` when ``expert_gating_func`` is
+  sigmoid, else ``deepseek_v2``): ``DeepseekV2Model`` splits each layer's ``kv_b_proj`` into
+  ``attn_k_b`` (the key rows, transposed) and ``attn_v_b``; they are joined back into ``kv_b_proj``
+  (:func:`_deepseek2_tensors`; a derived float32 tensor, dequantized from any type).
+* ``glm4moe`` (GLM-4.5/4.6; ``glm4_moe``): partial rotary, biases and qk norm read off the
+  tensors; the multi-token-prediction layers (``nextn_predict_layers``) follow the decoder layers in
+  ``block_count`` and are left unused, as for Hugging Face checkpoints.
+* ``qwen3next`` (Qwen3-Next; ``qwen3_next``) and ``qwen35moe`` (Qwen3.5/3.6 MoE; ``qwen3_5_moe``, as
+  the text model ``qwen3_5_moe_text``): ``Qwen3NextModel.modify_tensors`` stores the zero-centred
+  norms as ``1 + w`` (every ``*norm.weight`` but the DeltaNet's gated ``linear_attn.norm``), ``A_log``
+  as ``blk.N.ssm_a = -exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, the conv squeezed to [C, K], and
+  splits Qwen3-Next's ``in_proj_qkvz`` (grouped per key head) into ``attn_qkv`` (q, k, v of all
+  heads) and ``attn_gate`` (z; older conversions kept it whole as ``ssm_in``);
+  ``_LinearAttentionVReorderBase`` (Qwen3.5) reorders the value heads from grouped by key head to
+  tiled when there are fewer key than value heads. Each is undone (:func:`_adapt_hybrid`): ``w =
+  stored - 1`` in float32 (exact while ``1 + w >= 0.5``), ``A_log = log(-ssm_a)`` in float64 rounded
+  to float32, rows moved as stored (any type), ``out_proj``'s columns moved as whole blocks when a
+  value head is whole blocks, else kept as stored with the family feeding it its input in the stored
+  order (``GGUFFormat.input_orders``). The config comes from the ``ssm.*`` keys,
+  ``attention.recurrent_layers`` or ``full_attention_interval`` and ``rope.dimension_count`` (partial
+  rotary); llama.cpp's graphs always renormalize the top-k weights.
+* ``gpt-oss`` (``gpt_oss``): ``GptOssModel`` de-interleaves ``gate_up`` into ``ffn_gate_exps`` /
+  ``ffn_up_exps`` with their biases and transposes ``down`` into nn.Linear orientation, which the
+  family reads as it reads an mlx-lm build (separate gate and up experts); ``attn_sinks.weight`` is
+  ``self_attn.sinks`` (:func:`_adapt_gpt_oss`); the sliding window and YaRN come from the metadata
+  (:func:`_gpt_oss_config`).
+
+Fused gate/up experts (``ffn_gate_up_exps``, a converter option) are refused by name.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import gguf
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
@@ -54,58 +97,107 @@ from .quant import ggml
 SUFFIX = ".gguf"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
-# general.architecture -> (Hugging Face model_type, architectures)
+# general.architecture -> (Hugging Face model_type, architectures); deepseek2 is deepseek_v2 when it routes by softmax
 ARCHITECTURES = {"qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "llama": ("mixtral", "MixtralForCausalLM"),
-                 "olmoe": ("olmoe", "OlmoeForCausalLM")}
+                 "olmoe": ("olmoe", "OlmoeForCausalLM"), "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+                 "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"), "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
+                 "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),  # the text model at model.layers
+                 "gpt-oss": ("gpt_oss", "GptOssForCausalLM")}
 
-# llama.cpp tensor name (without the .weight / .bias suffix) -> Hugging Face module path; {i} the layer, {e} an expert
-_SHARED = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
-    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
-    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
-    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
-    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
-    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+# -- tensor names ---------------------------------------------------------------------------------------
+# llama.cpp's names are read back through the mapping the ``gguf`` package defines (gguf.TensorNameMap, the one
+# convert_hf_to_gguf.py writes by): for each tensor of an architecture (gguf.MODEL_TENSORS) it lists the Hugging
+# Face names of every model it converts (ffn_gate_inp is block_sparse_moe.gate for Mixtral, mlp.gate for
+# Qwen3-MoE, mlp.router for others). The one moestream's family for that architecture uses is picked from these
+# module names ({bid} the layer); a name gguf's map does not list for the architecture is never used.
+_ATTN = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "post_attention_layernorm")
+_QK_NORM = ("self_attn.q_norm", "self_attn.k_norm")
+_ROUTED = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+_DENSE = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# shared experts and the sigmoid routers' correction bias (DeepSeek-V3, GLM-4.5)
+_SHARED_EXPERTS = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj",
+                   "mlp.gate.e_score_correction")
+# Multi-head Latent Attention; k_b_proj / v_b_proj are llama.cpp's split of kv_b_proj, joined at open
+_MLA = ("self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+        "self_attn.kv_a_layernorm", "self_attn.kv_b_proj", "self_attn.k_b_proj", "self_attn.v_b_proj")
+# Gated DeltaNet (Qwen3-Next, Qwen3.5). A_log is llama.cpp's bare blk.N.ssm_a (no .weight / .bias suffix, so no
+# name rule matches it): _adapt_hybrid reads it by that name
+_DELTANET = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.conv1d", "linear_attn.dt_proj",
+             "linear_attn.norm", "linear_attn.out_proj")
+# Qwen's one shared expert and its sigmoid gate
+_SHARED_EXPERT = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+                  "mlp.shared_expert_gate")
+HF_MODULES: dict[str, tuple[str, ...]] = {
+    "qwen3moe": _ATTN + _QK_NORM + _ROUTED,
+    "olmoe": _ATTN + _QK_NORM + _ROUTED,  # q_norm and k_norm over the whole projection, as HF
+    "llama": _ATTN + ("block_sparse_moe.gate", "block_sparse_moe.experts.w1", "block_sparse_moe.experts.w3",
+                      "block_sparse_moe.experts.w2"),  # Mixtral: llama with experts
+    "deepseek2": ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.o_proj", *_MLA,
+                  *_ROUTED, *_DENSE, *_SHARED_EXPERTS),
+    "glm4moe": _ATTN + _QK_NORM + _ROUTED + _DENSE + _SHARED_EXPERTS,  # post_attention_layernorm is
+    # llama.cpp's post_attention_norm there (glm4moe has no ffn_norm)
+    # the hybrid Qwens (Qwen3NextModel, Qwen3_5MoeTextModel): the names the converter writes, before what
+    # _adapt_hybrid undoes (dt_bias written as dt_proj.bias; in_proj_qkvz split into in_proj_qkv + in_proj_z)
+    "qwen3next": _ATTN + _QK_NORM + _ROUTED + _DELTANET + _SHARED_EXPERT + (
+        "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"),  # conversions before attn_qkv + attn_gate: ssm_in
+    "qwen35moe": _ATTN + _QK_NORM + _ROUTED + _DELTANET + _SHARED_EXPERT + (
+        "linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+    # GptOssModel: experts de-interleaved into gate and up, each with its bias; the router is mlp.router
+    "gpt-oss": _ATTN + ("self_attn.sinks", "mlp.router", "mlp.experts.gate_proj", "mlp.experts.up_proj",
+                        "mlp.experts.down_proj"),
 }
-NAMES = {
-    "qwen3moe": {
-        **_SHARED,
-        "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
-        "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
-        "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",
-        "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.switch_mlp.gate_proj",
-        "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.switch_mlp.up_proj",
-        "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.switch_mlp.down_proj",
-        "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
-        "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
-        "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
-    },
-    "olmoe": {  # q_norm and k_norm over the whole projection (model.layers.N.self_attn.{q,k}_norm), as HF
-        **_SHARED,
-        "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
-        "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
-        "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",
-        "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.switch_mlp.gate_proj",
-        "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.switch_mlp.up_proj",
-        "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.switch_mlp.down_proj",
-    },
-    "llama": {  # Mixtral: llama with experts
-        **_SHARED,
-        "blk.{i}.ffn_gate_inp": "model.layers.{i}.block_sparse_moe.gate",
-        "blk.{i}.ffn_gate_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.gate_proj",
-        "blk.{i}.ffn_up_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.up_proj",
-        "blk.{i}.ffn_down_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.down_proj",
-        # conversions from before llama.cpp stacked the experts (early 2024): one tensor per expert
+_TOP_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
+# Overrides where moestream's names differ from the Hugging Face names in gguf's map. The stacked experts: the
+# map names them as convert_hf_to_gguf.py stacks them (mlp.experts.gate_proj, Mixtral's experts.w1 ...);
+# moestream's stacked layout (moestream.layout, mlx-lm's) calls them switch_mlp.{gate,up,down}_proj.
+_STACKED = ((".experts.gate_proj", ".switch_mlp.gate_proj"), (".experts.up_proj", ".switch_mlp.up_proj"),
+            (".experts.down_proj", ".switch_mlp.down_proj"), (".experts.w1", ".switch_mlp.gate_proj"),
+            (".experts.w3", ".switch_mlp.up_proj"), (".experts.w2", ".switch_mlp.down_proj"))
+# Tensors the converter renamed so the map finds them (DeepseekV2Model, Glm4MoeModel: e_score_correction_bias ->
+# e_score_correction.bias, i.e. blk.N.exp_probs_b.bias): their Hugging Face name back
+_SUFFIX_FIXES = ((".e_score_correction.bias", ".e_score_correction_bias"),)
+# Names gguf's map no longer lists: Mixtral conversions from before llama.cpp stacked the experts (early 2024),
+# one tensor per expert (llama.cpp still reads them)
+_EXTRA_NAMES = {
+    "llama": {
         "blk.{i}.ffn_gate.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w1",
         "blk.{i}.ffn_up.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w3",
         "blk.{i}.ffn_down.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w2",
     },
 }
-# architectures whose q and k rows convert_hf_to_gguf.py permutes (LlamaModel.permute), undone at read
-_PERMUTED_QK = ("llama",)
+
+
+def _model_arch(arch: str) -> gguf.MODEL_ARCH:
+    return next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+
+
+def derive_names(arch: str) -> dict[str, str]:
+    """llama.cpp tensor name (without ``.weight`` / ``.bias``) -> Hugging Face module path of ``arch``, ``{i}``
+    the layer and ``{e}`` an expert: gguf's map restricted to :data:`HF_MODULES`, with the overrides above.
+
+    Raises:
+        ValueError: two of the architecture's module names map to one llama.cpp tensor (a vocabulary error).
+    """
+    names = (*_TOP_MODULES, *("model.layers.{bid}." + m for m in HF_MODULES[arch]))
+    want = {name.format(bid=0): name for name in names}
+    out: dict[str, str] = {}
+    for hf, (_, g) in gguf.get_tensor_name_map(_model_arch(arch), 1).mapping.items():
+        template = want.get(hf)
+        if template is None:
+            continue
+        key = re.sub(r"^blk\.0\.", "blk.{i}.", g)
+        value = template.replace("{bid}", "{i}")
+        for a, b in _STACKED:
+            value = value.replace(a, b) if value.endswith(a) else value
+        if out.get(key, value) != value:
+            raise ValueError(f"{arch}: {out[key]} and {value} both map to llama.cpp's {key}")
+        out[key] = value
+    return {**out, **_EXTRA_NAMES.get(arch, {})}
+
+
+# architecture -> {llama.cpp name: Hugging Face name}, derived from the gguf package's map (see derive_names)
+NAMES = {arch: derive_names(arch) for arch in HF_MODULES}
 
 
 def _pattern(key: str) -> re.Pattern:
@@ -155,7 +247,11 @@ class GGUFFormat:
     ``architecture``: ``general.architecture``; ``version``: the GGUF version; ``files``: the
     file names; ``alignment``: the data alignment; ``types``: tensor kind (llama.cpp's name
     without ``blk.N.``) -> sorted ggml types; ``metadata``: every key-value (long arrays as
-    their length); ``tied``: the file has no ``output`` tensor, so the head reads the embedding.
+    their length); ``tied``: the file has no ``output`` tensor, so the head reads the embedding;
+    ``input_orders``: linear (Hugging Face module path) -> the order of its input features its stored
+    weight expects, a permutation of Hugging Face's that the family applies to the input (a qwen35moe
+    ``out_proj`` whose blocks straddle value heads; see :func:`_adapt_tiled`); ``compute_dtype``: the
+    compute dtype of ``--dtype auto`` (:func:`compute_dtype`).
     """
 
     architecture: str
@@ -166,9 +262,11 @@ class GGUFFormat:
     metadata: dict = field(default_factory=dict)
     tied: bool = False
     unsupported: list = field(default_factory=list)
+    input_orders: dict[str, list[int]] = field(default_factory=dict)
+
+    compute_dtype: torch.dtype = torch.bfloat16  # the compute dtype by default (--dtype auto): compute_dtype()
 
     name = "gguf"  # what a family's ``adapt_to_source`` is told
-    compute_dtype = torch.float32  # llama.cpp computes activations in float32
 
     def describe(self, config: dict) -> str:
         """One line: ``GGUF v3, qwen3moe (llama.cpp names mapped), 1 file; Q4_K, Q6_K, F32``."""
@@ -180,7 +278,36 @@ class GGUFFormat:
 
 class _Reader(GGUFReader):
     """The ``gguf`` package's reader, stopped before it maps tensor data: header, metadata, tensor infos
-    (``infos``: name, ``ne``, raw type, offset) and the data offset and alignment."""
+    (``infos``: name, ``ne``, raw type, offset) and the data offset and alignment.
+
+    A metadata array of more than ``_MAX_ARRAY`` items (the tokenizer's vocabulary, token types and
+    merges: 151,936 + 151,936 + 151,387 items for Qwen3) is stepped over, not parsed: ``GGUFReader``
+    makes two numpy views per string (7.5 s for Qwen3's, most of opening a GGUF), where a walk over the
+    string lengths takes 0.1 s and an array of numbers is one view. Its field holds the element type and
+    count only (``_field_value`` reports the count); the tokenizer reads the lists itself
+    (:func:`moestream.tokenizer.load_gguf_tokenizer`), ``moestream inspect`` never does.
+    """
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype, alen = self._get(orig_offs, "uint32"), self._get(orig_offs + 4, "uint64")
+        if len(itype) < 1 or len(alen) < 1:
+            raise ValueError(f"the metadata array at byte {orig_offs} runs past the end of the file")
+        count, sub = int(alen[0]), GGUFValueType(int(itype[0]))
+        if count <= _MAX_ARRAY or sub == GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        start = orig_offs + 12
+        nptype = self.gguf_scalar_to_np.get(sub)
+        if nptype is not None:
+            end = start + count * nptype().itemsize
+        elif sub == GGUFValueType.STRING:
+            end = _skip_strings(self.data, start, count, ">" if self.byte_order == "S" else "<")
+        else:
+            raise ValueError(f"Unknown/unhandled array element type {sub}")
+        if end > len(self.data):
+            raise ValueError(f"the metadata array at byte {orig_offs} runs past the end of the file")
+        return end - orig_offs, [itype, alen], [], [GGUFValueType.ARRAY, sub]
 
     def _build_tensors(self, start_offs, fields):  # GGUFReader would view (and shape-check) each tensor's data
         self.infos = []
@@ -189,10 +316,26 @@ class _Reader(GGUFReader):
             self.infos.append((bytes(name).decode("utf-8"), int(raw_type[0]), [int(d) for d in dims], int(offset[0])))
 
 
+def _skip_strings(data, pos: int, count: int, order: str) -> int:
+    """The offset just past ``count`` GGUF strings (uint64 length, then the bytes) from ``pos`` in ``data``.
+
+    Raises:
+        ValueError: a length running past the end of ``data`` (a truncated file).
+    """
+    size, unpack = len(data), struct.Struct(order + "Q").unpack_from
+    for _ in range(count):
+        if pos + 8 > size:
+            raise ValueError(f"a metadata string at byte {pos} runs past the end of the file")
+        pos += 8 + unpack(data, pos)[0]
+    return pos
+
+
 def _field_value(f):
     """A metadata field's value (arrays over ``_MAX_ARRAY`` items as ``{"array_of": n}``)."""
-    if f.types and f.types[0] == GGUFValueType.ARRAY and len(f.data) > _MAX_ARRAY:
-        return {"array_of": len(f.data)}
+    if f.types and f.types[0] == GGUFValueType.ARRAY:
+        count = int(f.parts[4][0])  # parts: key length, key, value type, element type, count, ...
+        if count > _MAX_ARRAY:
+            return {"array_of": count}
     return f.contents()
 
 
@@ -279,23 +422,36 @@ def _index(path: Path, infos: list, data_offset: int, alignment: int, unsupporte
     return out
 
 
+def compute_dtype(tensors: dict[str, TensorInfo]) -> torch.dtype:
+    """The compute dtype of a GGUF model by default (``--dtype auto``): float32 when every tensor is stored
+    F32 (a float32 conversion, computed as stored, as a float32 safetensors checkpoint is), else bfloat16.
+
+    Block-quantized tensors (experts, attention, embedding, LM head) stay as their bytes whatever the
+    dtype: the kernels dequantize them in float32 registers, accumulate in float32 and round each output
+    to the compute dtype once (an embedding row is dequantized in float32, then cast). Float tensors
+    (F32 norms and routers, the weights of an F16 / BF16 file) are cast to the compute dtype at load. So
+    bf16 changes the activations between operations and the KV cache, which takes half float32's bytes
+    (the same context in less memory). llama.cpp keeps F16 / F32 weights as stored and computes its
+    activations in float32 (an F16 KV cache); bf16 keeps float32's exponent range, where F16 activations
+    can overflow, at 8 bits of precision; ``--dtype float32`` computes as llama.cpp does.
+    """
+    if tensors and all(t.dtype == "F32" for t in tensors.values()):
+        return torch.float32
+    return torch.bfloat16
+
+
 def hf_name(name: str, arch: str = "qwen3moe") -> str | None:
     """The Hugging Face name of architecture ``arch``'s llama.cpp tensor name (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``), or None when :data:`NAMES` has no rule for it."""
+    ``model.layers.3.self_attn.q_proj.weight``, ``blk.3.exp_probs_b.bias`` ->
+    ``model.layers.3.mlp.gate.e_score_correction_bias``), or None when :data:`NAMES` has no rule for it."""
     for pat, repl in _NAME_RE.get(arch, ()):
         m = pat.match(name)
         if m:
-            return repl.format(**{k: v for k, v in m.groupdict().items() if k != "param"}) + "." + m["param"]
+            out = repl.format(**{k: v for k, v in m.groupdict().items() if k != "param"}) + "." + m["param"]
+            for a, b in _SUFFIX_FIXES:
+                out = out[: -len(a)] + b if out.endswith(a) else out
+            return out
     return None
-
-
-def _unpermute(info: TensorInfo, heads: int, ckpt) -> torch.Tensor:
-    """q or k rows [heads * D, ...] back in Hugging Face order from llama.cpp's (``LlamaModel.permute``
-    stores row ``(h, i, j)`` of each head's pairs for Hugging Face row ``(h, j, i)``; j in 0..1, i < D/2).
-    Whole rows move, so it holds for block-quantized rows too."""
-    t = ckpt.read_info(info)
-    rows = t.shape[0]
-    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
 
 
 def _meta(meta: dict, key: str, where, kind=int, default=None, required: bool = True):
@@ -313,7 +469,8 @@ def _meta(meta: dict, key: str, where, kind=int, default=None, required: bool = 
 
 
 def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
-    """The Hugging Face config (a dict) of a GGUF model's metadata and tensors.
+    """The Hugging Face config (a dict) of a GGUF model's metadata and tensors, built by its architecture's
+    builder (:data:`_CONFIGS`).
 
     Raises:
         CheckpointError: an architecture moestream does not map, a required key missing or of
@@ -323,36 +480,33 @@ def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{where}: GGUF architecture {arch!r} is not supported; moestream reads "
                               f"{', '.join(ARCHITECTURES)}")
+    return _CONFIGS[arch](meta, tensors, where)
+
+
+# -- the config of each architecture (_CONFIGS) ----------------------------------------------------------------
+def _base_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -> dict:
+    """The config fields every architecture reads the same way: model type, vocabulary (the embedding's rows),
+    width, layers (``block_count``), heads, key/value heads, head dim (``attention.key_length``), experts per
+    token, norm eps, rope base, context and the bos / eos token ids.
+
+    Raises:
+        CheckpointError: a required key missing or of the wrong type, or no ``token_embd.weight``.
+    """
     model_type, cls = ARCHITECTURES[arch]
     p = arch + "."
-    heads = _meta(meta, p + "attention.head_count", where)
-    hidden = _meta(meta, p + "embedding_length", where)
-    kv = _meta(meta, p + "attention.head_count_kv", where, default=heads)
-    head_dim = _meta(meta, p + "attention.key_length", where, default=hidden // heads)
-    vdim = _meta(meta, p + "attention.value_length", where, default=head_dim)
-    if vdim != head_dim:
-        raise CheckpointError(f"{where}: attention.key_length {head_dim} and value_length {vdim} differ; "
-                              f"{model_type} has one head_dim")
-    rot = _meta(meta, p + "rope.dimension_count", where, required=False)
-    if rot is not None and rot != head_dim:
-        raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} is not the head dim {head_dim}: "
-                              "partial rotary embeddings are not supported")
-    gating = _meta(meta, p + "expert_gating_func", where, required=False)
-    if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-        raise CheckpointError(f"{where}: metadata {p}expert_gating_func {gating}: {model_type} routes by softmax (1)")
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise CheckpointError(f"{where}: no token_embd.weight tensor")
-    experts = _meta(meta, p + "expert_count", where, default=0, required=False)
-    if not experts:
-        raise CheckpointError(f"{where}: a {arch} model without experts ({p}expert_count is {experts}): a dense "
-                              "model has nothing to stream")
+    heads = _meta(meta, p + "attention.head_count", where)
+    hidden = _meta(meta, p + "embedding_length", where)
     cfg = {
         "model_type": model_type, "architectures": [cls],
         "vocab_size": embed.shape[0],
         "hidden_size": hidden,
         "num_hidden_layers": _meta(meta, p + "block_count", where),
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "num_attention_heads": heads,
+        "num_key_value_heads": _meta(meta, p + "attention.head_count_kv", where, default=heads),
+        "head_dim": _meta(meta, p + "attention.key_length", where, default=hidden // heads),
         "num_experts_per_tok": _meta(meta, p + "expert_used_count", where),
         "rms_norm_eps": _meta(meta, p + "attention.layer_norm_rms_epsilon", where, float),
         "rope_theta": _meta(meta, p + "rope.freq_base", where, float, default=10000.0),
@@ -360,6 +514,52 @@ def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
         "tie_word_embeddings": False,  # a file without `output` gets the embedding's bytes as lm_head
         "torch_dtype": "float32",
     }
+    for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        if isinstance(meta.get(key), int):
+            cfg[hf] = meta[key]
+    return cfg
+
+
+def _experts(meta: dict, p: str, where) -> int:
+    """``expert_count``, refused when missing or 0 (a dense model has nothing to stream)."""
+    experts = _meta(meta, p + "expert_count", where, default=0, required=False)
+    if not experts:
+        raise CheckpointError(f"{where}: a {p[:-1]} model without experts ({p}expert_count is {experts}): a dense "
+                              "model has nothing to stream")
+    return experts
+
+
+def _one_head_dim(meta: dict, p: str, where, cfg: dict) -> None:
+    """Refuse an ``attention.value_length`` other than the head dim (the family has one ``head_dim``)."""
+    vdim = _meta(meta, p + "attention.value_length", where, default=cfg["head_dim"])
+    if vdim != cfg["head_dim"]:
+        raise CheckpointError(f"{where}: attention.key_length {cfg['head_dim']} and value_length {vdim} differ; "
+                              f"{cfg['model_type']} has one head_dim")
+
+
+def _softmax_moe_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -> dict:
+    """Qwen3-MoE (``qwen3moe``), OLMoE (``olmoe``) and Mixtral (``llama`` with experts): softmax routing, full
+    rotary, every layer MoE. The experts' width is ``expert_feed_forward_length`` for Qwen3-MoE;
+    ``OlmoeModel`` and Mixtral's converter write it as ``feed_forward_length``. The top-k weights are
+    renormalized as llama.cpp's graphs do: always for qwen3moe, when ``expert_weights_norm`` says so for olmoe.
+
+    Raises:
+        CheckpointError: a required key missing or of the wrong type, partial rotary, sigmoid gating,
+            no experts, or key and value widths that differ.
+    """
+    p = arch + "."
+    cfg = _base_config(meta, tensors, where, arch)
+    _one_head_dim(meta, p, where, cfg)
+    head_dim = cfg["head_dim"]
+    rot = _meta(meta, p + "rope.dimension_count", where, required=False)
+    if rot is not None and rot != head_dim:
+        raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} is not the head dim {head_dim}: "
+                              "partial rotary embeddings are not supported")
+    gating = _meta(meta, p + "expert_gating_func", where, required=False)
+    if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise CheckpointError(f"{where}: metadata {p}expert_gating_func {gating}: {cfg['model_type']} routes by "
+                              "softmax (1)")
+    experts = _experts(meta, p, where)
     if arch == "qwen3moe":
         cfg["num_experts"] = experts
         cfg["moe_intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where)
@@ -379,10 +579,603 @@ def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": meta.get(p + "rope.scaling.factor"),
                                "original_max_position_embeddings": meta.get(p + "rope.scaling.original_context_length")}
-    for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
-        if isinstance(meta.get(key), int):
-            cfg[hf] = meta[key]
     return cfg
+
+
+def _deepseek_style_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -> dict:
+    """:func:`_base_config` and the routed-expert fields DeepSeek-V3's config has (and GLM-4.5's, which copies
+    it): routed and shared experts, their width, the leading dense blocks, the routing weights' scale and
+    renormalization, expert groups, and YaRN.
+
+    Raises:
+        CheckpointError: a required key missing or of the wrong type, no embedding, no experts.
+    """
+    p = arch + "."
+    cfg = _base_config(meta, tensors, where, arch)
+    experts = _experts(meta, p, where)
+    cfg.update({
+        "n_routed_experts": experts,
+        "moe_intermediate_size": _meta(meta, p + "expert_feed_forward_length", where),
+        "n_shared_experts": _meta(meta, p + "expert_shared_count", where),
+        "first_k_dense_replace": _meta(meta, p + "leading_dense_block_count", where),
+        # llama.cpp's defaults where the converter leaves a key out: no scaling, no renormalization, one group
+        "routed_scaling_factor": _meta(meta, p + "expert_weights_scale", where, float, default=1.0),
+        "norm_topk_prob": _meta(meta, p + "expert_weights_norm", where, bool, default=False),
+        "n_group": _meta(meta, p + "expert_group_count", where, default=1),
+    })
+    cfg["topk_group"] = _meta(meta, p + "expert_group_used_count", where, default=cfg["n_group"])
+    # the dense layers' width: the leading dense blocks need it
+    cfg["intermediate_size"] = _meta(meta, p + "feed_forward_length", where, required=cfg["first_k_dense_replace"] > 0,
+                                     default=None if cfg["first_k_dense_replace"] else cfg["moe_intermediate_size"])
+    scaling = meta.get(p + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        cfg["rope_scaling"] = {
+            "rope_type": scaling, "factor": _meta(meta, p + "rope.scaling.factor", where, float),
+            "original_max_position_embeddings": _meta(meta, p + "rope.scaling.original_context_length", where),
+            # llama.cpp's YaRN defaults, as transformers'
+            "beta_fast": _meta(meta, p + "rope.scaling.yarn_beta_fast", where, float, default=32.0),
+            "beta_slow": _meta(meta, p + "rope.scaling.yarn_beta_slow", where, float, default=1.0)}
+    return cfg
+
+
+def _gating(meta: dict, p: str, where, default: int) -> str:
+    """``expert_gating_func`` as transformers' ``scoring_func`` (llama.cpp: 1 softmax, 2 sigmoid)."""
+    gating = _meta(meta, p + "expert_gating_func", where, default=default)
+    if gating not in (1, 2):
+        raise CheckpointError(f"{where}: metadata {p}expert_gating_func {gating}: moestream routes by softmax (1) or "
+                              "sigmoid (2)")
+    return "softmax" if gating == 1 else "sigmoid"
+
+
+def _deepseek2_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
+    """DeepSeek-V2/V2.5/V3/R1 and Kimi K2 (``deepseek2``), as convert_hf_to_gguf.py's ``DeepseekV2Model`` writes
+    them: family ``deepseek_v3`` when the experts are chosen by sigmoid (``expert_gating_func`` 2, with
+    ``exp_probs_b`` = ``e_score_correction_bias``, ``noaux_tc``), else ``deepseek_v2`` (softmax, the default for
+    V2 files without the key; greedy, or group-limited with ``expert_group_count`` > 1).
+
+    MLA: ``attention.kv_lora_rank``, ``q_lora_rank`` (absent: a plain ``q_proj``, V2-Lite), ``rope.dimension_count``
+    (the rope head dim) and the per-head q/k and v widths ``attention.key_length_mla`` / ``value_length_mla``
+    (files from before llama.cpp's absorbed MLA give them as ``key_length`` / ``value_length``; the new ones hold
+    the latent's widths there and ``head_count_kv`` 1). YaRN: llama.cpp keeps only ``yarn_log_multiplier``
+    (0.1 * ``mscale_all_dim``) and assumes ``mscale`` = ``mscale_all_dim``, so the rotary cos/sin are unscaled
+    and the softmax scale takes ``mscale(factor, mscale_all_dim)^2``, as transformers when the two are equal.
+
+    Raises:
+        CheckpointError: a required key (the MLA widths, expert widths and counts, ``leading_dense_block_count``)
+            missing or of the wrong type, naming the file and key.
+    """
+    p = "deepseek2."
+    cfg = _deepseek_style_config(meta, tensors, where, "deepseek2")
+    rope_dim = _meta(meta, p + "rope.dimension_count", where)
+    qk = _meta(meta, p + "attention.key_length_mla", where, required=False)
+    if qk is not None:
+        v = _meta(meta, p + "attention.value_length_mla", where)
+    else:
+        qk, v = _meta(meta, p + "attention.key_length", where), _meta(meta, p + "attention.value_length", where)
+    if qk <= rope_dim:
+        raise CheckpointError(f"{where}: metadata {p}attention.key_length_mla {qk} leaves no unrotated key dims "
+                              f"beside rope.dimension_count {rope_dim}")
+    scoring = _gating(meta, p, where, default=1)
+    groups = cfg["n_group"]
+    cfg.update({
+        "model_type": "deepseek_v3" if scoring == "sigmoid" else "deepseek_v2",
+        "architectures": ["DeepseekV3ForCausalLM" if scoring == "sigmoid" else "DeepseekV2ForCausalLM"],
+        "num_key_value_heads": cfg["num_attention_heads"],  # the converter writes MLA's latent as one kv head
+        "q_lora_rank": _meta(meta, p + "attention.q_lora_rank", where, required=False),
+        "kv_lora_rank": _meta(meta, p + "attention.kv_lora_rank", where),
+        "qk_nope_head_dim": qk - rope_dim, "qk_rope_head_dim": rope_dim, "v_head_dim": v,
+        "scoring_func": scoring,
+        "topk_method": "noaux_tc" if scoring == "sigmoid" else "group_limited_greedy" if groups > 1 else "greedy",
+        "moe_layer_freq": 1,  # llama.cpp's deepseek2 graph: every layer from leading_dense_block_count on is MoE
+        # DeepseekV2Model does not permute q/k: the rope dims stay in DeepSeek's interleaved pairs (llama.cpp
+        # ropes deepseek2 as LLAMA_ROPE_TYPE_NORM, adjacent pairs)
+        "rope_interleave": True,
+    })
+    cfg.pop("head_dim")  # key_length is the latent's width here; MLA's head dims are the fields above
+    rope = cfg.get("rope_scaling")
+    if rope is not None and rope["rope_type"] == "yarn":
+        log_mul = _meta(meta, p + "rope.scaling.yarn_log_multiplier", where, float, default=0.0)
+        rope.update(mscale=log_mul / 0.1, mscale_all_dim=log_mul / 0.1, attention_factor=1.0)
+    return cfg
+
+
+def _glm4moe_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
+    """GLM-4.5 / GLM-4.6 (``glm4moe``), as convert_hf_to_gguf.py's ``Glm4MoeModel`` writes them: family
+    ``glm4_moe``. ``block_count`` includes the ``nextn_predict_layers`` multi-token-prediction layers written
+    after the decoder layers (loaded by no family: reported unused); ``rope.dimension_count`` is the rotated part
+    of each head (``partial_rotary_factor``); the sigmoid router's bias is ``exp_probs_b``; ``attention_bias`` and
+    ``use_qk_norm`` are read off the tensors (``attn_q.bias``, ``attn_q_norm``). Neither q nor k is permuted
+    (llama.cpp ropes glm4moe NEOX-style, transformers' rotate-half).
+
+    Raises:
+        CheckpointError: a required key missing or of the wrong type (naming the file and key), softmax
+            routing, or a rotary width the family cannot take.
+    """
+    p = "glm4moe."
+    cfg = _deepseek_style_config(meta, tensors, where, "glm4moe")
+    if _gating(meta, p, where, default=2) != "sigmoid":  # llama.cpp's default for glm4moe
+        raise CheckpointError(f"{where}: metadata {p}expert_gating_func 1 (softmax): glm4_moe routes by sigmoid (2)")
+    nextn = _meta(meta, p + "nextn_predict_layers", where, default=0)
+    head_dim = cfg["head_dim"]
+    rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim)
+    factor = rot / head_dim
+    if int(head_dim * factor) != rot:  # the family rebuilds the rotary width as int(head_dim * factor)
+        raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} of head dim {head_dim} is not a "
+                              "rotary fraction glm4_moe can represent")
+    if nextn >= cfg["num_hidden_layers"]:
+        raise CheckpointError(f"{where}: metadata {p}nextn_predict_layers {nextn} leaves no decoder layers of "
+                              f"block_count {cfg['num_hidden_layers']}")
+    cfg.update({
+        "num_hidden_layers": cfg["num_hidden_layers"] - nextn, "num_nextn_predict_layers": nextn,
+        "partial_rotary_factor": factor,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
+        "use_qk_norm": "model.layers.0.self_attn.q_norm.weight" in tensors,
+    })
+    return cfg
+
+
+def _bools(meta: dict, key: str, where, n: int) -> list[bool] | None:
+    """A metadata array of at least ``n`` bools (its first ``n``), or None when the file lacks ``key``."""
+    v = meta.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) < n or not all(isinstance(b, bool) for b in v):
+        raise CheckpointError(f"{where}: metadata {key!r} = {str(v)[:60]!r} is not an array of {n} bools")
+    return v[:n]
+
+
+def _moe_checks(meta: dict, p: str, where, family: str) -> int:
+    """The expert count (:func:`_experts`); refuses an expert weight scale other than 1 (llama.cpp scales the
+    routing weights by it; the family does not). ``expert_gating_func`` is not read: llama.cpp's graphs of
+    these architectures fix their gating function (softmax; gpt-oss: softmax over the top-k), as the families."""
+    experts = _experts(meta, p, where)
+    scale = _meta(meta, p + "expert_weights_scale", where, float, required=False)
+    if scale not in (None, 0.0, 1.0):  # llama.cpp reads 0 as no scaling
+        raise CheckpointError(f"{where}: metadata {p}expert_weights_scale {scale}: {family} does not scale the "
+                              "routing weights")
+    return experts
+
+
+def _hybrid_config(meta: dict, tensors: dict, where, arch: str) -> dict:
+    """Qwen3-Next (``qwen3next``) or Qwen3.5/3.6 MoE (``qwen35moe``, the text model ``qwen3_5_moe_text``).
+
+    The DeltaNet shapes come from the ``ssm.*`` keys as Qwen3NextModel.set_gguf_parameters writes them:
+    ``conv_kernel`` (linear_conv_kernel_dim), ``state_size`` (linear_key_head_dim), ``group_count``
+    (linear_num_key_heads), ``time_step_rank`` (linear_num_value_heads), ``inner_size`` (value head dim x
+    value heads). The layer kinds come from ``attention.recurrent_layers`` (true: DeltaNet), else
+    ``full_attention_interval`` (default 4, as llama.cpp). ``rope.dimension_count`` gives the partial
+    rotary factor. Blocks past ``block_count - nextn_predict_layers`` are the multi-token-prediction
+    layer. llama.cpp's graph renormalizes the top-k weights and runs every layer as MoE.
+    """
+    p = arch + "."
+    cfg = _base_config(meta, tensors, where, arch)
+    _one_head_dim(meta, p, where, cfg)
+    family = cfg["model_type"]
+    blocks = cfg["num_hidden_layers"]  # block_count, the multi-token-prediction blocks included
+    mtp = _meta(meta, p + "nextn_predict_layers", where, default=0, required=False)
+    layers = blocks - mtp
+    if layers < 1:
+        raise CheckpointError(f"{where}: metadata {p}block_count {blocks} leaves no layer beside "
+                              f"{p}nextn_predict_layers {mtp}")
+    experts = _moe_checks(meta, p, where, family)
+    head_dim = cfg["head_dim"]
+    rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim)
+    scaling = meta.get(p + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"{where}: metadata {p}rope.scaling.type {scaling!r}: {family} computes the "
+                              "default rotary embedding only")
+    rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"], "partial_rotary_factor": rot / head_dim}
+    if arch == "qwen35moe":  # interleaved M-RoPE: for text every section sees the same position
+        sections = meta.get(p + "rope.dimension_sections")
+        if isinstance(sections, list) and all(isinstance(x, int) for x in sections):
+            rope.update(mrope_section=sections[:3], mrope_interleaved=True)
+    value_heads = _meta(meta, p + "ssm.time_step_rank", where)
+    inner = _meta(meta, p + "ssm.inner_size", where)
+    if value_heads < 1 or inner % value_heads:
+        raise CheckpointError(f"{where}: metadata {p}ssm.inner_size {inner} is not a multiple of "
+                              f"{p}ssm.time_step_rank {value_heads} (the value heads)")
+    recurrent = _bools(meta, p + "attention.recurrent_layers", where, layers)
+    if recurrent is None:
+        interval = _meta(meta, p + "full_attention_interval", where, default=4, required=False)
+        if interval < 1:
+            raise CheckpointError(f"{where}: metadata {p}full_attention_interval {interval} must be at least 1")
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    moe = _meta(meta, p + "expert_feed_forward_length", where)
+    ff = _meta(meta, p + "feed_forward_length", where, required=False)
+    cfg.update({
+        "num_hidden_layers": layers,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+        "rope_parameters": rope, "partial_rotary_factor": rot / head_dim,
+        "num_experts": experts,
+        "moe_intermediate_size": moe,
+        # llama.cpp's default when the key is missing: the dense width
+        "shared_expert_intermediate_size": _meta(meta, p + "expert_shared_feed_forward_length", where, default=ff),
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "linear_conv_kernel_dim": _meta(meta, p + "ssm.conv_kernel", where),
+        "linear_key_head_dim": _meta(meta, p + "ssm.state_size", where),
+        "linear_num_key_heads": _meta(meta, p + "ssm.group_count", where),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": inner // value_heads,
+    })
+    if ff is not None:
+        cfg["intermediate_size"] = ff
+    if mtp:
+        cfg["mtp_num_hidden_layers"] = mtp
+    return cfg
+
+
+def _gpt_oss_config(meta: dict, tensors: dict, where) -> dict:
+    """gpt-oss (``gpt-oss``): GptOssModel.set_gguf_parameters' keys. The sliding layers follow
+    ``attention.sliding_window_pattern`` (bools, or a period n: layer i slides when ``i % n < n - 1``),
+    default 2, as llama.cpp (sliding, full, ...). The YaRN parameters come from ``rope.scaling.*``;
+    ``truncate`` is false, as the published configs and OpenAI's reference (ggml's YaRN rounds the
+    correction range, a difference from llama.cpp). The clamped SwiGLU's alpha 1.702 and limit 7.0 are
+    fixed in llama.cpp's graph, so the config holds those.
+    """
+    p = "gpt-oss."
+    cfg = _base_config(meta, tensors, where, "gpt-oss")
+    _one_head_dim(meta, p, where, cfg)
+    layers = cfg["num_hidden_layers"]
+    experts = _moe_checks(meta, p, where, "gpt_oss")
+    rot = _meta(meta, p + "rope.dimension_count", where, required=False)
+    if rot is not None and rot != cfg["head_dim"]:
+        raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} is not the head dim "
+                              f"{cfg['head_dim']}: partial rotary embeddings are not supported for gpt_oss")
+    pattern = meta.get(p + "attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = _bools(meta, p + "attention.sliding_window_pattern", where, layers)
+    else:
+        n = _meta(meta, p + "attention.sliding_window_pattern", where, default=2, required=False)
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    scaling = meta.get(p + "rope.scaling.type")
+    theta = cfg["rope_theta"]
+    if scaling in (None, "none"):
+        rope = {"rope_type": "default", "rope_theta": theta}
+    elif scaling == "yarn":
+        for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
+            if meta.get(p + key) is not None:
+                raise CheckpointError(f"{where}: metadata {p}{key} is set; gpt_oss computes YaRN's default "
+                                      "extrapolation and attention factors only")
+        rope = {"rope_type": "yarn", "rope_theta": theta,
+                "factor": _meta(meta, p + "rope.scaling.factor", where, float),
+                "original_max_position_embeddings": _meta(meta, p + "rope.scaling.original_context_length", where),
+                "beta_fast": _meta(meta, p + "rope.scaling.yarn_beta_fast", where, float, default=32.0),
+                "beta_slow": _meta(meta, p + "rope.scaling.yarn_beta_slow", where, float, default=1.0),
+                "truncate": False}
+    else:
+        raise CheckpointError(f"{where}: metadata {p}rope.scaling.type {scaling!r}: gpt_oss computes YaRN or "
+                              "the default rotary embedding")
+    cfg.update({
+        "num_hidden_layers": layers,
+        "intermediate_size": _meta(meta, p + "expert_feed_forward_length", where),
+        "num_local_experts": experts,
+        "sliding_window": _meta(meta, p + "attention.sliding_window", where),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_parameters": rope,
+        "swiglu_limit": 7.0, "attention_bias": True,
+    })
+    return cfg
+
+
+# general.architecture -> its config builder (meta, tensors, where) -> the Hugging Face config
+_CONFIGS = {"qwen3moe": partial(_softmax_moe_config, arch="qwen3moe"),
+            "olmoe": partial(_softmax_moe_config, arch="olmoe"), "llama": partial(_softmax_moe_config, arch="llama"),
+            "deepseek2": _deepseek2_config,
+            "glm4moe": _glm4moe_config, "qwen3next": partial(_hybrid_config, arch="qwen3next"),
+            "qwen35moe": partial(_hybrid_config, arch="qwen35moe"), "gpt-oss": _gpt_oss_config}
+
+
+# -- the tensors of each architecture, as transformers has them (_TENSORS) ---------------------------------------
+# Each rewrite takes (tensors under their mapped names, the config, derived, the file, the GGUFFormat) and undoes
+# what convert_hf_to_gguf.py did to the tensors beyond renaming them: a derived tensor is indexed as what it
+# returns (a float32 TensorInfo unless it keeps the stored bytes) and computed from the stored ones when the
+# resident weights load.
+def _float_weight(info: TensorInfo, ckpt) -> torch.Tensor:
+    """A stored weight as float32 of its logical shape (block-quantized rows dequantized, as llama.cpp reads them)."""
+    t = ckpt.read_info(info)
+    qtype = ggml.block_type(info.dtype)
+    if qtype is None:
+        return t.float()
+    return ggml.dequantize(t, qtype, ggml.in_features(qtype, info.shape[-1]))
+
+
+def _logical_shape(info: TensorInfo) -> tuple[int, ...]:
+    qtype = ggml.block_type(info.dtype)
+    if qtype is None:
+        return tuple(info.shape)
+    return (*info.shape[:-1], ggml.in_features(qtype, info.shape[-1]))
+
+
+def _as_float32(info: TensorInfo, name: str, shape: tuple[int, ...]) -> TensorInfo:
+    """``info``'s place, described as the float32 tensor ``shape`` a derived function returns."""
+    return TensorInfo(name, info.file, info.offset, math.prod(shape) * 4, "F32", tuple(shape))
+
+
+def _derive(tensors: dict, derived: dict, name: str, info: TensorInfo, make) -> None:
+    """Index ``name`` as ``info`` (the float32 or stored tensor ``make(ckpt)`` returns), read through ``make``."""
+    tensors[name] = info
+    derived[name] = make
+
+
+def _unpermute(info: TensorInfo, heads: int, ckpt) -> torch.Tensor:
+    """q or k rows [heads * D, ...] back in Hugging Face order from llama.cpp's (``LlamaModel.permute``
+    stores row ``(h, i, j)`` of each head's pairs for Hugging Face row ``(h, j, i)``; j in 0..1, i < D/2).
+    Whole rows move, so it holds for block-quantized rows too."""
+    t = ckpt.read_info(info)
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def _llama_tensors(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
+    """Mixtral (``llama``): the q and k rows convert_hf_to_gguf.py permutes (``LlamaModel.permute``, for llama.cpp's
+    interleaved rotary embedding) read back into Hugging Face order (:func:`_unpermute`; whole rows move, any type)."""
+    for hf, info in tensors.items():
+        m = re.match(r"^model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$", hf)
+        if m:
+            heads = cfg["num_attention_heads"] if m[1] == "q" else cfg["num_key_value_heads"]
+            derived[hf] = partial(_unpermute, info, heads)
+
+
+def _kv_b(k_b: TensorInfo, v_b: TensorInfo, ckpt) -> torch.Tensor:
+    """``kv_b_proj`` [H * (nope + v), rank] float32 from llama.cpp's ``attn_k_b`` [H, rank, nope] and ``attn_v_b``
+    [H, v, rank]: per head the key rows (k_b transposed back) then the value rows."""
+    wk, wv = _float_weight(k_b, ckpt), _float_weight(v_b, ckpt)
+    return torch.cat([wk.transpose(1, 2), wv], dim=1).reshape(-1, wk.shape[1]).contiguous()
+
+
+def _deepseek2_tensors(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
+    """``kv_b_proj`` back as transformers has it, a derived float32 tensor (MLA reads its rows directly, so it is
+    never a quantized linear):
+
+    * from ``attn_k_b`` + ``attn_v_b``: convert_hf_to_gguf.py's ``DeepseekV2Model`` (llama.cpp's absorbed MLA,
+      2025 on) views ``kv_b_proj`` [H * (nope + v), rank] as [H, nope + v, rank], splits it into k_b [H, nope,
+      rank] and v_b [H, v, rank] and stores k_b transposed, [H, rank, nope] (quantized along nope);
+    * from ``attn_kv_b`` (older files), dequantized when it is block-quantized.
+
+    Raises:
+        CheckpointError: a layer with one half of the split, or a shape the config does not imply.
+    """
+    heads, rank = cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    for k_name in [n for n in tensors if n.endswith(".self_attn.k_b_proj.weight")]:
+        attn = k_name[: -len(".k_b_proj.weight")]
+        v_name, kv_name = attn + ".v_b_proj.weight", attn + ".kv_b_proj.weight"
+        if v_name not in tensors:
+            raise CheckpointError(f"{where}: tensor {tensors[k_name].name!r} has no attn_v_b beside it")
+        k_b, v_b = tensors.pop(k_name), tensors.pop(v_name)
+        if kv_name in tensors:  # a file holding both forms: the stored kv_b_proj is read (below)
+            continue
+        for info, want in ((k_b, (heads, rank, nope)), (v_b, (heads, v, rank))):
+            if _logical_shape(info) != want:
+                raise CheckpointError(f"{info.file}: tensor {info.name!r} is {list(_logical_shape(info))}; the "
+                                      f"metadata (heads, kv_lora_rank, qk_nope, v) implies {list(want)}")
+        tensors[kv_name] = _as_float32(k_b, kv_name, (heads * (nope + v), rank))
+        derived[kv_name] = partial(_kv_b, k_b, v_b)
+    for name, info in list(tensors.items()):
+        if name.endswith(".self_attn.kv_b_proj.weight") and name not in derived and ggml.block_type(info.dtype):
+            tensors[name] = _as_float32(info, name, _logical_shape(info))
+            derived[name] = partial(_float_weight, info)
+
+
+def _v_heads(k_heads: int, per: int, width: int) -> torch.Tensor:
+    """Index ``perm`` with ``hf = file[perm]`` for value heads stored tiled (``_LinearAttentionVReorderBase``:
+    file position ``(j, g, d)`` holds Hugging Face's ``(g, j, d)``, g the key head, j < per its value heads)."""
+    return torch.arange(k_heads * per * width).reshape(per, k_heads, width).permute(1, 0, 2).reshape(-1)
+
+
+def _take_rows(info: TensorInfo, perm: torch.Tensor, ckpt) -> torch.Tensor:
+    """Rows of ``info`` reordered (``out = stored[perm]``); whole rows move, so any type."""
+    return ckpt.read_info(info)[perm].contiguous()
+
+
+def _take_columns(info: TensorInfo, perm: torch.Tensor, block: int, ckpt) -> torch.Tensor:
+    """Columns of ``info`` reordered (``out[:, c] = stored[:, perm[c]]``): block-quantized rows move whole
+    blocks (``block`` values; ``perm`` moves runs of whole blocks), float rows move values."""
+    t = ckpt.read_info(info)
+    if block == 1:
+        return t[:, perm].contiguous()
+    size = t.shape[-1] // (perm.numel() // block)
+    blocks = perm.reshape(-1, block)[:, 0] // block
+    return t.reshape(t.shape[0], -1, size)[:, blocks].reshape(t.shape).contiguous()
+
+
+def _unshift(info: TensorInfo, ckpt) -> torch.Tensor:
+    """A norm weight stored as ``1 + w`` (Qwen3NextModel adds 1): ``w`` in float32 (``1 + w`` gives back the
+    stored value exactly while it is >= 0.5, by Sterbenz's lemma)."""
+    return _float_weight(info, ckpt) - 1.0
+
+
+def _a_log(info: TensorInfo, perm: torch.Tensor | None, ckpt) -> torch.Tensor:
+    """``A_log`` [V] from llama.cpp's ``ssm_a = -exp(A_log)``: ``log(-ssm_a)`` in float64, rounded to float32.
+
+    Raises:
+        CheckpointError: a value >= 0 (no A_log gives one).
+    """
+    a = _float_weight(info, ckpt).double()
+    if perm is not None:
+        a = a[perm]
+    if not bool((a < 0).all()):
+        raise CheckpointError(f"{info.file}: tensor {info.name!r} holds a value >= 0; llama.cpp stores "
+                              "ssm_a = -exp(A_log), which is negative")
+    return torch.log(-a).float()
+
+
+def _conv(info: TensorInfo, perm: torch.Tensor | None, ckpt) -> torch.Tensor:
+    """``conv1d.weight`` [C, 1, K] from the squeezed ``ssm_conv1d`` [C, K] (channels reordered by ``perm``)."""
+    w = _float_weight(info, ckpt)
+    if perm is not None:
+        w = w[perm]
+    return w.reshape(w.shape[0], 1, -1).contiguous()
+
+
+def _cat_rows(first: TensorInfo, second: TensorInfo, perm: torch.Tensor, same: bool, ckpt) -> torch.Tensor:
+    """Rows of ``first`` then ``second``, reordered (``out = cat[perm]``): as stored when both are stored
+    alike (``same``), else as float32."""
+    read = ckpt.read_info if same else partial(_float_weight, ckpt=ckpt)
+    return torch.cat([read(first), read(second)])[perm].contiguous()
+
+
+def _qkvz_rows(k_heads: int, dk: int, vdim: int) -> torch.Tensor:
+    """Index into ``cat(attn_qkv, attn_gate)`` rows giving Hugging Face's ``in_proj_qkvz`` rows: per key
+    head g its q, k, v (``vdim`` = its value heads x value dim) and z rows (Qwen3NextModel's split, undone)."""
+    kd = k_heads * dk
+    conv = 2 * kd + k_heads * vdim
+    out = []
+    for g in range(k_heads):
+        out += [torch.arange(g * dk, (g + 1) * dk), torch.arange(kd + g * dk, kd + (g + 1) * dk),
+                torch.arange(2 * kd + g * vdim, 2 * kd + (g + 1) * vdim),
+                torch.arange(conv + g * vdim, conv + (g + 1) * vdim)]
+    return torch.cat(out)
+
+
+def _adapt_hybrid(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
+    """Undo Qwen3NextModel's (and Qwen3_5MoeTextModel's) transformations, so the family reads the Hugging
+    Face tensors (see the module doc): zero-centred norms stored ``+ 1``; ``A_log`` as ``ssm_a = -exp(A_log)``;
+    ``dt_bias`` as ``ssm_dt.bias``; ``conv1d`` squeezed to [C, K]; Qwen3-Next's ``in_proj_qkvz`` split into
+    ``attn_qkv`` (q, k, v of all heads) and ``attn_gate`` (z); for Qwen3.5 with fewer key than value heads,
+    the value heads reordered from grouped to tiled (``_LinearAttentionVReorderBase``) in ``in_proj_qkv``'s v
+    rows, ``in_proj_z``, ``in_proj_b``/``in_proj_a``, ``A_log``, ``dt_bias``, the conv's v channels and
+    ``out_proj``'s columns. Blocks past the decoder (``nextn_predict_layers``) go under ``mtp.``.
+
+    Raises:
+        CheckpointError: a tensor a DeltaNet layer needs missing, fused gate/up experts or a fused
+            q/k/v attention (converter options moestream does not read), shapes the config does not give.
+    """
+    layers = cfg["num_hidden_layers"]
+    k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    if v_heads % k_heads:
+        raise CheckpointError(f"{where}: ssm.time_step_rank {v_heads} (value heads) is not a multiple of "
+                              f"ssm.group_count {k_heads} (key heads)")
+    per = v_heads // k_heads
+    qwen35 = cfg["model_type"] == "qwen3_5_moe_text"
+    tiled = qwen35 and per > 1  # _LinearAttentionVReorderBase reorders only when the head counts differ
+    for name in list(tensors):  # the multi-token-prediction blocks (under their llama.cpp names)
+        m = re.match(r"^(?:model\.layers|blk)\.(\d+)\.", name)
+        if m and int(m[1]) >= layers:
+            info = tensors.pop(name)
+            tensors["mtp." + info.name] = info
+        elif ".ffn_gate_up_exps." in name:
+            raise CheckpointError(f"{where}: tensor {name!r}: gate and up experts fused into one tensor "
+                                  "(convert_hf_to_gguf.py's fuse option) are not read yet")
+
+    def need(name: str) -> TensorInfo:
+        if name not in tensors:
+            raise CheckpointError(f"{where}: no tensor {name!r} (a Hugging Face name) in a linear-attention layer")
+        return tensors[name]
+
+    def unshift(name: str) -> None:
+        if name in tensors:
+            info = tensors[name]
+            _derive(tensors, derived, name, _as_float32(info, name, info.shape), partial(_unshift, info))
+
+    unshift("model.norm.weight")
+    for i in range(layers):
+        pre, gguf = f"model.layers.{i}.", f"blk.{i}."
+        for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            unshift(pre + n + ".weight")
+        gate = tensors.get(pre + "mlp.shared_expert_gate.weight")
+        if gate is not None and len(gate.shape) == 1:  # [H] -> the [1, H] linear Hugging Face has
+            tensors[pre + "mlp.shared_expert_gate.weight"] = TensorInfo(
+                gate.name, gate.file, gate.offset, gate.nbytes, gate.dtype, (1, *gate.shape))
+        la = pre + "linear_attn."
+        if cfg["layer_types"][i] != "linear_attention":
+            if la + "in_proj_qkv.weight" in tensors:
+                raise CheckpointError(f"{where}: tensor {gguf}attn_qkv.weight in full-attention layer {i}: fused "
+                                      "q/k/v attention (convert_hf_to_gguf.py's fuse option) is not read yet")
+            continue
+        vperm = _v_heads(k_heads, per, 1) if tiled else None
+        a = tensors.pop(gguf + "ssm_a", None)
+        if a is None:
+            raise CheckpointError(f"{where}: no tensor '{gguf}ssm_a' (-exp(A_log)) in linear-attention layer {i}")
+        _derive(tensors, derived, la + "A_log", _as_float32(a, la + "A_log", a.shape), partial(_a_log, a, vperm))
+        dt = tensors.pop(la + "dt_proj.bias", None)  # convert_hf_to_gguf renames dt_bias to dt_proj.bias
+        if dt is None:
+            raise CheckpointError(f"{where}: no tensor '{gguf}ssm_dt.bias' (dt_bias) in linear-attention layer {i}")
+        if vperm is None:
+            tensors[la + "dt_bias"] = dt
+        else:
+            _derive(tensors, derived, la + "dt_bias", dt, partial(_take_rows, dt, vperm))
+        conv = need(la + "conv1d.weight")
+        cperm = None
+        if tiled:
+            qk = 2 * k_heads * dk
+            cperm = torch.cat([torch.arange(qk), qk + _v_heads(k_heads, per, dv)])
+        _derive(tensors, derived, la + "conv1d.weight",  # stored squeezed [C, K] (or already [C, 1, K])
+                _as_float32(conv, la + "conv1d.weight", (conv.shape[0], 1, _logical_shape(conv)[-1])),
+                partial(_conv, conv, cperm))
+        if qwen35:
+            if tiled:
+                _adapt_tiled(tensors, derived, la, k_heads, per, dk, dv, where, fmt)
+        elif la + "in_proj_qkvz.weight" not in tensors:  # attn_qkv + attn_gate: back into one tensor
+            qkv, z = need(la + "in_proj_qkv.weight"), need(la + "in_proj_z.weight")
+            del tensors[la + "in_proj_qkv.weight"], tensors[la + "in_proj_z.weight"]
+            perm = _qkvz_rows(k_heads, dk, per * dv)
+            rows = qkv.shape[0] + z.shape[0]
+            if perm.numel() != rows:
+                raise CheckpointError(f"{where}: {gguf}attn_qkv and attn_gate hold {rows} rows; the ssm.* metadata "
+                                      f"gives {perm.numel()}")
+            same = qkv.dtype == z.dtype and qkv.shape[1:] == z.shape[1:]
+            name = la + "in_proj_qkvz.weight"
+            info = (TensorInfo(name, qkv.file, qkv.offset, qkv.nbytes + z.nbytes, qkv.dtype, (rows, *qkv.shape[1:]))
+                    if same else _as_float32(qkv, name, (rows, _logical_shape(qkv)[-1])))
+            _derive(tensors, derived, name, info, partial(_cat_rows, qkv, z, perm, same))
+
+
+def _adapt_tiled(tensors: dict, derived: dict, la: str, k_heads: int, per: int, dk: int, dv: int, where,
+                 fmt: GGUFFormat) -> None:
+    """Qwen3.5's value heads back from tiled to grouped order in one DeltaNet layer's projections: rows as
+    stored; ``out_proj``'s columns as whole blocks when a value head is whole blocks (or float values), else
+    (K-quants with head dim 128) kept as stored and the order recorded in ``fmt.input_orders``: the family
+    feeds that out_proj its input in the stored order, so no weight is dequantized."""
+    for proj, width, offset in (("in_proj_qkv", dv, 2 * k_heads * dk), ("in_proj_z", dv, 0),
+                                ("in_proj_b", 1, 0), ("in_proj_a", 1, 0)):
+        name = la + proj + ".weight"
+        if name not in tensors:
+            raise CheckpointError(f"{where}: no tensor {name!r}")
+        info = tensors[name]
+        perm = torch.cat([torch.arange(offset), offset + _v_heads(k_heads, per, width)])
+        if perm.numel() != info.shape[0]:
+            raise CheckpointError(f"{info.file}: tensor {info.name!r} has {info.shape[0]} rows; the ssm.* metadata "
+                                  f"gives {perm.numel()}")
+        _derive(tensors, derived, name, info, partial(_take_rows, info, perm))
+    name = la + "out_proj.weight"
+    info = tensors.get(name)
+    if info is None:
+        raise CheckpointError(f"{where}: no tensor {name!r}")
+    perm = _v_heads(k_heads, per, dv)
+    qtype = ggml.block_type(info.dtype)
+    block = 1 if qtype is None else ggml.TYPES[qtype][0]
+    values = _logical_shape(info)[-1]
+    if values != perm.numel():
+        raise CheckpointError(f"{info.file}: tensor {info.name!r} has rows of {values} values; the ssm.* "
+                              f"metadata gives {perm.numel()}")
+    if dv % block == 0:  # whole blocks move
+        _derive(tensors, derived, name, info, partial(_take_columns, info, perm, block))
+    else:  # a block holds parts of two heads: the input moves instead (input[:, order] @ stored.T)
+        fmt.input_orders[name.removesuffix(".weight")] = torch.argsort(perm).tolist()
+
+
+def _adapt_gpt_oss(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
+    """GptOssModel's renames undone: ``attn_sinks.weight`` is the bare ``self_attn.sinks``. Its other
+    transformations (gate_up de-interleaved into ``ffn_gate_exps``/``ffn_up_exps`` with their biases, ``down``
+    transposed into nn.Linear orientation) give the stacked layout the family reads through its
+    ``adapt_to_source`` (separate gate and up experts), so nothing else is undone.
+
+    Raises:
+        CheckpointError: fused gate/up experts (a converter option moestream does not read).
+    """
+    for name in list(tensors):
+        if name.endswith(".self_attn.sinks.weight"):
+            tensors[name[: -len(".weight")]] = tensors.pop(name)
+        elif ".ffn_gate_up_exps." in name:
+            raise CheckpointError(f"{where}: tensor {name!r}: gate and up experts fused into one tensor "
+                                  "(convert_hf_to_gguf.py's fuse option) are not read yet")
+
+# general.architecture -> its tensor rewrites at open (qwen3moe and olmoe store the tensors as Hugging Face has them)
+_TENSORS = {"llama": _llama_tensors, "deepseek2": _deepseek2_tensors, "qwen3next": _adapt_hybrid,
+            "qwen35moe": _adapt_hybrid, "gpt-oss": _adapt_gpt_oss}
+
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -449,14 +1242,12 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
         kind = re.sub(r"^blk\.\d+\.", "", name).removesuffix(".weight")
         types.setdefault(kind, set()).add(ggml.block_type(info.dtype) or info.dtype)
     fmt.types = {k: sorted(v) for k, v in sorted(types.items())}
+    fmt.compute_dtype = compute_dtype(raw)
     cfg = hf_config(meta, tensors, path)
     derived = {}
-    if arch in _PERMUTED_QK:
-        for hf, info in tensors.items():
-            m = re.match(r"^model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$", hf)
-            if m:
-                heads = cfg["num_attention_heads"] if m[1] == "q" else cfg["num_key_value_heads"]
-                derived[hf] = partial(_unpermute, info, heads)
+    rewrite = _TENSORS.get(arch)  # the converter's transformations of this architecture, undone
+    if rewrite is not None:
+        rewrite(tensors, cfg, derived, path, fmt)
     if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         # llama.cpp ties the head to the embedding when the file has no `output` tensor: the same bytes
         emb = tensors["model.embed_tokens.weight"]
@@ -467,6 +1258,5 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     return ckpt
 
 
-__all__ = ["ARCHITECTURES", "UNSUPPORTED", "GGUFCheckpoint", "GGUFFormat", "NAMES", "hf_config", "hf_name", "is_gguf",
-           "open_gguf",
-           "split_files"]
+__all__ = ["ARCHITECTURES", "HF_MODULES", "UNSUPPORTED", "GGUFCheckpoint", "GGUFFormat", "NAMES", "derive_names",
+           "hf_config", "hf_name", "is_gguf", "open_gguf", "split_files"]

@@ -19,7 +19,7 @@ from .checkpoint import Checkpoint, TensorInfo, resolve_model, safetensors_dtype
 from .decode_graph import graph_unsupported
 from .errors import ConfigError, LayoutError, MoestreamError
 from .gguf_format import UNSUPPORTED, is_gguf, open_gguf
-from .layout import discover_experts
+from .layout import ExpertLayout, discover_experts
 from .mlx_format import open_checkpoint
 from .models import family_for, supported_model_types
 from .models.moe import swiglu_expert
@@ -212,9 +212,17 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         raise ConfigError(f"{source}: {e}") from None
     with torch.device("meta"):
         net = family.Model(args)
+    adapt = getattr(family, "adapt_to_source", None)  # a layout the family follows (gpt-oss from MLX or GGUF)
+    if ckpt is not None and ckpt.source_format is not None and adapt is not None:
+        adapt(net, ckpt.source_format)
     if ckpt is not None:
         quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears: their scales are resident too
     layout = discover_experts(tensors)
+    first = getattr(net, "unloaded_layers_from", None)
+    if first is not None:  # multi-token-prediction layers after the decoder (DeepSeek-V3, GLM-4.5): not streamed
+        layout = ExpertLayout({i: lay for i, lay in layout.layers.items() if i < first}, layout.expert_tensors -
+                              {p.source for i, lay in layout.layers.items() if i >= first for ex in lay.experts
+                               for p in ex})
     qfmt, qmods = "", []
     if ckpt is not None and layout.layers:
         qfmt, qmods = quant.describe(ckpt, layout, net)

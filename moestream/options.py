@@ -54,8 +54,9 @@ class EngineOptions:
             On CUDA it is the VRAM expert cache.
         workers: reader threads for expert reads (``--prefetch-workers``).
         device: ``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
-        dtype: compute dtype: ``auto`` (the checkpoint's embedding dtype), bf16, fp16 or fp32;
-            another dtype than the checkpoint's changes the output.
+        dtype: compute dtype: ``auto`` (the checkpoint's embedding dtype; a GGUF file's own,
+            :attr:`moestream.gguf_format.GGUFFormat.compute_dtype`: bf16 unless every tensor is
+            F32), bf16, fp16 or fp32 (``--dtype``); another dtype than auto's changes the output.
         use_page_cache: read experts through the OS page cache (True), bypass it with
             ``O_DIRECT`` (False), or None: only when the checkpoint is under 0.6 of the memory
             available.
@@ -188,7 +189,7 @@ class EngineOptions:
             hot_fraction=HOT_FRACTION if get("hot_fraction", None) is None else get("hot_fraction", None),
             cache_policy=get("cache_policy", "lru"), dist_timeout=get("dist_timeout", DEFAULT_DIST_TIMEOUT_S),
             ep_combine=get("ep_combine", "allgather"), ep_placement=get("ep_placement", "auto"),
-            cuda_graphs=not get("no_cuda_graphs", False),
+            cuda_graphs=not get("no_cuda_graphs", False), dtype=get("dtype", "auto"),
         )
 
     def replace(self, **changes) -> "EngineOptions":

@@ -62,6 +62,9 @@ def load_gguf_tokenizer(path: str | Path):
     """The tokenizer of a GGUF file: built by transformers from the file's metadata (``tokenizer.ggml.*``,
     ``tokenizer.chat_template``), else the tokenizer files in the folder beside it.
 
+    The tokenizer is the one ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` builds, made by
+    the class it would pick (:func:`_gguf_tokenizer_class`) without the config it builds first.
+
     Raises:
         CheckpointError: when neither gives a tokenizer (naming both reasons; ``--tokenizer`` names a folder).
     """
@@ -69,13 +72,63 @@ def load_gguf_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        cls = _gguf_tokenizer_class(path)
+        if cls is None:
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        return cls.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # transformers raises many kinds for metadata it cannot convert
         error = " ".join(str(e).split()) or type(e).__name__
     if any((path.parent / f).is_file() for f in TOKENIZER_FILES):
         return load_tokenizer(path.parent)
     raise CheckpointError(f"{path}: transformers cannot build a tokenizer from the GGUF metadata ({error}), and the "
                           f"folder beside it holds no tokenizer files; give a tokenizer folder with --tokenizer")
+
+
+# GGUF architectures transformers' GGUF loader renames to its model type (modeling_gguf_pytorch_utils)
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss", "qwen3moe": "qwen3_moe", "minimax-m2": "minimax_m2"}
+
+
+def _gguf_tokenizer_class(path: Path):
+    """The tokenizer class ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` picks for the GGUF file
+    ``path`` (transformers 5), or None where AutoTokenizer should decide itself.
+
+    AutoTokenizer first builds the model's config from the file, for most architectures through
+    ``load_gguf_checkpoint``, whose ``gguf.GGUFReader`` parses every item of the vocabulary and merges
+    with two numpy views each: 11 of the 12 s it took on Qwen3's 151,936 tokens and 151,387 merges
+    (the class's own read of the lists, in ``integrations.gguf``, and its BPE build take under a
+    second). The class follows from
+    the architecture alone when the folder has no ``tokenizer_config.json``: the config class of the
+    model type transformers names the architecture, then ``TOKENIZER_MAPPING`` (``TokenizersBackend``
+    where it has none), AutoTokenizer's last branch. Elsewhere -- a ``tokenizer_config.json`` beside
+    the file, an architecture whose config transformers reads quickly itself (``GGUF_CONFIG_ARCHS``) or
+    does not read, a Mistral backend, an older transformers -- None.
+
+    Raises:
+        ValueError: an architecture transformers' GGUF loader refuses (as AutoTokenizer would, without
+            its 11 s parse first).
+    """
+    try:
+        from transformers import CONFIG_MAPPING
+        from transformers.integrations.gguf import GGUF_CONFIG_ARCHS, read_gguf_metadata
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if (path.parent / "tokenizer_config.json").is_file():
+        return None
+    meta, _ = read_gguf_metadata(str(path))
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str) or arch in GGUF_CONFIG_ARCHS or "t5" in arch:
+        return None
+    model_type = "mistral" if "llama" in arch and meta.get("general.name") == "mistral" else \
+        _GGUF_MODEL_TYPES.get(arch, arch)
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES and model_type not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF model with architecture {arch} is not supported yet.")
+    if model_type not in CONFIG_MAPPING:
+        return None
+    cls = TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], TokenizersBackend)
+    return None if cls is None or cls.__name__ == "MistralCommonBackend" else cls
 
 
 def _declared_tokenizer_class(folder: Path):

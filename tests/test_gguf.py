@@ -4,6 +4,7 @@ moestream's logits match transformers run on the weights ``gguf.quants.dequantiz
 streaming at a tiny budget is bit-identical to every expert resident, and malformed or unsupported files
 are refused naming the file, tensor and type."""
 
+import re
 import struct
 
 import gguf
@@ -14,7 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from moestream.engine import load
 from moestream.errors import CheckpointError
-from moestream.gguf_format import NAMES, hf_name, open_gguf
+from moestream.gguf_format import HF_MODULES, NAMES, hf_name, open_gguf
 from moestream.inspect import inspect
 from moestream.quant import ggml, native
 from moestream.quant.expert import QuantizedSwiGLU
@@ -26,9 +27,11 @@ from .gguf_helpers import (
     QUANTIZABLE,
     RANDOM_TYPES,
     _random_blocks,
+    make_family_model,
     make_model,
     reference,
     write_gguf,
+    write_gguf_family,
 )
 from .test_quant_native import PATHS, on
 
@@ -36,8 +39,10 @@ IDS = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(1))
 TYPES = ("F32", "F16", "BF16", *QUANTIZABLE, *RANDOM_TYPES)
 
 
-def logits(path, budget, ids=IDS, **kw):
-    engine = load(path, cache_budget_gb=budget, tokenizer=False, workers=2, **kw)
+def logits(path, budget, ids=IDS, dtype="float32", **kw):
+    """(logits [T, vocab], engine) of the GGUF ``path`` at ``budget``; float32 unless told (``dtype="auto"``:
+    the default, bf16 for all but an all-F32 file), as the references are compared at float32's 1e-5."""
+    engine = load(path, cache_budget_gb=budget, tokenizer=False, workers=2, dtype=dtype, **kw)
     try:
         with torch.inference_mode():
             return engine.model(ids, 0, engine.model.new_kv_cache(), all_logits=True), engine
@@ -113,6 +118,21 @@ def test_expert_in_one_call_matches_the_pytorch_path():
     assert ((got - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
+def _check_bf16_default(path, want, qtype):
+    """The default (--dtype auto): bf16 for every file but an all-F32 one, within bf16's error of the float64
+    reference (measured 3e-3..1.8e-2; transformers itself in bf16 on the same weights: 3e-3..1.7e-2), and
+    the same bits streaming at budget 0 as with every expert resident."""
+    auto, engine = logits(path, "all", dtype="auto")
+    assert engine.dtype == (torch.float32 if qtype == "F32" else torch.bfloat16)
+    assert auto.dtype == engine.dtype
+    if qtype == "F32":
+        return
+    rel = (auto.double() - want).abs().max() / want.abs().max()
+    assert rel < 3e-2, f"{qtype}: max relative error {rel:.2e} in bf16"
+    tiny, _ = logits(path, "0", dtype="auto")
+    assert torch.equal(tiny, auto), f"{qtype}: bf16 streaming at budget 0 differs from budget all"
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_type_matches_transformers_on_the_dequantized_weights(qtype, small, kshape, tmp_path):
     model = kshape if qtype in K_TYPES else small
@@ -129,6 +149,7 @@ def test_type_matches_transformers_on_the_dequantized_weights(qtype, small, ksha
         with native.use("torch"):
             ref_path, _ = logits(path, "0")
         assert (ref_path.double() - want).abs().max() / want.abs().max() < 1e-5
+    _check_bf16_default(path, want, qtype)
 
 
 def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
@@ -140,15 +161,24 @@ def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
     got, engine = logits(one, "all")
     assert engine.checkpoint.source_format.tied
     assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
+    # bf16 by default: its bits checked below against the split and O_DIRECT reads (a top-k choice of this
+    # random model flips under bf16 rounding, so its logits wander: 0.22 relative, transformers' own in bf16 1.08;
+    # the per-type test checks bf16 against the reference)
+    auto, engine = logits(one, "all", dtype="auto")
+    assert engine.dtype == torch.bfloat16
     write_gguf(kshape, tmp_path / "split.gguf", "Q4_K", types=mix, tie=True, split_max_tensors=12)
     parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
     assert len(parts) > 2
     split, engine = logits(parts[0], "0.0002")
     assert len(engine.checkpoint.shards) == len(parts)
     assert torch.equal(split, got)
+    split, _ = logits(parts[0], "0.0002", dtype="auto")
+    assert torch.equal(split, auto)
     # O_DIRECT reads (experts at any byte offset of the file) with read-ahead: the same bits
     direct, _ = logits(parts[0], "0", use_page_cache=False, prefetch_ahead=1)
     assert torch.equal(direct, got)
+    direct, _ = logits(parts[0], "0", use_page_cache=False, prefetch_ahead=1, dtype="auto")
+    assert torch.equal(direct, auto)
     with pytest.raises(CheckpointError, match="give the first part"):
         open_gguf(parts[1])
     parts[-1].unlink()
@@ -158,7 +188,9 @@ def test_q4_k_m_mix_with_tied_head_and_split_files(kshape, tmp_path):
 
 @pytest.mark.parametrize("arch, model_arch, least", [("qwen3moe", gguf.MODEL_ARCH.QWEN3MOE, 15),
                                                    ("llama", gguf.MODEL_ARCH.LLAMA, 13),
-                                                   ("olmoe", gguf.MODEL_ARCH.OLMOE, 15)])
+                                                   ("olmoe", gguf.MODEL_ARCH.OLMOE, 15),
+                                                   ("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2, 26),
+                                                   ("glm4moe", gguf.MODEL_ARCH.GLM4_MOE, 22)])
 def test_names_agree_with_the_gguf_packages_tensor_map(arch, model_arch, least):
     names = gguf.get_tensor_name_map(model_arch, 4)
     checked = 0
@@ -284,6 +316,7 @@ def test_mixtral_as_llama_with_permuted_q_and_k(qtype, tmp_path):
     assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
     tiny, _ = logits(path, "0")
     assert torch.equal(tiny, got)
+    _check_bf16_default(path, want, qtype)
     if qtype == "Q8_0":  # an early-2024 conversion: one tensor per expert, the same model
         old = tmp_path / "mixtral-per-expert.gguf"
         write_gguf(model, old, qtype, per_expert=True)
@@ -349,3 +382,159 @@ def test_olmoe(qtype, tmp_path):
     assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
     tiny, _ = logits(path, "0")
     assert torch.equal(tiny, got)
+
+
+# -- the names, derived from the gguf package's map ------------------------------------------------------------
+# the hand-written table moestream used before deriving the names from gguf's map (its qwen3moe dense ffn_* rules
+# aside: llama.cpp's qwen3moe has no dense layers, gguf's map no such tensors), and what convert_hf_to_gguf.py's
+# DeepseekV2Model / Glm4MoeModel write for each Hugging Face tensor
+_SHARED_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm", "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj", "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+}
+_QWEN_NAMES = {
+    **_SHARED_NAMES,
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",
+    "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.switch_mlp.gate_proj",
+    "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.switch_mlp.up_proj",
+    "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.switch_mlp.down_proj",
+}
+EXPECTED_NAMES = {
+    "qwen3moe": _QWEN_NAMES,
+    "olmoe": _QWEN_NAMES,
+    "llama": {
+        **_SHARED_NAMES,
+        "blk.{i}.ffn_gate_inp": "model.layers.{i}.block_sparse_moe.gate",
+        "blk.{i}.ffn_gate_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.gate_proj",
+        "blk.{i}.ffn_up_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.up_proj",
+        "blk.{i}.ffn_down_exps": "model.layers.{i}.block_sparse_moe.switch_mlp.down_proj",
+        "blk.{i}.ffn_gate.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w1",
+        "blk.{i}.ffn_up.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w3",
+        "blk.{i}.ffn_down.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w2",
+    },
+}
+CONVERTER_WRITES = {  # gguf tensor -> the Hugging Face tensor it came from
+    "deepseek2": {
+        "blk.3.attn_q_a.weight": "model.layers.3.self_attn.q_a_proj.weight",
+        "blk.3.attn_q_a_norm.weight": "model.layers.3.self_attn.q_a_layernorm.weight",
+        "blk.3.attn_q_b.weight": "model.layers.3.self_attn.q_b_proj.weight",
+        "blk.3.attn_q.weight": "model.layers.3.self_attn.q_proj.weight",
+        "blk.3.attn_kv_a_mqa.weight": "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+        "blk.3.attn_kv_a_norm.weight": "model.layers.3.self_attn.kv_a_layernorm.weight",
+        "blk.3.attn_kv_b.weight": "model.layers.3.self_attn.kv_b_proj.weight",
+        "blk.3.attn_output.weight": "model.layers.3.self_attn.o_proj.weight",
+        "blk.3.ffn_norm.weight": "model.layers.3.post_attention_layernorm.weight",
+        "blk.3.ffn_gate_inp.weight": "model.layers.3.mlp.gate.weight",
+        "blk.3.exp_probs_b.bias": "model.layers.3.mlp.gate.e_score_correction_bias",
+        "blk.3.ffn_gate_shexp.weight": "model.layers.3.mlp.shared_experts.gate_proj.weight",
+        "blk.3.ffn_down_shexp.weight": "model.layers.3.mlp.shared_experts.down_proj.weight",
+        "blk.3.ffn_up_exps.weight": "model.layers.3.mlp.switch_mlp.up_proj.weight",
+        "blk.0.ffn_gate.weight": "model.layers.0.mlp.gate_proj.weight",
+    },
+    "glm4moe": {
+        "blk.3.attn_q.bias": "model.layers.3.self_attn.q_proj.bias",
+        "blk.3.attn_k_norm.weight": "model.layers.3.self_attn.k_norm.weight",
+        "blk.3.post_attention_norm.weight": "model.layers.3.post_attention_layernorm.weight",
+        "blk.3.exp_probs_b.bias": "model.layers.3.mlp.gate.e_score_correction_bias",
+        "blk.3.ffn_up_shexp.weight": "model.layers.3.mlp.shared_experts.up_proj.weight",
+        "blk.3.ffn_down_exps.weight": "model.layers.3.mlp.switch_mlp.down_proj.weight",
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+    },
+}
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED_NAMES))
+def test_derived_names_are_the_former_table(arch):
+    assert NAMES[arch] == EXPECTED_NAMES[arch]
+
+
+@pytest.mark.parametrize("arch", list(CONVERTER_WRITES))
+def test_derived_names_read_back_what_the_converter_writes(arch):
+    for g, hf in CONVERTER_WRITES[arch].items():
+        assert hf_name(g, arch) == hf, g
+    assert hf_name("blk.3.nextn.eh_proj.weight", arch) is None  # GLM's MTP tensors: no rule, reported unused
+
+
+@pytest.mark.parametrize("arch", list(HF_MODULES))
+def test_every_module_name_is_in_the_gguf_map(arch):
+    """Each Hugging Face name moestream asks gguf's map for is one the map lists for the architecture (a gguf
+    release that renamed one would lose the tensor)."""
+    extra = {"llama": 3}.get(arch, 0)  # the per-expert Mixtral names, not in the map
+    assert len(NAMES[arch]) == len(HF_MODULES[arch]) + 3 + extra  # + token_embd, output_norm, output
+
+
+# -- DeepSeek-V2/V3 (deepseek2) and GLM-4.5 (glm4moe) ----------------------------------------------------------
+def _family_checks(model, path, family_module):
+    held_want = want_logits(model, path[1])
+    got, engine = logits(path[0], "all")
+    assert engine.family.__name__ == family_module
+    rel = (got.double() - held_want).abs().max() / held_want.abs().max()
+    assert rel < 1e-5, f"max relative error {rel:.2e}"
+    tiny, _ = logits(path[0], "0")
+    assert torch.equal(tiny, got), "streaming at budget 0 differs from budget all"
+    return engine
+
+
+V2_GROUPS = dict(topk_method="group_limited_greedy", n_group=4, topk_group=2)
+
+
+@pytest.mark.parametrize("family, qtype, split, overrides", [
+    ("deepseek_v3", "F32", True, {}), ("deepseek_v3", "Q8_0", True, {}), ("deepseek_v3", "Q8_0", False, {}),
+    ("deepseek_v2", "F32", True, {}), ("deepseek_v2", "Q8_0", True, {}), ("deepseek_v2", "F32", True, V2_GROUPS)])
+def test_deepseek2(family, qtype, split, overrides, tmp_path):
+    """DeepSeek-V3 (sigmoid, correction bias, groups, YaRN, low-rank q) and V2-Lite (softmax by llama.cpp's default:
+    no expert_gating_func written; plain q_proj; greedy, or group-limited with expert_group_count 4) as llama.cpp's
+    ``deepseek2``: kv_b_proj split into attn_k_b (transposed) and attn_v_b, or one attn_kv_b as older conversions
+    have it."""
+    model = make_family_model(family, seed=4, **overrides)
+    path = tmp_path / f"{family}-{qtype}.gguf"
+    held = write_gguf_family(model, path, qtype, split_kv_b=split, gating=family == "deepseek_v3")
+    engine = _family_checks(model, (path, held), "moestream.models.deepseek")
+    fmt = engine.checkpoint.source_format
+    assert engine.checkpoint.config["model_type"] == family
+    assert engine.checkpoint.config["topk_method"] == overrides.get("topk_method", "noaux_tc" if family == "deepseek_v3"
+                                                                     else "greedy")
+    kinds = ("attn_k_b", "attn_v_b") if split else ("attn_kv_b",)
+    for kind in (*kinds, "ffn_gate_exps", "attn_output"):
+        assert fmt.types[kind] == [qtype]
+    assert "model.layers.1.self_attn.kv_b_proj.weight" in engine.checkpoint.derived or (not split and qtype == "F32")
+    got = inspect(str(path))
+    assert got.can_stream and got.model_type == family and got.top_k == 3
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_glm4moe(qtype, tmp_path):
+    """GLM-4.5 as llama.cpp's ``glm4moe``: partial rotary, q/k/v biases, qk norm, a dense first layer, shared expert,
+    sigmoid routing with the correction bias in groups, and a multi-token-prediction layer after the decoder
+    layers (block_count 4, nextn_predict_layers 1), whose tensors moestream leaves unused."""
+    model = make_family_model("glm4_moe", seed=5)
+    path = tmp_path / f"glm-{qtype}.gguf"
+    held = write_gguf_family(model, path, qtype, mtp_layers=1)
+    engine = _family_checks(model, (path, held), "moestream.models.glm4_moe")
+    cfg = engine.checkpoint.config
+    assert cfg["num_hidden_layers"] == 3 and cfg["partial_rotary_factor"] == 0.5
+    assert cfg["attention_bias"] and cfg["use_qk_norm"]
+    assert "blk.3.nextn.eh_proj.weight" in engine.unused_tensors
+    assert sorted(engine.layout.layers) == [1, 2]  # the MTP layer's experts are not streamed
+    got = inspect(str(path))  # the MTP layer's experts left out there too
+    assert got.can_stream and got.model_type == "glm4_moe" and got.top_k == 3
+    assert "GGUF v3, glm4moe" in got.to_text() and "blk.3.nextn.eh_proj.weight" in got.to_text()
+
+
+@pytest.mark.parametrize("family, key", [("deepseek_v3", "deepseek2.attention.kv_lora_rank"),
+                                         ("deepseek_v3", "deepseek2.rope.dimension_count"),
+                                         ("deepseek_v3", "deepseek2.leading_dense_block_count"),
+                                         ("deepseek_v2", "deepseek2.expert_feed_forward_length"),
+                                         ("glm4_moe", "glm4moe.expert_shared_count"),
+                                         ("glm4_moe", "glm4moe.feed_forward_length")])
+def test_missing_metadata_is_refused_naming_the_file_and_key(family, key, tmp_path):
+    model = make_family_model(family, seed=6)
+    path = tmp_path / "m.gguf"
+    write_gguf_family(model, path, "F32", drop=(key,))
+    with pytest.raises(CheckpointError, match=rf"m\.gguf: metadata '{re.escape(key)}' is missing"):
+        open_gguf(path)

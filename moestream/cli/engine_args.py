@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..options import DEFAULT_DIST_TIMEOUT_S, EP_COMBINES, EP_PLACEMENTS
+from ..options import DEFAULT_DIST_TIMEOUT_S, DTYPES, EP_COMBINES, EP_PLACEMENTS
 from ..policies import POLICIES
 
 
@@ -54,6 +54,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="lock the resident weights and the expert cache in RAM (mlock; needs RLIMIT_MEMLOCK)")
     p.add_argument("--fast", action="store_true",
                    help="turboquant builds: skip the QJL residual correction (faster; changes the output)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype: auto (default: the checkpoint's embedding dtype; bf16 for a GGUF file unless "
+                   "every tensor is F32), bf16, fp16 or fp32 (float32, llama.cpp's activations: more memory for "
+                   "the KV cache); another dtype than auto's changes the output")
     add_cache_policy_args(p)
     add_parallel_args(p)  # --dist-timeout, --ep-placement, --ep-combine (under torchrun)
 

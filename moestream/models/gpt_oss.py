@@ -127,10 +127,11 @@ def clamped_swiglu_linear_expert(x: torch.Tensor, w: dict[str, torch.Tensor], al
 
 
 def adapt_to_source(net: "Model", source) -> None:
-    """Follow a source format's expert layout: an mlx-lm build (``source.name == "mlx"``) stores gate, up
-    and down in nn.Linear orientation, each with a bias (:func:`clamped_swiglu_linear_expert`). Called by
-    the engine on the meta-device model, before its expert kernels are chosen."""
-    if source.name != "mlx":
+    """Follow a source format's expert layout: an mlx-lm build (``source.name == "mlx"``) and a GGUF file
+    (``"gguf"``: llama.cpp's converter de-interleaves gate_up the same way) store gate, up and down in
+    nn.Linear orientation, each with a bias (:func:`clamped_swiglu_linear_expert`). Called by the engine on
+    the meta-device model, before its expert kernels are chosen."""
+    if source.name not in ("mlx", "gguf"):
         return
     a = net.args
     net.expert_roles = ("gate", "up", "down", "down.bias", "gate.bias", "up.bias")

@@ -210,6 +210,10 @@ class GatedDeltaNet(nn.Module):
 
     Checkpoint order, as synth lists the parameters: projections, ``conv1d``, ``dt_bias``,
     ``A_log``, ``norm``, ``out_proj``.
+
+    ``out_order``: None, or the order of ``out_proj``'s input features its stored weight expects
+    (a GGUF file's tiled value heads, whose quantized blocks cannot be moved back): the input is
+    permuted to it before ``out_proj`` (set by the family's ``adapt_to_source``).
     """
 
     synth_init = {"dt_bias": "norm", "A_log": "zeros"}  # ones and zeros, as transformers initializes them
@@ -238,6 +242,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(value_heads))
         self.norm = GatedRMSNorm(value_dim, eps)
         self.out_proj = nn.Linear(value_heads * value_dim, hidden, bias=False)
+        self.out_order: tuple[int, ...] | None = None
+        self._out_index: dict = {}  # device -> out_order as an index tensor
 
     def _project(self, x: torch.Tensor):
         """(qkv [T, conv_dim], z [T, value_heads, value_dim], b [T, value_heads], a [T, value_heads])."""
@@ -290,7 +296,13 @@ class GatedDeltaNet(nn.Module):
         kv.recurrent[layer] = state
         out = out.transpose(0, 1).to(x.dtype)  # [T, value_heads, value_dim]
         out = self.norm(out.reshape(-1, self.value_dim), z.reshape(-1, self.value_dim))
-        return self.out_proj(out.reshape(t, self.value_heads * self.value_dim))
+        out = out.reshape(t, self.value_heads * self.value_dim)
+        if self.out_order is not None:  # the stored out_proj's input order (see the class doc)
+            index = self._out_index.get(out.device)
+            if index is None:
+                index = self._out_index[out.device] = torch.tensor(self.out_order, device=out.device)
+            out = out.index_select(1, index)
+        return self.out_proj(out)
 
 
 class SharedExpertMoE(StreamedMoE):

@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from .base import derived, synth_tensors_of
 from .qwen3_next import Model as NextModel
 from .qwen3_next import ModelArgs as NextArgs
+from .qwen3_next import adapt_to_source as _next_adapt
 from .qwen3_next import skipped_note
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -72,6 +73,11 @@ class Model(NextModel):
 
     def __init__(self, a: ModelArgs):
         super().__init__(a, prefix=TEXT_PREFIX if a.text_only else PREFIX, head=HEAD)
+
+
+def adapt_to_source(net: Model, source) -> None:
+    """Qwen3-Next's (:func:`moestream.models.qwen3_next.adapt_to_source`): a GGUF file's stored input orders."""
+    _next_adapt(net, source)
 
 
 def describe_skipped(unused: list[str]) -> tuple[str | None, list[str]]:

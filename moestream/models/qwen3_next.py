@@ -151,6 +151,19 @@ class Model(CausalLM):
         return super().synth_rank(name)
 
 
+def adapt_to_source(net: "Model", source) -> None:
+    """Follow a source format's stored input orders (``source.input_orders``: a GGUF file's ``out_proj``
+    whose quantized blocks straddle its tiled value heads, see :mod:`moestream.gguf_format`): each such
+    DeltaNet layer permutes its ``out_proj`` input to the stored order. Called by the engine on the
+    meta-device model. Raises ConfigError naming a path that is not a DeltaNet ``out_proj``."""
+    for path, order in getattr(source, "input_orders", {}).items():
+        mixer = net.get_submodule(path.removesuffix(".out_proj")) if path.endswith(".linear_attn.out_proj") else None
+        if not isinstance(mixer, GatedDeltaNet) or sorted(order) != list(range(mixer.out_proj.in_features)):
+            raise ConfigError(f"{path}: not a DeltaNet out_proj taking a permutation of its "
+                              f"{getattr(getattr(mixer, 'out_proj', None), 'in_features', '?')} inputs")
+        mixer.out_order = tuple(order)
+
+
 def describe_skipped(unused: list[str]) -> tuple[str | None, list[str]]:
     """A one-line note naming the multi-token-prediction layer (``mtp.*``) when the
     checkpoint has one, and the unused tensor names it does not explain."""

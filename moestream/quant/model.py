@@ -97,7 +97,8 @@ def describe(ckpt, layout, net) -> tuple[str, list[str]]:
 
 
 def float_dtype(ckpt, embed_name: str, dtype: torch.dtype) -> torch.dtype:
-    """The compute dtype by default: a source format's own (a GGUF file computes in float32, as llama.cpp),
+    """The compute dtype by default: a source format's own (a GGUF file's ``compute_dtype``: bf16 unless every
+    tensor is F32, :class:`moestream.gguf_format.GGUFFormat`),
     else ``dtype`` (the embedding's) when it is float, else the embedding scales' dtype (mlx)."""
     own = getattr(ckpt.source_format, "compute_dtype", None)
     if own is not None:
