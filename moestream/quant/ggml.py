@@ -37,10 +37,10 @@ float16; ``QK_K`` = 256):
   pairs neighbours); ``2^(e - 128) * MXFP4_VALUES[q]`` (the e2m1 values doubled; ``e < 2``: a float32
   subnormal, ``e = 255``: ``2^127``, not NaN).
 
-The codebook (``IQ1``-``IQ3``) types look 8 or 4 weights up at once in a grid, a table of
-magnitudes: the ``gguf`` package's own tables (:func:`grid`), never copied here. Signs come
-as 7-bit indices into ``ksigns`` (the 8th sign makes the count of minus signs even) or as
-plain bits; ``(..) & 127`` below is a 7-bit sign index, ``sign bits`` one bit per weight.
+The codebook (``IQ1``-``IQ3``) types look 8 or 4 weights up at once in a grid (IQ2, IQ3: magnitudes,
+IQ1: -1, 0, 1): the ``gguf`` package's own tables (:func:`grid`), never copied here. IQ2 and IQ3
+signs come as 7-bit indices into ``ksigns`` (an 8th sign bit making the count of minus signs
+even) or as sign bits, one per weight (bit ``j`` set: weight ``j`` negative).
 
 * ``IQ2_XXS`` (256, 66): ``d``, then per 32 weights two uint32: four grid indices (bytes of the
   first; grid of 256 x 8), and of the second: four 7-bit sign indices at bits 0, 7, 14, 21 and
