@@ -18,8 +18,8 @@ targets the machine it runs on (``-march=native``) and is cached under
 ``~/.cache/moestream/cpu-kernels/<key>`` (or ``$MOESTREAM_KERNEL_CACHE``), the key a hash of
 the sources, flags, compiler and the CPU's model and flags, so a build is never used on a CPU
 it was not made for.
-It is a plain C library (no PyTorch headers: the four files compile in parallel in well under a
-minute) called through :mod:`ctypes`, which releases the GIL while it computes; output rows
+It is a plain C library (no PyTorch headers: the five files compile in parallel, a minute or a
+few) called through :mod:`ctypes`, which releases the GIL while it computes; output rows
 are split over OpenMP threads of the runtime PyTorch loaded, so ``torch.set_num_threads``
 applies. The first use builds it (said on stderr); ``make setup`` builds it ahead.
 
@@ -54,7 +54,7 @@ from .hadamard import block_size, sloane_matrix
 ENV = "MOESTREAM_CPU_KERNELS"
 CHOICES = ("auto", "avx512", "avx2", "portable", "torch")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("capi.cpp", "portable.cpp", "avx2.cpp", "avx512.cpp")
+SOURCES = ("capi.cpp", "portable.cpp", "portable_gx.cpp", "avx2.cpp", "avx512.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off"]
 LIBRARY = "libmoestream_cpu.so"
 # kinds and the spec layout of csrc/capi.cpp (make_lin)

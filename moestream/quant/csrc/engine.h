@@ -808,8 +808,33 @@ static void rows_with(const Lin& L, const float* x, int64_t n, int64_t r0, int64
   rows_range<A, D>(dec, L, x, n, r0, r1, y, ldy, buf);
 }
 
+// MXFP4, IQ1-IQ3, TQ: their own function, so the portable path can compile them in a second translation
+// unit (portable_gx.cpp) beside portable.cpp, the slowest file of the build
+template <class A>
+static void rows_ggml_x(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  switch (L.bits) {
+    case G_MXFP4: return rows_with<A, DecG<A, G_MXFP4>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ2_XXS: return rows_with<A, DecG<A, G_IQ2_XXS>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ2_XS: return rows_with<A, DecG<A, G_IQ2_XS>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ2_S: return rows_with<A, DecG<A, G_IQ2_S>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ3_XXS: return rows_with<A, DecG<A, G_IQ3_XXS>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ3_S: return rows_with<A, DecG<A, G_IQ3_S>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ1_S: return rows_with<A, DecG<A, G_IQ1_S>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ1_M: return rows_with<A, DecG<A, G_IQ1_M>>(L, x, n, r0, r1, y, ldy);
+    case G_TQ1_0: return rows_with<A, DecG<A, G_TQ1_0>>(L, x, n, r0, r1, y, ldy);
+    default: return rows_with<A, DecG<A, G_TQ2_0>>(L, x, n, r0, r1, y, ldy);
+  }
+}
+
 template <class A>
 static void rows_ggml(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  if (L.bits >= G_MXFP4) {
+    if constexpr (std::is_same<A, ArchP>::value)
+      rows_portable_gx(L, x, n, r0, r1, y, ldy);
+    else
+      rows_ggml_x<A>(L, x, n, r0, r1, y, ldy);
+    return;
+  }
   switch (L.bits) {
     case G_Q4_0: return rows_with<A, DecG<A, G_Q4_0>>(L, x, n, r0, r1, y, ldy);
     case G_Q4_1: return rows_with<A, DecG<A, G_Q4_1>>(L, x, n, r0, r1, y, ldy);
@@ -822,16 +847,6 @@ static void rows_ggml(const Lin& L, const float* x, int64_t n, int64_t r0, int64
     case G_Q5_K: return rows_with<A, DecG<A, G_Q5_K>>(L, x, n, r0, r1, y, ldy);
     case G_IQ4_NL: return rows_with<A, DecG<A, G_IQ4_NL>>(L, x, n, r0, r1, y, ldy);
     case G_IQ4_XS: return rows_with<A, DecG<A, G_IQ4_XS>>(L, x, n, r0, r1, y, ldy);
-    case G_MXFP4: return rows_with<A, DecG<A, G_MXFP4>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ2_XXS: return rows_with<A, DecG<A, G_IQ2_XXS>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ2_XS: return rows_with<A, DecG<A, G_IQ2_XS>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ2_S: return rows_with<A, DecG<A, G_IQ2_S>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ3_XXS: return rows_with<A, DecG<A, G_IQ3_XXS>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ3_S: return rows_with<A, DecG<A, G_IQ3_S>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ1_S: return rows_with<A, DecG<A, G_IQ1_S>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ1_M: return rows_with<A, DecG<A, G_IQ1_M>>(L, x, n, r0, r1, y, ldy);
-    case G_TQ1_0: return rows_with<A, DecG<A, G_TQ1_0>>(L, x, n, r0, r1, y, ldy);
-    case G_TQ2_0: return rows_with<A, DecG<A, G_TQ2_0>>(L, x, n, r0, r1, y, ldy);
     default: return rows_with<A, DecG<A, G_Q6_K>>(L, x, n, r0, r1, y, ldy);
   }
 }

@@ -3,7 +3,8 @@
 //
 // Built for the machine it runs on (moestream/quant/native.py: -march=native, the build
 // cached per CPU-flag set). Three paths, one translation unit each:
-//   portable.cpp: plain C++ over fixed 16-lane arrays (auto-vectorized where the compiler can),
+//   portable.cpp: plain C++ over fixed 16-lane arrays (auto-vectorized where the compiler can;
+//                 portable_gx.cpp holds its MXFP4, IQ1-IQ3 and TQ ggml types, to compile in parallel),
 //   avx2.cpp:     AVX2 + FMA + F16C (8 lanes), compiled when the compiler targets them,
 //   avx512.cpp:   AVX-512 F/BW/VL/VBMI (16 lanes), compiled when the compiler targets all four.
 // capi.cpp holds the C entry points (ctypes, from native.py) and splits the output rows over threads.
@@ -111,5 +112,7 @@ constexpr int RB = 4;  // output rows per task unit
 bool rows_portable(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy);
 bool rows_avx2(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy);
 bool rows_avx512(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy);
+// the portable path's MXFP4, IQ1-IQ3 and TQ linears (portable_gx.cpp; called by rows_portable)
+void rows_portable_gx(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy);
 
 }  // namespace ms
