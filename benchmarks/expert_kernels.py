@@ -10,7 +10,11 @@ scales in the stored layout, through the expert function the engine uses
   Qwen3.6-35B-A3B ``tq3-g32`` ([512, 2048], groups of 32) and Qwen3-235B-A22B's 2-bit
   experts (``tq3a-tq2e``, [1536, 4096], groups of 64);
 * FP8 e4m3, 128 x 128 block scales (bf16): Laguna-XS.2-FP8 ([512, 2048]);
-* MXFP4 (e2m1, e8m0 scales per 32), SiTU-GLU: Kimi K3 ([3072, 3584]).
+* MXFP4 (e2m1, e8m0 scales per 32), SiTU-GLU: Kimi K3 ([3072, 3584]);
+* GGUF (``gguf-<type>``, ggml blocks as llama.cpp stores them): Qwen3-30B-A3B's expert in each ggml
+  type moestream computes on (Q8_0, Q4_K, Q6_K, IQ4_XS, and the published-MoE types MXFP4,
+  IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0), random codes, float16
+  scales near 0.01 (MXFP4: e8m0 exponents near 2^-7), so no subnormal scale slows a type down.
 
 Per format, 1 and 8 tokens (x [rows, H] bf16): the median process CPU time of the expert
 over ``--runs`` calls (at least 20) on ``--threads`` threads (default 1), cycling through
@@ -41,9 +45,9 @@ from torch import nn
 
 from moestream.models.kimi_linear import situ_expert
 from moestream.models.moe import swiglu_expert
-from moestream.quant import affine, native
+from moestream.quant import affine, ggml, native
 from moestream.quant.expert import expert_fn_for
-from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
+from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme, ggml_scheme
 from moestream.quant.turboquant import TRIT, TQExpertFormat, TQExperts, TQScheme, codes_per_word
 
 DISK_GBPS = 3.0
@@ -123,6 +127,39 @@ def mxfp4_expert(inter, hidden, seed=0):
     return pieces, expert_fn_for(fn, ExpertFormat(lins))
 
 
+# GGUF types: the byte ranges of each block's float16 scales (ggml-common.h), set to about 0.01
+_GGUF_F16 = {"Q8_0": ((0, 2),), "Q4_K": ((0, 4),), "Q6_K": ((208, 210),), "IQ4_XS": ((0, 2),), "IQ2_XXS": ((0, 2),),
+             "IQ2_XS": ((0, 2),), "IQ2_S": ((0, 2),), "IQ3_XXS": ((0, 2),), "IQ3_S": ((0, 2),), "IQ1_S": ((0, 2),),
+             "TQ1_0": ((52, 54),), "TQ2_0": ((64, 66),), "MXFP4": (), "IQ1_M": ()}
+GGUF_TYPES = tuple(_GGUF_F16)
+
+
+def gguf_blocks(qtype: str, out: int, inn: int, g: torch.Generator) -> torch.Tensor:
+    """Random ``qtype`` blocks [out, row bytes] with finite, normal scales."""
+    block, size, _ = ggml.TYPES[qtype]
+    raw = torch.randint(0, 256, (out, inn // block, size), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(out, inn // block, 1, generator=g) * 0.01 + 0.005).half().view(torch.uint8)
+    for a, b in _GGUF_F16[qtype]:
+        raw[..., a:b] = scale.unsqueeze(2).expand(-1, -1, (b - a) // 2, 2).reshape(out, inn // block, b - a)
+    if qtype == "MXFP4":
+        raw[..., 0] = torch.randint(118, 124, (out, inn // block), generator=g, dtype=torch.uint8)
+    elif qtype == "IQ1_M":  # d is the top nibbles of the 4 scale words
+        bits = scale.view(torch.int16).to(torch.int32) & 0xFFFF
+        words = raw[..., 48:56].contiguous().view(torch.int16).to(torch.int32) & 0x0FFF
+        words = words | (((bits >> torch.tensor((0, 4, 8, 12))) & 0xF) << 12)
+        raw[..., 48:56] = words.to(torch.int16).view(torch.uint8)
+    return raw.reshape(out, -1)
+
+
+def gguf_expert(inter, hidden, qtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pieces, lins = {}, {}
+    for role, (o, i) in shapes(inter, hidden):
+        pieces[role] = gguf_blocks(qtype, o, i, g)
+        lins[role] = LinearFormat(role, ggml_scheme(ggml.dtype_name(qtype)), o, i)
+    return pieces, expert_fn_for(swiglu_expert, ExpertFormat(lins))
+
+
 _TQ_LEVELS = {2: 4, 3: 8, 4: 16, "ternary": TRIT}
 
 
@@ -156,6 +193,8 @@ CASES = [
     ("Qwen3-235B-A22B", "turboquant-g64", 2, (1536, 4096), partial(tq_expert, 1536, 4096, 2, 64)),
     ("Laguna-XS.2", "fp8-block128", 8, (512, 2048), partial(fp8_expert, 512, 2048)),
     ("Kimi-K3", "mxfp4-situ", 4, (3072, 3584), partial(mxfp4_expert, 3072, 3584)),
+    *(("Qwen3-30B-A3B", f"gguf-{t}", ggml.TYPES[t][2], (768, 2048), partial(gguf_expert, 768, 2048, t))
+      for t in GGUF_TYPES),
 ]
 
 

@@ -12,7 +12,8 @@ multiple of the alignment. A model split by ``llama-gguf-split`` is several such
 :func:`open_gguf` parses the header, metadata and tensor infos with the ``gguf`` package's
 own reader (``gguf.GGUFReader``; no tensor data is read) and validates every tensor against
 its file before anything else happens: a known ggml type that moestream computes on
-(:mod:`moestream.quant.ggml`: F32, F16, BF16, Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS),
+(:mod:`moestream.quant.ggml`: F32, F16, BF16, Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS, MXFP4, IQ2_XXS,
+IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0),
 whole blocks per row, an aligned offset, a byte range inside the file and overlapping no
 other. A tensor of another type is refused naming the tensor and its type.
 

@@ -15,10 +15,14 @@ from gguf.quants import dequantize, quantize
 
 # bytes of each block that hold float16 scales (ggml-common.h), set to finite values in random blocks
 _F16_FIELDS = {"Q2_K": (80, 84), "Q3_K": (108, 110), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210),
-               "IQ4_NL": (0, 2), "IQ4_XS": (0, 2)}
+               "IQ4_NL": (0, 2), "IQ4_XS": (0, 2), "IQ2_XXS": (0, 2), "IQ2_XS": (0, 2), "IQ2_S": (0, 2),
+               "IQ3_XXS": (0, 2), "IQ3_S": (0, 2), "IQ1_S": (0, 2), "TQ1_0": (52, 54), "TQ2_0": (64, 66)}
+# scales that are no plain float16 field: MXFP4's e8m0 byte, IQ1_M's float16 spread over 4 nibbles
+_OTHER_SCALES = ("MXFP4", "IQ1_M")
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-RANDOM_TYPES = tuple(_F16_FIELDS)  # no quantizer in gguf.quants: random blocks
-K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # blocks of 256
+RANDOM_TYPES = (*_F16_FIELDS, *_OTHER_SCALES)  # random blocks (gguf.quants quantizes none of the IQ1-IQ3 types)
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+           "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")  # blocks of 256
 
 # a shape whose every linear takes a multiple of 256 inputs (the K-quants' block)
 K_SHAPE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, num_attention_heads=4,
@@ -63,12 +67,36 @@ def _random_blocks(shape: tuple[int, ...], qtype: str, std: float, rng) -> np.nd
     qt = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[qt]
     raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, size), dtype=np.uint8)
+    if qtype in _OTHER_SCALES:
+        return _random_other(raw, shape, qtype, qt, std, rng)
     a, b = _F16_FIELDS[qtype]
     # scales proportional to 1: measure the spread, then scale every block's d (and dmin) to the target
     raw[..., a:b] = np.ones((*raw.shape[:-1], (b - a) // 2), np.float16).view(np.uint8)
     unit = dequantize(raw.reshape(*shape[:-1], -1), qt).std()
     d = (std / unit) * rng.uniform(0.5, 1.5, (*raw.shape[:-1], (b - a) // 2))
     raw[..., a:b] = d.astype(np.float16).view(np.uint8)
+    return raw.reshape(*shape[:-1], -1)
+
+
+def _iq1_m_d(raw: np.ndarray, d: np.ndarray) -> None:
+    """Set IQ1_M blocks' float16 ``d`` (the top nibbles of its 4 scale words, lowest first) in place."""
+    bits = d.astype(np.float16).view(np.uint16)
+    sc = raw[..., 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+    for i in range(4):
+        sc[..., i] |= ((bits >> np.uint16(4 * i)) & np.uint16(0xF)) << np.uint16(12)
+    raw[..., 48:56] = sc.view(np.uint8)
+
+
+def _random_other(raw, shape, qtype, qt, std, rng) -> np.ndarray:
+    lead = raw.shape[:-1]
+    if qtype == "MXFP4":  # e8m0: the nearest power of two, spread over 3 octaves
+        raw[..., 0] = 128
+        unit = dequantize(raw.reshape(*shape[:-1], -1), qt).std()
+        raw[..., 0] = 128 + int(np.round(np.log2(std / unit))) + rng.integers(-1, 2, lead)
+    else:
+        _iq1_m_d(raw, np.ones(lead))
+        unit = dequantize(raw.reshape(*shape[:-1], -1), qt).std()
+        _iq1_m_d(raw, (std / unit) * rng.uniform(0.5, 1.5, lead))
     return raw.reshape(*shape[:-1], -1)
 
 

@@ -279,8 +279,8 @@ def test_unknown_and_unsupported_types_are_refused_naming_the_tensor(q8_file):
     _patch(q8_file, type_at, "<I", 250)
     with pytest.raises(CheckpointError, match=r"'blk\.0\.ffn_up_exps\.weight' has ggml type 250, which is not"):
         open_gguf(q8_file)
-    _patch(q8_file, type_at, "<I", int(gguf.GGMLQuantizationType.IQ2_XXS))
-    with pytest.raises(CheckpointError, match=r"'blk\.0\.ffn_up_exps\.weight' is IQ2_XXS, a ggml type moestream "
+    _patch(q8_file, type_at, "<I", int(gguf.GGMLQuantizationType.NVFP4))
+    with pytest.raises(CheckpointError, match=r"'blk\.0\.ffn_up_exps\.weight' is NVFP4, a ggml type moestream "
                        "does not compute on yet"):
         load(q8_file, tokenizer=False)
 
@@ -288,10 +288,10 @@ def test_inspect_describes_a_file_it_cannot_stream(kshape, tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(kshape, path, "Q8_0")
     type_at, _ = _info_field(path, "blk.0.ffn_up_exps.weight")
-    _patch(path, type_at, "<I", int(gguf.GGMLQuantizationType.IQ2_XXS))  # rows of 256: whole IQ2_XXS blocks
+    _patch(path, type_at, "<I", int(gguf.GGMLQuantizationType.NVFP4))  # rows of 256: whole NVFP4 blocks (64)
     got = inspect(str(path))
-    assert not got.can_stream and "'blk.0.ffn_up_exps.weight' is IQ2_XXS" in got.reason
-    assert got.tensor_types["ffn_up_exps"] == "IQ2_XXS/Q8_0" and "GGUF v3, qwen3moe" in got.to_text()
+    assert not got.can_stream and "'blk.0.ffn_up_exps.weight' is NVFP4" in got.reason
+    assert got.tensor_types["ffn_up_exps"] == "NVFP4/Q8_0" and "GGUF v3, qwen3moe" in got.to_text()
 
 
 def test_other_architectures_are_refused_by_name(small, tmp_path):

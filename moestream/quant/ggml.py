@@ -32,6 +32,39 @@ float16; ``QK_K`` = 256):
 * ``IQ4_XS`` (256, 136): ``d``, ``scales_h`` (uint16: 2 high bits per 32 weights), ``scales_l[4]`` (4 low
   bits per 32 weights), ``qs[128]`` (per 32 weights, 16 bytes: low then high nibbles);
   ``d * (scale - 32) * KVALUES[q]``.
+* ``MXFP4`` (32, 17; gpt-oss GGUFs): ``e`` (e8m0 byte), ``qs[16]`` (nibbles as Q4_0: weight ``j`` the low
+  nibble of ``qs[j]``, ``j + 16`` its high nibble, unlike the safetensors layout of :mod:`.mxfp4`, which
+  pairs neighbours); ``2^(e - 128) * MXFP4_VALUES[q]`` (the e2m1 values doubled; ``e < 2``: a float32
+  subnormal, ``e = 255``: ``2^127``, not NaN).
+
+The codebook (``IQ1``-``IQ3``) types look 8 or 4 weights up at once in a grid (IQ2, IQ3: magnitudes,
+IQ1: -1, 0, 1): the ``gguf`` package's own tables (:func:`grid`), never copied here. IQ2 and IQ3
+signs come as 7-bit indices into ``ksigns`` (an 8th sign bit making the count of minus signs
+even) or as sign bits, one per weight (bit ``j`` set: weight ``j`` negative).
+
+* ``IQ2_XXS`` (256, 66): ``d``, then per 32 weights two uint32: four grid indices (bytes of the
+  first; grid of 256 x 8), and of the second: four 7-bit sign indices at bits 0, 7, 14, 21 and
+  a 4-bit scale ``s`` at bit 28; ``d * (0.5 + s) * 0.25 * grid * sign``.
+* ``IQ2_XS`` (256, 74): ``d``, ``qs[32]`` uint16 (9-bit grid index of 512 x 8, 7-bit sign index above
+  it), ``scales[8]`` (a nibble per 16 weights, low first); ``d * (0.5 + s) * 0.25 * grid * sign``.
+* ``IQ2_S`` (256, 82): ``d``, ``qs[32]`` (low 8 bits of each 10-bit index into 1024 x 8), sign bits
+  ``[32]``, ``qh[8]`` (the 2 high index bits, 4 per byte), ``scales[8]`` (per 16 weights); as IQ2_XS.
+* ``IQ3_XXS`` (256, 98): ``d``, ``qs[64]`` (grid indices of 256 x 4), then per 32 weights a uint32 of four
+  7-bit sign indices and a 4-bit scale at bit 28; ``d * (0.5 + s) * 0.5 * grid * sign``.
+* ``IQ3_S`` (256, 110): ``d``, ``qs[64]`` (low 8 bits of 9-bit indices into 512 x 4), ``qh[8]`` (the 9th
+  bits), sign bits ``[32]``, ``scales[4]`` (a nibble per 32 weights); ``d * (1 + 2 s) * grid * sign``.
+* ``IQ1_S`` (256, 50): ``d``, ``qs[32]`` (low 8 bits of 11-bit indices into a 2048 x 8 grid of -1, 0, 1),
+  ``qh[8]`` uint16 per 32 weights: 3 high index bits per 8 weights at bits 0, 3, 6, 9, a 3-bit scale
+  ``s`` at bit 12, the sign of ``delta`` at bit 15; ``d * (2 s + 1) * (grid +- 0.125)``.
+* ``IQ1_M`` (256, 56): ``qs[32]``, ``qh[16]`` (a nibble per 8 weights: 3 high index bits, bit 3 the sign
+  of ``delta``), ``scales`` 4 uint16 (3-bit scales per 16 weights at bits 0, 3, 6, 9; their top nibbles
+  together are the float16 ``d``); as IQ1_S.
+* ``TQ1_0`` (256, 54): ``qs[48]``, ``qh[4]``, ``d`` last; five (``qh``: four) ternary digits per byte as a
+  base-3 fraction: digit ``k`` of byte ``q`` is ``((q * 3^k mod 256) * 3) >> 8``, weight ``d * (digit - 1)``;
+  digit ``k`` of ``qs[m]`` is weight ``32 k + m`` (m < 32), ``160 + 16 k + m - 32`` (32 <= m < 48), of ``qh[m]``
+  weight ``240 + 4 k + m``.
+* ``TQ2_0`` (256, 66): ``qs[64]`` (2-bit codes as Q2_K: per 128 weights, 32 bytes at shifts 0, 2, 4, 6),
+  ``d`` last; ``d * (q - 1)``.
 
 :func:`dequantize` is the float32 reference of every type; its float operations are those
 of ggml's ``dequantize_row_*`` (and of the ``gguf`` package's ``gguf.quants``), so it gives
@@ -39,6 +72,8 @@ their bits.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -61,7 +96,21 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q6_K": (QK_K, 210, 6),
     "IQ4_NL": (32, 18, 4),
     "IQ4_XS": (QK_K, 136, 4),
+    "MXFP4": (32, 17, 4),
+    "IQ2_XXS": (QK_K, 66, 2),
+    "IQ2_XS": (QK_K, 74, 2),
+    "IQ2_S": (QK_K, 82, 2),
+    "IQ3_XXS": (QK_K, 98, 3),
+    "IQ3_S": (QK_K, 110, 3),
+    "IQ1_S": (QK_K, 50, 1),
+    "IQ1_M": (QK_K, 56, 1),
+    "TQ1_0": (QK_K, 54, 2),
+    "TQ2_0": (QK_K, 66, 2),
 }
+# the codebook types' grids (gguf.quants classes of the same names; IQ1_M shares IQ1_S's)
+GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+# MXFP4's code values: the e2m1 values doubled (ggml-common.h kvalues_mxfp4), times 2^(e - 128)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # the IQ4 types' code values (ggml-common.h kvalues_iq4nl)
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # ggml float types, read as the float dtypes of the same names
@@ -225,9 +274,172 @@ def _iq4_xs(b):
     return (dl * _kv(_nibbles(b[:, 8:].reshape(n, 8, 16)))).reshape(n, QK_K)
 
 
+@functools.lru_cache(maxsize=None)
+def grid(ggml_type: str) -> torch.Tensor:
+    """The grid of a codebook type (:data:`GRID_TYPES`), float32 [entries, 8 or 4]: the ``gguf``
+    package's own table (``gguf.quants.<type>.grid``, decoded from its hex by ``init_grid``), so
+    moestream holds no copy of the constants.
+
+    Raises:
+        ValueError: not a codebook type.
+    """
+    if ggml_type not in GRID_TYPES:
+        raise ValueError(f"ggml type {ggml_type} has no grid (the codebook types: {', '.join(GRID_TYPES)})")
+    from gguf import quants  # the GGUF reader's package (a dependency): only its tables are needed
+
+    cls = getattr(quants, ggml_type)
+    cls.init_grid()
+    return torch.from_numpy(cls.grid.reshape(cls.grid_shape).copy())
+
+
+@functools.lru_cache(maxsize=None)
+def ksigns() -> torch.Tensor:
+    """The 128 sign bytes of 7-bit sign indices (ggml's ``ksigns_iq2xs``, from the ``gguf`` package), uint8 [128]."""
+    from gguf import quants
+
+    return torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8)
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    """[..., 4k] little-endian bytes -> [..., k] uint32 values as int64."""
+    return b.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _u16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2k] little-endian bytes -> [..., k] uint16 values as int32."""
+    return b.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def _sign_bits(s: torch.Tensor) -> torch.Tensor:
+    """Sign bytes [...] -> float32 [..., 8]: -1 where bit j is set, else 1."""
+    bits = (s.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=s.device)) & 1
+    return torch.where(bits == 0, 1.0, -1.0)
+
+
+def _sign_index(aux: torch.Tensor) -> torch.Tensor:
+    """uint32 (int64) [..., k] -> float32 signs [..., k, 4, 8] of the four 7-bit sign indices at bits 0, 7, 14, 21."""
+    idx = (aux.unsqueeze(-1) >> torch.tensor((0, 7, 14, 21), device=aux.device)) & 127
+    return _sign_bits(ksigns().to(aux.device)[idx])
+
+
+def _low_high(b: torch.Tensor) -> torch.Tensor:
+    """[n, k] bytes -> [n, 2k]: low nibble of byte i at 2 i, high nibble at 2 i + 1."""
+    return torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
+
+
+def _mxfp4(b):
+    e = b[:, :1].to(torch.int32)
+    # ggml_e8m0_to_fp32_half: 2^(e - 128), as float32 bits (e < 2: subnormal)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    d = bits.view(torch.float32)
+    vals = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)
+    return d * vals[_nibbles(b[:, 1:]).long()]
+
+
+def _grid(t: str, idx: torch.Tensor) -> torch.Tensor:
+    return grid(t).to(idx.device)[idx.long()]
+
+
+def _iq2_xxs(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    aux = _u32(b[:, 2:]).view(n, 8, 2)
+    db = (d * (0.5 + (aux[..., 1] >> 28).float()) * 0.25).view(n, 8, 1, 1)
+    g = _grid("IQ2_XXS", b[:, 2:].reshape(n, 8, 8)[:, :, :4])  # the first uint32's bytes: 4 indices
+    return (db * g * _sign_index(aux[..., 1])).reshape(n, QK_K)
+
+
+def _iq2_xs(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    qs = _u16(b[:, 2:66])
+    db = (d * (0.5 + _low_high(b[:, 66:74]).float()) * 0.25).view(n, 16, 1, 1)
+    signs = _sign_bits(ksigns().to(b.device)[(qs >> 9).long()]).view(n, 16, 2, 8)
+    g = _grid("IQ2_XS", qs & 511).view(n, 16, 2, 8)
+    return (db * g * signs).reshape(n, QK_K)
+
+
+def _iq2_s(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    db = (d * (0.5 + _low_high(b[:, 74:82]).float()) * 0.25).view(n, 16, 1, 1)
+    signs = _sign_bits(b[:, 34:66]).view(n, 16, 2, 8)
+    high = ((b[:, 66:74].unsqueeze(-1) >> torch.tensor(_SHIFT2, dtype=torch.uint8, device=b.device)) & 3)
+    idx = b[:, 2:34].to(torch.int32) | (high.reshape(n, 32).to(torch.int32) << 8)
+    return (db * _grid("IQ2_S", idx).view(n, 16, 2, 8) * signs).reshape(n, QK_K)
+
+
+def _iq3_xxs(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    aux = _u32(b[:, 66:98])
+    db = (d * (0.5 + (aux >> 28).float()) * 0.5).view(n, 8, 1, 1)
+    g = _grid("IQ3_XXS", b[:, 2:66]).view(n, 8, 4, 8)
+    return (db * g * _sign_index(aux)).reshape(n, QK_K)
+
+
+def _iq3_s(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    db = (d * (1 + 2 * _low_high(b[:, 106:110])).float()).view(n, 8, 1, 1)
+    signs = _sign_bits(b[:, 74:106]).view(n, 8, 4, 8)
+    idx = b[:, 2:66].to(torch.int32) | (_bits(b[:, 66:74]).to(torch.int32) << 8)
+    return (db * _grid("IQ3_S", idx).view(n, 8, 4, 8) * signs).reshape(n, QK_K)
+
+
+def _iq1(g: torch.Tensor, dl: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    delta = torch.where(neg, -0.125, 0.125)
+    return dl * (g + delta)
+
+
+def _iq1_s(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    qh = _u16(b[:, 34:50])
+    dl = (d * (2 * ((qh >> 12) & 7) + 1).float()).view(n, 8, 1, 1)
+    high = (qh.unsqueeze(-1) >> torch.tensor((0, 3, 6, 9), dtype=torch.int32, device=b.device)) & 7
+    idx = b[:, 2:34].to(torch.int32) | (high.reshape(n, 32) << 8)
+    g = _grid("IQ1_S", idx).view(n, 8, 4, 8)
+    return _iq1(g, dl, (qh & 0x8000).view(n, 8, 1, 1) != 0).reshape(n, QK_K)
+
+
+def _iq1_m(b):
+    n = b.shape[0]
+    sc = _u16(b[:, 48:56])
+    # the float16 d: the top nibbles of the four scale words, lowest first
+    dbits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0xF0) | ((sc[:, 2] >> 4) & 0xF00) | (sc[:, 3] & 0xF000)
+    d = _f16(torch.stack((dbits & 0xFF, dbits >> 8), dim=-1).to(torch.uint8))
+    s3 = (sc.unsqueeze(-1) >> torch.tensor((0, 3, 6, 9), dtype=torch.int32, device=b.device)) & 7
+    dl = (d * (2 * s3.reshape(n, 16) + 1).float()).view(n, 8, 2, 1, 1)
+    q4 = _low_high(b[:, 32:48]).to(torch.int32)  # a nibble per 8 weights
+    idx = b[:, :32].to(torch.int32) | ((q4 & 7) << 8)
+    g = _grid("IQ1_M", idx).view(n, 8, 2, 2, 8)
+    return _iq1(g, dl, (q4 & 8).view(n, 8, 2, 2, 1) != 0).reshape(n, QK_K)
+
+
+def _trits(q: torch.Tensor, digits: int) -> torch.Tensor:
+    """[n, k] bytes -> [n, digits * k] base-3 digits (0..2), digit-major, as int32."""
+    pow3 = torch.tensor((1, 3, 9, 27, 81)[:digits], dtype=torch.uint8, device=q.device).view(1, digits, 1)
+    shifted = q.unsqueeze(1) * pow3  # uint8: mod 256, as ggml's uint8_t product
+    return ((shifted.to(torch.int32) * 3) >> 8).reshape(q.shape[0], -1)
+
+
+def _tq1_0(b):
+    d = _f16(b[:, 52:54])
+    q = torch.cat((_trits(b[:, :32], 5), _trits(b[:, 32:48], 5), _trits(b[:, 48:52], 4)), dim=-1)
+    return d * (q - 1).float()
+
+
+def _tq2_0(b):
+    n = b.shape[0]
+    d = _f16(b[:, 64:66])
+    return d * (_two_bit(b[:, :64]).reshape(n, QK_K).to(torch.int32) - 1).float()
+
+
 _DEQUANT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
             "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl,
-            "IQ4_XS": _iq4_xs}
+            "IQ4_XS": _iq4_xs, "MXFP4": _mxfp4, "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s,
+            "IQ3_XXS": _iq3_xxs, "IQ3_S": _iq3_s, "IQ1_S": _iq1_s, "IQ1_M": _iq1_m, "TQ1_0": _tq1_0, "TQ2_0": _tq2_0}
 
 
 def dequantize(raw: torch.Tensor, ggml_type: str, n: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 ``csrc/`` (``kernels.h`` describes it) computes ``y = x W^T`` with ``W`` [out, in] in its stored form --
 MLX affine (2, 3, 4, 5, 6, 8 bits; bf16, fp16 or float32 scales and biases), FP8 e4m3 with
 block, per-channel or per-tensor scales, MXFP4 (gpt-oss and compressed-tensors bytes),
-turboquant codebooks and ggml blocks of GGUF files (Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS) --
+turboquant codebooks and ggml blocks of GGUF files (Q4_0-Q8_0, Q2_K-Q6_K, IQ1_S-IQ4_XS, MXFP4, TQ1_0,
+TQ2_0) --
 straight from the tensors the expert store read: nothing is
 repacked per read. Each weight is dequantized in a float32 register and multiplied into
 float32 accumulators (FMA); activations are never quantized. Threads split the output rows,
@@ -17,8 +18,8 @@ targets the machine it runs on (``-march=native``) and is cached under
 ``~/.cache/moestream/cpu-kernels/<key>`` (or ``$MOESTREAM_KERNEL_CACHE``), the key a hash of
 the sources, flags, compiler and the CPU's model and flags, so a build is never used on a CPU
 it was not made for.
-It is a plain C library (no PyTorch headers: the four files compile in parallel in well under a
-minute) called through :mod:`ctypes`, which releases the GIL while it computes; output rows
+It is a plain C library (no PyTorch headers: the five files compile in parallel, a minute or a
+few) called through :mod:`ctypes`, which releases the GIL while it computes; output rows
 are split over OpenMP threads of the runtime PyTorch loaded, so ``torch.set_num_threads``
 applies. The first use builds it (said on stderr); ``make setup`` builds it ahead.
 
@@ -53,15 +54,16 @@ from .hadamard import block_size, sloane_matrix
 ENV = "MOESTREAM_CPU_KERNELS"
 CHOICES = ("auto", "avx512", "avx2", "portable", "torch")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("capi.cpp", "portable.cpp", "avx2.cpp", "avx512.cpp")
+SOURCES = ("capi.cpp", "portable.cpp", "portable_gx.cpp", "avx2.cpp", "avx512.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off"]
 LIBRARY = "libmoestream_cpu.so"
 # kinds and the spec layout of csrc/capi.cpp (make_lin)
 AFFINE, FP8, MXFP4, CODEBOOK, GGML = 0, 1, 2, 3, 4
 # ggml block types (csrc/kernels.h GgmlType) and the weights sharing one scale the kernels decode at a time
 GGML_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, "Q3_K": 6, "Q4_K": 7, "Q5_K": 8,
-              "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11}
-GGML_GROUP = {"Q2_K": 16, "Q3_K": 16, "Q6_K": 16}  # the others: 32
+              "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "MXFP4": 12, "IQ2_XXS": 13, "IQ2_XS": 14, "IQ2_S": 15,
+              "IQ3_XXS": 16, "IQ3_S": 17, "IQ1_S": 18, "IQ1_M": 19, "TQ1_0": 20, "TQ2_0": 21}
+GGML_GROUP = {"Q2_K": 16, "Q3_K": 16, "Q6_K": 16, "IQ2_XS": 16, "IQ2_S": 16, "IQ1_M": 16}  # the others: 32
 SPEC, PTRS = 16, 8
 STREAM, TEN3, TRITS = 0, 1, 2  # codebook packings
 TRIT, LEVEL_BITS = 3, {2: 1, 4: 2, 8: 3, 16: 4}  # turboquant codebook length -> code bits (3: ternary)
@@ -363,7 +365,18 @@ def _ggml_spec(lf, w: torch.Tensor, role: str, rows: tuple[int, int], out: int) 
            f"{lf.scheme.tag} needs {want}")
     fields = [GGML, GGML_TYPES[kind], GGML_GROUP.get(kind, 32), 1, out, inn, rows[0], rows[1], 0, row_bytes]
     fields += [0] * (SPEC - len(fields))
-    return Spec(fields, [_contig(w)])
+    return Spec(fields, [_contig(w), _grid_table(kind) if kind in ggml.GRID_TYPES else None])
+
+
+@functools.lru_cache(maxsize=None)
+def _grid_table(kind: str) -> torch.Tensor:
+    """A codebook type's grid as the kernels read it (the scales pointer): the gguf package's table
+    (:func:`.ggml.grid`) as bytes [entries * 8 or 4], int8 for IQ1's -1, 0, 1, else uint8 (exact)."""
+    g = ggml.grid(kind)
+    t = g.to(torch.int8 if kind.startswith("IQ1") else torch.uint8).flatten().contiguous()
+    if not torch.equal(t.float(), g.flatten()):  # a gguf release whose grid no longer fits a byte
+        raise ValueError(f"the gguf package's {kind} grid does not fit the kernels' byte table")
+    return t
 
 
 def _cached(t: torch.Tensor, make):

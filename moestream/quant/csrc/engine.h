@@ -400,6 +400,218 @@ static MS_INLINE void ggml_group(const uint8_t* row, int64_t g, float* out) {
   }
 }
 
+// MXFP4, the codebook (IQ1-IQ3) and ternary (TQ) types. `grid`: the codebook type's grid as the gguf
+// package holds it (native.py hands its values over as bytes: uint8, int8 for IQ1's -1, 0, 1), entries of
+// 8 (IQ2, IQ1) or 4 (IQ3) values. ggml's float operations: db = d * (0.5 + s) * 0.25 (IQ2), then
+// db * grid value, negated by its sign bit (the reference multiplies by +-1: the same bits).
+
+// e8m0 byte -> 2^(e - 128) as float32 (ggml_e8m0_to_fp32_half: e < 2 a subnormal, 255 -> 2^127)
+static MS_INLINE float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t(0x00200000u) << e : uint32_t(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// MXFP4's code values: the e2m1 values doubled (ggml-common.h kvalues_mxfp4)
+static constexpr float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// ggml's ksigns_iq2xs: a 7-bit sign index and, as bit 7, its parity (the count of minus signs is even)
+static MS_INLINE uint32_t ksign(uint32_t i) { return i | (uint32_t(__builtin_popcount(i) & 1) << 7); }
+
+static MS_INLINE uint16_t ld16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+static MS_INLINE uint32_t ld32(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// SIMD: the AVX2 and AVX-512 paths decode 8 weights per instruction sequence (the same float operations,
+// so the same bits); the portable path keeps the scalar loops below.
+#if MS_AVX2
+// v with lane j negated where bit j of `signs` is set (an exact sign flip, as the reference's * -1)
+static MS_INLINE __m256 negate_by_bits(__m256 v, uint32_t signs) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(signs)), bit), bit);
+  return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(set, 31)));
+}
+#endif
+
+// 8 weights from two 4-value grid entries (8-value grids: g1 = g0 + 4): db * value, negated by bit j of signs
+template <bool SIMD, class Q>
+static MS_INLINE void grid8(const Q* g0, const Q* g1, float db, uint32_t signs, float* out) {
+#if MS_AVX2
+  if constexpr (SIMD) {
+    const __m128i raw = _mm_set_epi32(0, 0, int(ld32(g1)), int(ld32(g0)));
+    const __m256i q = std::is_signed<Q>::value ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+    _mm256_storeu_ps(out, negate_by_bits(_mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(q)), signs));
+    return;
+  }
+#endif
+  for (int j = 0; j < 8; ++j) {
+    const float v = db * float(j < 4 ? g0[j] : g1[j - 4]);
+    out[j] = (signs >> j) & 1 ? -v : v;
+  }
+}
+
+// IQ1's delta: 0.125, negative when `neg` (bit 31 only) is set; no branch (the bit is random in the data)
+static MS_INLINE float iq1_delta(uint32_t neg) {
+  const uint32_t bits = 0x3E000000u | neg;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// IQ1: 8 weights dl * (grid value + delta)
+template <bool SIMD>
+static MS_INLINE void grid8_delta(const int8_t* g, float dl, float delta, float* out) {
+#if MS_AVX2
+  if constexpr (SIMD) {
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(g))));
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(dl), _mm256_add_ps(q, _mm256_set1_ps(delta))));
+    return;
+  }
+#endif
+  for (int j = 0; j < 8; ++j) out[j] = dl * (float(g[j]) + delta);
+}
+
+// TQ1_0: base-3 digit k (pow = 3^k) of 8 bytes: d * ((((p * pow) mod 256) * 3 >> 8) - 1)
+template <bool SIMD>
+static MS_INLINE void trits8(const uint8_t* p, uint32_t pow, float d, float* out) {
+#if MS_AVX2
+  if constexpr (SIMD) {
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    q = _mm256_and_si256(_mm256_mullo_epi32(q, _mm256_set1_epi32(int(pow))), _mm256_set1_epi32(255));
+    q = _mm256_srli_epi32(_mm256_add_epi32(q, _mm256_add_epi32(q, q)), 8);
+    q = _mm256_sub_epi32(q, _mm256_set1_epi32(1));
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q)));
+    return;
+  }
+#endif
+  for (int j = 0; j < 8; ++j) {
+    const uint8_t q = uint8_t(p[j] * pow);  // mod 256: the digit becomes the leading one of a base-3 fraction
+    out[j] = d * float(int((uint32_t(q) * 3) >> 8) - 1);
+  }
+}
+
+// sub-block g (of `group` weights: 16 for IQ2_XS, IQ2_S, IQ1_M, else 32) of a row of these types into out
+template <int T, bool SIMD>
+static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t* grid, float* out) {
+  if constexpr (T == G_MXFP4) {
+    const uint8_t* b = row + g * 17;
+    const float d = e8m0_half(b[0]);
+#if MS_AVX2
+    if constexpr (SIMD) {  // the 16 code values as int8 through a byte shuffle
+      const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1)), m = _mm_set1_epi8(15);
+      const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(qs, m));
+      const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(qs, 4), m));
+      const __m256 dv = _mm256_set1_ps(d);
+      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int k = 0; k < 4; ++k)
+        _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[k]))));
+      return;
+    }
+#endif
+    for (int j = 0; j < 16; ++j) {
+      out[j] = d * MXFP4_VALUES[b[1 + j] & 15];
+      out[j + 16] = d * MXFP4_VALUES[b[1 + j] >> 4];
+    }
+  } else if constexpr (T == G_IQ2_XXS) {
+    const uint8_t* b = row + (g / 8) * 66;
+    const int ib = int(g % 8);
+    const uint32_t aux0 = ld32(b + 2 + 8 * ib), aux1 = ld32(b + 6 + 8 * ib);
+    const float db = ggml_f16(b) * (0.5f + float(aux1 >> 28)) * 0.25f;
+    for (int l = 0; l < 4; ++l) {
+      const uint8_t* gr = grid + 8 * ((aux0 >> (8 * l)) & 255);
+      grid8<SIMD>(gr, gr + 4, db, ksign((aux1 >> (7 * l)) & 127), out + 8 * l);
+    }
+  } else if constexpr (T == G_IQ2_XS || T == G_IQ2_S) {  // 16 sub-blocks of 16
+    constexpr int64_t size = T == G_IQ2_XS ? 74 : 82;
+    const uint8_t* b = row + (g / 16) * size;
+    const int s = int(g % 16);
+    const float db = ggml_f16(b) * (0.5f + float((b[size - 8 + s / 2] >> (4 * (s % 2))) & 15)) * 0.25f;
+    for (int l = 0; l < 2; ++l) {
+      const int k = 2 * s + l;
+      if constexpr (T == G_IQ2_XS) {
+        const uint32_t q = ld16(b + 2 + 2 * k);
+        const uint8_t* gr = grid + 8 * (q & 511);
+        grid8<SIMD>(gr, gr + 4, db, ksign(q >> 9), out + 8 * l);
+      } else {
+        const uint8_t* gr = grid + 8 * (b[2 + k] | (((b[66 + k / 4] >> (2 * (k % 4))) & 3u) << 8));
+        grid8<SIMD>(gr, gr + 4, db, b[34 + k], out + 8 * l);
+      }
+    }
+  } else if constexpr (T == G_IQ3_XXS) {
+    const uint8_t* b = row + (g / 8) * 98;
+    const int ib = int(g % 8);
+    const uint32_t aux = ld32(b + 66 + 4 * ib);
+    const float db = ggml_f16(b) * (0.5f + float(aux >> 28)) * 0.5f;
+    const uint8_t* qs = b + 2 + 8 * ib;
+    for (int l = 0; l < 4; ++l)
+      grid8<SIMD>(grid + 4 * qs[2 * l], grid + 4 * qs[2 * l + 1], db, ksign((aux >> (7 * l)) & 127), out + 8 * l);
+  } else if constexpr (T == G_IQ3_S) {
+    const uint8_t* b = row + (g / 8) * 110;
+    const int ib = int(g % 8);
+    const float db = ggml_f16(b) * float(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 15));
+    const uint32_t qh = b[66 + ib];
+    const uint8_t* qs = b + 2 + 8 * ib;
+    for (int l = 0; l < 4; ++l) {
+      const uint32_t i0 = qs[2 * l] | (((qh >> (2 * l)) & 1u) << 8), i1 = qs[2 * l + 1] | (((qh >> (2 * l + 1)) & 1u) << 8);
+      grid8<SIMD>(grid + 4 * i0, grid + 4 * i1, db, b[74 + 4 * ib + l], out + 8 * l);
+    }
+  } else if constexpr (T == G_IQ1_S) {
+    const int8_t* gr = reinterpret_cast<const int8_t*>(grid);
+    const uint8_t* b = row + (g / 8) * 50;
+    const int ib = int(g % 8);
+    const uint32_t qh = ld16(b + 34 + 2 * ib);
+    const float dl = ggml_f16(b) * float(2 * ((qh >> 12) & 7) + 1), delta = iq1_delta((qh & 0x8000u) << 16);
+    for (int l = 0; l < 4; ++l)
+      grid8_delta<SIMD>(gr + 8 * (b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7u) << 8)), dl, delta, out + 8 * l);
+  } else if constexpr (T == G_IQ1_M) {  // 16 sub-blocks of 16; d is the top nibbles of the 4 scale words
+    const int8_t* gr = reinterpret_cast<const int8_t*>(grid);
+    const uint8_t* b = row + (g / 16) * 56;
+    const int s = int(g % 16);
+    uint64_t sc;  // the 4 scale words; word i's top nibble is bits 4 i of d
+    std::memcpy(&sc, b + 48, 8);
+    const uint16_t dbits = uint16_t(((sc >> 12) & 0xF) | ((sc >> 24) & 0xF0) | ((sc >> 36) & 0xF00) | ((sc >> 48) & 0xF000));
+    const float dl = half_to_float(dbits) * float(2 * ((sc >> (16 * (s / 4) + 3 * (s % 4))) & 7) + 1);
+    for (int l = 0; l < 2; ++l) {
+      const int k = 2 * s + l;
+      const uint32_t nib = (b[32 + k / 2] >> (4 * (k % 2))) & 15;
+      grid8_delta<SIMD>(gr + 8 * (b[k] | ((nib & 7) << 8)), dl, iq1_delta((nib & 8) << 28), out + 8 * l);
+    }
+  } else if constexpr (T == G_TQ1_0) {
+    static constexpr uint32_t POW3[5] = {1, 3, 9, 27, 81};
+    const uint8_t* b = row + (g / 8) * 54;
+    const int gg = int(g % 8);
+    const float d = ggml_f16(b + 52);
+    if (gg < 5) {  // weights 32 k + m: digit k of qs[m], m < 32
+      for (int r = 0; r < 4; ++r) trits8<SIMD>(b + 8 * r, POW3[gg], d, out + 8 * r);
+    } else if (gg < 7) {  // weights 160 + 16 k + m: digit k of qs[32 + m]
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < 2; ++r) trits8<SIMD>(b + 32 + 8 * r, POW3[2 * (gg - 5) + h], d, out + 16 * h + 8 * r);
+    } else {  // digit 4 of qs[32..48], then weights 240 + 4 k + m: digit k of qh[m]
+      for (int r = 0; r < 2; ++r) trits8<SIMD>(b + 32 + 8 * r, POW3[4], d, out + 8 * r);
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t q = uint8_t(b[48 + i % 4] * POW3[i / 4]);
+        out[16 + i] = d * float(int((uint32_t(q) * 3) >> 8) - 1);
+      }
+    }
+  } else {  // TQ2_0: 2-bit codes as Q2_K's
+    const uint8_t* b = row + (g / 8) * 66;
+    const int gg = int(g % 8), shift = 2 * (gg % 4);
+    const uint8_t* q = b + 32 * (gg / 4);
+    const float d = ggml_f16(b + 64);
+    for (int m = 0; m < 32; ++m) out[m] = d * float(int((q[m] >> shift) & 3) - 1);
+  }
+}
+
 template <class A, int T>
 struct DecG {
   using V = typename A::V;
@@ -419,7 +631,10 @@ struct DecG {
 #endif
   }
   MS_INLINE void group(Row& r, int64_t g) const {
-    ggml_group<T>(r.p, g, r.w);
+    if constexpr (T >= G_MXFP4)
+      ggml_group_x<T, !std::is_same<A, ArchP>::value>(r.p, g, L.s, r.w);
+    else
+      ggml_group<T>(r.p, g, r.w);
     r.g0 = g * (L.group / A::W);
   }
   MS_INLINE V load(const Row& r, int64_t v) const { return A::loadu(r.w + (v - r.g0) * A::W); }
@@ -593,8 +808,33 @@ static void rows_with(const Lin& L, const float* x, int64_t n, int64_t r0, int64
   rows_range<A, D>(dec, L, x, n, r0, r1, y, ldy, buf);
 }
 
+// MXFP4, IQ1-IQ3, TQ: their own function, so the portable path can compile them in a second translation
+// unit (portable_gx.cpp) beside portable.cpp, the slowest file of the build
+template <class A>
+static void rows_ggml_x(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  switch (L.bits) {
+    case G_MXFP4: return rows_with<A, DecG<A, G_MXFP4>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ2_XXS: return rows_with<A, DecG<A, G_IQ2_XXS>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ2_XS: return rows_with<A, DecG<A, G_IQ2_XS>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ2_S: return rows_with<A, DecG<A, G_IQ2_S>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ3_XXS: return rows_with<A, DecG<A, G_IQ3_XXS>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ3_S: return rows_with<A, DecG<A, G_IQ3_S>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ1_S: return rows_with<A, DecG<A, G_IQ1_S>>(L, x, n, r0, r1, y, ldy);
+    case G_IQ1_M: return rows_with<A, DecG<A, G_IQ1_M>>(L, x, n, r0, r1, y, ldy);
+    case G_TQ1_0: return rows_with<A, DecG<A, G_TQ1_0>>(L, x, n, r0, r1, y, ldy);
+    default: return rows_with<A, DecG<A, G_TQ2_0>>(L, x, n, r0, r1, y, ldy);
+  }
+}
+
 template <class A>
 static void rows_ggml(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  if (L.bits >= G_MXFP4) {
+    if constexpr (std::is_same<A, ArchP>::value)
+      rows_portable_gx(L, x, n, r0, r1, y, ldy);
+    else
+      rows_ggml_x<A>(L, x, n, r0, r1, y, ldy);
+    return;
+  }
   switch (L.bits) {
     case G_Q4_0: return rows_with<A, DecG<A, G_Q4_0>>(L, x, n, r0, r1, y, ldy);
     case G_Q4_1: return rows_with<A, DecG<A, G_Q4_1>>(L, x, n, r0, r1, y, ldy);

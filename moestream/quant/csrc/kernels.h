@@ -3,7 +3,8 @@
 //
 // Built for the machine it runs on (moestream/quant/native.py: -march=native, the build
 // cached per CPU-flag set). Three paths, one translation unit each:
-//   portable.cpp: plain C++ over fixed 16-lane arrays (auto-vectorized where the compiler can),
+//   portable.cpp: plain C++ over fixed 16-lane arrays (auto-vectorized where the compiler can;
+//                 portable_gx.cpp holds its MXFP4, IQ1-IQ3 and TQ ggml types, to compile in parallel),
 //   avx2.cpp:     AVX2 + FMA + F16C (8 lanes), compiled when the compiler targets them,
 //   avx512.cpp:   AVX-512 F/BW/VL/VBMI (16 lanes), compiled when the compiler targets all four.
 // capi.cpp holds the C entry points (ctypes, from native.py) and splits the output rows over threads.
@@ -26,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -48,7 +50,9 @@ namespace ms {
 enum Kind : int { AFFINE = 0, FP8 = 1, MXFP4 = 2, CODEBOOK = 3, GGML = 4 };
 // ggml block types of GGML linears (Lin::bits holds one; moestream/quant/ggml.py names the layouts)
 enum GgmlType : int { G_Q4_0 = 0, G_Q4_1 = 1, G_Q5_0 = 2, G_Q5_1 = 3, G_Q8_0 = 4, G_Q2_K = 5, G_Q3_K = 6,
-                      G_Q4_K = 7, G_Q5_K = 8, G_Q6_K = 9, G_IQ4_NL = 10, G_IQ4_XS = 11 };
+                      G_Q4_K = 7, G_Q5_K = 8, G_Q6_K = 9, G_IQ4_NL = 10, G_IQ4_XS = 11, G_MXFP4 = 12,
+                      G_IQ2_XXS = 13, G_IQ2_XS = 14, G_IQ2_S = 15, G_IQ3_XXS = 16, G_IQ3_S = 17, G_IQ1_S = 18,
+                      G_IQ1_M = 19, G_TQ1_0 = 20, G_TQ2_0 = 21 };
 enum Path : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
 enum Dt : int { F32 = 0, BF16 = 1, F16 = 2 };
 
@@ -61,7 +65,7 @@ struct Lin {
   int64_t out = 0, in = 0;
   const uint8_t* w = nullptr;
   int64_t row_bytes = 0;  // bytes of one stored row
-  const uint8_t* s = nullptr;
+  const uint8_t* s = nullptr;  // scales; ggml codebook types (IQ1-IQ3): the grid, from the gguf package
   int s_dt = BF16;
   int64_t s_row = 0;  // scale elements per stored row (fp8: per block row)
   const uint8_t* b = nullptr;
@@ -108,5 +112,7 @@ constexpr int RB = 4;  // output rows per task unit
 bool rows_portable(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy);
 bool rows_avx2(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy);
 bool rows_avx512(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy);
+// the portable path's MXFP4, IQ1-IQ3 and TQ linears (portable_gx.cpp; called by rows_portable)
+void rows_portable_gx(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy);
 
 }  // namespace ms
