@@ -54,13 +54,14 @@ def bucket_for(length: int, capacity: int) -> int:
     return min(b, capacity)
 
 
-def graph_unsupported(model: nn.Module) -> str | None:
+def graph_unsupported(model: nn.Module, also_allowed: tuple = ()) -> str | None:
     """Why ``model``'s decode steps cannot take the static path, or None when they can.
 
     The static path needs the plain causal-LM skeleton (:class:`~moestream.models.base.CausalLM`'s
     forward, KV cache and rotary embedding) and decoder layers of plain attention
     (:class:`~moestream.models.layers.Attention`), norms, dense MLPs and streamed MoE blocks
-    (Qwen3-MoE, Mixtral); other families decode eagerly as before.
+    (Qwen3-MoE, Mixtral); other families decode eagerly as before. ``also_allowed``: module types
+    counted as plain linears (what the engine swaps for ``nn.Linear`` before decoding, for ``inspect``).
     """
     if not isinstance(model, CausalLM) or type(model).forward is not CausalLM.forward:
         return "the family's forward is its own"
@@ -68,7 +69,7 @@ def graph_unsupported(model: nn.Module) -> str | None:
         return "its decode state is not a plain KV cache"
     if type(model.rotary) is not RotaryEmbedding:
         return "its rotary embedding is not the plain one"
-    allowed = (Attention, RMSNorm, MLP, StreamedMoE, nn.Linear, Linear)
+    allowed = (Attention, RMSNorm, MLP, StreamedMoE, nn.Linear, Linear, *also_allowed)
     for layer in model.decoder.layers:
         if type(layer) is not DecoderLayer:
             return f"decoder layer {type(layer).__name__} is not a plain one"

@@ -305,6 +305,9 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         if parallel is not None:  # this rank's experts only; rank 0 places them
             parallel.place(ckpt, net, opened.num_experts, options.usage_file, options.learn_experts)
             keys = [key for key in keys if parallel.owns(key)]
+        fused = _use_fused(net, options, dev, tiered, parallel, quant_fns)
+        if tiered:  # quantized experts the GPU tier cannot compute: refused before any weight is read
+            _check_quantized_tier(ckpt, opened, quant_fns, fused, True)
         plan = _plan_budget(net, store, keys, opened.dtype, dev, tiered, io, options, parallel)
         tok = None
         if tokenizer:
@@ -315,7 +318,6 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         net.to(dev).eval()
         use_fast_linear(net)  # wide bf16 matmuls in float32 on CPUs without native bf16 (models/linear.py)
         policy = make_policy(options.cache_policy, half_life=sum(opened.num_experts.values()))
-        fused = _use_fused(net, options, dev, tiered, parallel, quant_fns)
         if tiered:
             cache = TieredExpertCache(store, plan.budget, opened.num_experts, policy=policy, device=dev,
                                       host_budget_bytes=plan.host, slots=fused)
@@ -509,7 +511,8 @@ def _check_quantized_tier(ckpt: Checkpoint, opened: _Opened, quant_fns: dict, fu
     elif why is None and fused:
         why = "its MoE layers store experts in more than one layout (one slot pool holds one)"
     elif why is None:
-        why = "the fused kernel is off (fused_experts=False, or expert parallelism)"
+        why = ("the fused kernel is not in use (it runs by default with --device cuda; fused_experts=False and "
+               "expert parallelism turn it off)")
     raise ConfigError(f"{ckpt.path}: quantized experts on the GPU tier: {why}; use --device cpu")
 
 

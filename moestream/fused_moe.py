@@ -98,7 +98,7 @@ if triton is not None:
             sign = (v & 0x80) << 24
             normal = (sign | ((e + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
             sub = mant.to(tl.float32) * 0.001953125  # e == 0: mant * 2^-9
-            w = tl.where(e == 0, tl.where(sign != 0, -sub, sub), normal)
+            w = tl.where(e == 0, tl.where(sign != 0, sub * -1.0, sub), normal)
             w = tl.where((v & 0x7F) == 0x7F, float("nan"), w)
             sc = tl.load(s_ptr + slot * ss0 + (r64 // BR) * ss1 + c // GS, mask=m, other=0.0).to(tl.float32)
             w = w * sc
@@ -108,7 +108,7 @@ if triton is not None:
             ex = (nib >> 1) & 3
             mb = nib & 1
             val = tl.where(ex == 0, mb, (2 + mb) << tl.maximum(ex - 1, 0)).to(tl.float32) * 0.5
-            val = tl.where(nib >= 8, -val, val)
+            val = tl.where(nib >= 8, val * -1.0, val)  # -0.0 kept: Triton's -x is 0 - x
             se = tl.load(s_ptr + slot * ss0 + r64 * ss1 + c // 32, mask=m, other=127).to(tl.int32)
             scale = tl.where(se == 0, 5.877471754111438e-39, (se << 23).to(tl.float32, bitcast=True))
             w = val * scale
@@ -154,7 +154,7 @@ if triton is not None:
         ex = (nib >> 1) & 3
         mb = nib & 1
         val = tl.where(ex == 0, mb, (2 + mb) << tl.maximum(ex - 1, 0)).to(tl.float32) * 0.5
-        val = tl.where(nib >= 8, -val, val)
+        val = tl.where(nib >= 8, val * -1.0, val)  # -0.0 kept: Triton's -x is 0 - x
         val = tl.reshape(val, (BN, NG, 32))
         dot = tl.sum(val * tl.reshape(xv, (NG, 32))[None, :, :], axis=2)
         gi = k0 // 32 + tl.arange(0, NG)

@@ -24,6 +24,7 @@ from .mlx_format import open_checkpoint
 from .models import family_for, supported_model_types
 from .models.moe import swiglu_expert
 from .quant import model as quant
+from .quant.resident import QuantEmbedding, QuantLinear
 from .synth import DTYPES, plan_synth
 
 GB = 1e9
@@ -275,19 +276,21 @@ def gpu_kernel(net, quant_fns: dict | None = None, per_expert: int = 0, per_toke
     bytes where the kernel reads its format (``quant_fns``: layer -> expert function, None for float
     experts; then the VRAM bytes per expert and the most bytes one token moves over PCIe), the family's
     own function otherwise."""
-    if quant_fns is not None:
+    if quant_fns:
         why = quant.gpu_unsupported(quant_fns)
-        if why is not None or not quant_fns:
-            return f"not on the GPU tier ({why or 'quantized resident weights with float experts'}; use --device cpu)"
-        why = graph_unsupported(net)
+        tags = {fn.fmt.tag for fn in quant_fns.values() if getattr(fn, "fmt", None) is not None}
+        if why is None and len(tags) > 1:  # one VRAM slot pool holds one expert layout
+            why = f"its MoE layers store experts in more than one layout ({'; '.join(sorted(tags))})"
+        if why is not None:
+            return f"not on the GPU tier ({why}; use --device cpu)"
+        why = graph_unsupported(net, also_allowed=(QuantLinear, QuantEmbedding))  # dequantized at load on CUDA
         steps = "decode steps as CUDA graphs" if why is None else f"decode steps eager ({why})"
-        tag = next(iter(quant_fns.values())).fmt.tag
-        return (f"experts by the fused SwiGLU kernel on their stored bytes ({tag}, dequantized in registers), "
+        return (f"experts by the fused SwiGLU kernel on their stored bytes ({tags.pop()}, dequantized in registers), "
                 f"{steps}; {per_expert / MB:.2f} MB of VRAM per expert, at most {per_token / GB:.3f} GB over "
                 "PCIe per token (every routed expert a miss); quantized resident linears dequantized once at load")
     blocks = net.moe_blocks()
     if blocks and all(b.expert_fn is swiglu_expert for b in blocks):
-        why = graph_unsupported(net)
+        why = graph_unsupported(net, also_allowed=(QuantLinear, QuantEmbedding))
         steps = "decode steps as CUDA graphs" if why is None else f"decode steps eager ({why})"
         return ("experts by the fused SwiGLU kernel (Triton, in place from VRAM slots), " + steps +
                 "; the batched SwiGLU chain (torch.bmm) under expert parallelism or without Triton")

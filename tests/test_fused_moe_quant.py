@@ -36,6 +36,18 @@ def fp8_pieces(role, w, block, per):
     return {role: q, role + ".weight_scale_inv": rs.float()}, deq
 
 
+def fp8_raw_pieces(role, w, block):
+    """Random e4m3 bytes (every finite value: subnormals, -0 and the largest included; NaN left out) with
+    block scales near 1/500, so the decode of each byte is tested, not only the values a quantizer emits."""
+    g = torch.Generator().manual_seed(int(w.abs().sum() * 1000) % 2**31)
+    b = torch.randint(0, 256, w.shape, generator=g, dtype=torch.uint8)
+    b = torch.where((b & 0x7F) == 0x7F, b ^ 0x01, b)  # 0x7F / 0xFF are NaN
+    q = b.view(torch.float8_e4m3fn)
+    s = torch.rand(-(-w.shape[0] // block), -(-w.shape[1] // block), generator=g) / 512 + 1 / 1024
+    deq = q.double() * s.double().repeat_interleave(block, 0)[: w.shape[0]].repeat_interleave(block, 1)[:, : w.shape[1]]
+    return {role: q, role + ".weight_scale_inv": s}, deq
+
+
 def mxfp4_pieces(role, w, packed):
     blocks, scales, deq = mxfp4_quantize(w)
     b = blocks.reshape(w.shape[0], -1) if packed else blocks
@@ -46,7 +58,7 @@ def scheme_for(kind):
     name, *arg = kind.split("-")
     if name.startswith("affine"):
         return Scheme("affine", int(name[6:]), int(arg[0][1:]))
-    if name == "fp8":
+    if name in ("fp8", "fp8raw"):
         block = {"channel": (1, 0), "tensor": (0, 0)}.get(arg[0]) or (int(arg[0]), int(arg[0]))
         return Scheme("fp8", 8, block[1], block)
     return Scheme("mxfp4", 4, 32)
@@ -57,6 +69,8 @@ def expert_pieces(kind, role, w):
     if name.startswith("affine"):
         sdt = torch.float16 if "fp16" in arg else torch.bfloat16
         return affine_pieces(role, w, int(name[6:]), int(arg[0][1:]), sdt)
+    if name == "fp8raw":
+        return fp8_raw_pieces(role, w, int(arg[0]))
     if name == "fp8":
         return fp8_pieces(role, w, int(arg[0]) if arg[0].isdigit() else 0,
                           "block" if arg[0].isdigit() else arg[0])
@@ -118,7 +132,12 @@ CASES = [
     ("mxfp4", (64, 96), None, False),
     ("mxfp4-packed", (32, 64), None, True),
     ("affine4-g32", (32, 64), None, True),
+    ("fp8raw-32", (40, 48), None, False),
 ]
+# widths where the decode kernels' column loop runs more than once and ends in a partial step (their
+# steps are 512 columns over H and 256 over I for quantized experts): the word offsets k0 // 8, k0 // GS
+WIDE = [("affine4-g32", (288, 640)), ("affine2-g128", (256, 1152)), ("mxfp4", (288, 576)),
+        ("affine8-g64", (320, 576)), ("fp8-128", (160, 320))]
 
 
 @interpreted
@@ -148,6 +167,23 @@ def test_quantized_kernel_matches_float64(kind, shape, down, fused, t, k, e, dty
     storage2[moved] = storage[perm]
     again = fm.fused_moe(x, w, idx, moved.to(torch.int32), *fm.expert_projections(layout.views(storage2), fmt))
     assert torch.equal(again, out), "the same experts in other slots gave other bits"
+
+
+@interpreted
+@pytest.mark.parametrize("kind,shape", WIDE, ids=[f"{k}-{s[0]}x{s[1]}" for k, s in WIDE])
+@pytest.mark.parametrize("t,k", [(1, 1), (5, 2)], ids=["decode", "rows"])
+def test_quantized_kernel_over_several_column_steps(kind, shape, t, k):
+    g = torch.Generator().manual_seed(t * 7 + shape[0])
+    i, h = shape
+    e = 3
+    _, _, views, fmt, deq = quant_layer(kind, e, i, h, g)
+    x = torch.randn(t, h, generator=g)
+    idx = routing(t, k, e, g)
+    w = torch.rand(t, k, generator=g)
+    got = fm.fused_moe(x, w, idx, torch.arange(e, dtype=torch.int32), *fm.expert_projections(views, fmt))
+    ref = fm.reference_moe(x, w, idx, dict(enumerate(deq)))
+    err = float((got.double() - ref).norm() / ref.norm())
+    assert err < 2e-5, f"{kind} {shape} t={t}: {err:.2e}"
 
 
 def test_formats_without_a_gpu_kernel_are_named():
@@ -217,7 +253,7 @@ def test_quantized_tier_without_the_fused_kernel_is_refused(quant_ckpts):
     from moestream.engine import load
     from moestream.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="quantized experts on the GPU tier.*fused kernel is off"):
+    with pytest.raises(ConfigError, match="quantized experts on the GPU tier.*fused kernel is not in use"):
         load(quant_ckpts / "mlx-4bit-g32", tokenizer=False, device="cpu", host_cache_gb="0.001",
              fused_experts=False, cache_budget_gb="0")
 

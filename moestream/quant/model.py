@@ -158,6 +158,9 @@ def gpu_unsupported(fns: dict) -> str | None:
     in a format it dequantizes in registers (:func:`moestream.fused_moe.gpu_format`: MLX affine 2-8 bit,
     fp8 e4m3, MXFP4)."""
     for layer, fn in sorted(fns.items()):
+        if isinstance(fn, TQExperts):
+            return (f"layer {layer}: turboquant codebook experts have no GPU kernel (a per-expert input rotation "
+                    "and codebook lookups)")
         if not isinstance(fn, QuantizedSwiGLU):
             fmt = getattr(fn, "fmt", None)
             what = getattr(fmt, "tag", None) or type(fn).__name__
