@@ -285,3 +285,17 @@ def test_gpu_unsupported_names_the_layer_and_why():
     assert why.startswith("layer 3:") and "gguf Q4_0" in why
     why = gpu_unsupported({2: DequantizedExpert(ok, swiglu_expert)})
     assert "layer 2" in why and "not SwiGLU experts" in why
+
+
+def test_inspect_gpu_line_for_quantized_attention_with_float_experts(quant_ckpts, tmp_path):
+    """Attention quantized, experts float (convert --expert-bits 16): the fused kernel on float experts, and
+    CUDA graphs (the resident linears are dequantized at load on CUDA); 4-bit experts: graphs too."""
+    from moestream.inspect import inspect
+    from moestream.quant.convert import ConvertSpec, convert
+
+    out = convert(quant_ckpts / "float", tmp_path / "a4", ConvertSpec(32, 16, 16, 4, 4))
+    gpu = next(ln for ln in inspect(str(out)).to_text().splitlines() if ln.startswith("on a GPU:"))
+    assert "fused SwiGLU kernel" in gpu and "decode steps as CUDA graphs" in gpu, gpu
+    out = convert(quant_ckpts / "float", tmp_path / "e4", ConvertSpec(32, 4, 4, 4, 4))
+    gpu = next(ln for ln in inspect(str(out)).to_text().splitlines() if ln.startswith("on a GPU:"))
+    assert "on their stored bytes (affine 4-bit, group 32" in gpu and "decode steps as CUDA graphs" in gpu, gpu
