@@ -33,6 +33,12 @@ def tiny(tmp_path_factory):
     return d
 
 
+def _default_sigint():
+    # a shell's background job ignores SIGINT, and its children inherit that (Python then installs no
+    # KeyboardInterrupt handler): the CLI under test gets the default a terminal gives it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_in_decode_prints_the_stats_so_far_and_writes_the_json(text_model, tmp_path):
     """SIGINT once tokens are streaming: the stats block of the tokens so far (finish reason "interrupted"),
     --stats-json written with them, exit 130, no traceback."""
@@ -40,7 +46,7 @@ def test_ctrl_c_in_decode_prints_the_stats_so_far_and_writes_the_json(text_model
     proc = subprocess.Popen(
         [sys.executable, "-m", "moestream", "generate", "--model", str(text_model), "--prompt", "Tell me a story.",
          "--max-tokens", "3000", "--temp", "1", "--seed", "1", "--cache-budget-gb", "0", "--stats-json",
-         str(stats_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         str(stats_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     seen = threading.Event()
 
     def watch():
@@ -108,7 +114,7 @@ def test_ctrl_c_during_the_imports_is_not_a_traceback(tmp_path):
         "sys.exit(main(sys.argv[1:]))\n"
     )
     r = subprocess.run([sys.executable, "-c", hook, "generate", "--model", str(tmp_path), "--prompt", "hi"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, preexec_fn=_default_sigint)
     assert r.returncode == 130, r.stderr
     assert r.stderr.strip() == "moestream: interrupted", r.stderr
 
