@@ -202,6 +202,27 @@ if triton is not None:
         tl.store(h_ptr + s * sh + n, h, mask=nmask)
 
     @triton.jit
+    def _down_dot(h_ptr, s, sh, wd_ptr, sd_ptr, bd_ptr, slot, n, nmask, NI: constexpr, q0, q1, s0, s1, b0, b1,
+                  BN: tl.constexpr, BK: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                  BR: tl.constexpr, VEC: tl.constexpr):
+        # down rows n of the expert in `slot` times routing slot s's hidden row h[s] (float32, NI wide): [BN]
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for i0 in range(0, NI, BK):
+            ii = i0 + tl.arange(0, BK)
+            im = ii < NI
+            hv = tl.load(h_ptr + s * sh + ii, mask=im, other=0.0)
+            if VEC and F == 3:
+                acc += _mxfp4_dot(wd_ptr, sd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, BN, BK)
+            elif VEC:
+                acc += _affine_dot(wd_ptr, sd_ptr, bd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, b0, b1,
+                                   BITS, GS, BN, BK)
+            else:
+                d = _wload(wd_ptr, sd_ptr, bd_ptr, slot, n[:, None], ii[None, :], nmask[:, None] & im[None, :],
+                           q0, q1, s0, s1, b0, b1, F, BITS, GS, BR)
+                acc += tl.sum(d * hv[None, :], axis=1)
+        return acc
+
+    @triton.jit
     def _down_sum_rows(h_ptr, w_ptr, idx_ptr, table_ptr, wd_ptr, sd_ptr, bd_ptr, out_ptr, K: constexpr,
                        H: constexpr, NI: constexpr, sh, q0, q1, s0, s1, b0, b1, so,
                        BN: tl.constexpr, BK: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
@@ -217,20 +238,8 @@ if triton is not None:
             e = tl.load(idx_ptr + s)
             slot = tl.load(table_ptr + e).to(tl.int64)
             wt = tl.load(w_ptr + s).to(tl.float32)
-            acc = tl.zeros([BN], dtype=tl.float32)
-            for i0 in range(0, NI, BK):
-                ii = i0 + tl.arange(0, BK)
-                im = ii < NI
-                hv = tl.load(h_ptr + s * sh + ii, mask=im, other=0.0)
-                if VEC and F == 3:
-                    acc += _mxfp4_dot(wd_ptr, sd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, BN, BK)
-                elif VEC:
-                    acc += _affine_dot(wd_ptr, sd_ptr, bd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, b0, b1,
-                                       BITS, GS, BN, BK)
-                else:
-                    d = _wload(wd_ptr, sd_ptr, bd_ptr, slot, n[:, None], ii[None, :], nmask[:, None] & im[None, :],
-                               q0, q1, s0, s1, b0, b1, F, BITS, GS, BR)
-                    acc += tl.sum(d * hv[None, :], axis=1)
+            acc = _down_dot(h_ptr, s, sh, wd_ptr, sd_ptr, bd_ptr, slot, n, nmask, NI, q0, q1, s0, s1, b0, b1,
+                            BN, BK, F, BITS, GS, BR, VEC)
             out += acc * wt
         tl.store(out_ptr + t * so + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
 
@@ -249,20 +258,8 @@ if triton is not None:
         e = tl.load(idx_ptr + s)
         slot = tl.load(table_ptr + e).to(tl.int64)
         wt = tl.load(w_ptr + s).to(tl.float32)
-        acc = tl.zeros([BN], dtype=tl.float32)
-        for i0 in range(0, NI, BK):
-            ii = i0 + tl.arange(0, BK)
-            im = ii < NI
-            hv = tl.load(h_ptr + s * sh + ii, mask=im, other=0.0)
-            if VEC and F == 3:
-                acc += _mxfp4_dot(wd_ptr, sd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, BN, BK)
-            elif VEC:
-                acc += _affine_dot(wd_ptr, sd_ptr, bd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, b0, b1,
-                                   BITS, GS, BN, BK)
-            else:
-                d = _wload(wd_ptr, sd_ptr, bd_ptr, slot, n[:, None], ii[None, :], nmask[:, None] & im[None, :],
-                           q0, q1, s0, s1, b0, b1, F, BITS, GS, BR)
-                acc += tl.sum(d * hv[None, :], axis=1)
+        acc = _down_dot(h_ptr, s, sh, wd_ptr, sd_ptr, bd_ptr, slot, n, nmask, NI, q0, q1, s0, s1, b0, b1,
+                        BN, BK, F, BITS, GS, BR, VEC)
         tl.store(y_ptr + s.to(tl.int64) * sy + n, acc * wt, mask=nmask)
 
     @triton.jit
