@@ -424,7 +424,6 @@ FLOAT, AFFINE, FP8, MXFP4 = 0, 1, 2, 3  # the kernels' weight formats (their FMT
 # decode block sizes for quantized experts (rows per program, columns per step of gate/up and of down):
 # more, smaller programs than for float experts, whose loads are wider (measured on an H200, docs/gpu.md)
 QUANT_ROWS = {"bn1": 8, "bk1": 512, "bn2": 16, "bk2": 256}
-_METHODS = {"affine": AFFINE, "fp8": FP8, "mxfp4": MXFP4}
 # what the kernels dequantize in registers (Scheme.method -> bits they take)
 GPU_FORMATS = {"affine": (2, 3, 4, 5, 6, 8), "fp8": (8,), "mxfp4": (4,)}
 
@@ -554,7 +553,7 @@ def expert_projections(views: dict[str, torch.Tensor], fmt=None) -> tuple[Proj, 
         gate, up = quant_proj(views, lin["gate"]), quant_proj(views, lin["up"])
         if gate.consts() != up.consts():
             raise ValueError(f"gate ({lin['gate'].scheme.tag if lin['gate'].scheme else 'float'}) and up "
-                             f"({lin['up'].scheme.tag if lin['up'].scheme else 'float'}) are stored alike "
+                             f"({lin['up'].scheme.tag if lin['up'].scheme else 'float'}) must be stored alike "
                              "for the fused kernel")
     return gate, up, quant_proj(views, lin["down"])
 

@@ -283,6 +283,10 @@ def test_gpu_unsupported_names_the_layer_and_why():
                        "down": lin("down", Scheme("gguf", 4, 32, ggml="Q4_0"), 16, 8)})
     why = gpu_unsupported({0: QuantizedSwiGLU(ok), 3: QuantizedSwiGLU(tq)})
     assert why.startswith("layer 3:") and "gguf Q4_0" in why
+    mixed = ExpertFormat({"gate": lin("gate", Scheme("affine", 4, 16)), "up": lin("up", Scheme("affine", 8, 16)),
+                          "down": lin("down", Scheme("affine", 4, 8), 16, 8)})
+    why = gpu_unsupported({1: QuantizedSwiGLU(mixed)})
+    assert why.startswith("layer 1:") and "gate and up" in why
     why = gpu_unsupported({2: DequantizedExpert(ok, swiglu_expert)})
     assert "layer 2" in why and "not SwiGLU experts" in why
 

@@ -170,6 +170,9 @@ def gpu_unsupported(fns: dict) -> str | None:
             why = fused_moe.gpu_format(lf.scheme)
             if why is not None:
                 return f"layer {layer}: {why}"
+        lin = fn.fmt.linears
+        if "gate" in lin and lin["gate"].scheme != lin["up"].scheme:  # the kernel reads both one way
+            return f"layer {layer}: gate and up are stored in different formats (the fused GPU kernel reads one)"
         gu = fn.fmt.linears.get("gate_up")
         if fn.fmt.fused_gate_up and gu is not None and gu.scheme is not None and gu.scheme.method == "fp8":
             return f"layer {layer}: an interleaved gate_up in fp8 blocks has no GPU kernel"
