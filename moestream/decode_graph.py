@@ -33,6 +33,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .models.base import CausalLM
@@ -105,6 +106,14 @@ class StaticDecodeKV:
         keys.index_copy_(1, self.pos, k)
         values.index_copy_(1, self.pos, v)
         return keys[:, : self.bucket], values[:, : self.bucket]
+
+    def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`KVCache.attend` for the one-token step: the bucket's keys under the device-side mask."""
+        keys, values = self.update(layer, start, k, v)
+        mask = self.attention_mask(start, 1, window, q.device)
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[0] != keys.shape[0])[0]
 
     def attention_mask(self, start: int, t: int, window: int | None, device) -> torch.Tensor:
         """Boolean [1, bucket]: keys at positions ``<= pos`` (and ``> pos - window``), from the device position."""

@@ -332,9 +332,28 @@ def test_make_setup_builds_the_kernels_without_echoing_the_command(tmp_path):
     assert "moestream.quant.native" not in run.stdout + run.stderr, run.stdout  # the raw recipe, echoed
     assert "v/bin/pip install -q -e '.[dev]'" in run.stdout  # make still echoes the other steps
     notes = [ln for ln in run.stderr.splitlines() if ln.startswith("moestream: building the CPU kernels")]
-    assert len(notes) == 1 and notes[0].startswith(  # 150 s on a loaded 2-core machine: not "under a minute"
-        f"moestream: building the CPU kernels for this CPU once (a minute or a few), into {tmp_path / 'cache'}/"), notes
+    assert len(notes) == 1 and notes[0].startswith(
+        f"moestream: building the CPU kernels for this CPU once ({len(native.SOURCES)} units, "), notes
+    assert f"into {tmp_path / 'cache'}/" in notes[0], notes
     assert "CPU kernels could not be built" in run.stderr
+
+
+def test_a_build_says_each_unit_and_computes_like_the_cached_one(tmp_path):
+    """A fresh build (into an empty cache, as a new machine's first run) prints one progress line per translation
+    unit, and the library it makes computes what the cached one does, bit for bit."""
+    env = dict(os.environ, MOESTREAM_KERNEL_CACHE=str(tmp_path / "cache"))
+    env.pop(native.ENV, None)
+    code = ("import torch; from moestream.quant import native; torch.manual_seed(0); w = torch.randn(40, 100); "
+            "x = torch.randn(3, 100); y = native.float_linear(x, w); import sys; "
+            "sys.stdout.write(y.numpy().tobytes().hex())")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    units = [ln for ln in run.stderr.splitlines() if ln.startswith("moestream: [")]
+    assert len(units) == len(native.SOURCES), run.stderr
+    assert sorted(ln.split()[2] for ln in units) == sorted(native.SOURCES)
+    torch.manual_seed(0)
+    w, x = torch.randn(40, 100), torch.randn(3, 100)
+    assert run.stdout == native.float_linear(x, w).numpy().tobytes().hex()
 
 
 # turboquant: codebook codes behind the blockwise Hadamard rotation (moestream.quant.turboquant)

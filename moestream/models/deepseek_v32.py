@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from . import deepseek
+from . import deepseek, ops
 from .base import SynthTensor, config_field, synth_tensors_of
 from .layers import KVCache
 from .mla import MLAttention
@@ -82,9 +82,17 @@ class Indexer(nn.Module):
         s = keys.shape[0]
         if s <= self.topk:  # every key is among the top-k
             return causal
-        scores = F.relu(torch.matmul(q.float(), keys.float().T) * self.head_dim**-0.5)  # [H, T, S]
-        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.heads**-0.5  # [T, H]
-        index = torch.matmul(w[:, None, :], scores.transpose(0, 1))[:, 0]  # [T, S]
+        w = ops.linear(x.float(), self.weights_proj.weight.float()) * self.heads**-0.5  # [T, H]
+        if x.device.type == "cpu":
+            # per head a linear over the keys (each score one fixed reduction), summed over heads in order
+            kf = keys.float()
+            index = None
+            for h in range(self.heads):
+                part = w[:, h : h + 1] * F.relu(ops.linear(q[h].float(), kf) * self.head_dim**-0.5)
+                index = part if index is None else index + part
+        else:
+            scores = F.relu(torch.matmul(q.float(), keys.float().T) * self.head_dim**-0.5)  # [H, T, S]
+            index = torch.matmul(w[:, None, :], scores.transpose(0, 1))[:, 0]  # [T, S]
         if causal is not None:
             index = index.masked_fill(~causal, float("-inf"))
         chosen = index.topk(self.topk, dim=-1).indices

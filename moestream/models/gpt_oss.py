@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..quant import native
+from . import ops
 from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, synth_tensors_of
 from .layers import DecoderLayer, RMSNorm
 from .linear import linear
@@ -84,9 +86,7 @@ class GptOssRMSNorm(RMSNorm):
     """RMSNorm that scales before casting back, as transformers' ``GptOssRMSNorm``: ``(w * x_norm).to(dtype)``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps, "weight_f32")
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,12 +104,12 @@ def clamped_swiglu_expert(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: fl
     ``w`` holds ``gate_up`` [H, 2I] (gate in even columns, up in odd), ``gate_up.bias``
     [2I], ``down`` [I, H] and ``down.bias`` [H].
     """
-    gate_up = x @ w["gate_up"] + w["gate_up.bias"]
+    gate_up = ops.matmul_t(x, w["gate_up"], w["gate_up.bias"])
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     gate = gate.clamp(min=None, max=limit)
     up = up.clamp(min=-limit, max=limit)
-    glu = gate * torch.sigmoid(gate * alpha)
-    return ((up + 1) * glu) @ w["down"] + w["down.bias"]
+    glu = gate * ops.sigmoid(gate * alpha)
+    return ops.matmul_t((up + 1) * glu, w["down"], w["down.bias"])
 
 
 def clamped_swiglu_linear_expert(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: float, limit: float,
@@ -120,6 +120,11 @@ def clamped_swiglu_linear_expert(x: torch.Tensor, w: dict[str, torch.Tensor], al
     up are the reference's even and odd ``gate_up`` columns) with biases ``gate.bias``,
     ``up.bias`` [I] and ``down.bias`` [H].
     """
+    if x.device.type == "cpu":  # one call of the compiled kernels (float32 intermediate)
+        y = native.float_expert(x, w["gate"], w["up"], w["down"], "clamped", (alpha, limit),
+                                biases=(w["gate.bias"], w["up.bias"], w["down.bias"]))
+        if y is not None:
+            return y
     gate = linear(x, w["gate"], w["gate.bias"]).clamp(min=None, max=limit)
     up = linear(x, w["up"], w["up.bias"]).clamp(min=-limit, max=limit)
     glu = gate * torch.sigmoid(gate * alpha)

@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from .layers import MLP, HybridCache, KVCache, attention_mask
+from ..quant import native
+from . import ops
+from .layers import MLP, HybridCache, KVCache
 from .moe import StreamedMoE
 from .rope import apply_rotary
 
@@ -42,9 +43,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps, "one_plus")
 
 
 class GatedRMSNorm(nn.Module):
@@ -60,11 +59,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
-        return (h * F.silu(z.float())).to(dtype)
+        h = ops.rms_norm(x, self.weight, self.eps)
+        return (h * ops.silu(z.float())).to(x.dtype)
 
 
 class GatedAttention(nn.Module):
@@ -99,13 +95,9 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)).transpose(0, 1)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim).transpose(0, 1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = kv.update(layer, start, k, v)
-        out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=attention_mask(start, t, None, x.device), scale=self.scale,
-            enable_gqa=self.heads != self.kv_heads,
-        )
-        out = out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim)
-        return self.o_proj(out * torch.sigmoid(gate))
+        out = kv.attend(layer, start, q, k, v, self.scale)
+        out = out.transpose(0, 1).reshape(t, self.heads * self.head_dim)
+        return self.o_proj(out * ops.sigmoid(gate))
 
 
 def depthwise_causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -115,13 +107,11 @@ def depthwise_causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.T
         window: [C, K - 1 + T]; weight: [C, K] (``conv1d.weight[:, 0]``), same dtype.
 
     Returns:
-        [C, T] in window's dtype. float32 goes through ``F.conv1d`` (as the reference);
-        other dtypes are summed in float32 and rounded once, which gave the same bits as
-        PyTorch's CPU bf16/fp16 depthwise ``conv1d`` (tests/test_family_qwen3_hybrid.py)
-        at a fraction of its cost (about 60 ms per call whatever the length, on the build machine).
+        [C, T] in window's dtype: summed in float32 over j = 0..K-1 in order and rounded once (each output
+        depends only on its window: the same bits for any split of the sequence into calls), which gave the
+        same bits as PyTorch's CPU bf16/fp16 depthwise ``conv1d`` (tests/test_family_qwen3_hybrid.py) at a
+        fraction of its cost (about 60 ms per call whatever the length, on the build machine).
     """
-    if window.dtype == torch.float32:
-        return F.conv1d(window[None], weight[:, None], groups=window.shape[0])[0]
     k = weight.shape[1]
     t = window.shape[1] - k + 1
     x, w = window.float(), weight.float()
@@ -133,7 +123,8 @@ def depthwise_causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.T
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dimension (the reference's ``l2norm``)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    return ops.rms_norm(x, None, eps, "l2") if x.device.type == "cpu" and native.selected() != "torch" else \
+        x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def gated_delta_chunked(
@@ -274,24 +265,28 @@ class GatedDeltaNet(nn.Module):
             past = qkv.new_zeros(self.conv_dim, self.kernel - 1)
         window = torch.cat((past, qkv.t()), dim=1)  # [conv_dim, kernel - 1 + T]
         kv.conv[layer] = window[:, window.shape[1] - (self.kernel - 1) :].clone()
-        qkv = F.silu(depthwise_causal_conv(window, self.conv1d.weight[:, 0])).t()
+        qkv = ops.silu(depthwise_causal_conv(window, self.conv1d.weight[:, 0])).t()
         kd = self.key_heads * self.key_dim
         q, k, v = torch.split(qkv, [kd, kd, self.value_heads * self.value_dim], dim=-1)
         per = self.value_heads // self.key_heads
         q = q.reshape(t, self.key_heads, self.key_dim).repeat_interleave(per, dim=1)
         k = k.reshape(t, self.key_heads, self.key_dim).repeat_interleave(per, dim=1)
         v = v.reshape(t, self.value_heads, self.value_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta = ops.sigmoid(b)
+        g = -self.A_log.float().exp() * ops.softplus(a.float() + self.dt_bias)
         # [T, heads, d] -> [heads, T, d] in float32, as the reference's kernels
         q, k, v, beta, g = (y.transpose(0, 1).float().contiguous() for y in (q, k, v, beta, g))
         q, k = l2_normalize(q), l2_normalize(k)
         state = kv.recurrent[layer]
-        if state is not None and t == 1:
+        if state is None:
+            state = q.new_zeros(self.value_heads, self.key_dim, self.value_dim)
+        got = native.delta_rule(*(y.transpose(0, 1) for y in (q * self.key_dim**-0.5, k, v)), g.t(), beta.t(), state)
+        if got is not None:  # the recurrence on the compiled kernels: one form for prefill and decode
+            out, state = got
+            out = out.transpose(0, 1)
+        elif t == 1:
             out, state = gated_delta_recurrent(q / self.key_dim**0.5, k, v, g, beta, state)
         else:
-            if state is None:
-                state = q.new_zeros(self.value_heads, self.key_dim, self.value_dim)
             out, state = gated_delta_chunked(q * self.key_dim**-0.5, k, v, g, beta, state)
         kv.recurrent[layer] = state
         out = out.transpose(0, 1).to(x.dtype)  # [T, value_heads, value_dim]
@@ -322,7 +317,7 @@ class SharedExpertMoE(StreamedMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         routed = super().forward(x)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + ops.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 def layer_types(cfg: dict, layers: int) -> list[str]:

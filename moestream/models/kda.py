@@ -23,9 +23,11 @@ linear-attention layers (a convolution state and a recurrent state each).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..quant import native
+from . import ops
+from .hybrid import depthwise_causal_conv, l2_normalize
 from .layers import HybridCache
 
 CHUNK = 64  # the reference's chunk_size for prefill
@@ -50,8 +52,8 @@ def kda_gate(
     x = f.float() + dt_bias.float().view(h, dk)
     a = torch.exp(a_log.float()).view(h, 1)
     if lower_bound is None:
-        return -a * torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
-    return lower_bound * torch.sigmoid(a * x)
+        return -a * ops.softplus(x, 20.0)
+    return lower_bound * ops.sigmoid(a * x)
 
 
 def kda_recurrent(
@@ -165,8 +167,8 @@ class KimiDeltaAttention(nn.Module):
         if state is None:
             state = xt.new_zeros(xt.shape[0], self.kernel - 1)
         full = torch.cat([state.to(xt.dtype), xt], dim=1)
-        out = F.conv1d(full[None].to(w.dtype), w, groups=w.shape[0])[0]
-        return F.silu(out).to(x.dtype).t(), full[:, -(self.kernel - 1):].clone()
+        out = depthwise_causal_conv(full.to(w.dtype), w[:, 0])
+        return ops.silu(out).to(x.dtype).t(), full[:, -(self.kernel - 1):].clone()
 
     def forward(self, x: torch.Tensor, kv: HybridCache, layer: int, start: int) -> torch.Tensor:
         """x [T, hidden] at positions ``start..start+T`` -> [T, hidden]; advances the layer's state in ``kv``."""
@@ -174,18 +176,17 @@ class KimiDeltaAttention(nn.Module):
         conv_state, state = kv.linear_state(layer, start)
         mixed, conv_state = self._conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), conv_state)
         q, k, v = (z.reshape(t, h, dk).float() for z in mixed.split(h * dk, dim=-1))
-        q, k = l2norm(q) * dk**-0.5, l2norm(k)
+        q, k = l2_normalize(q) * dk**-0.5, l2_normalize(k)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, dk), self.A_log.reshape(-1)[:h], self.dt_bias,
                      self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x)).float()
+        beta = ops.sigmoid(self.b_proj(x)).float()
         if state is None:
             state = x.new_zeros(h, dk, dk, dtype=torch.float32)
-        core = kda_recurrent if t == 1 else kda_chunked
-        o, state = core(q, k, v, g, beta, state)
+        got = native.delta_rule(q, k, v, g, beta, state)  # the compiled recurrence: one form for any chunk
+        o, state = got if got is not None else (kda_recurrent if t == 1 else kda_chunked)(q, k, v, g, beta, state)
         kv.set_linear_state(layer, conv_state, state, start + t)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         # gated RMSNorm over each head, strictly in float32 (transformers KimiLinearRMSNormGated)
-        o = o.to(x.dtype).float()
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
-        o = (o * torch.sigmoid(gate.view(t, h, dk).float())).to(x.dtype)
+        o = ops.rms_norm(o.to(x.dtype).float(), self.o_norm.weight.float(), self.eps)
+        o = (o * ops.sigmoid(gate.view(t, h, dk).float())).to(x.dtype)
         return self.o_proj(o.reshape(t, h * dk))

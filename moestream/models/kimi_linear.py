@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..quant import native
+from . import ops
 from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, derived, field, meta_model, positive
 from .kda import HybridCache, KimiDeltaAttention
 from .layers import RMSNorm
@@ -195,7 +197,7 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float |
     without ``linear_beta`` the up half is used as is.
     """
     g, u = gate.float(), up.float()
-    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    a = beta * torch.tanh(g / beta) * ops.sigmoid(g)
     if linear_beta is not None:
         u = linear_beta * torch.tanh(u / linear_beta)
     return (a * u).to(gate.dtype)
@@ -203,6 +205,11 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float |
 
 def situ_expert(x: torch.Tensor, w: dict[str, torch.Tensor], beta: float, linear_beta: float | None) -> torch.Tensor:
     """One SiTU-GLU expert on x [n, L]: ``down(situ(gate x, up x))`` -> [n, L] (nn.Linear orientation)."""
+    if x.device.type == "cpu":  # one call of the compiled kernels (float32 intermediate)
+        y = native.float_expert(x, w["gate"], w["up"], w["down"], "situ",
+                                (beta, float("nan") if linear_beta is None else linear_beta))
+        if y is not None:
+            return y
     return linear(situ(linear(x, w["gate"]), linear(x, w["up"]), beta, linear_beta), w["down"])
 
 
@@ -220,6 +227,12 @@ class GatedMLP(nn.Module):
         self.act, self.beta, self.linear_beta = a.hidden_act, a.activation_situ_beta, a.activation_situ_linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        if x.device.type == "cpu" and all(isinstance(p, nn.Linear) and p.bias is None for p in projs):
+            lb = float("nan") if self.linear_beta is None else self.linear_beta
+            y = native.float_expert(x, *(p.weight for p in projs), self.act, (self.beta, lb))
+            if y is not None:
+                return y
         if self.act == "situ":
             return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -288,11 +301,14 @@ def attn_res(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, 
     if not blocks:
         return prefix
     v = torch.stack([*blocks, prefix], dim=1).float()  # [T, n+1, H]
-    k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+    k = ops.rms_norm(v, norm.weight.float(), norm.eps)
     # a quantized checkpoint may store the query quantized (moestream.quant QuantLinear): its float value
     w = proj.dense_weight() if hasattr(proj, "dense_weight") else proj.weight.float()
-    probs = (k @ w.reshape(-1)).softmax(-1)  # [T, n+1]
-    return (probs[:, None, :] @ v)[:, 0].to(prefix.dtype)
+    probs = ops.linear(k, w.reshape(1, -1))[..., 0].softmax(-1)  # [T, n+1]
+    out = probs[:, 0:1] * v[:, 0]
+    for i in range(1, v.shape[1]):  # the mixture summed over candidates in order
+        out = out + probs[:, i : i + 1] * v[:, i]
+    return out.to(prefix.dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from . import ops
 from .base import CausalLM, DecoderArgs, check_top_k, config_field, derived, field, synth_tensors_of
 from .layers import MLP, DecoderLayer
 from .moe import StreamedMoE
@@ -115,7 +116,7 @@ def laguna_sigmoid_topk(
     logits = logits.float()
     if softcap > 0.0:
         logits = torch.tanh(logits / softcap) * softcap
-    scores = torch.sigmoid(logits)
+    scores = ops.sigmoid(logits)
     _, idx = torch.topk(scores + correction_bias.to(scores.dtype), top_k, dim=-1)
     weights = scores.gather(-1, idx)
     return weights / weights.sum(dim=-1, keepdim=True), idx

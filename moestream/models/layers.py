@@ -1,9 +1,10 @@
 """Layers shared by the model families: RMSNorm, attention with a KV cache, the dense SwiGLU
 MLP and the pre-norm decoder layer (rotary embeddings are in :mod:`moestream.models.rope`).
 
-Activations are 2-D ``[T, hidden]`` tensors for one sequence of ``T`` tokens (one
-sequence at a time; batching is not needed for single-user streaming). The math follows
-the transformers reference implementations named in each docstring.
+Activations are 2-D ``[T, hidden]`` tensors for one sequence of ``T`` tokens. The math follows
+the transformers reference implementations named in each docstring; the arithmetic is
+:mod:`moestream.models.ops`' (on the CPU moestream's compiled kernels, whose bits depend only on
+the values they combine).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, InputError
+from . import ops
+from .ops import attention_mask
 from .rope import apply_rotary
 
 
@@ -33,10 +36,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and x.is_cuda:
             return self.fused(x, self.weight, self.eps)
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class KVCache:
@@ -80,27 +80,17 @@ class KVCache:
         cache, :mod:`moestream.decode_graph`, computes it on the device instead)."""
         return attention_mask(start, t, window, device)
 
+    def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Store ``k``, ``v`` [kv_heads, T, head_dim] at positions ``start..start+T`` (:meth:`update`), then
+        attention of ``q`` [heads, T, head_dim] over the positions each query sees (:func:`ops.attend`):
+        [heads, T, head_dim] in q's dtype."""
+        keys, values = self.update(layer, start, k, v)
+        return ops.attend(q, keys, values, start, scale, window, sinks)
+
     @property
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in filter(None, self.layers))
-
-
-def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:
-    """Boolean mask [t, start+t] (True = attend) for queries at ``start..start+t``.
-
-    Causal, and limited to the last ``window`` positions when ``window`` is set
-    (a query at position i sees keys in (i - window, i], as transformers' sliding
-    window mask). ``None`` when every key may be seen (one query, no window reach).
-    """
-    total = start + t
-    if t == 1 and (window is None or total <= window):
-        return None
-    q = torch.arange(start, total, device=device)[:, None]
-    k = torch.arange(total, device=device)[None, :]
-    mask = k <= q
-    if window is not None:
-        mask &= k > q - window
-    return mask
 
 
 class AttentionProjections(nn.Module):
@@ -165,13 +155,8 @@ class Attention(AttentionProjections):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = kv.update(layer, start, k, v)
-        mask = kv.attention_mask(start, t, self.window, x.device)
-        out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=mask, scale=self.scale,
-            enable_gqa=self.heads != self.kv_heads,
-        )
-        return self.o_proj(out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim))
+        out = kv.attend(layer, start, q, k, v, self.scale, self.window)
+        return self.o_proj(out.transpose(0, 1).reshape(t, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -184,6 +169,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        if x.device.type == "cpu" and all(isinstance(p, nn.Linear) and p.bias is None for p in projs):
+            return ops.gated_mlp(x, *(p.weight for p in projs))  # one call of the compiled kernels
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

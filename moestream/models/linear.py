@@ -1,16 +1,16 @@
-"""Linear layers for bf16 on CPUs without native bf16 arithmetic.
+"""The linear layer of every family: ``nn.Linear`` whose product runs on moestream's compiled kernels on
+the CPU (:func:`moestream.models.ops.linear`).
 
-On a CPU without AVX512-BF16 or AMX (an AVX2 machine, say), PyTorch's bf16 matmul handles
-a ``[T, in]`` input one row at a time: a 512-token prefill through a ``[768, 2048]`` expert
-took 84 ms in bf16 against 14 ms upcast to float32 and rounded back, while a single decode
-row took 0.20 ms in bf16 against 1.5 ms upcast (the weight's conversion dominates)
-(``docs/benchmarks.md``, "bf16 matmuls on an AVX2 CPU"). So from :data:`UPCAST_ROWS` rows
-on, :func:`linear` computes in float32 and rounds the result to bf16 once.
+PyTorch's CPU matmul is not invariant: its BLAS picks code by the operands' alignment and the number of
+rows (a float32 ``x @ w.t()`` of one row gives other bits for 12 of 16 misaligned placements of the same
+``w`` on an AVX2 EPYC), and its bf16 matmul on CPUs without native bf16 handles a many-row input one
+row at a time (84 ms against 14 ms upcast for a 512-token ``[768, 2048]`` expert,
+``docs/benchmarks.md``). The compiled kernels do neither: float32 accumulation of float32, bf16 or fp16
+weights in one fixed reduction per output, and one rounding to the input's dtype.
 
-Which path runs depends only on the input's shape and the machine, never on where an
-expert came from, so every cache budget still gives the same bits; the two paths' bits
-differ from each other (float32 accumulation, one rounding), as any change of matmul shape
-already does in bf16.
+Off the CPU (CUDA), or on the PyTorch path (``MOESTREAM_CPU_KERNELS=torch``, no compiled kernels),
+:func:`linear` is ``F.linear``, except that a bf16 input of at least :data:`UPCAST_ROWS` rows on a CPU
+without native bf16 is computed in float32 and rounded once (the reference path's speed fix above).
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quant import native
+from . import ops
+
 UPCAST_ROWS = 8
-"""Rows (tokens) from which a bf16 matmul on a CPU without native bf16 runs in float32.
+"""Rows (tokens) from which a bf16 matmul on the PyTorch path on a CPU without native bf16 runs in float32.
 
 Measured on the development machine (AVX2): 4 rows 0.69 ms bf16 / 1.25 ms upcast, 8 rows
 1.64 / 1.31 ms, 32 rows 5.5 / 2.0 ms, for ``[T, 2048] x [2048, 768]``."""
@@ -36,14 +39,10 @@ def native_bf16() -> bool:
 
 
 UPCAST = not native_bf16()
-"""Whether :func:`linear` upcasts wide bf16 matmuls on the CPU (decided once, from the hardware)."""
+"""Whether :func:`linear` upcasts wide bf16 matmuls on the PyTorch path (decided once, from the hardware)."""
 
 CHUNK_ELEMENTS = 4 * 1024 * 1024
-"""Weight elements upcast at a time (16 MB of float32 scratch per computing thread).
-
-A weight is upcast into a reused buffer, ``CHUNK_ELEMENTS`` at a time (whole output rows):
-converting into fresh memory cost 2.0 ms per ``[768, 2048]`` expert matrix against 0.48 ms
-into a reused one, the rest being page faults."""
+"""Weight elements upcast at a time on the PyTorch path (16 MB of float32 scratch per computing thread)."""
 
 _scratch = threading.local()
 
@@ -58,11 +57,7 @@ def _buffer(n: int) -> torch.Tensor:
 
 
 def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` in float32 over ``weight`` upcast a chunk of output rows at a time; [..., out] bf16.
-
-    The chunks split the output features only (each output is one dot product over all of
-    ``in``), and their boundaries depend only on the weight's shape.
-    """
+    """``F.linear`` in float32 over ``weight`` upcast a chunk of output rows at a time; [..., out] bf16."""
     out_f, in_f = weight.shape
     rows = max(1, CHUNK_ELEMENTS // in_f)
     xf = x.float()
@@ -75,31 +70,29 @@ def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y.to(torch.bfloat16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: ``x`` [..., in] times ``weight`` [out, in] (+ ``bias`` [out]).
-
-    For a bf16 ``x`` on a CPU without native bf16 (:data:`UPCAST`) and at least
-    :data:`UPCAST_ROWS` rows, computed in float32 (input, weight and bias upcast, the
-    weight through a reused per-thread buffer, :data:`CHUNK_ELEMENTS` at a time) and rounded
-    to bf16 once. Returns [..., out] in ``x``'s dtype.
-    """
-    if (
-        UPCAST
-        and x.dtype is torch.bfloat16
-        and x.device.type == "cpu"
-        and x.dim() >= 2
-        and x.numel() >= UPCAST_ROWS * x.shape[-1]
-        and weight.dtype is torch.bfloat16
-    ):
-        return _upcast_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: ``x`` [..., in] times ``weight`` [out, in] (+ ``bias`` [out]) -> [..., out]
+    in ``x``'s dtype: the compiled kernels on the CPU (``spec``: the weight's kernel view made before),
+    else ``F.linear`` (module docstring)."""
+    if x.device.type == "cpu":
+        y = native.float_linear(x, weight, bias, spec=spec)
+        if y is not None:
+            return y
+        if (UPCAST and x.dtype is torch.bfloat16 and x.dim() >= 2 and x.numel() >= UPCAST_ROWS * x.shape[-1]
+                and weight.dtype is torch.bfloat16):
+            return _upcast_linear(x, weight, bias)
+    return ops.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose forward is :func:`linear` (same parameters and state dict names)."""
+    """``nn.Linear`` whose forward is :func:`linear` (same parameters and state dict names); on the CPU the
+    weight's kernel view is made once and kept until the weight changes."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        spec = None
+        if x.device.type == "cpu" and self.weight.device.type == "cpu":
+            spec = native.spec_of(self.weight, lambda w: native.float_spec(w, self.bias))
+        return linear(x, self.weight, self.bias, spec)
 
 
 def use_fast_linear(model: nn.Module) -> int:

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..quant import native
+from . import ops
 from .layers import KVCache, RMSNorm, attention_mask
 from .rope import apply_rotary, apply_rotary_interleaved
 
@@ -139,14 +141,36 @@ class MLAttention(nn.Module):
             rotate = apply_rotary_interleaved if self.rope == "interleaved" else apply_rotary
             q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[None], cos, sin)[0]
         latents, k_rots = kv.update(layer, start, latent[None], k_rot[None].contiguous())
-        latents, k_rots = latents[0], k_rots[0]  # [S, rank], [S, rope]
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        if x.device.type == "cpu" and native.selected() != "torch" and not hasattr(self.kv_b_proj, "dense_weight"):
+            out = self._attend_cpu(q_nope, q_rot, w, latents, k_rots, x, q_resid, cos, sin, kv, layer, start)
+        else:
+            out = self._attend_torch(q_nope, q_rot, w, latents[0], k_rots[0], x, q_resid, cos, sin, kv, layer, start)
+        if self.output_gate:
+            out = out * ops.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+    def _attend_cpu(self, q_nope, q_rot, w, latents, k_rots, x, q_resid, cos, sin, kv, layer, start) -> torch.Tensor:
+        """The absorbed attention on the compiled kernels: per head ``q_nope W_uk`` (a linear over the stored
+        ``kv_b_proj`` rows), attention over [latent, rotary key] with the latent as the value, then ``W_uv``;
+        [T, heads * v]."""
+        t = x.shape[0]
+        q_abs = torch.stack([ops.matmul_t(q_nope[h], w[h, : self.nope]) for h in range(self.heads)])  # [h, T, rank]
+        q = torch.cat([q_abs, q_rot], dim=-1) if self.rope_dim else q_abs
+        # the keys a query may see besides causality (the kernel applies causality itself): None for all
+        mask = self.key_mask(x, q_resid, cos, sin, kv, layer, start, attention_mask(start, t, None, x.device))
+        att = ops.attend(q, latents, latents, start, self.scale, mask=mask,
+                         keys2=k_rots if self.rope_dim else None)  # [h, T, rank] in q's dtype
+        out = torch.stack([ops.linear(att[h], w[h, self.nope :]) for h in range(self.heads)])  # [h, T, v]
+        return out.transpose(0, 1).reshape(t, self.heads * self.v_dim)
+
+    def _attend_torch(self, q_nope, q_rot, w, latents, k_rots, x, q_resid, cos, sin, kv, layer, start
+                      ) -> torch.Tensor:
+        """The absorbed attention in PyTorch (off the CPU kernels); [T, heads * v]."""
+        t = x.shape[0]
         mask = self.key_mask(x, q_resid, cos, sin, kv, layer, start, attention_mask(start, t, None, x.device))
         # heads in blocks, so the [heads, T, S] scores stay under SCORE_ELEMENTS (long prefill chunks)
         step = max(1, SCORE_ELEMENTS // max(1, t * latents.shape[0]))
         out = torch.cat([self._attend(q_nope[h : h + step], q_rot[h : h + step], w[h : h + step], latents, k_rots,
                                       mask, x.dtype) for h in range(0, self.heads, step)])
-        out = out.transpose(0, 1).reshape(t, self.heads * self.v_dim)
-        if self.output_gate:
-            out = out * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(out)
+        return out.transpose(0, 1).reshape(t, self.heads * self.v_dim)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..pipeline import ExpertFn
-from .linear import linear
+from ..quant import native
+from . import ops
 
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -38,10 +39,10 @@ def swiglu_expert(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """One SwiGLU expert on ``x`` [n, H]: ``down(silu(gate x) * up x)`` -> [n, H].
 
     ``w`` holds ``gate`` and ``up`` [I, H] and ``down`` [H, I] (nn.Linear orientation).
-    Matmuls through :func:`moestream.models.linear.linear` (float32 for wide bf16 inputs on
-    CPUs without native bf16).
+    On the CPU one call of the compiled kernels (:func:`moestream.models.ops.gated_mlp`: the
+    bits depend only on x's row and the weights, wherever the store put them).
     """
-    return linear(F.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
+    return ops.gated_mlp(x, w["gate"], w["up"], w["down"])
 
 
 class StreamedMoE(nn.Module):
@@ -145,7 +146,7 @@ def sigmoid_group_topk(
     Returns ``(weights [T, K] float32, indices [T, K] int64)``, in descending order of the
     biased score.
     """
-    scores = logits.float().sigmoid()
+    scores = ops.sigmoid(logits.float())
     choice = scores if bias is None else scores + bias.float()
     if topk_group < n_group:
         choice = choice.masked_fill(~_group_mask(choice, n_group, topk_group, "top2_sum"), float("-inf"))
@@ -182,4 +183,8 @@ class Float32Router(nn.Linear):
     transformers' DeepSeek and GLM-4.5 routers; [T, H] -> [T, E] float32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            y = native.float_linear(x, self.weight, out_dtype=torch.float32)
+            if y is not None:
+                return y
         return F.linear(x.float(), self.weight.float())

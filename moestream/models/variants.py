@@ -9,9 +9,9 @@ rotary, sliding window, biases. Activations are ``[T, hidden]`` for one sequence
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from . import ops
 from .layers import AttentionProjections, KVCache, RMSNorm, attention_mask
 from .rope import apply_rotary
 
@@ -90,18 +90,14 @@ class VariantAttention(AttentionProjections):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.qk_norm == "head" and self.norm_after_rope:  # HunYuan normalizes the rotated q and k
             q, k = q_norm(q), k_norm(k)
-        keys, values = kv.update(layer, start, k, v)
-        mask = attention_mask(start, t, self.window, x.device)
-        if self.sinks is None:
-            out = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask, scale=self.scale,
-                enable_gqa=self.heads != self.kv_heads,
-            )[0]
+        if x.device.type == "cpu" or self.sinks is None:  # the compiled kernel takes the sinks on the CPU
+            out = kv.attend(layer, start, q, k, v, self.scale, self.window, self.sinks)
         else:
-            out = self._sink_attention(q, keys, values, mask)
+            keys, values = kv.update(layer, start, k, v)
+            out = self._sink_attention(q, keys, values, attention_mask(start, t, self.window, x.device))
         out = out.transpose(0, 1).reshape(t, self.heads * self.head_dim)
         if self.gate is not None:
-            g = F.softplus(self.g_proj(x).float()).to(out.dtype)
+            g = ops.softplus(self.g_proj(x).float()).to(out.dtype)
             if self.gate == "per-head":
                 out = (out.view(t, self.heads, self.head_dim) * g[..., None]).view(t, -1)
             else:

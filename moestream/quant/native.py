@@ -1,31 +1,38 @@
-"""moestream's compiled CPU kernels: quantized linears and gated experts on the stored bytes.
+"""moestream's compiled CPU kernels: every linear of a token (quantized or float), the gated expert, and
+the rest of the token's arithmetic (attention over the KV cache, RMSNorm, activations).
 
 ``csrc/`` (``kernels.h`` describes it) computes ``y = x W^T`` with ``W`` [out, in] in its stored form --
 MLX affine (2, 3, 4, 5, 6, 8 bits; bf16, fp16 or float32 scales and biases), FP8 e4m3 with
 block, per-channel or per-tensor scales, MXFP4 (gpt-oss and compressed-tensors bytes),
-turboquant codebooks and ggml blocks of GGUF files (Q4_0-Q8_0, Q2_K-Q6_K, IQ1_S-IQ4_XS, MXFP4, TQ1_0,
-TQ2_0) --
-straight from the tensors the expert store read: nothing is
-repacked per read. Each weight is dequantized in a float32 register and multiplied into
-float32 accumulators (FMA); activations are never quantized. Threads split the output rows,
-never the reduction, and each output's reduction order is fixed (see the source's header),
-so a result depends only on its inputs, the same bits every run and for any thread count
-or number of tokens beside it: a cached and a just-read expert compute the same bits.
+turboquant codebooks, ggml blocks of GGUF files (Q4_0-Q8_0, Q2_K-Q6_K, IQ1_S-IQ4_XS, MXFP4, TQ1_0,
+TQ2_0) and float32/bf16/fp16 weights (also stored input-major, ``x @ W``) -- straight from the tensors the
+expert store read: nothing is repacked per read. Each weight is dequantized in a float32 register and
+multiplied into float32 accumulators (FMA); activations are never quantized.
+
+**One reduction.** Every output (row, token) is one 16-lane accumulator fed vector by vector in order and
+summed by one fixed tree (``kernels.h``), on every compiled path (AVX-512, AVX2 as two 8-lane halves, the
+portable C++): threads split the output rows, never a reduction, so a result depends only on its inputs --
+the same bits every run, for any thread count, any number of tokens beside it, any address of the
+operands, on every path of one CPU and across CPUs. The attention kernel (:func:`attention`) reduces each
+query over its visible positions in position order, so its bits do not depend on the KV cache's capacity
+or how a prompt was split into chunks; :func:`rms_norm` and :func:`activation` likewise per row and per
+element, with the canonical ``exp`` (``exp_c``: fma steps only, so the same bits everywhere).
 
 Paths (``paths()``): ``avx512`` (AVX-512 F/BW/VL/VBMI), ``avx2`` (AVX2 + FMA + F16C) and
-``portable`` (plain C++, auto-vectorized; compiles anywhere, ARM64 included). The build
-targets the machine it runs on (``-march=native``) and is cached under
-``~/.cache/moestream/cpu-kernels/<key>`` (or ``$MOESTREAM_KERNEL_CACHE``), the key a hash of
-the sources, flags, compiler and the CPU's model and flags, so a build is never used on a CPU
-it was not made for.
-It is a plain C library (no PyTorch headers: the five files compile in parallel, a minute or a
-few) called through :mod:`ctypes`, which releases the GIL while it computes; output rows
-are split over OpenMP threads of the runtime PyTorch loaded, so ``torch.set_num_threads``
-applies. The first use builds it (said on stderr); ``make setup`` builds it ahead.
+``portable`` (plain C++; compiles anywhere, ARM64 included). The build targets the machine it runs on
+(``-march=native``) and is cached under ``~/.cache/moestream/cpu-kernels/<key>`` (or
+``$MOESTREAM_KERNEL_CACHE``), the key a hash of the sources, flags, compiler and the CPU's model and
+flags, so a build is never used on a CPU it was not made for. It is a plain C library (no PyTorch
+headers) in translation units by path and format group, compiled as many at a time as the machine has
+cores (a line per unit on stderr), called through :mod:`ctypes`, which releases the GIL while it
+computes; output rows are split over OpenMP threads of the runtime PyTorch loaded, so
+``torch.set_num_threads`` applies. The first use builds it (said on stderr); ``make setup`` builds it
+ahead.
 
 Selection: ``MOESTREAM_CPU_KERNELS`` = ``auto`` (default: the best compiled path),
 ``avx512``, ``avx2``, ``portable``, or ``torch`` (the PyTorch path of
-:mod:`.kernels`, the reference). Without a compiler, or when the build fails, moestream
+:mod:`.kernels`, the reference; its float linears and attention are PyTorch's own, whose bits depend on
+the shapes and the thread count). Without a compiler, or when the build fails, moestream
 runs on the PyTorch path and says so once on stderr.
 """
 
@@ -48,17 +55,20 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 from . import fp8, ggml, mxfp4
 from .hadamard import block_size, sloane_matrix
 
 ENV = "MOESTREAM_CPU_KERNELS"
 CHOICES = ("auto", "avx512", "avx2", "portable", "torch")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("capi.cpp", "portable.cpp", "portable_gx.cpp", "avx2.cpp", "avx512.cpp")
+# the slowest first, so a build with few cores ends sooner
+SOURCES = ("portable_g.cpp", "portable_q.cpp", "portable_x.cpp", "avx512_g.cpp", "avx2_g.cpp", "avx512_q.cpp",
+           "avx2_q.cpp", "avx512_x.cpp", "avx2_x.cpp", "capi.cpp", "ops.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off"]
 LIBRARY = "libmoestream_cpu.so"
 # kinds and the spec layout of csrc/capi.cpp (make_lin)
-AFFINE, FP8, MXFP4, CODEBOOK, GGML = 0, 1, 2, 3, 4
+AFFINE, FP8, MXFP4, CODEBOOK, GGML, FLOAT, FLOAT_T = 0, 1, 2, 3, 4, 5, 6
 # ggml block types (csrc/kernels.h GgmlType) and the weights sharing one scale the kernels decode at a time
 GGML_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, "Q3_K": 6, "Q4_K": 7, "Q5_K": 8,
               "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "MXFP4": 12, "IQ2_XXS": 13, "IQ2_XS": 14, "IQ2_S": 15,
@@ -72,6 +82,10 @@ _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _PATH_CODE = {"portable": 0, "avx2": 1, "avx512": 2}
 _PATH_BITS = (("portable", 1), ("avx2", 2), ("avx512", 4))
 _FP4 = torch.tensor(mxfp4.FP4_VALUES, dtype=torch.float32)  # the e2m1 values, the kernels' table
+
+class KernelChoiceError(ConfigError, ValueError):
+    """``MOESTREAM_CPU_KERNELS`` names no path."""
+
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "error": None}
@@ -136,31 +150,47 @@ def cache_dir() -> Path:
     return Path(root) / build_key()
 
 
-def _compile(cxx: str, out: Path, openmp: bool) -> None:
-    """Compile the sources in parallel into ``out``; RuntimeError with the compiler's first error line."""
+def _compile(cxx: str, out: Path, openmp: bool, say=None) -> None:
+    """Compile the sources, as many at a time as there are cores, into ``out``; a line per unit to ``say``;
+    RuntimeError with the compiler's first error line."""
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
     try:
         omp = ["-fopenmp"] if openmp else []
-        procs = []
-        for src in SOURCES:
-            obj = tmp / (Path(src).stem + ".o")
-            cmd = [cxx, *FLAGS, *_arch_flags(), *omp, "-c", str(CSRC / src), "-o", str(obj)]
-            procs.append((obj, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
-        errors = []
-        for _, p in procs:
-            _, err = p.communicate()
-            if p.returncode:
+        jobs = max(1, min(len(SOURCES), os.cpu_count() or 1))
+        todo, running, objs, errors, finished = list(SOURCES), [], [], [], 0
+        t0 = time.perf_counter()
+        while todo or running:
+            while todo and len(running) < jobs and not errors:
+                src = todo.pop(0)
+                obj = tmp / (Path(src).stem + ".o")
+                cmd = [cxx, *FLAGS, *_arch_flags(), *omp, "-c", str(CSRC / src), "-o", str(obj)]
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                running.append((src, obj, proc, time.perf_counter()))
+                objs.append(obj)
+            if errors and not running:
+                break
+            src, obj, proc, started = running.pop(0)
+            _, err = proc.communicate()
+            if proc.returncode:
                 errors.append(next((ln for ln in err.splitlines() if "error" in ln), err.strip()[-300:]))
+            elif say is not None:
+                finished += 1
+                say(f"moestream: [{finished}/{len(SOURCES)}] {src} compiled in {time.perf_counter() - started:.0f} s "
+                    f"({time.perf_counter() - t0:.0f} s so far)")
         if errors:
             raise RuntimeError(f"{cxx} failed: {errors[0]}")
         lib = tmp / LIBRARY
-        link = subprocess.run([cxx, "-shared", *omp, *(str(o) for o, _ in procs), "-o", str(lib)],
+        link = subprocess.run([cxx, "-shared", *omp, *(str(o) for o in objs), "-o", str(lib)],
                               capture_output=True, text=True)
         if link.returncode:
             raise RuntimeError(f"{cxx} failed to link: {link.stderr.strip()[-300:]}")
         os.replace(lib, out)  # atomic: a concurrent build leaves one whole library
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _load() -> ctypes.CDLL:
@@ -172,15 +202,16 @@ def _load() -> ctypes.CDLL:
         cxx = _compiler()
         if cxx is None:
             raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++, g++ or clang++'}) found")
-        print(f"moestream: building the CPU kernels for this CPU once (a minute or a few), into {where}",
-              file=sys.stderr, flush=True)
+        jobs = max(1, min(len(SOURCES), os.cpu_count() or 1))
+        print(f"moestream: building the CPU kernels for this CPU once ({len(SOURCES)} units, {jobs} at a time), "
+              f"into {where}", file=sys.stderr, flush=True)
         where.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         try:
-            _compile(cxx, lib, openmp=True)
+            _compile(cxx, lib, openmp=True, say=_say)
         except RuntimeError as first:
             try:  # a compiler without OpenMP (Apple clang): one thread per linear
-                _compile(cxx, lib, openmp=False)
+                _compile(cxx, lib, openmp=False, say=_say)
             except RuntimeError:
                 failed.write_text(str(first))
                 raise first from None
@@ -192,6 +223,12 @@ def _load() -> ctypes.CDLL:
     dll.ms_linear.argtypes = args
     dll.ms_rotate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     dll.ms_expert.argtypes = args + [ctypes.c_int, ctypes.c_void_p]
+    dll.ms_attention.restype = dll.ms_rmsnorm.restype = dll.ms_act.restype = ctypes.c_int
+    dll.ms_delta_rule.restype = ctypes.c_int
+    dll.ms_attention.argtypes = dll.ms_rmsnorm.argtypes = dll.ms_delta_rule.argtypes = [ctypes.c_void_p,
+                                                                                         ctypes.c_void_p]
+    dll.ms_act.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                           ctypes.c_float]
     return dll
 
 
@@ -227,11 +264,12 @@ def selected() -> str:
     fastest compiled path). A named path not compiled here falls back to ``torch``.
 
     Raises:
-        ValueError: ``MOESTREAM_CPU_KERNELS`` is not one of :data:`CHOICES`.
+        ConfigError: ``MOESTREAM_CPU_KERNELS`` is not one of :data:`CHOICES` (a ``ValueError`` too).
     """
     want = _forced[-1] if _forced else (os.environ.get(ENV, "auto").strip().lower() or "auto")
     if want not in CHOICES:
-        raise ValueError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
+        raise KernelChoiceError(f"environment variable {ENV}={os.environ.get(ENV)!r}: expected one of "
+                                f"{', '.join(CHOICES)}")
     if want == "torch":
         return "torch"
     have = paths()
@@ -545,7 +583,237 @@ def linear(x: torch.Tensor, t: dict[str, torch.Tensor], lf, out_dtype: torch.dty
     return _call(library().ms_linear, p, [spec], x, spec.out, out_dtype)
 
 
-ACTIVATIONS = ("silu", "situ")
+def float_spec(w: torch.Tensor, bias: torch.Tensor | None = None, transposed: bool = False) -> Spec | None:
+    """The kernels' view of a float weight (float32, bf16 or fp16 on the CPU, rows contiguous), or None.
+
+    ``w`` [out, in] (``y = x w^T``, ``nn.Linear``'s orientation), or with ``transposed`` [in, out] (``y = x @ w``,
+    gpt-oss's experts); rows may lie at any stride (a view of a larger tensor). ``bias`` [out] is added to the
+    product in float32 (kept as float32 with the spec).
+    """
+    if w.device.type != "cpu" or w.dtype not in _DT or w.dim() != 2 or w.stride(1) != 1 or w.shape[0] == 0 \
+            or w.shape[1] == 0:
+        return None
+    es = w.element_size()
+    inn, out = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
+    row_bytes = (w.stride(0) if w.shape[0] > 1 else w.shape[1]) * es
+    ob = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    if ob is not None and ob.numel() != out:
+        raise ValueError(f"moestream kernels: bias of {ob.numel()} for a linear of {out} outputs")
+    fields = [FLOAT_T if transposed else FLOAT, _DT[w.dtype], 16, 1, out, inn, 0, 1, 0, row_bytes]
+    fields += [0] * (SPEC - len(fields))
+    return Spec(fields, [w, None, None, None, None, None, ob])
+
+
+def spec_of(t: torch.Tensor, make):
+    """``make(t)`` kept on the tensor until it changes (resident weights: the spec is built once)."""
+    try:
+        version = t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version: never changed in place
+        version = 0
+    got = getattr(t, "_moestream_spec", None)
+    if got is None or got[0] != version or got[1] != t.data_ptr():
+        got = (version, t.data_ptr(), make(t))
+        t._moestream_spec = got
+    return got[2]
+
+
+def float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None, transposed: bool = False, spec: Spec | None = None
+                 ) -> torch.Tensor | None:
+    """``x`` [..., in] times a float weight: ``x w^T`` for ``w`` [out, in] (``x @ w`` for ``transposed``
+    ``w`` [in, out]), plus ``bias``: [..., out] in ``out_dtype`` (default x.dtype), float32 accumulation and
+    one rounding. The kernels' one reduction (module docstring): its bits depend only on ``x``'s row and
+    ``w``. None on the PyTorch path, or when the kernels do not cover the tensors (device, dtype, layout).
+    ``spec``: :func:`float_spec` of ``w`` and ``bias`` made before (a resident weight's, reused).
+    """
+    if x.device.type != "cpu" or x.dtype not in _DT or x.dim() < 1:
+        return None
+    p = selected()
+    if p == "torch":
+        return None
+    if spec is None:
+        spec = float_spec(w, bias, transposed)
+        if spec is None:
+            return None
+    x2 = x.reshape(-1, x.shape[-1])
+    _check(x2.shape[1] == spec.inn, f"linear: input has {x2.shape[1]} features, the weight takes {spec.inn}")
+    y = _call(library().ms_linear, p, [spec], x2, spec.out, out_dtype)
+    return y.view(*x.shape[:-1], spec.out)
+
+
+def float_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str = "silu",
+                 params: tuple[float, float] = (1.0, float("nan")), specs=None, out_dtype: torch.dtype | None = None,
+                 biases: tuple | None = None) -> torch.Tensor | None:
+    """A gated expert on float weights in one call: ``down(act(gate x, up x))`` for ``x`` [n, H], gate and up
+    [I, H], down [H, I] (any of float32, bf16, fp16): [n, H] in ``out_dtype`` (x.dtype). ``act`` and ``params``
+    as :func:`expert` (``silu``; ``situ`` with (beta, linear_beta); ``clamped`` with (alpha, limit)); the
+    intermediate stays float32. ``specs``: (gate, up, down) :func:`float_spec` views made before; ``biases``:
+    (gate, up, down) biases added to each product (gpt-oss), or None. None on the PyTorch path or when the
+    kernels do not cover the tensors."""
+    p = _ready(x)
+    if p is None:
+        return None
+    if specs is None:
+        b = biases or (None, None, None)
+        specs = (float_spec(gate, b[0]), float_spec(up, b[1]), float_spec(down, b[2]))
+    g, u, d = specs
+    if g is None or u is None or d is None:
+        return None
+    _check(x.shape[1] == g.inn == u.inn and g.out == u.out == d.inn,
+           f"input [{x.shape[1]}], gate [{g.out}, {g.inn}], up [{u.out}, {u.inn}] and down [{d.out}, {d.inn}] "
+           "do not chain")
+    cp = (ctypes.c_float * 2)(*params)
+    return _call(library().ms_expert, p, [g, u, d], x, d.out, out_dtype, ACTIVATIONS.index(act), cp)
+
+
+def _bits(f: float) -> int:
+    return int(torch.tensor(f, dtype=torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+              window: int | None = None, k2: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Softmax attention of queries over one sequence's cached keys and values (CPU, float32 out).
+
+    Args:
+        q: [T, Hq, D] queries at positions ``start .. start+T-1`` (any float dtype; D = D1 + D2 with ``k2``).
+        k: [Hkv, S, D1] keys of cached positions 0..S-1 (float32, bf16 or fp16; any head and position strides,
+            each position's D1 values contiguous); ``k2`` [Hkv, S, D2]: a second part of the keys (MLA's rotary
+            part), or None.
+        v: [Hkv, S, Dv] values, k's dtype (may be a view of ``k``: MLA's latents).
+        start: the position of the first query; scale: the softmax scale.
+        window: a query at position p sees positions above p - window only (sliding window), or None.
+        sinks: [Hq] float32 sink logits that join each softmax's denominator (gpt-oss), or None.
+        mask: bool [T, S], True = may attend (DeepSeek-V3.2's selected keys), or None.
+
+    Returns:
+        [T, Hq, Dv] float32: per query, ``sum_j e_j v_j / (sum_j e_j + e_sink)`` over its visible positions
+        j <= p in position order, ``e_j = exp(s_j - m)``, ``s_j = (q . k_j) * scale`` (the kernels' one
+        reduction over D1 then D2), m the largest score (or sink). Its bits depend only on the query, the
+        visible keys and values and their positions: never on S beyond them (the cache's capacity), how many
+        queries are in the call, or the thread count. None on the PyTorch path.
+
+    Raises:
+        ValueError: shapes or dtypes that disagree (named).
+    """
+    p = selected()
+    if p == "torch" or q.device.type != "cpu":
+        return None
+    T, hq, d = q.shape
+    hkv, n_keys, d1 = k.shape
+    d2 = 0 if k2 is None else k2.shape[2]
+    dv = v.shape[2]
+    kvs = [t for t in (k, k2, v) if t is not None]
+    _check(d == d1 + d2 and hq % hkv == 0 and all(t.dtype == k.dtype and t.stride(2) == 1 and t.shape[1] == n_keys
+                                                 and t.shape[0] == hkv for t in kvs) and k.dtype in _DT,
+           f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} ({k.dtype}) do not fit")
+    qf = q.float().contiguous()
+    out = torch.empty(T, hq, dv, dtype=torch.float32)
+    sk = None if sinks is None else sinks.detach().float().contiguous()
+    mk = None if mask is None else mask.to(torch.uint8).contiguous()
+    if mk is not None:
+        _check(tuple(mk.shape) == (T, n_keys), f"attention: mask {list(mk.shape)} is not [{T}, {n_keys}]")
+    k2s = (0, 0) if k2 is None else (k2.stride(0), k2.stride(1))
+    a = [T, hq, hkv, d1, d2, dv, _DT[k.dtype], start, window or 0, n_keys, k.stride(0), k.stride(1), *k2s,
+         v.stride(0), v.stride(1), _bits(scale), qf.stride(0), qf.stride(1), out.stride(0), out.stride(1),
+         0 if mk is None else mk.stride(0)]
+    ptrs = [qf.data_ptr(), k.data_ptr(), 0 if k2 is None else k2.data_ptr(), v.data_ptr(),
+            0 if sk is None else sk.data_ptr(), out.data_ptr(), 0 if mk is None else mk.data_ptr()]
+    rc = library().ms_attention((ctypes.c_int64 * len(a))(*a), (ctypes.c_void_p * len(ptrs))(*ptrs))
+    _check(rc == 0, "attention: bad arguments")
+    return out
+
+
+NORM_MODES = {"weight": 0, "one_plus": 1, "none": 2, "l2": 3, "weight_f32": 4}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, mode: str = "weight") -> torch.Tensor | None:
+    """RMSNorm of ``x`` [..., d] per row (CPU): ``r = 1 / sqrt(mean(x^2) + eps)`` by the kernels' one
+    reduction, then ``weight * (x r).to(x.dtype)`` (mode ``weight``, transformers' ``Qwen3MoeRMSNorm``; the
+    result in the promoted dtype of the two), ``(x r (1 + weight)).to(x.dtype)`` in float32 (``one_plus``:
+    ``Qwen3NextRMSNorm``) or ``(x r).to(x.dtype)`` (``none``); ``l2``: ``x / sqrt(sum(x^2) + eps)`` (as
+    ``x r`` with ``r = 1 / sqrt(sum(x^2) + eps)``); ``weight_f32``: ``(weight * x r).to(x.dtype)`` in float32
+    (gpt-oss's). None on the PyTorch path or when not covered.
+    """
+    p = selected()
+    if p == "torch" or x.device.type != "cpu" or x.dtype not in _DT or x.shape[-1] == 0:
+        return None
+    if weight is not None and (weight.dtype not in _DT or weight.device.type != "cpu"):
+        return None
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    w = None if weight is None else weight.detach().contiguous()
+    if mode == "weight":
+        out_dt = torch.promote_types(w.dtype, x.dtype)
+    else:
+        out_dt = x.dtype
+    out = torch.empty(x2.shape[0], d, dtype=out_dt)
+    a = [x2.shape[0], d, _DT[x.dtype], _DT[w.dtype] if w is not None else 0, _DT[out_dt], NORM_MODES[mode],
+         x2.stride(0), out.stride(0), _bits(eps)]
+    ptrs = [x2.data_ptr(), 0 if w is None else w.data_ptr(), out.data_ptr()]
+    rc = library().ms_rmsnorm((ctypes.c_int64 * len(a))(*a), (ctypes.c_void_p * len(ptrs))(*ptrs))
+    _check(rc == 0, "rms_norm: bad arguments")
+    return out.view(*x.shape[:-1], d)
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The delta rule one token at a time (Gated DeltaNet: ``g`` [T, H]; KDA: per key channel, ``g`` [T, H, Dk]):
+    ``S = S exp(g); S += k (beta (v - S^T k))^T; o = S^T q`` per head (Yang, Kautz & Hatamizadeh 2024,
+    arXiv:2412.06464), in float32 with each ``S^T y`` summed over the key channels in order.
+
+    Args:
+        q, k: [T, H, Dk]; v: [T, H, Dv]; g: [T, H] or [T, H, Dk] log decays; beta: [T, H] (float32 or any
+            float, used as float32); state: [H, Dk, Dv] before the first token.
+
+    Returns:
+        (o [T, H, Dv], the state after the last token [H, Dk, Dv]), float32; None on the PyTorch path. The
+        same bits whether the tokens come in one call or several.
+    """
+    p = selected()
+    if p == "torch" or q.device.type != "cpu":
+        return None
+    t, h, dk = q.shape
+    dv = v.shape[2]
+    per_channel = g.dim() == 3
+    qf, kf, vf, gf, bf = (x.float().contiguous() for x in (q, k, v, g, beta))
+    _check(tuple(kf.shape) == (t, h, dk) and tuple(vf.shape) == (t, h, dv) and tuple(bf.shape) == (t, h)
+           and tuple(gf.shape) == ((t, h, dk) if per_channel else (t, h)) and tuple(state.shape) == (h, dk, dv),
+           f"delta rule: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, g {list(g.shape)}, beta "
+           f"{list(beta.shape)}, state {list(state.shape)} do not fit")
+    st = state.float().contiguous().clone()
+    out = torch.empty(t, h, dv, dtype=torch.float32)
+    a = [t, h, dk, dv, int(per_channel)]
+    ptrs = [qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), gf.data_ptr(), bf.data_ptr(), st.data_ptr(), out.data_ptr()]
+    rc = library().ms_delta_rule((ctypes.c_int64 * len(a))(*a), (ctypes.c_void_p * len(ptrs))(*ptrs))
+    _check(rc == 0, "delta rule: bad arguments")
+    return out, st
+
+
+_ACTS = {"silu": 0, "sigmoid": 1, "softplus": 2, "exp": 3}
+
+
+def activation(name: str, x: torch.Tensor, threshold: float = 20.0, out_dtype: torch.dtype | None = None
+               ) -> torch.Tensor | None:
+    """An elementwise activation of ``x`` (CPU; any shape; float32, bf16 or fp16) computed in float32 with
+    the canonical ``exp`` and rounded once to ``out_dtype`` (default x.dtype): ``silu`` x / (1 + e^-x),
+    ``sigmoid`` 1 / (1 + e^-x), ``softplus`` (x above ``threshold``: x, else log1p(e^x)), ``exp``. Each value
+    depends only on its input (PyTorch's own vectorized and scalar loops give different bits, so the same
+    value could come out otherwise at another position or thread count). None on the PyTorch path."""
+    p = selected()
+    if p == "torch" or x.device.type != "cpu" or x.dtype not in _DT:
+        return None
+    xc = x.contiguous()
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype)
+    rc = library().ms_act(_ACTS[name], xc.numel(), _DT[x.dtype], xc.data_ptr(), _DT[out.dtype], out.data_ptr(),
+                          threshold)
+    _check(rc == 0, f"activation {name}: bad arguments")
+    return out
+
+
+ACTIVATIONS = ("silu", "situ", "clamped")
 
 
 def expert(x: torch.Tensor, t: dict[str, torch.Tensor], fmt, act: str = "silu", beta: float = 1.0,

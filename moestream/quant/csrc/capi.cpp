@@ -1,8 +1,12 @@
-// The C entry points of moestream's CPU kernels (called through ctypes from
-// moestream/quant/native.py, which checks every shape first): a linear, the fused SwiGLU
-// expert, and the compiled paths. Output rows are split over OpenMP threads (the runtime
-// PyTorch loaded, so torch.set_num_threads applies), never the reduction.
-#include "kernels.h"
+// The C entry points of moestream's CPU kernels (called through ctypes from moestream/quant/native.py,
+// which checks every shape first): a linear, the gated expert, the compiled paths. Output rows are split
+// over OpenMP threads (the runtime PyTorch loaded, so torch.set_num_threads applies), never a reduction.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "engine.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -85,54 +89,74 @@ static void rotate(const Lin& L, const float* x, int64_t n, float* out) {
   }
 }
 
-using RowsFn = bool (*)(const Lin&, const float*, int64_t, int64_t, int64_t, float*, int64_t);
 
-static RowsFn rows_fn(int path) {
-  switch (path) {
-    case AVX512: return MS_AVX512 ? rows_avx512 : nullptr;
-    case AVX2: return MS_AVX2 ? rows_avx2 : nullptr;
-    case PORTABLE: return rows_portable;
-    default: return nullptr;
-  }
+// The function computing L's rows on `path`, or nullptr when that path is not compiled.
+static RowsFn rows_fn(int path, const Lin& L) {
+  const int grp = L.kind != GGML ? 0 : (L.bits >= G_MXFP4 ? 2 : 1);
+  static const RowsFn table[3][3] = {
+      {rows_portable_q, rows_portable_g, rows_portable_x},
+      {rows_avx2_q, rows_avx2_g, rows_avx2_x},
+      {rows_avx512_q, rows_avx512_g, rows_avx512_x},
+  };
+  if (path < 0 || path > 2) return nullptr;
+  if (path == AVX512 && !MS_AVX512) return nullptr;
+  if (path == AVX2 && !MS_AVX2) return nullptr;
+  return table[path][grp];
 }
 
-// y [n, ldy] columns 0..L.out-1 for x [n, L.in]: row blocks of RB split over threads.
-static void run_linear(RowsFn fn, const Lin& L, const float* x, int64_t n, float* y, int64_t ldy) {
-  const int64_t blocks = (L.out + RB - 1) / RB;
-  // at least ~64K weights per thread, so small linears stay on one
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, RB * L.in));
+// y [n, ldy] columns 0..L.out-1 for x [n, ldx]: blocks of output rows (columns for FLOAT_T) split over
+// threads in contiguous chunks.
+static void run_linear(RowsFn fn, const Lin& L, const float* x, int64_t ldx, int64_t n, float* y, int64_t ldy) {
+  const int64_t unit = L.kind == FLOAT_T ? 32 : RB;
+  const int64_t blocks = (L.out + unit - 1) / unit;
+  // at least ~64K weight-token products per thread, so small linears stay on one
+  const int64_t work = std::max<int64_t>(1, unit * L.in * std::max<int64_t>(1, std::min<int64_t>(n, 8)));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
   int threads = 1;
 #ifdef _OPENMP
   if (!omp_in_parallel()) threads = int(std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, blocks / grain)));
 #endif
   if (threads <= 1) {
-    fn(L, x, n, 0, L.out, y, ldy);
+    fn(L, x, ldx, n, 0, L.out, y, ldy);
     return;
   }
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
   {
-    // contiguous chunks of row blocks, one per thread
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t per = (blocks + nt - 1) / nt, b0 = t * per, b1 = std::min(blocks, b0 + per);
-    if (b0 < b1) fn(L, x, n, b0 * RB, std::min(L.out, b1 * RB), y, ldy);
+    if (b0 < b1) fn(L, x, ldx, n, b0 * unit, std::min(L.out, b1 * unit), y, ldy);
   }
 #endif
 }
 
-// The whole linear: rotation of the input (turboquant), the product, the output bias.
+// The whole linear: rotation of the input (turboquant), the zero-padded copy of an input whose width is
+// not a multiple of 16, the product, the output bias.
 static void run_full(RowsFn fn, const Lin& L, const float* x, int64_t n, float* y, int64_t ldy) {
   std::vector<float> xr;
+  int64_t ldx = L.in;
   if (L.rot_b > 0) {
     xr.resize(size_t(n * L.in));
     rotate(L, x, n, xr.data());
     x = xr.data();
   }
-  run_linear(fn, L, x, n, y, ldy);
+  if (L.kind != FLOAT_T && L.in % 16) {
+    const int64_t w = L.in16();
+    std::vector<float> pad(size_t(n * w), 0.0f);
+    for (int64_t t = 0; t < n; ++t) std::memcpy(pad.data() + t * w, x + t * L.in, size_t(L.in) * 4);
+    xr.swap(pad);
+    x = xr.data();
+    ldx = w;
+  }
+  run_linear(fn, L, x, ldx, n, y, ldy);
   if (L.out_bias != nullptr)
     for (int64_t t = 0; t < n; ++t)
       for (int64_t o = 0; o < L.out; ++o) y[t * ldy + o] = y[t * ldy + o] + L.out_bias[o];
 }
+
+float exp_canonical(float x) { return exp_c(x); }
+
+static inline float sigmoid_c(float z) { return 1.0f / (1.0f + exp_c(-z)); }
 
 }  // namespace ms
 
@@ -143,9 +167,9 @@ int ms_paths(void) { return 1 | (MS_AVX2 ? 2 : 0) | (MS_AVX512 ? 4 : 0); }
 
 // y [n, out] (float32) = rot(x) [n, in] (float32) W^T + bias. 0, or -1 when `path` is not compiled.
 int ms_linear(int path, const int64_t* spec, const void* const* ptrs, const float* x, int64_t n, float* y) {
-  ms::RowsFn fn = ms::rows_fn(path);
-  if (fn == nullptr) return -1;
   ms::Lin L = ms::make_lin(spec, ptrs);
+  ms::RowsFn fn = ms::rows_fn(path, L);
+  if (fn == nullptr) return -1;
   ms::run_full(fn, L, x, n, y, L.out);
   return 0;
 }
@@ -158,30 +182,38 @@ int ms_rotate(const int64_t* spec, const void* const* ptrs, const float* x, int6
   return 0;
 }
 
-// One gated expert: y [n, H] = down(act(gate x, up x)) for x [n, H], all float32; specs and ptrs
-// of gate, up, down in that order. act 0: SwiGLU, silu(g) * u; 1: SiTU-GLU (Kimi K3),
-// beta tanh(g / beta) sigmoid(g) * (linear_beta tanh(u / linear_beta), or u when
-// linear_beta is NaN) with params = {beta, linear_beta}. The intermediate [n, I] stays float32.
+// One gated expert: y [n, H] = down(act(gate x, up x)) for x [n, H], all float32; specs and ptrs of gate,
+// up, down in that order. act 0: SwiGLU, silu(g) * u; 1: SiTU-GLU (Kimi K3), beta tanh(g / beta)
+// sigmoid(g) * (linear_beta tanh(u / linear_beta), or u when linear_beta is NaN), params {beta,
+// linear_beta}; 2: gpt-oss's clamped SwiGLU, (clamp(u, -limit, limit) + 1) * g' sigmoid(alpha g') with
+// g' = min(g, limit), params {alpha, limit}. The intermediate [n, I] stays float32; sigmoid is
+// 1 / (1 + exp_c(-z)).
 int ms_expert(int path, const int64_t* specs, const void* const* ptrs, const float* x, int64_t n, float* y, int act,
               const float* params) {
-  ms::RowsFn fn = ms::rows_fn(path);
-  if (fn == nullptr || act < 0 || act > 1) return -1;
   ms::Lin G = ms::make_lin(specs, ptrs), U = ms::make_lin(specs + ms::SPEC, ptrs + ms::PTRS),
           D = ms::make_lin(specs + 2 * ms::SPEC, ptrs + 2 * ms::PTRS);
+  ms::RowsFn fg = ms::rows_fn(path, G), fu = ms::rows_fn(path, U), fd = ms::rows_fn(path, D);
+  if (fg == nullptr || fu == nullptr || fd == nullptr || act < 0 || act > 2) return -1;
   const int64_t I = G.out;
   std::vector<float> g(size_t(n * I)), u(size_t(n * I));
-  ms::run_full(fn, G, x, n, g.data(), I);
-  ms::run_full(fn, U, x, n, u.data(), I);
+  ms::run_full(fg, G, x, n, g.data(), I);
+  ms::run_full(fu, U, x, n, u.data(), I);
   if (act == 0) {
-    for (int64_t i = 0; i < n * I; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-  } else {
+    for (int64_t i = 0; i < n * I; ++i) g[i] = g[i] / (1.0f + ms::exp_c(-g[i])) * u[i];
+  } else if (act == 1) {
     const float beta = params[0], lb = params[1];
     for (int64_t i = 0; i < n * I; ++i) {
-      const float a = beta * std::tanh(g[i] / beta) * (1.0f / (1.0f + std::exp(-g[i])));
+      const float a = beta * std::tanh(g[i] / beta) * ms::sigmoid_c(g[i]);
       g[i] = a * (std::isnan(lb) ? u[i] : lb * std::tanh(u[i] / lb));
     }
+  } else {
+    const float alpha = params[0], limit = params[1];
+    for (int64_t i = 0; i < n * I; ++i) {
+      const float gc = std::min(g[i], limit), uc = std::min(std::max(u[i], -limit), limit);
+      g[i] = (uc + 1.0f) * (gc * ms::sigmoid_c(gc * alpha));
+    }
   }
-  ms::run_full(fn, D, g.data(), n, y, D.out);
+  ms::run_full(fd, D, g.data(), n, y, D.out);
   return 0;
 }
 

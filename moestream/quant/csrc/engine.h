@@ -1,9 +1,51 @@
-// Shared by every path: scalar decoding, the portable arch, and the dot engine (templates).
+// Shared by every path: scalar decoding, ggml's block decoders, the canonical exp and the dot engine
+// (templates over an arch A and a decoder D; see kernels.h for the one reduction every path follows).
 #pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include "kernels.h"
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MS_AVX2 1
+#else
+#define MS_AVX2 0
+#endif
+#if MS_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
+#define MS_AVX512 1
+#else
+#define MS_AVX512 0
+#endif
+
 namespace ms {
+
+// float32 rounded to the nearest fp16 value (ties to even), as float32 (PyTorch's .half().float())
+static inline float c10_half_round(float f) {
+#if defined(__F16C__)
+  return _cvtsh_ss(_cvtss_sh(f, 0));
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return f;  // inf, nan
+  if (a >= 0x477ff000u) return std::copysign(std::numeric_limits<float>::infinity(), f);  // >= 65520
+  if (a < 0x38800000u) return std::nearbyint(f * 16777216.0f) / 16777216.0f;  // subnormal: multiples of 2^-24
+  u = (u + 0xfffu + ((u >> 13) & 1u)) & ~0x1fffu;  // 10 mantissa bits, ties to even
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+#endif
+}
 
 // ---------------------------------------------------------------------------------------
 // Scalars: scale dtypes, e8m0, fp8, bit-stream codes.
@@ -142,7 +184,7 @@ static MS_INLINE uint32_t tq3_code(const uint8_t* row, int64_t j) {
 }
 
 // Internal kinds: codebooks split by their packing.
-enum K : int { K_AFFINE = 0, K_FP8 = 1, K_MXFP4 = 2, K_CB = 3, K_CB3 = 4, K_TRIT = 5 };
+enum K : int { K_AFFINE = 0, K_FP8 = 1, K_MXFP4 = 2, K_CB = 3, K_CB3 = 4, K_TRIT = 5, K_FLOAT = 6 };
 
 // How far ahead of the codes being decoded a row's bytes are prefetched (the streams of a few
 // rows at a time are too short for the hardware prefetchers to run ahead across pages).
@@ -176,6 +218,8 @@ static MS_INLINE RowPtrs row_ptrs(const Lin& L, int64_t row) {
   const int64_t es = L.s_dt == F32 ? 4 : 2;
   RowPtrs r;
   r.p = L.w + sr * L.row_bytes;
+  r.s = r.b = nullptr;
+  if (L.kind == FLOAT) return r;
   if (L.kind == FP8) {
     r.s = L.s + (sr / L.bn) * L.s_row * es;
   } else if (L.kind == MXFP4) {
@@ -193,87 +237,6 @@ static MS_INLINE float group_scale(const Lin& L, const RowPtrs& r, int64_t g) {
   else return ld_dt(r.s, L.s_dt, g);
 }
 
-// ---------------------------------------------------------------------------------------
-// Portable path: 16-lane float arrays; multiply then add (-ffp-contract=off keeps them apart).
-struct VP {
-  float v[16];
-};
-
-struct ArchP {
-  using V = VP;
-  static constexpr int W = 16;
-  static constexpr int TM = 4;  // tokens per pass over the weights (SIMD paths: more)
-  static constexpr int R1 = 1;  // rows per pass for one token
-  static MS_INLINE V zero() {
-    V r;
-    for (int i = 0; i < 16; ++i) r.v[i] = 0.0f;
-    return r;
-  }
-  static MS_INLINE V loadu(const float* p) {
-    V r;
-    for (int i = 0; i < 16; ++i) r.v[i] = p[i];
-    return r;
-  }
-  static MS_INLINE void storeu(float* p, const V& a) {
-    for (int i = 0; i < 16; ++i) p[i] = a.v[i];
-  }
-  static MS_INLINE V fma(const V& a, const V& b, const V& c) {
-    V r;
-    for (int i = 0; i < 16; ++i) r.v[i] = c.v[i] + a.v[i] * b.v[i];
-    return r;
-  }
-  static MS_INLINE float hsum2(const V& a, const V& b) {
-    float t[16];
-    for (int i = 0; i < 16; ++i) t[i] = a.v[i] + b.v[i];
-    for (int h = 8; h >= 1; h /= 2)
-      for (int i = 0; i < h; ++i) t[i] = t[i] + t[i + h];
-    return t[0];
-  }
-};
-
-template <int KIND>
-struct DecP {
-  using V = VP;
-  const Lin& L;
-  struct Row {
-    RowPtrs q;
-    const uint8_t* end;
-    float s, b;
-  };
-  mutable TritScratch trits;
-  explicit DecP(const Lin& l) : L(l) {}
-  MS_INLINE void start(Row& r, int64_t row) const {
-    r.q = row_ptrs(L, row);
-    r.end = r.q.p + L.row_bytes;
-    if constexpr (KIND == K_TRIT) {
-      r.q.p = trits.row(L, r.q.p);
-      r.end = r.q.p + L.in / 4;
-    }
-  }
-  MS_INLINE void prefetch(const Row&, int64_t) const {}
-  MS_INLINE void group(Row& r, int64_t g) const {
-    r.s = group_scale<KIND>(L, r.q, g);
-    if constexpr (KIND == K_AFFINE) r.b = ld_dt(r.q.b, L.b_dt, g);
-  }
-  MS_INLINE V load(const Row& r, int64_t v) const {
-    V o;
-    const int64_t j0 = v * 16;
-    if constexpr (KIND == K_AFFINE) {
-      for (int i = 0; i < 16; ++i) o.v[i] = float(stream_code(r.q.p, r.end, j0 + i, L.bits)) * r.s + r.b;
-    } else if constexpr (KIND == K_FP8) {
-      const float* t = fp8_table().v;
-      for (int i = 0; i < 16; ++i) o.v[i] = t[r.q.p[j0 + i]] * r.s;
-    } else if constexpr (KIND == K_MXFP4) {
-      for (int i = 0; i < 16; ++i) o.v[i] = L.lut[stream_code(r.q.p, r.end, j0 + i, 4)] * r.s;
-    } else if constexpr (KIND == K_CB || KIND == K_TRIT) {
-      const int bits = KIND == K_TRIT ? 2 : L.bits;
-      for (int i = 0; i < 16; ++i) o.v[i] = L.lut[stream_code(r.q.p, r.end, j0 + i, bits)] * r.s;
-    } else {
-      for (int i = 0; i < 16; ++i) o.v[i] = L.lut[tq3_code(r.q.p, j0 + i)] * r.s;
-    }
-    return o;
-  }
-};
 
 // ---------------------------------------------------------------------------------------
 // ggml blocks (GGUF files; layouts in moestream/quant/ggml.py, from ggml-common.h): any arch. group()
@@ -632,7 +595,7 @@ struct DecG {
   }
   MS_INLINE void group(Row& r, int64_t g) const {
     if constexpr (T >= G_MXFP4)
-      ggml_group_x<T, !std::is_same<A, ArchP>::value>(r.p, g, L.s, r.w);
+      ggml_group_x<T, A::SIMD>(r.p, g, L.s, r.w);
     else
       ggml_group<T>(r.p, g, r.w);
     r.g0 = g * (L.group / A::W);
@@ -640,228 +603,323 @@ struct DecG {
   MS_INLINE V load(const Row& r, int64_t v) const { return A::loadu(r.w + (v - r.g0) * A::W); }
 };
 
+
 // ---------------------------------------------------------------------------------------
-// The dot engine: R rows x T tokens, two accumulators each (vector v -> accumulator v % 2).
+// The canonical exp: n = floor(x log2 e + 1/2), r = x - n ln 2 (two fma steps), a degree-6 polynomial
+// in r by Horner's rule in fma, times 2^n through the exponent bits. Every operation is exactly
+// rounded IEEE arithmetic, so a compiler vectorizing it keeps its bits: the same on every path and
+// machine. Relative error under 2 ulp on [-87.3, 88.7]; below that 0, above it +inf; NaN stays NaN.
+static MS_INLINE float exp_c(float x) {
+  const float hi = 88.72283f, lo = -87.33654f;
+  const bool nan = x != x, over = x > hi, under = x < lo;
+  float xc = over ? hi : (under ? lo : (nan ? 0.0f : x));
+  const float n = std::floor(std::fma(xc, 1.44269504088896341f, 0.5f));
+  float r = std::fma(n, -0.693359375f, xc);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r);
+  p = p + 1.0f;
+  // 2^n in two factors (n down to -126 and up to 128 stay normal: 2^(n/2) twice)
+  const int ni = int(n);
+  const int a = ni / 2, b = ni - a;
+  uint32_t ua = uint32_t(a + 127) << 23, ub = uint32_t(b + 127) << 23;
+  float fa, fb;
+  std::memcpy(&fa, &ua, 4);
+  std::memcpy(&fb, &ub, 4);
+  float y = p * fa * fb;
+  if (over) y = std::numeric_limits<float>::infinity();
+  if (under) y = 0.0f;
+  if (nan) y = x;
+  return y;
+}
 
-template <class A, class D, int R, int T>
-static MS_INLINE void fma_step(const D& dec, const typename D::Row (&st)[R], int64_t v, const float* x, int64_t ldx,
-                               typename A::V (&acc)[R][T]) {
-  using V = typename A::V;
-  MS_UNROLL
-  for (int r = 0; r < R; ++r) {
-    V w = dec.load(st[r], v);
-    MS_UNROLL
-    for (int t = 0; t < T; ++t) acc[r][t] = A::fma(w, A::loadu(x + t * ldx + v * A::W), acc[r][t]);
+// float32 -> bf16 bits, round to nearest even (NaN stays a quiet NaN), as PyTorch's .to(torch.bfloat16)
+static MS_INLINE uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static MS_INLINE float bf16_to_float(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// float32 -> fp16 bits, round to nearest even (exact in every case, as _cvtss_sh)
+static MS_INLINE uint16_t to_f16(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, 0);
+#else
+  // through c10_half_round's value, then the bit pattern
+  const float r = c10_half_round(f);
+  uint32_t u;
+  std::memcpy(&u, &r, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return uint16_t(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u));
+  if (a >= 0x38800000u) return uint16_t(sign | (((a >> 23) - 112) << 10) | ((a >> 13) & 0x3ffu));
+  return uint16_t(sign | uint32_t(std::fabs(r) * 16777216.0f));  // subnormal: multiples of 2^-24
+#endif
+}
+
+// value v (float32) stored as dtype dt at p[i]
+static MS_INLINE void st_dt(uint8_t* p, int dt, int64_t i, float v) {
+  if (dt == F32) {
+    std::memcpy(p + 4 * i, &v, 4);
+  } else {
+    const uint16_t h = dt == BF16 ? to_bf16(v) : to_f16(v);
+    std::memcpy(p + 2 * i, &h, 2);
   }
 }
 
-// Vectors [v0, v1) of R rows for T tokens into the accumulators: vector v goes to acc0 when v is
-// even, acc1 when odd; each row's group scale is set once per group (the group of v is v / vpg).
-template <class A, class D, int R, int T>
-static MS_INLINE void span(const D& dec, typename D::Row (&st)[R], int64_t v0, int64_t v1, int64_t vpg,
-                           const float* x, int64_t ldx, typename A::V (&acc0)[R][T], typename A::V (&acc1)[R][T]) {
-  int64_t v = v0;
-  if (vpg % 2 == 0 && v0 % vpg == 0) {  // whole groups of an even count: each starts on acc0
-    for (int64_t g = v0 / vpg; v < v1; ++g) {
-      MS_UNROLL
-      for (int r = 0; r < R; ++r) {
-        dec.prefetch(st[r], g);
-        dec.group(st[r], g);
-      }
-      const int64_t end = std::min(v1, v + vpg);
-      for (; v + 1 < end; v += 2) {
-        fma_step<A, D, R, T>(dec, st, v, x, ldx, acc0);
-        fma_step<A, D, R, T>(dec, st, v + 1, x, ldx, acc1);
-      }
-      if (v < end) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc0);  // a last partial group (v even)
-    }
-    return;
-  }
-  for (int64_t g = v0 / vpg; v < v1; ++g) {  // one division per span; groups then advance by one
-    const int64_t end = std::min(v1, (g + 1) * vpg);
-    MS_UNROLL
-    for (int r = 0; r < R; ++r) {
-      dec.prefetch(st[r], g);
-      dec.group(st[r], g);
-    }
-    if (v & 1) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc1);
-    for (; v + 1 < end; v += 2) {
-      fma_step<A, D, R, T>(dec, st, v, x, ldx, acc0);
-      fma_step<A, D, R, T>(dec, st, v + 1, x, ldx, acc1);
-    }
-    if (v < end) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc0);
-  }
-}
+// ---------------------------------------------------------------------------------------
+// The dot engine (kernels.h): one 16-lane accumulator per (row, token), vectors in order, one tree.
 
+// R rows x T tokens straight from the stored codes (the one-token path): x [T, ldx], vpg vectors per group.
 template <class A, class D, int R, int T>
 static void dot_rows(const D& dec, int64_t row, const float* x, int64_t ldx, int64_t nvec, int64_t vpg, float* y,
                      int64_t ldy) {
   using V = typename A::V;
-  V acc0[R][T], acc1[R][T];
+  V acc[R][T];
   typename D::Row st[R];
   MS_UNROLL
   for (int r = 0; r < R; ++r) {
     dec.start(st[r], row + r);
     MS_UNROLL
-    for (int t = 0; t < T; ++t) acc0[r][t] = acc1[r][t] = A::zero();
+    for (int t = 0; t < T; ++t) acc[r][t] = A::zero();
   }
-  span<A, D, R, T>(dec, st, 0, nvec, vpg, x, ldx, acc0, acc1);
+  for (int64_t v = 0, g = 0; v < nvec; ++g) {
+    MS_UNROLL
+    for (int r = 0; r < R; ++r) {
+      dec.prefetch(st[r], g);
+      dec.group(st[r], g);
+    }
+    const int64_t end = std::min(nvec, v + vpg);
+    for (; v < end; ++v) {
+      MS_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const V w = dec.load(st[r], v);
+        MS_UNROLL
+        for (int t = 0; t < T; ++t) acc[r][t] = A::fma(w, A::loadu(x + t * ldx + v * 16), acc[r][t]);
+      }
+    }
+  }
   MS_UNROLL
   for (int r = 0; r < R; ++r)
     MS_UNROLL
-    for (int t = 0; t < T; ++t) y[t * ldy + row + r] = A::hsum2(acc0[r][t], acc1[r][t]);
+    for (int t = 0; t < T; ++t) y[t * ldy + row + r] = A::hsum(acc[r][t]);
 }
 
-// Rows [r0, r1) for T tokens, row by row. (Walking the columns in L1-sized chunks for wide
-// inputs, with partial sums parked per row, measured no faster on Zen 4.)
-template <class A, class D, int T>
-static void token_block(const D& dec, int64_t r0, int64_t r1, const float* x, int64_t in, int64_t nvec, int64_t vpg,
-                        float* y, int64_t ldy) {
-  for (int64_t r = r0; r < r1; ++r) dot_rows<A, D, 1, T>(dec, r, x, in, nvec, vpg, y, ldy);
-}
-
-// Weights of rows [row, row + R) decoded into `buf` [R][in]: the same vectors dot_rows makes.
-template <class A, class D, int R>
-static void decode_rows(const D& dec, int64_t row, int64_t nvec, int64_t vpg, float* buf, int64_t in) {
-  typename D::Row st[R];
-  for (int r = 0; r < R; ++r) dec.start(st[r], row + r);
-  for (int64_t v = 0, g = 0, left = 0; v < nvec; ++v, --left) {
-    if (left == 0) {
-      for (int r = 0; r < R; ++r) dec.group(st[r], g);
-      ++g;
-      left = vpg;
-    }
-    MS_UNROLL
-    for (int r = 0; r < R; ++r) A::storeu(buf + r * in + v * A::W, dec.load(st[r], v));
+// The weights of row `row` decoded into buf[nvec * 16]: the vectors dot_rows multiplies.
+template <class A, class D>
+static void decode_row(const D& dec, int64_t row, int64_t nvec, int64_t vpg, float* buf) {
+  typename D::Row st;
+  dec.start(st, row);
+  for (int64_t v = 0, g = 0; v < nvec; ++g) {
+    dec.prefetch(st, g);
+    dec.group(st, g);
+    const int64_t end = std::min(nvec, v + vpg);
+    for (; v < end; ++v) A::storeu(buf + v * 16, dec.load(st, v));
   }
 }
 
-// A decoder over rows already decoded into a buffer [rows][in] (row numbers from `row0`).
-template <class A>
-struct DecBuf {
+// R decoded rows (buf [R][ldb]) x T tokens (x [T][ldx]) -> y[t * ldy + r]
+template <class A, int R, int T>
+static void tile(const float* buf, int64_t ldb, const float* x, int64_t ldx, int64_t nvec, float* y, int64_t ldy) {
   using V = typename A::V;
-  const float* buf;
-  int64_t in, row0;
-  struct Row {
-    const float* p;
-  };
-  MS_INLINE void start(Row& r, int64_t row) const { r.p = buf + (row - row0) * in; }
-  MS_INLINE void group(Row&, int64_t) const {}
-  MS_INLINE void prefetch(const Row&, int64_t) const {}
-  MS_INLINE V load(const Row& r, int64_t v) const { return A::loadu(r.p + v * A::W); }
-};
-
-// Rows [r0, r1) for n tokens, in token blocks of TM, then 4, 2, 1 (a token's arithmetic is the same in any block).
-template <class A, class D>
-static void dot_tokens(const D& dec, int64_t r0, int64_t r1, const float* x, int64_t n, int64_t in, int64_t nvec,
-                       int64_t vpg, float* y, int64_t ldy) {
-  constexpr int TM = A::TM;
-  int64_t t = 0;
-  for (; t + TM <= n; t += TM) token_block<A, D, TM>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
-  if constexpr (TM > 4) {
-    if (n - t >= 4) {
-      token_block<A, D, 4>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
-      t += 4;
+  V acc[R][T];
+  MS_UNROLL
+  for (int r = 0; r < R; ++r)
+    MS_UNROLL
+    for (int t = 0; t < T; ++t) acc[r][t] = A::zero();
+  for (int64_t v = 0; v < nvec; ++v) {
+    V xv[T];
+    MS_UNROLL
+    for (int t = 0; t < T; ++t) xv[t] = A::loadu(x + t * ldx + v * 16);
+    MS_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const V w = A::loadu(buf + r * ldb + v * 16);
+      MS_UNROLL
+      for (int t = 0; t < T; ++t) acc[r][t] = A::fma(w, xv[t], acc[r][t]);
     }
   }
-  if constexpr (TM > 2) {
-    if (n - t >= 2) {
-      token_block<A, D, 2>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
-      t += 2;
-    }
-  }
-  if (n - t >= 1) token_block<A, D, 1>(dec, r0, r1, x + t * in, in, nvec, vpg, y + t * ldy, ldy);
+  MS_UNROLL
+  for (int r = 0; r < R; ++r)
+    MS_UNROLL
+    for (int t = 0; t < T; ++t) y[t * ldy + r] = A::hsum(acc[r][t]);
 }
 
-// Output rows [r0, r1) of y [n, ldy] for n tokens x [n, in].
+// R decoded rows x n tokens: token blocks of A::TT, then the rest one tile of that many.
+template <class A, int R>
+static void tile_tokens(const float* buf, int64_t ldb, const float* x, int64_t ldx, int64_t n, int64_t nvec, float* y,
+                        int64_t ldy) {
+  constexpr int TT = A::TT;
+  int64_t t = 0;
+  for (; t + TT <= n; t += TT) tile<A, R, TT>(buf, ldb, x + t * ldx, ldx, nvec, y + t * ldy, ldy);
+  const int64_t left = n - t;
+  const float* xt = x + t * ldx;
+  float* yt = y + t * ldy;
+  static_assert(TT <= 6, "tile tails cover up to 5 tokens");
+  switch (left) {
+    case 1: return tile<A, R, 1>(buf, ldb, xt, ldx, nvec, yt, ldy);
+    case 2: return tile<A, R, (TT > 2 ? 2 : 1)>(buf, ldb, xt, ldx, nvec, yt, ldy);
+    case 3: if constexpr (TT > 3) return tile<A, R, 3>(buf, ldb, xt, ldx, nvec, yt, ldy); break;
+    case 4: if constexpr (TT > 4) return tile<A, R, 4>(buf, ldb, xt, ldx, nvec, yt, ldy); break;
+    case 5: if constexpr (TT > 5) return tile<A, R, 5>(buf, ldb, xt, ldx, nvec, yt, ldy); break;
+    default: break;
+  }
+}
+
+// The many-token path of one arch (not templated on the decoder: compiled once per arch): RB rows
+// decoded in buf [m][ldb] times n tokens.
+template <class A>
+static void tile_rows(const float* buf, int64_t ldb, int64_t m, const float* x, int64_t ldx, int64_t n, int64_t nvec,
+                      float* y, int64_t ldy) {
+  static_assert(RB == 4, "tile_rows covers 1 to 4 rows");
+  switch (m) {
+    case 4: return tile_tokens<A, 4>(buf, ldb, x, ldx, n, nvec, y, ldy);
+    case 3: return tile_tokens<A, 3>(buf, ldb, x, ldx, n, nvec, y, ldy);
+    case 2: return tile_tokens<A, 2>(buf, ldb, x, ldx, n, nvec, y, ldy);
+    default: return tile_tokens<A, 1>(buf, ldb, x, ldx, n, nvec, y, ldy);
+  }
+}
+
+// Output rows [r0, r1) of y [n, ldy] for n tokens x [n, ldx] through decoder dec.
 template <class A, class D>
-static void rows_range(const D& dec, const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y,
-                       int64_t ldy, std::vector<float>& buf) {
-  constexpr int W = A::W;
-  const int64_t nvec = L.in / W, vpg = L.group / W, in = L.in;
-  if (n <= A::TM) {  // weights decoded in registers, once per pass over the tokens
+static void rows_with(const Lin& L, const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t r1, float* y,
+                      int64_t ldy) {
+  const D dec(L);
+  const int64_t nvec = L.in16() / 16;
+  const int64_t vpg = L.kind == FLOAT ? nvec : L.group / 16;
+  if (n == 1) {  // weights decoded in registers
     int64_t r = r0;
-    if constexpr (A::R1 > 1) {
-      if (n == 1)
-        for (; r + A::R1 <= r1; r += A::R1) dot_rows<A, D, A::R1, 1>(dec, r, x, in, nvec, vpg, y, ldy);
-      else if (n == 2)
-        for (; r + 2 <= r1; r += 2) dot_rows<A, D, 2, 2>(dec, r, x, in, nvec, vpg, y, ldy);
-    }
-    if (r < r1) dot_tokens<A, D>(dec, r, r1, x, n, in, nvec, vpg, y, ldy);
+    for (; r + A::R1 <= r1; r += A::R1) dot_rows<A, D, A::R1, 1>(dec, r, x, ldx, nvec, vpg, y, ldy);
+    for (; r < r1; ++r) dot_rows<A, D, 1, 1>(dec, r, x, ldx, nvec, vpg, y, ldy);
     return;
   }
-  // many tokens: RB rows decoded once into a buffer, then every token block from it
-  buf.resize(size_t(RB * in));
+  // several tokens: RB rows decoded once into an L1-sized buffer, then every token from it
+  thread_local std::vector<float> buf;
+  const int64_t ldb = nvec * 16;
+  if (buf.size() < size_t(RB * ldb)) buf.resize(size_t(RB * ldb));
   for (int64_t r = r0; r < r1; r += RB) {
     const int64_t m = std::min<int64_t>(RB, r1 - r);
-    for (int64_t i = 0; i < m; ++i) decode_rows<A, D, 1>(dec, r + i, nvec, vpg, buf.data() + i * in, in);
-    DecBuf<A> bd{buf.data(), in, r};
-    dot_tokens<A, DecBuf<A>>(bd, r, r + m, x, n, in, nvec, int64_t(1) << 40, y, ldy);
+    for (int64_t i = 0; i < m; ++i) decode_row<A, D>(dec, r + i, nvec, vpg, buf.data() + i * ldb);
+    tile_rows<A>(buf.data(), ldb, m, x, ldx, n, nvec, y + r, ldy);
   }
 }
 
-// The kernel entry of one path: output rows [r0, r1) on arch A with decoders D<kind>.
-template <class A, class D>
-static void rows_with(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
-  const D dec(L);
-  std::vector<float> buf;
-  rows_range<A, D>(dec, L, x, n, r0, r1, y, ldy, buf);
+// Weights stored input-major ([in, stored columns], kind FLOAT_T: y = x @ W): columns [c0, c1) of y for
+// n tokens; each output one fma chain over the inputs in order. RC vectors of 16 columns x T tokens.
+template <class A, int RC, int T>
+static void cols_tile(const Lin& L, const float* x, int64_t ldx, int64_t c, int64_t ncols, float* y, int64_t ldy) {
+  using V = typename A::V;
+  V acc[RC][T];
+  MS_UNROLL
+  for (int j = 0; j < RC; ++j)
+    MS_UNROLL
+    for (int t = 0; t < T; ++t) acc[j][t] = A::zero();
+  const int64_t col = L.row0 + c;
+  for (int64_t i = 0; i < L.in; ++i) {
+    const uint8_t* wr = L.w + i * L.row_bytes;
+    MS_UNROLL
+    for (int j = 0; j < RC; ++j) {
+      const int64_t c0 = col + 16 * j, left = std::max<int64_t>(0, std::min<int64_t>(16, ncols - 16 * j));
+      const V w = A::load_dt(wr, L.bits, c0, left);
+      MS_UNROLL
+      for (int t = 0; t < T; ++t) acc[j][t] = A::fma(w, A::set1(x[t * ldx + i]), acc[j][t]);
+    }
+  }
+  MS_UNROLL
+  for (int j = 0; j < RC; ++j) {
+    const int64_t left = std::min<int64_t>(16, ncols - 16 * j);
+    if (left <= 0) break;
+    MS_UNROLL
+    for (int t = 0; t < T; ++t) A::store_part(y + t * ldy + c + 16 * j, acc[j][t], left);
+  }
 }
 
-// MXFP4, IQ1-IQ3, TQ: their own function, so the portable path can compile them in a second translation
-// unit (portable_gx.cpp) beside portable.cpp, the slowest file of the build
 template <class A>
-static void rows_ggml_x(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
-  switch (L.bits) {
-    case G_MXFP4: return rows_with<A, DecG<A, G_MXFP4>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ2_XXS: return rows_with<A, DecG<A, G_IQ2_XXS>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ2_XS: return rows_with<A, DecG<A, G_IQ2_XS>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ2_S: return rows_with<A, DecG<A, G_IQ2_S>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ3_XXS: return rows_with<A, DecG<A, G_IQ3_XXS>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ3_S: return rows_with<A, DecG<A, G_IQ3_S>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ1_S: return rows_with<A, DecG<A, G_IQ1_S>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ1_M: return rows_with<A, DecG<A, G_IQ1_M>>(L, x, n, r0, r1, y, ldy);
-    case G_TQ1_0: return rows_with<A, DecG<A, G_TQ1_0>>(L, x, n, r0, r1, y, ldy);
-    default: return rows_with<A, DecG<A, G_TQ2_0>>(L, x, n, r0, r1, y, ldy);
+static void cols_range(const Lin& L, const float* x, int64_t ldx, int64_t n, int64_t c0, int64_t c1, float* y,
+                       int64_t ldy) {
+  constexpr int RC = 2, T = 4;
+  for (int64_t t = 0; t < n; t += T) {
+    const int64_t nt = std::min<int64_t>(T, n - t);
+    for (int64_t c = c0; c < c1; c += 16 * RC) {
+      const int64_t ncols = std::min<int64_t>(16 * RC, c1 - c);
+      const float* xt = x + t * ldx;
+      float* yt = y + t * ldy;
+      switch (nt) {
+        case 4: cols_tile<A, RC, 4>(L, xt, ldx, c, ncols, yt, ldy); break;
+        case 3: cols_tile<A, RC, 3>(L, xt, ldx, c, ncols, yt, ldy); break;
+        case 2: cols_tile<A, RC, 2>(L, xt, ldx, c, ncols, yt, ldy); break;
+        default: cols_tile<A, RC, 1>(L, xt, ldx, c, ncols, yt, ldy); break;
+      }
+    }
   }
 }
 
-template <class A>
-static void rows_ggml(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
-  if (L.bits >= G_MXFP4) {
-    if constexpr (std::is_same<A, ArchP>::value)
-      rows_portable_gx(L, x, n, r0, r1, y, ldy);
-    else
-      rows_ggml_x<A>(L, x, n, r0, r1, y, ldy);
-    return;
-  }
-  switch (L.bits) {
-    case G_Q4_0: return rows_with<A, DecG<A, G_Q4_0>>(L, x, n, r0, r1, y, ldy);
-    case G_Q4_1: return rows_with<A, DecG<A, G_Q4_1>>(L, x, n, r0, r1, y, ldy);
-    case G_Q5_0: return rows_with<A, DecG<A, G_Q5_0>>(L, x, n, r0, r1, y, ldy);
-    case G_Q5_1: return rows_with<A, DecG<A, G_Q5_1>>(L, x, n, r0, r1, y, ldy);
-    case G_Q8_0: return rows_with<A, DecG<A, G_Q8_0>>(L, x, n, r0, r1, y, ldy);
-    case G_Q2_K: return rows_with<A, DecG<A, G_Q2_K>>(L, x, n, r0, r1, y, ldy);
-    case G_Q3_K: return rows_with<A, DecG<A, G_Q3_K>>(L, x, n, r0, r1, y, ldy);
-    case G_Q4_K: return rows_with<A, DecG<A, G_Q4_K>>(L, x, n, r0, r1, y, ldy);
-    case G_Q5_K: return rows_with<A, DecG<A, G_Q5_K>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ4_NL: return rows_with<A, DecG<A, G_IQ4_NL>>(L, x, n, r0, r1, y, ldy);
-    case G_IQ4_XS: return rows_with<A, DecG<A, G_IQ4_XS>>(L, x, n, r0, r1, y, ldy);
-    default: return rows_with<A, DecG<A, G_Q6_K>>(L, x, n, r0, r1, y, ldy);
-  }
-}
+// ---------------------------------------------------------------------------------------
+// Dispatch by format group (one translation unit each, per path).
 
+// q: affine, fp8, mxfp4, codebooks, float
 template <class A, template <int> class D>
-static void rows_by_kind(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+static void rows_q(const Lin& L, const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t r1, float* y,
+                   int64_t ldy) {
   switch (L.kind) {
-    case GGML: return rows_ggml<A>(L, x, n, r0, r1, y, ldy);
-    case AFFINE: return rows_with<A, D<K_AFFINE>>(L, x, n, r0, r1, y, ldy);
-    case FP8: return rows_with<A, D<K_FP8>>(L, x, n, r0, r1, y, ldy);
-    case MXFP4: return rows_with<A, D<K_MXFP4>>(L, x, n, r0, r1, y, ldy);
+    case AFFINE: return rows_with<A, D<K_AFFINE>>(L, x, ldx, n, r0, r1, y, ldy);
+    case FP8: return rows_with<A, D<K_FP8>>(L, x, ldx, n, r0, r1, y, ldy);
+    case MXFP4: return rows_with<A, D<K_MXFP4>>(L, x, ldx, n, r0, r1, y, ldy);
+    case FLOAT: return rows_with<A, D<K_FLOAT>>(L, x, ldx, n, r0, r1, y, ldy);
+    case FLOAT_T: return cols_range<A>(L, x, ldx, n, r0, r1, y, ldy);
     default:
-      if (L.pack == TEN3) return rows_with<A, D<K_CB3>>(L, x, n, r0, r1, y, ldy);
-      if (L.pack == TRITS) return rows_with<A, D<K_TRIT>>(L, x, n, r0, r1, y, ldy);
-      return rows_with<A, D<K_CB>>(L, x, n, r0, r1, y, ldy);
+      if (L.pack == TEN3) return rows_with<A, D<K_CB3>>(L, x, ldx, n, r0, r1, y, ldy);
+      if (L.pack == TRITS) return rows_with<A, D<K_TRIT>>(L, x, ldx, n, r0, r1, y, ldy);
+      return rows_with<A, D<K_CB>>(L, x, ldx, n, r0, r1, y, ldy);
+  }
+}
+
+// g: ggml's legacy and k-quant blocks
+template <class A>
+static void rows_g(const Lin& L, const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t r1, float* y,
+                   int64_t ldy) {
+  switch (L.bits) {
+    case G_Q4_0: return rows_with<A, DecG<A, G_Q4_0>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_Q4_1: return rows_with<A, DecG<A, G_Q4_1>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_Q5_0: return rows_with<A, DecG<A, G_Q5_0>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_Q5_1: return rows_with<A, DecG<A, G_Q5_1>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_Q8_0: return rows_with<A, DecG<A, G_Q8_0>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_Q2_K: return rows_with<A, DecG<A, G_Q2_K>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_Q3_K: return rows_with<A, DecG<A, G_Q3_K>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_Q4_K: return rows_with<A, DecG<A, G_Q4_K>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_Q5_K: return rows_with<A, DecG<A, G_Q5_K>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_IQ4_NL: return rows_with<A, DecG<A, G_IQ4_NL>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_IQ4_XS: return rows_with<A, DecG<A, G_IQ4_XS>>(L, x, ldx, n, r0, r1, y, ldy);
+    default: return rows_with<A, DecG<A, G_Q6_K>>(L, x, ldx, n, r0, r1, y, ldy);
+  }
+}
+
+// x: ggml's MXFP4, IQ1-IQ3 and TQ blocks
+template <class A>
+static void rows_x(const Lin& L, const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t r1, float* y,
+                   int64_t ldy) {
+  switch (L.bits) {
+    case G_MXFP4: return rows_with<A, DecG<A, G_MXFP4>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_IQ2_XXS: return rows_with<A, DecG<A, G_IQ2_XXS>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_IQ2_XS: return rows_with<A, DecG<A, G_IQ2_XS>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_IQ2_S: return rows_with<A, DecG<A, G_IQ2_S>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_IQ3_XXS: return rows_with<A, DecG<A, G_IQ3_XXS>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_IQ3_S: return rows_with<A, DecG<A, G_IQ3_S>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_IQ1_S: return rows_with<A, DecG<A, G_IQ1_S>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_IQ1_M: return rows_with<A, DecG<A, G_IQ1_M>>(L, x, ldx, n, r0, r1, y, ldy);
+    case G_TQ1_0: return rows_with<A, DecG<A, G_TQ1_0>>(L, x, ldx, n, r0, r1, y, ldy);
+    default: return rows_with<A, DecG<A, G_TQ2_0>>(L, x, ldx, n, r0, r1, y, ldy);
   }
 }
 

@@ -1,4 +1,5 @@
-// The AVX2 arch and decoders (see kernels.h); avx512.cpp uses its horizontal sum.
+// The AVX2 arch and decoders (see kernels.h): a 16-lane vector as two 8-lane halves (lanes 0-7, 8-15),
+// so the reduction is the one every path follows.
 #pragma once
 
 #include "engine.h"
@@ -6,24 +7,52 @@
 #if MS_AVX2
 namespace ms {
 
-// AVX2 path: 8 lanes.
 struct Arch2 {
-  using V = __m256;
-  static constexpr int W = 8;
-  static constexpr int TM = 4;
-  static constexpr int R1 = 2;
-  static MS_INLINE V zero() { return _mm256_setzero_ps(); }
-  static MS_INLINE V loadu(const float* p) { return _mm256_loadu_ps(p); }
-  static MS_INLINE void storeu(float* p, V a) { _mm256_storeu_ps(p, a); }
-  static MS_INLINE V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static MS_INLINE float hsum2(V a, V b) {
-    __m256 t = _mm256_add_ps(a, b);
+  struct V {
+    __m256 lo, hi;
+  };
+  static constexpr int W = 16;
+  static constexpr int R1 = 2;  // rows per pass for one token
+  static constexpr int TT = 3;  // tokens per tile of the many-token path (12 of the 16 registers accumulate)
+  static constexpr bool SIMD = true;
+  static MS_INLINE V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static MS_INLINE V set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+  static MS_INLINE V loadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static MS_INLINE void storeu(float* p, V a) {
+    _mm256_storeu_ps(p, a.lo);
+    _mm256_storeu_ps(p + 8, a.hi);
+  }
+  static MS_INLINE void store_part(float* p, V a, int64_t n) {
+    if (n == 16) return storeu(p, a);
+    alignas(32) float t[16];
+    storeu(t, a);
+    std::memcpy(p, t, size_t(n) * 4);
+  }
+  static MS_INLINE V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  static MS_INLINE float hsum8(__m256 t) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  // lanes i + i+4
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                       // + i+2
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));                                   // + i+1
     return _mm_cvtss_f32(s);
   }
+  static MS_INLINE float hsum(V a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }  // lanes i + i+8 first
+  // n <= 8 elements of dtype dt at element c0 of p, zeros after
+  static MS_INLINE __m256 load8_dt(const uint8_t* p, int dt, int64_t c0, int64_t n) {
+    if (__builtin_expect(n == 8, 1)) {
+      if (dt == F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + c0);
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * c0));
+      if (dt == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      return _mm256_cvtph_ps(h);
+    }
+    alignas(32) float t[8] = {0};
+    for (int64_t i = 0; i < n; ++i) t[i] = ld_dt(p, dt, c0 + i);
+    return _mm256_load_ps(t);
+  }
+  static MS_INLINE V load_dt(const uint8_t* p, int dt, int64_t c0, int64_t n) {
+    return {load8_dt(p, dt, c0, n < 8 ? n : 8), load8_dt(p, dt, c0 + 8, n > 8 ? n - 8 : 0)};
+  }
 };
+
 
 // Bit-stream codes of `bits` (<= 8) in natural order, 8 per vector, in int32 lanes: lane d
 // takes the 32-bit window at byte (d*bits)/8, shifted right by (d*bits)%8, masked. Reads 16
@@ -65,7 +94,7 @@ struct Codes2 {
 
 template <int KIND>
 struct Dec2 {
-  using V = __m256;
+  using V = Arch2::V;
   const Lin& L;
   Codes2 codes;
   __m256 lut_lo, lut_hi;
@@ -106,9 +135,10 @@ struct Dec2 {
     if constexpr (KIND == K_TRIT) r.q.p = trits.row(L, r.q.p);
   }
   MS_INLINE void prefetch(const Row& r, int64_t g) const {
-    if constexpr (KIND != K_TRIT) prefetch_ahead(r.q.p + g * group_bytes);
+    if constexpr (KIND != K_TRIT && KIND != K_FLOAT) prefetch_ahead(r.q.p + g * group_bytes);
   }
   MS_INLINE void group(Row& r, int64_t g) const {
+    if constexpr (KIND == K_FLOAT) return;
     float s = group_scale<KIND>(L, r.q, g);
     if constexpr (KIND == K_FP8) s *= 256.0f;  // the fp16 view of e4m3 bits is value * 2^-8 (exact)
     r.s = _mm256_set1_ps(s);
@@ -121,8 +151,12 @@ struct Dec2 {
       r.hi = _mm256_mul_ps(lut_hi, r.s);
     }
   }
-  MS_INLINE __m256 load(const Row& r, int64_t v) const {
-    if constexpr (KIND == K_AFFINE) {
+  MS_INLINE V load(const Row& r, int64_t v) const { return {load8(r, 2 * v), load8(r, 2 * v + 1)}; }
+  // 8 weights: those of 8-lane unit v
+  MS_INLINE __m256 load8(const Row& r, int64_t v) const {
+    if constexpr (KIND == K_FLOAT) {
+      return Arch2::load8_dt(r.q.p, L.bits, 8 * v, std::min<int64_t>(8, L.in - 8 * v));
+    } else if constexpr (KIND == K_AFFINE) {
       if (L.bits <= 3) return _mm256_permutevar8x32_ps(r.lo, codes.get_raw(r.q.p, v));  // low 3 bits index
       return _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes.get(r.q.p, v)), r.s, r.b);
     } else if constexpr (KIND == K_FP8) {

@@ -1,22 +1,35 @@
-// The AVX-512 path: F, BW, VL and VBMI, 16 lanes (see kernels.h).
-#include "avx2.h"
+// The AVX-512 arch and decoders (see kernels.h): F, BW, VL and VBMI, 16 lanes.
+#pragma once
 
-namespace ms {
+#include "arch_avx2.h"
 
 #if MS_AVX512
+namespace ms {
+
 struct Arch5 {
   using V = __m512;
   static constexpr int W = 16;
-  static constexpr int TM = 8;
-  static constexpr int R1 = 4;
+  static constexpr int R1 = 4;  // rows per pass for one token
+  static constexpr int TT = 5;  // tokens per tile of the many-token path (4 x 5 accumulators)
+  static constexpr bool SIMD = true;
   static MS_INLINE V zero() { return _mm512_setzero_ps(); }
+  static MS_INLINE V set1(float a) { return _mm512_set1_ps(a); }
   static MS_INLINE V loadu(const float* p) { return _mm512_loadu_ps(p); }
   static MS_INLINE void storeu(float* p, V a) { _mm512_storeu_ps(p, a); }
+  static MS_INLINE void store_part(float* p, V a, int64_t n) {
+    _mm512_mask_storeu_ps(p, __mmask16((1u << n) - 1), a);
+  }
   static MS_INLINE V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static MS_INLINE float hsum2(V a, V b) {
-    __m512 t = _mm512_add_ps(a, b);
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));  // lanes i + i+8
-    return Arch2::hsum2(h, _mm256_setzero_ps());
+  static MS_INLINE float hsum(V a) {  // lanes i + i+8, then the 8-lane tree
+    return Arch2::hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+  }
+  // n <= 16 elements of dtype dt at element c0 of p, zeros after
+  static MS_INLINE V load_dt(const uint8_t* p, int dt, int64_t c0, int64_t n) {
+    const __mmask16 m = __mmask16((1u << n) - 1);
+    if (dt == F32) return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(p) + c0);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p + 2 * c0);
+    if (dt == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
   }
 };
 
@@ -49,6 +62,7 @@ struct Codes5 {
 template <int KIND>
 struct Dec5 {
   using V = __m512;
+  int64_t full;  // float: whole vectors in a row
   const Lin& L;
   Codes5 codes;
   __m512 lut;
@@ -62,7 +76,7 @@ struct Dec5 {
   mutable TritScratch trits;
   int64_t group_bytes;  // stored bytes of one group's codes (about: ten-per-word packing)
   explicit Dec5(const Lin& l)
-      : L(l), codes(KIND == K_TRIT ? 2 : (KIND == K_AFFINE || KIND == K_CB ? l.bits : 4)) {
+      : L(l), full(l.in / 16), codes(KIND == K_TRIT ? 2 : (KIND == K_AFFINE || KIND == K_CB ? l.bits : 4)) {
     group_bytes = L.row_bytes * L.group / std::max<int64_t>(1, L.in);
     lut = _mm512_loadu_ps(L.lut);
     alignas(64) float io[32];
@@ -87,9 +101,10 @@ struct Dec5 {
     if constexpr (KIND == K_TRIT) r.q.p = trits.row(L, r.q.p);
   }
   MS_INLINE void prefetch(const Row& r, int64_t g) const {
-    if constexpr (KIND != K_TRIT) prefetch_ahead(r.q.p + g * group_bytes);
+    if constexpr (KIND != K_TRIT && KIND != K_FLOAT) prefetch_ahead(r.q.p + g * group_bytes);
   }
   MS_INLINE void group(Row& r, int64_t g) const {
+    if constexpr (KIND == K_FLOAT) return;
     float s = group_scale<KIND>(L, r.q, g);
     if constexpr (KIND == K_FP8) s *= 256.0f;  // the fp16 view of e4m3 bits is value * 2^-8 (exact)
     r.s = _mm512_set1_ps(s);
@@ -104,7 +119,9 @@ struct Dec5 {
     if constexpr (KIND == K_MXFP4 || KIND == K_CB || KIND == K_CB3 || KIND == K_TRIT) r.s = _mm512_mul_ps(lut, r.s);
   }
   MS_INLINE __m512 load(const Row& r, int64_t v) const {
-    if constexpr (KIND == K_AFFINE) {
+    if constexpr (KIND == K_FLOAT) {
+      return Arch5::load_dt(r.q.p, L.bits, 16 * v, v < full ? 16 : L.in - 16 * v);
+    } else if constexpr (KIND == K_AFFINE) {
       if (L.bits <= 4) return _mm512_permutexvar_ps(codes.get_raw(r.q.p, v), r.s);  // low 4 bits index
       if (L.bits == 5) return _mm512_permutex2var_ps(r.s, codes.get_raw(r.q.p, v), r.b);  // low 5 bits
       return _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes.get(r.q.p, v)), r.s, r.b);
@@ -128,16 +145,5 @@ struct Dec5 {
     }
   }
 };
-#endif
-
-bool rows_avx512(const Lin& L, const float* x, int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
-#if MS_AVX512
-  rows_by_kind<Arch5, Dec5>(L, x, n, r0, r1, y, ldy);
-  return true;
-#else
-  (void)L, (void)x, (void)n, (void)r0, (void)r1, (void)y, (void)ldy;
-  return false;
-#endif
-}
-
 }  // namespace ms
+#endif
