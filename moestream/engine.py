@@ -34,6 +34,7 @@ from .options import DEFAULT_BUDGET_GB, EngineOptions
 from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline, FusedSwiGLUKernel
 from .policies import make_policy
 from .quant import model as quant
+from .quant import native
 from .quant.expert import QuantizedSwiGLU
 from .quant.resident import dense_extra_bytes, dequantize_resident
 from .quant.turboquant import set_fast
@@ -281,6 +282,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         raise TypeError("give load() either options= or option keywords, not both")
     t0 = time.perf_counter()
     reset_peak_rss()
+    native.selected()  # a bad MOESTREAM_CPU_KERNELS is named before anything is read (KernelChoiceError)
     ckpt = open_checkpoint(resolve_model(model))  # an mlx-lm build's names mapped onto Hugging Face ones
     store = None
     try:

@@ -112,6 +112,114 @@ def assert_streaming_exact(path: Path, n: int = 23, chunk: int = 7, vocab: int =
     assert all(torch.equal(a, b) for a, b in zip(steps, ref_steps))
 
 
+def _logits(net, ids: torch.Tensor, chunk: int, capacity: int = 256) -> torch.Tensor:
+    """Every position's logits of ``ids`` [n], prefilled ``chunk`` tokens at a time into a new KV cache."""
+    kv = net.new_kv_cache(capacity)
+    with torch.inference_mode():
+        return torch.cat([net(ids[s : s + chunk], s, kv, all_logits=True) for s in range(0, ids.shape[0], chunk)])
+
+
+def assert_invariant(path: Path, n: int = 40, vocab: int = 300):
+    """A token's logits depend only on the model, its context and its position (the invariance promise,
+    docs/reliability.md): every position's logits of an ``n``-token prompt are the same bits prefilled whole
+    or in chunks of 1, 7 and 64 tokens, with a KV cache of another capacity, with 1, 2 or 4 intra-op threads
+    (not held: no ``generate`` here), with the first 17 tokens prefilled in an earlier call, and batched with
+    1 to 7 other sequences of other lengths (:meth:`CausalLM.forward_batch`); and a decode step after it is
+    the same bits alone and batched."""
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, vocab, (n,), generator=g)
+    engine = load(path, cache_budget_gb="all", tokenizer=False, workers=2, learn_experts=False)
+    try:
+        net = engine.model
+        want = _logits(net, ids, n)
+        for chunk in (1, 7, 64):
+            assert torch.equal(_logits(net, ids, chunk), want), f"prefill in chunks of {chunk} tokens"
+        for capacity in (n, 4096):
+            assert torch.equal(_logits(net, ids, n, capacity), want), f"a KV cache of capacity {capacity}"
+        threads = torch.get_num_threads()
+        try:
+            for nt in (1, 2, 4):
+                torch.set_num_threads(nt)
+                assert torch.equal(_logits(net, ids, 7), want), f"{nt} intra-op threads"
+        finally:
+            torch.set_num_threads(threads)
+        kv = net.new_kv_cache()
+        with torch.inference_mode():
+            first = net(ids[:17], 0, kv, all_logits=True)
+            rest = net(ids[17:], 17, kv, all_logits=True)
+        assert torch.equal(torch.cat([first, rest]), want), "a prefix prefilled in an earlier call"
+        others = [torch.randint(0, vocab, (m,), generator=g) for m in (3, 11, 29, 1, 17, 5, 2)]
+        for k in range(1, 8):
+            kvs = [net.new_kv_cache() for _ in range(k + 1)]
+            seqs = [ids, *others[:k]]
+            order = list(range(k + 1))
+            order = order[k // 2:] + order[: k // 2]  # the sequence at another place in the batch each time
+            with torch.inference_mode():
+                got = net.forward_batch([(seqs[j], 0, kvs[j]) for j in order], all_logits=True)
+            assert torch.equal(got[order.index(0)], want), f"batched with {k} other sequences"
+            step = torch.tensor([int(want[-1].argmax())])
+            with torch.inference_mode():
+                nxt = net.forward_batch([(step if j == 0 else seqs[j][-1:], seqs[j].shape[0], kvs[j]) for j in order])
+                alone_kv = net.new_kv_cache()
+                net(ids, 0, alone_kv)
+                alone = net(step, n, alone_kv)
+            assert torch.equal(nxt[order.index(0)], alone), f"a decode step batched with {k} others"
+    finally:
+        engine.close()
+
+
+def with_offset(src: Path, dst: Path, pad: int) -> Path:
+    """A copy of checkpoint ``src`` whose tensors all lie ``pad`` bytes further into their shard (a float32
+    tensor ``aaa_pad`` written first), so every expert's pieces land at another offset modulo 4 KiB."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(f)
+            tensors["aaa_pad"] = torch.zeros(pad // 4, dtype=torch.float32)
+            save_file(tensors, dst / f.name, metadata={"format": "pt"})
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        body = json.loads(index.read_text())
+        body["weight_map"]["aaa_pad"] = next(iter(body["weight_map"].values()))
+        index.write_text(json.dumps(body))
+    return dst
+
+
+def assert_streaming_exact_at_offsets(path: Path, tmp: Path, n: int = 23, vocab: int = 300):
+    """Streamed at a budget of 0 with every expert's pieces at other offsets modulo 4 KiB (5 placements: the
+    store lays a piece out at its file offset modulo 4 KiB) and, for the expert buffers the cache holds, at
+    budget ``all``: the logits of a prefill in chunks of 7 and 8 sampled steps are torch.equal to budget
+    ``all`` of the checkpoint as written."""
+    prompt = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(11)).tolist()
+
+    def run(where, budget):
+        engine = load(where, cache_budget_gb=budget, workers=2, tokenizer=False, learn_experts=False)
+        try:
+            kv = engine.model.new_kv_cache()
+            with torch.inference_mode():
+                pre = torch.cat([engine.model(torch.tensor(prompt[s : s + 7]), s, kv, all_logits=True)
+                                 for s in range(0, n, 7)])
+            steps = list(generate(engine, prompt, 8, SamplingParams(temperature=1.0, seed=4), stop_at_eos=False,
+                                  keep_logits=True, prefill_chunk=7))
+            return pre, [s.logits for s in steps]
+        finally:
+            engine.close()
+
+    want_pre, want_steps = run(path, "all")
+    for pad in (4, 64, 1028, 2052, 4092):
+        moved = with_offset(path, tmp / f"pad{pad}", pad)
+        for budget in ("0", "all"):
+            pre, steps = run(moved, budget)
+            assert torch.equal(pre, want_pre), f"pieces {pad} bytes further, budget {budget}: prefill"
+            assert all(torch.equal(a, b) for a, b in zip(steps, want_steps)), f"pieces {pad} bytes further: steps"
+
+
 def synth_and_generate(tmp_path: Path, cfg: dict, layers: int = 2) -> dict:
     """``synth`` of ``cfg`` cut to ``layers`` layers, then 4 sampled tokens streamed at budget 0 and at ``all``.
 
@@ -149,3 +257,11 @@ def test_greedy_tokens_match_transformers(model):
 
 def test_streaming_bit_identical(model):
     assert_streaming_exact(model[0])
+
+
+def test_invariant_to_chunks_capacity_threads_and_batch(model):
+    assert_invariant(model[0])
+
+
+def test_streaming_exact_wherever_the_pieces_lie(model, tmp_path):
+    assert_streaming_exact_at_offsets(model[0], tmp_path)

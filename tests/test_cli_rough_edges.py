@@ -232,3 +232,20 @@ def test_help_says_what_is_required_and_the_defaults(command, wanted, capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
     for w in wanted:
         assert w in text, text
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_bad_kernel_choice_is_one_line_before_anything_is_read(tiny, command):
+    """``MOESTREAM_CPU_KERNELS=foo``: exit 2 with one line naming the variable and the choices, no traceback,
+    before the checkpoint is opened (nothing about reads or loading printed)."""
+    import os
+
+    env = dict(os.environ, MOESTREAM_CPU_KERNELS="foo")
+    args = ["--prompt", "hi", "--max-tokens", "2"] if command == "generate" else ["--port", "0"]
+    run = subprocess.run([sys.executable, "-m", "moestream", command, "--model", str(tiny), *args], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
+    assert lines[-1] == ("moestream: error: environment variable MOESTREAM_CPU_KERNELS='foo': expected one of "
+                         "auto, avx512, avx2, portable, torch"), run.stderr
+    assert "Traceback" not in run.stderr and "expert reads" not in run.stderr

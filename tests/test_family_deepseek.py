@@ -196,3 +196,13 @@ def test_mtp_layers_are_left_unread(family, tmp_path):
     assert f"model.layers.{n}.eh_proj.weight" in unused
     assert f"model.layers.{n}.mlp.experts.3.down_proj.weight" in unused
     assert all(k.startswith(f"model.layers.{n}.") for k in unused)
+
+
+def test_invariant_to_chunks_capacity_threads_and_batch(family):
+    path = family[2]
+    fh.assert_invariant(path)
+
+
+def test_streaming_exact_wherever_the_pieces_lie(family, tmp_path):
+    path = family[2]
+    fh.assert_streaming_exact_at_offsets(path, tmp_path)

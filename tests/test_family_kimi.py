@@ -325,3 +325,15 @@ def test_k3_real_config_scaled_down_synth_generate(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "vision tower" in r.stderr and "cache hit rate" in r.stderr
+
+
+@pytest.mark.parametrize("which", ["kimi_linear", "k3"])
+def test_invariant_to_chunks_capacity_threads_and_batch(which, request):
+    path = request.getfixturevalue(which)[0]
+    fh.assert_invariant(path)
+
+
+@pytest.mark.parametrize("which", ["kimi_linear", "k3"])
+def test_streaming_exact_wherever_the_pieces_lie(which, request, tmp_path):
+    path = request.getfixturevalue(which)[0]
+    fh.assert_streaming_exact_at_offsets(path, tmp_path)

@@ -253,3 +253,13 @@ def test_depthwise_causal_conv_is_conv1d(dtype, t):
     # each output depends only on its window: the same bits computed one position at a time
     one = torch.cat([depthwise_causal_conv(window[:, i : i + 4], weight) for i in range(t)], dim=1)
     assert torch.equal(one, got)
+
+
+def test_invariant_to_chunks_capacity_threads_and_batch(family):
+    path = family[2]
+    fh.assert_invariant(path)
+
+
+def test_streaming_exact_wherever_the_pieces_lie(family, tmp_path):
+    path = family[2]
+    fh.assert_streaming_exact_at_offsets(path, tmp_path)

@@ -18,7 +18,7 @@ from moestream.quant.formats import LinearFormat, Scheme
 from .quant_helpers import fp8_quantize, mlx_quantize, mxfp4_quantize
 from .test_gguf import _blocks as ggml_blocks
 from .test_gguf_types import _lf as ggml_lf
-from .test_quant_native import PATHS, on
+from .test_quant_native import PATHS
 
 pytestmark = pytest.mark.skipif(not native.paths(), reason="the CPU kernels are not built here")
 
@@ -84,7 +84,7 @@ def test_every_path_gives_the_same_bits_for_stored_weights(kind):
         pieces = stored(kind, out_f, in_f, seed=out_f)
         for n in (1, 3, 9):
             x = torch.randn(n, in_f, generator=_gen(n)).bfloat16()
-            got = on_every_path(lambda: run_quant(pieces, x))
+            got = on_every_path(lambda pieces=pieces, x=x: run_quant(pieces, x))
             first = next(iter(got.values()))
             for p, y in got.items():
                 assert torch.equal(y, first), f"{kind} [{out_f}, {in_f}] n={n}: {p} differs"
@@ -103,7 +103,7 @@ def test_every_path_gives_the_same_bits_for_float_weights(dtype):
             x = torch.randn(n, in_f, generator=_gen(n))
             for transposed in (False, True):
                 wt = w.t().contiguous() if transposed else w
-                got = on_every_path(lambda: native.float_linear(x, wt, b, transposed=transposed))
+                got = on_every_path(lambda x=x, wt=wt, b=b, tr=transposed: native.float_linear(x, wt, b, transposed=tr))
                 first = next(iter(got.values()))
                 for p, y in got.items():
                     assert torch.equal(y, first), f"{dtype} [{out_f}, {in_f}] n={n} T={transposed}: {p}"

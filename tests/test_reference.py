@@ -6,7 +6,7 @@ import torch
 from moestream.engine import load
 
 from . import family_helpers as fh
-from .helpers import make_qwen3_moe
+from .helpers import make_qwen3_moe, read_all, write_checkpoint
 
 VARIANTS = {
     "base": {},
@@ -62,3 +62,24 @@ def test_tied_head_is_the_embedding_even_if_the_checkpoint_has_lm_head(tmp_path)
     finally:
         engine.close()
     assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["base", "sliding-window", "dense-layer-and-sparse-step"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_invariant_to_chunks_capacity_threads_and_batch(tmp_path, variant, dtype):
+    """Qwen3-MoE's tokens depend only on their context and position (family_helpers.assert_invariant), in
+    float32 and bf16 (where every rounding of a reduction shows)."""
+    make_qwen3_moe(tmp_path / "src", seed=4, **VARIANTS[variant])
+    path = tmp_path / "src"
+    if dtype == "bfloat16":
+        path = write_checkpoint(path, tmp_path / "bf16", {k: v.bfloat16() for k, v in read_all(path).items()})
+    fh.assert_invariant(path)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_streaming_exact_wherever_the_pieces_lie(tmp_path, dtype):
+    make_qwen3_moe(tmp_path / "src", seed=5)
+    path = tmp_path / "src"
+    if dtype == "bfloat16":
+        path = write_checkpoint(path, tmp_path / "bf16", {k: v.bfloat16() for k, v in read_all(path).items()})
+    fh.assert_streaming_exact_at_offsets(path, tmp_path)

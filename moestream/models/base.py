@@ -27,7 +27,7 @@ from torch import nn
 from ..checkpoint import Checkpoint, torch_dtype
 from ..errors import CheckpointError, ConfigError
 from ..nnutil import set_submodule
-from .layers import Attention, KVCache, RMSNorm
+from .layers import Attention, AttentionProjections, BatchKV, KVCache, RMSNorm
 from .moe import StreamedMoE
 from .rope import make_rope, rope_scaling_type, rope_theta
 
@@ -395,6 +395,52 @@ class CausalLM(nn.Module):
         kv.length = start + ids.shape[0]
         return self.head(decoder.norm(h))
 
+
+    @property
+    def batchable(self) -> bool:
+        """Whether :meth:`forward_batch` runs several sequences in one pass: the plain skeleton (this class's
+        forward and KV cache) with decoder layers whose attention keeps its keys through ``kv.attend``
+        (:class:`~moestream.models.layers.Attention` and the variants of :mod:`~moestream.models.variants`).
+        Other families (MLA, linear attention) run the sequences of a batch one after the other."""
+        if type(self).forward is not CausalLM.forward or type(self).new_kv_cache is not CausalLM.new_kv_cache:
+            return False
+        for layer in self.decoder.layers:
+            attn = getattr(layer, "self_attn", None)
+            if not isinstance(attn, AttentionProjections):
+                return False
+        return True
+
+    def forward_batch(self, parts: list[tuple[torch.Tensor, int, KVCache]], all_logits: bool = False
+                      ) -> list[torch.Tensor]:
+        """Logits of several sequences in one forward pass: ``parts`` is ``[(ids [T_i] int64, start_i, kv_i)]``.
+
+        Their tokens go through every layer together, laid end to end ([sum T_i, H]): each MoE layer computes
+        every token's experts in one pass (an expert routed by several sequences is fetched once), each
+        sequence attends over its own cache. A token's logits are the bits of the same sequence run alone
+        (every op's result on a row depends only on that row; attention only on the sequence's own keys), so
+        batching changes what is read and how long it takes, never the output. Returns per part [1, vocab]
+        (its last position) or with ``all_logits`` [T_i, vocab]. A family that is not :attr:`batchable` runs
+        the parts one after the other.
+        """
+        if len(parts) == 1 or not self.batchable:
+            return [self(ids, start, kv, all_logits) for ids, start, kv in parts]
+        batch = BatchKV([(kv, start, ids.shape[0]) for ids, start, kv in parts])
+        decoder = self.decoder
+        ids = torch.cat([p[0] for p in parts])
+        h = decoder.embed_tokens(ids)
+        positions = torch.cat([torch.arange(start, start + i.shape[0], device=ids.device) for i, start, _ in parts])
+        cos, sin = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(decoder.layers):
+            h = layer(h, cos, sin, batch, i, 0)
+        if not all_logits:
+            ends = torch.tensor(batch.offsets[1:], device=h.device) - 1
+            h = h[ends]
+        for (_, start, kv), n in zip(parts, batch.lengths):
+            kv.length = start + n
+        out = self.head(decoder.norm(h))
+        if not all_logits:
+            return [out[j : j + 1] for j in range(len(parts))]
+        return [out[a:b] for a, b in zip(batch.offsets[:-1], batch.offsets[1:])]
 
     def synth_experts(self, block: str, num_experts: int) -> list[SynthTensor]:
         """The routed experts of the MoE block at ``block`` as ``moestream synth`` writes them: per expert,

@@ -175,6 +175,30 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class BatchKV:
+    """The KV caches of several sequences whose tokens one forward pass carries laid end to end.
+
+    ``parts``: ``[(kv, start, n)]``, sequence j's ``n`` tokens at positions ``start..start+n`` of its own
+    ``kv``, in the order their rows come. Attention layers call :meth:`attend` as on one cache; each
+    sequence's queries attend over its own keys only (:meth:`KVCache.attend` per part).
+    """
+
+    def __init__(self, parts: list[tuple[KVCache, int, int]]):
+        self.parts = parts
+        self.lengths = [n for _, _, n in parts]
+        self.offsets = [0]
+        for n in self.lengths:
+            self.offsets.append(self.offsets[-1] + n)
+
+    def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`KVCache.attend` of every part on its rows of ``q``, ``k``, ``v`` [heads, sum n, d] (``start`` is
+        each part's own); [heads, sum n, d]."""
+        outs = [kv.attend(layer, s, q[:, a : a + n], k[:, a : a + n], v[:, a : a + n], scale, window, sinks)
+                for (kv, s, n), a in zip(self.parts, self.offsets)]
+        return torch.cat(outs, dim=1)
+
+
 class HybridCache(KVCache):
     """Decode state of one sequence for a hybrid model (Qwen3-Next's Gated DeltaNet, Kimi's KDA).
 

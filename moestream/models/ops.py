@@ -142,18 +142,37 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
         positions and of T); elsewhere PyTorch's scaled-dot-product attention.
 
     Raises:
-        NotImplementedError: ``sinks``, ``keys2`` or ``mask`` off the CPU kernels (those callers keep their own
-            PyTorch form there).
+        NotImplementedError: ``keys2`` or ``mask`` off the CPU kernels (those callers keep their own PyTorch
+            form there).
     """
     t = q.shape[1]
     if _cpu(q):
         out = native.attention(q.transpose(0, 1), keys, values, start, scale, window, keys2, sinks, mask)
         if out is not None:
             return out.to(q.dtype).transpose(0, 1)
-    if sinks is not None or keys2 is not None or mask is not None:
-        raise NotImplementedError("attend: sinks, split keys and key masks are computed on the CPU kernels only; "
-                                  "the caller keeps its own form elsewhere")
     end = start + t
+    if sinks is not None and keys2 is None and mask is None:
+        return _eager_sink_attention(q, keys[:, :end], values[:, :end], attention_mask(start, t, window, q.device),
+                                     sinks, scale)
+    if sinks is not None or keys2 is not None or mask is not None:
+        raise NotImplementedError("attend: split keys and key masks are computed on the CPU kernels only; the "
+                                  "caller keeps its own form elsewhere")
     return F.scaled_dot_product_attention(q[None], keys[None, :, :end], values[None, :, :end],
                                           attn_mask=attention_mask(start, t, window, q.device), scale=scale,
                                           enable_gqa=q.shape[0] != keys.shape[0])[0]
+
+
+def _eager_sink_attention(q, keys, values, mask, sinks, scale) -> torch.Tensor:
+    """softmax([q k^T * scale, sink]) without the sink column, times v, in q's dtype, as transformers' gpt-oss eager
+    attention (the form off the CPU kernels)."""
+    rep = q.shape[0] // keys.shape[0]
+    if rep > 1:
+        keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)
+    logits = torch.matmul(q, keys.transpose(1, 2)) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+    sink = sinks.to(logits.dtype)[:, None, None].expand(-1, logits.shape[1], 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .layers import AttentionProjections, KVCache, RMSNorm, attention_mask
+from .layers import AttentionProjections, KVCache, RMSNorm
 from .rope import apply_rotary
 
 
@@ -90,11 +90,7 @@ class VariantAttention(AttentionProjections):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.qk_norm == "head" and self.norm_after_rope:  # HunYuan normalizes the rotated q and k
             q, k = q_norm(q), k_norm(k)
-        if x.device.type == "cpu" or self.sinks is None:  # the compiled kernel takes the sinks on the CPU
-            out = kv.attend(layer, start, q, k, v, self.scale, self.window, self.sinks)
-        else:
-            keys, values = kv.update(layer, start, k, v)
-            out = self._sink_attention(q, keys, values, attention_mask(start, t, self.window, x.device))
+        out = kv.attend(layer, start, q, k, v, self.scale, self.window, self.sinks)
         out = out.transpose(0, 1).reshape(t, self.heads * self.head_dim)
         if self.gate is not None:
             g = ops.softplus(self.g_proj(x).float()).to(out.dtype)
@@ -103,17 +99,3 @@ class VariantAttention(AttentionProjections):
             else:
                 out = out * g
         return self.o_proj(out)
-
-    def _sink_attention(self, q, keys, values, mask) -> torch.Tensor:
-        """softmax([q k^T * scale, sink]) without the sink column, times v, as transformers' gpt-oss eager attention."""
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)
-        logits = torch.matmul(q, keys.transpose(1, 2)) * self.scale
-        if mask is not None:
-            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-        sinks = self.sinks.to(logits.dtype)[:, None, None].expand(-1, logits.shape[1], 1)
-        combined = torch.cat([logits, sinks], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
-        return torch.matmul(probs.to(values.dtype), values)

@@ -52,6 +52,9 @@ static inline float c10_half_round(float f) {
 
 #define MS_UNROLL _Pragma("GCC unroll 16")
 #define MS_INLINE inline __attribute__((always_inline))
+// the hot loops stay functions of their own: inlined into their caller, GCC stops unrolling them (the
+// accumulators then live on the stack, half the speed)
+#define MS_NOINLINE __attribute__((noinline))
 
 // IEEE fp16 bits -> float32 (exact)
 static MS_INLINE float half_to_float(uint16_t h) {
@@ -682,9 +685,22 @@ static MS_INLINE void st_dt(uint8_t* p, int dt, int64_t i, float v) {
 // ---------------------------------------------------------------------------------------
 // The dot engine (kernels.h): one 16-lane accumulator per (row, token), vectors in order, one tree.
 
+// One vector v of R rows times T tokens into the accumulators.
+template <class A, class D, int R, int T>
+static MS_INLINE void fma_step(const D& dec, const typename D::Row (&st)[R], int64_t v, const float* x, int64_t ldx,
+                               typename A::V (&acc)[R][T]) {
+  using V = typename A::V;
+  MS_UNROLL
+  for (int r = 0; r < R; ++r) {
+    const V w = dec.load(st[r], v);
+    MS_UNROLL
+    for (int t = 0; t < T; ++t) acc[r][t] = A::fma(w, A::loadu(x + t * ldx + v * 16), acc[r][t]);
+  }
+}
+
 // R rows x T tokens straight from the stored codes (the one-token path): x [T, ldx], vpg vectors per group.
 template <class A, class D, int R, int T>
-static void dot_rows(const D& dec, int64_t row, const float* x, int64_t ldx, int64_t nvec, int64_t vpg, float* y,
+static MS_NOINLINE void dot_rows(const D& dec, int64_t row, const float* x, int64_t ldx, int64_t nvec, int64_t vpg, float* y,
                      int64_t ldy) {
   using V = typename A::V;
   V acc[R][T];
@@ -702,14 +718,11 @@ static void dot_rows(const D& dec, int64_t row, const float* x, int64_t ldx, int
       dec.group(st[r], g);
     }
     const int64_t end = std::min(nvec, v + vpg);
-    for (; v < end; ++v) {
-      MS_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const V w = dec.load(st[r], v);
-        MS_UNROLL
-        for (int t = 0; t < T; ++t) acc[r][t] = A::fma(w, A::loadu(x + t * ldx + v * 16), acc[r][t]);
-      }
+    for (; v + 1 < end; v += 2) {
+      fma_step<A, D, R, T>(dec, st, v, x, ldx, acc);
+      fma_step<A, D, R, T>(dec, st, v + 1, x, ldx, acc);
     }
+    if (v < end) fma_step<A, D, R, T>(dec, st, v++, x, ldx, acc);
   }
   MS_UNROLL
   for (int r = 0; r < R; ++r)
@@ -719,7 +732,7 @@ static void dot_rows(const D& dec, int64_t row, const float* x, int64_t ldx, int
 
 // The weights of row `row` decoded into buf[nvec * 16]: the vectors dot_rows multiplies.
 template <class A, class D>
-static void decode_row(const D& dec, int64_t row, int64_t nvec, int64_t vpg, float* buf) {
+static MS_NOINLINE void decode_row(const D& dec, int64_t row, int64_t nvec, int64_t vpg, float* buf) {
   typename D::Row st;
   dec.start(st, row);
   for (int64_t v = 0, g = 0; v < nvec; ++g) {
@@ -732,7 +745,7 @@ static void decode_row(const D& dec, int64_t row, int64_t nvec, int64_t vpg, flo
 
 // R decoded rows (buf [R][ldb]) x T tokens (x [T][ldx]) -> y[t * ldy + r]
 template <class A, int R, int T>
-static void tile(const float* buf, int64_t ldb, const float* x, int64_t ldx, int64_t nvec, float* y, int64_t ldy) {
+static MS_NOINLINE void tile(const float* buf, int64_t ldb, const float* x, int64_t ldx, int64_t nvec, float* y, int64_t ldy) {
   using V = typename A::V;
   V acc[R][T];
   MS_UNROLL
@@ -818,7 +831,7 @@ static void rows_with(const Lin& L, const float* x, int64_t ldx, int64_t n, int6
 // Weights stored input-major ([in, stored columns], kind FLOAT_T: y = x @ W): columns [c0, c1) of y for
 // n tokens; each output one fma chain over the inputs in order. RC vectors of 16 columns x T tokens.
 template <class A, int RC, int T>
-static void cols_tile(const Lin& L, const float* x, int64_t ldx, int64_t c, int64_t ncols, float* y, int64_t ldy) {
+static MS_NOINLINE void cols_tile(const Lin& L, const float* x, int64_t ldx, int64_t c, int64_t ncols, float* y, int64_t ldy) {
   using V = typename A::V;
   V acc[RC][T];
   MS_UNROLL
