@@ -26,7 +26,7 @@ from .layout import ExpertLayout, discover_experts
 from .memory import reset_peak_rss
 from .mlx_format import open_checkpoint
 from .models import family_for
-from .models.base import CausalLM, checkpoint_dtype, load_resident
+from .models.base import CausalLM, check_layer_count, checkpoint_dtype, load_resident
 from .models.layers import RMSNorm
 from .models.linear import use_fast_linear
 from .models.moe import swiglu_expert
@@ -380,18 +380,22 @@ def _open(ckpt: Checkpoint, options: EngineOptions) -> _Opened:
 
     Raises ConfigError, LayoutError, QuantError naming the file, field or tensor.
     """
-    cfg_path = ckpt.path / "config.json"
+    cfg_path = ckpt.path / "config.json" if ckpt.path.is_dir() else ckpt.path  # a GGUF file: its metadata
     family = family_for(ckpt.config, str(cfg_path))
     try:
+        check_layer_count(ckpt.config, ckpt.tensors)  # before a model of the config's size is built
         args = family.ModelArgs.from_config(ckpt.config)
+        with torch.device("meta"):
+            net = family.Model(args)  # its layers check what they take (head counts): named by file too
     except ConfigError as e:
         raise ConfigError(f"{cfg_path}: {e}") from None
     layout = discover_experts(ckpt.tensors)
-    with torch.device("meta"):
-        net = family.Model(args)
     adapt = getattr(family, "adapt_to_source", None)  # an MLX build whose layout the family follows (gpt-oss)
     if ckpt.source_format is not None and adapt is not None:
         adapt(net, ckpt.source_format)
+    adapt = getattr(family, "adapt_to_layout", None)  # gpt-oss: separate gate and up experts (moestream convert)
+    if adapt is not None:
+        adapt(net, layout)
     formats = quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path)  # quantized experts
     quantized_resident = quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears, on meta
     if options.dtype == "auto":

@@ -51,3 +51,9 @@ class TemplateVariableError(InputError):
 
 class PromptTooLongError(InputError):
     """A prompt refused by its length in bytes, before it was tokenized (see ``tokenizer.PromptLimit``)."""
+
+
+class ChatTemplateError(MoestreamError):
+    """A checkpoint's chat template went past the bounds of a render: it ran longer than
+    ``tokenizer.RENDER_SECONDS`` or wrote more than its output bound. The message names the template's
+    file and field (``tokenizer_config.json``'s ``chat_template``, a GGUF file's ``tokenizer.chat_template``)."""

@@ -9,11 +9,14 @@ multiple of ``general.alignment`` (default 32) after the table; every tensor's o
 multiple of the alignment. A model split by ``llama-gguf-split`` is several such files,
 ``<name>-00001-of-0000N.gguf`` ..., the first holding the metadata (``split.count``).
 
-:func:`open_gguf` parses the header, metadata and tensor infos with the ``gguf`` package's
-own reader (``gguf.GGUFReader``; no tensor data is read) and validates every tensor against
-its file before anything else happens: a known ggml type that moestream computes on
-(:mod:`moestream.quant.ggml`: F32, F16, BF16, Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS, MXFP4, IQ2_XXS,
-IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0),
+:func:`open_gguf` reads the header, metadata and tensor infos with its own bounded walk (:class:`_Header`;
+no tensor data is read): a header comes from whoever made the file, so every count in it is checked against
+the bytes left in the file before anything is allocated or iterated, and the keys, tensors, string lengths,
+array items and nesting depth are bounded (``MAX_KEYS`` ... ``MAX_DEPTH``, each named in the error that
+enforces it). The ``gguf`` package (its tensor-name map and ggml type tables) is imported only when a GGUF
+file is opened. Every tensor is validated against its file before anything else happens: a known ggml
+type that moestream computes on (:mod:`moestream.quant.ggml`: F32, F16, BF16, Q4_0-Q8_0, Q2_K-Q6_K,
+IQ4_NL, IQ4_XS, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0),
 whole blocks per row, an aligned offset, a byte range inside the file and overlapping no
 other. A tensor of another type is refused naming the tensor and its type.
 
@@ -31,9 +34,11 @@ read through the same store, cache and O_DIRECT path as any checkpoint; ``exp_pr
 is ``mlp.gate.e_score_correction_bias`` (the converter renames it so the map finds it); the
 DeltaNet's bare ``blk.N.ssm_a`` (``A_log``, no ``.weight``) has no name rule and is read by name
 (:func:`_adapt_hybrid`). The Hugging Face config is built from the metadata (:func:`hf_config`); a key moestream needs
-and the file lacks is refused naming the file and key. A metadata array of more than
+and the file lacks is refused naming the file and key, and so is a count or size under 1, a head count
+that is not a multiple of the key/value heads, or a ``block_count`` above the blocks the file's tensors hold
+(checked before anything is built per layer). A metadata array of more than
 ``_MAX_ARRAY`` items (the tokenizer's vocabulary, token types and merges) is stepped over by
-:class:`_Reader`, not parsed, and kept as its length; the tokenizer reads the lists itself
+:class:`_Header`, not parsed, and kept as its length; the tokenizer reads the lists itself
 (:func:`moestream.tokenizer.load_gguf_tokenizer`). The compute dtype by default (``--dtype
 auto``) is bf16, float32 for a file of F32 tensors only (:func:`compute_dtype`,
 ``GGUFFormat.compute_dtype``); block-quantized tensors stay as their bytes in either.
@@ -81,15 +86,15 @@ Fused gate/up experts (``ffn_gate_up_exps``, a converter option) are refused by 
 from __future__ import annotations
 
 import math
+import mmap
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
-import gguf
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from .checkpoint import Checkpoint, FileHandles, TensorInfo, file_identity
 from .errors import CheckpointError
@@ -169,7 +174,9 @@ _EXTRA_NAMES = {
 }
 
 
-def _model_arch(arch: str) -> gguf.MODEL_ARCH:
+def _model_arch(arch: str):
+    import gguf  # the gguf package is needed for GGUF files only: imported when one is opened
+
     return next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
 
 
@@ -180,6 +187,8 @@ def derive_names(arch: str) -> dict[str, str]:
     Raises:
         ValueError: two of the architecture's module names map to one llama.cpp tensor (a vocabulary error).
     """
+    import gguf
+
     names = (*_TOP_MODULES, *("model.layers.{bid}." + m for m in HF_MODULES[arch]))
     want = {name.format(bid=0): name for name in names}
     out: dict[str, str] = {}
@@ -197,8 +206,28 @@ def derive_names(arch: str) -> dict[str, str]:
     return {**out, **_EXTRA_NAMES.get(arch, {})}
 
 
+@cache
+def _names() -> dict[str, dict[str, str]]:
+    """:data:`NAMES`, derived on first use (it needs the ``gguf`` package, imported only for GGUF files)."""
+    return {arch: derive_names(arch) for arch in HF_MODULES}
+
+
+class _Names(Mapping):
+    """:data:`NAMES`: a mapping derived from the gguf package's map when first read, so that importing this
+    module does not import gguf (needed for GGUF files only)."""
+
+    def __getitem__(self, arch: str) -> dict[str, str]:
+        return _names()[arch]
+
+    def __iter__(self):
+        return iter(HF_MODULES)
+
+    def __len__(self) -> int:
+        return len(HF_MODULES)
+
+
 # architecture -> {llama.cpp name: Hugging Face name}, derived from the gguf package's map (see derive_names)
-NAMES = {arch: derive_names(arch) for arch in HF_MODULES}
+NAMES: Mapping[str, dict[str, str]] = _Names()
 
 
 def _pattern(key: str) -> re.Pattern:
@@ -206,7 +235,15 @@ def _pattern(key: str) -> re.Pattern:
     return re.compile("^" + pat + r"\.(?P<param>weight|bias)$")
 
 
-_NAME_RE = {arch: [(_pattern(k), v) for k, v in names.items()] for arch, names in NAMES.items()}
+def _name_patterns(arch: str) -> list[tuple[re.Pattern, str]]:
+    return _compiled_names(arch) if arch in HF_MODULES else []
+
+
+@cache
+def _compiled_names(arch: str) -> list[tuple[re.Pattern, str]]:
+    return [(_pattern(k), v) for k, v in _names()[arch].items()]
+
+
 _FLOAT = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # ggml float type -> tensor-index dtype
 # metadata arrays longer than this are kept as their length only (the tokenizer's vocabulary and merges)
 _MAX_ARRAY = 1024
@@ -277,74 +314,195 @@ class GGUFFormat:
         return text + ("; head tied to the embedding" if self.tied else "")
 
 
-class _Reader(GGUFReader):
-    """The ``gguf`` package's reader, stopped before it maps tensor data: header, metadata, tensor infos
-    (``infos``: name, ``ne``, raw type, offset) and the data offset and alignment.
+# -- the header, read with bounds -----------------------------------------------------------------------------
+# A GGUF header is written by whoever made the file. Every count in it is checked against the bytes left in the
+# file before anything is allocated or iterated, and these bound what a header may ask of the reader, each named
+# in the error that enforces it. llama.cpp's files hold about 50 keys, some hundreds of tensors, no array of
+# arrays, and arrays of about 500,000 items in all (a tokenizer's vocabulary, token types and merges).
+MAX_KEYS = 65_536  # metadata keys
+MAX_TENSORS = 262_144  # tensor infos
+MAX_KEY_BYTES = 65_535  # a metadata key (the GGUF spec's limit)
+MAX_TENSOR_NAME_BYTES = 256  # a tensor name (llama.cpp's GGML_MAX_NAME is 64)
+MAX_STRING_BYTES = 16 << 20  # one string value (a chat template is tens of KB)
+MAX_ITEMS = 1 << 23  # items of all the metadata's arrays together (8,388,608)
+MAX_DEPTH = 8  # arrays inside arrays
+MAX_NESTED_ITEMS = _MAX_ARRAY  # items under one key that holds arrays of arrays
+MAX_KEPT_BYTES = 32 << 20  # keys and values held in memory (long arrays are stepped over, not held)
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+_VERSIONS = (2, 3)  # version 1 had 32-bit counts; the gguf package reads 2 and 3
 
-    A metadata array of more than ``_MAX_ARRAY`` items (the tokenizer's vocabulary, token types and
-    merges: 151,936 + 151,936 + 151,387 items for Qwen3) is stepped over, not parsed: ``GGUFReader``
-    makes two numpy views per string (7.5 s for Qwen3's, most of opening a GGUF), where a walk over the
-    string lengths takes 0.1 s and an array of numbers is one view. Its field holds the element type and
-    count only (``_field_value`` reports the count); the tokenizer reads the lists itself
-    (:func:`moestream.tokenizer.load_gguf_tokenizer`), ``moestream inspect`` never does.
-    """
-
-    def _get_field_parts(self, orig_offs, raw_type):
-        if raw_type != GGUFValueType.ARRAY:
-            return super()._get_field_parts(orig_offs, raw_type)
-        itype, alen = self._get(orig_offs, "uint32"), self._get(orig_offs + 4, "uint64")
-        if len(itype) < 1 or len(alen) < 1:
-            raise ValueError(f"the metadata array at byte {orig_offs} runs past the end of the file")
-        count, sub = int(alen[0]), GGUFValueType(int(itype[0]))
-        if count <= _MAX_ARRAY or sub == GGUFValueType.ARRAY:
-            return super()._get_field_parts(orig_offs, raw_type)
-        start = orig_offs + 12
-        nptype = self.gguf_scalar_to_np.get(sub)
-        if nptype is not None:
-            end = start + count * nptype().itemsize
-        elif sub == GGUFValueType.STRING:
-            end = _skip_strings(self.data, start, count, ">" if self.byte_order == "S" else "<")
-        else:
-            raise ValueError(f"Unknown/unhandled array element type {sub}")
-        if end > len(self.data):
-            raise ValueError(f"the metadata array at byte {orig_offs} runs past the end of the file")
-        return end - orig_offs, [itype, alen], [], [GGUFValueType.ARRAY, sub]
-
-    def _build_tensors(self, start_offs, fields):  # GGUFReader would view (and shape-check) each tensor's data
-        self.infos = []
-        for f in fields:
-            _, name, _, dims, raw_type, offset = f.parts
-            self.infos.append((bytes(name).decode("utf-8"), int(raw_type[0]), [int(d) for d in dims], int(offset[0])))
+_STRING, _ARRAY = 8, 9  # GGUFValueType
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_VALUE_TYPES = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "FLOAT32", "BOOL", "STRING", "ARRAY",
+                "UINT64", "INT64", "FLOAT64")
+_ALIGNMENT_KEY, _UINT32 = "general.alignment", 4
 
 
-def _skip_strings(data, pos: int, count: int, order: str) -> int:
-    """The offset just past ``count`` GGUF strings (uint64 length, then the bytes) from ``pos`` in ``data``.
+class _Header:
+    """One GGUF file's header read from its mapped bytes, within the bounds above: metadata (arrays of more
+    than ``_MAX_ARRAY`` items, the tokenizer's lists, stepped over and kept as ``{"array_of": n}``; the tokenizer
+    reads them itself, :func:`moestream.tokenizer.load_gguf_tokenizer`), tensor infos (name, raw type, ``ne``,
+    offset), data offset, alignment and version. No tensor data is read.
 
     Raises:
-        ValueError: a length running past the end of ``data`` (a truncated file).
+        CheckpointError: naming the file, and the key or tensor, of a header that runs past the end of the
+            file, holds a value or type GGUF does not define, or asks more than a bound (naming the bound).
     """
-    size, unpack = len(data), struct.Struct(order + "Q").unpack_from
-    for _ in range(count):
-        if pos + 8 > size:
-            raise ValueError(f"a metadata string at byte {pos} runs past the end of the file")
-        pos += 8 + unpack(data, pos)[0]
-    return pos
 
+    def __init__(self, path: Path, buf):
+        self.path, self.buf, self.size, self.pos = path, buf, len(buf), 0
+        self.key: str | None = None  # the key being read, named in errors
+        self.items = 0  # array items walked, every key together
+        self.nested = 0  # items under this key in arrays of arrays
+        self.kept = 0  # bytes of the keys and values held
 
-def _field_value(f):
-    """A metadata field's value (arrays over ``_MAX_ARRAY`` items as ``{"array_of": n}``)."""
-    if f.types and f.types[0] == GGUFValueType.ARRAY:
-        count = int(f.parts[4][0])  # parts: key length, key, value type, element type, count, ...
-        if count > _MAX_ARRAY:
+    def fail(self, what: str) -> CheckpointError:
+        where = "" if self.key is None else f"metadata {self.key!r}: "
+        return CheckpointError(f"{self.path}: {where}{what}")
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise self.fail(f"{what} at byte {self.pos} needs {n} bytes, but the file has {self.size - self.pos} "
+                            "left; the file is truncated or corrupt")
+
+    def unpack(self, fmt: str, what: str) -> tuple:
+        s = struct.Struct("<" + fmt)
+        self.need(s.size, what)
+        out = s.unpack_from(self.buf, self.pos)
+        self.pos += s.size
+        return out
+
+    def keep(self, n: int) -> None:
+        self.kept += n
+        if self.kept > MAX_KEPT_BYTES:
+            raise self.fail(f"the metadata's keys and values (its arrays of up to {_MAX_ARRAY} items, strings) come "
+                            f"to more than {MAX_KEPT_BYTES:,} bytes, moestream's limit")
+
+    def text(self, what: str, limit: int, held: bool = True) -> str:
+        """A string of at most ``limit`` bytes; ``held``: it counts towards ``MAX_KEPT_BYTES`` (tensor names,
+        at most ``MAX_TENSORS`` x ``MAX_TENSOR_NAME_BYTES``, do not)."""
+        (n,) = self.unpack("Q", f"the length of {what}")
+        if n > limit:
+            raise self.fail(f"{what} of {n:,} bytes, over moestream's limit of {limit:,}")
+        self.need(n, what)
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        if held:
+            self.keep(n)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not UTF-8") from None
+
+    def value(self, vtype: int, depth: int = 0):
+        if vtype in _SCALARS:
+            self.keep(8)
+            return self.unpack(_SCALARS[vtype], f"a {_VALUE_TYPES[vtype]} value")[0]
+        if vtype == _STRING:
+            return self.text("a string", MAX_STRING_BYTES)
+        if vtype == _ARRAY:
+            return self.array(depth)
+        raise self.fail(f"value type {vtype}, which is not a GGUF value type (0 to 12)")
+
+    def array(self, depth: int):
+        if depth >= MAX_DEPTH:
+            raise self.fail(f"arrays nested more than {MAX_DEPTH} deep, moestream's limit (llama.cpp writes no "
+                            "array of arrays)")
+        itype, count = self.unpack("IQ", "an array's item type and length")
+        if itype not in _SCALARS and itype not in (_STRING, _ARRAY):
+            raise self.fail(f"an array of value type {itype}, which is not a GGUF value type (0 to 12)")
+        least = struct.calcsize("<" + _SCALARS[itype]) if itype in _SCALARS else 8 if itype == _STRING else 12
+        self.need(count * least, f"an array of {count:,} {_VALUE_TYPES[itype]} items")  # before iterating any
+        self.items += count
+        if self.items > MAX_ITEMS:
+            raise self.fail(f"the metadata's arrays hold more than {MAX_ITEMS:,} items in all, moestream's limit "
+                            "(a tokenizer's lists hold about 500,000)")
+        if depth or itype == _ARRAY:
+            self.nested += count
+            if self.nested > MAX_NESTED_ITEMS:
+                raise self.fail(f"arrays of arrays holding more than {MAX_NESTED_ITEMS:,} items, moestream's limit "
+                                "(llama.cpp writes no array of arrays)")
+        held = count <= _MAX_ARRAY
+        if itype in _SCALARS:
+            if not held:  # stepped over: one length, no item read
+                self.pos += count * least
+                return {"array_of": count}
+            self.keep(8 * count)
+            out = list(struct.unpack_from(f"<{count}{_SCALARS[itype]}", self.buf, self.pos))
+            self.pos += count * least
+            return out
+        if itype == _STRING:
+            if held:
+                return [self.text("a string", MAX_STRING_BYTES) for _ in range(count)]
+            self.skip_strings(count)
             return {"array_of": count}
-    return f.contents()
+        out = [self.array(depth + 1) for _ in range(count)]  # count <= MAX_NESTED_ITEMS
+        return out if held else {"array_of": count}
+
+    def skip_strings(self, count: int) -> None:
+        """Step over ``count`` strings (uint64 length, then the bytes): 0.1 s for Qwen3's 303,323."""
+        pos, size, buf, unpack = self.pos, self.size, self.buf, struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                break
+            pos += 8 + unpack(buf, pos)[0]
+        else:
+            if pos <= size:
+                self.pos = pos
+                return
+        raise self.fail(f"an array of {count:,} strings runs past the end of the file; the file is truncated or "
+                        "corrupt")
+
+    def read(self) -> tuple[dict, list, int, int, int]:
+        """(metadata, tensor infos, data offset, alignment, version)."""
+        self.pos = 4  # the magic, checked by the caller
+        (version,) = self.unpack("I", "the version")
+        if version & 0xFFFF == 0:  # the gguf package's test: a version written in the other byte order
+            raise self.fail("a big-endian GGUF file; moestream reads little-endian files")
+        if version not in _VERSIONS:
+            raise self.fail(f"GGUF version {version}; moestream reads versions {' and '.join(map(str, _VERSIONS))}")
+        n_tensors, n_keys = self.unpack("QQ", "the tensor and key counts")
+        if n_keys > MAX_KEYS:
+            raise self.fail(f"the header declares {n_keys:,} metadata keys; moestream reads at most {MAX_KEYS:,} "
+                            "(llama.cpp writes about 50)")
+        if n_tensors > MAX_TENSORS:
+            raise self.fail(f"the header declares {n_tensors:,} tensors; moestream reads at most {MAX_TENSORS:,}")
+        # a key is at least 13 bytes (length, type, a one-byte value), a tensor info 24: checked before either loop
+        self.need(13 * n_keys + 24 * n_tensors, f"the {n_keys:,} metadata keys and {n_tensors:,} tensor infos declared")
+        meta: dict = {}
+        alignment = 32  # GGUF's default
+        for i in range(n_keys):
+            self.key = None
+            key = self.text(f"metadata key {i}", MAX_KEY_BYTES)
+            if key in meta:
+                raise self.fail(f"metadata key {key!r} is given twice")
+            self.key, self.nested = key, 0
+            (vtype,) = self.unpack("I", "its value type")
+            meta[key] = self.value(vtype)
+            if key == _ALIGNMENT_KEY:
+                alignment = meta[key]
+                if vtype != _UINT32 or alignment == 0 or alignment & (alignment - 1):
+                    raise self.fail(f"{str(alignment)[:40]} ({_VALUE_TYPES[vtype]}): the data alignment must be a "
+                                    "power of two, as a UINT32")
+        self.key = None
+        infos = []
+        for i in range(n_tensors):
+            name = self.text(f"the name of tensor {i}", MAX_TENSOR_NAME_BYTES, held=False)
+            (n_dims,) = self.unpack("I", f"tensor {name!r}'s dimension count")
+            if n_dims > _MAX_DIMS:
+                raise self.fail(f"tensor {name!r} has {n_dims:,} dimensions; a GGUF tensor has at most {_MAX_DIMS}")
+            dims = list(self.unpack(f"{n_dims}Q", f"tensor {name!r}'s dimensions"))
+            raw_type, offset = self.unpack("IQ", f"tensor {name!r}'s type and offset")
+            infos.append((name, raw_type, dims, offset))
+        data_offset = -(-self.pos // alignment) * alignment
+        return meta, infos, data_offset, alignment, version
 
 
 def _read_file(path: Path) -> tuple[dict, list, int, int, int]:
-    """(metadata, tensor infos, data offset, alignment, version) of one GGUF file.
+    """(metadata, tensor infos, data offset, alignment, version) of one GGUF file (:class:`_Header`).
 
     Raises:
-        CheckpointError: not a GGUF file, an unreadable or truncated header, big-endian data.
+        CheckpointError: not a GGUF file, an unreadable, truncated or hostile header, big-endian data.
     """
     try:
         size = path.stat().st_size
@@ -352,22 +510,15 @@ def _read_file(path: Path) -> tuple[dict, list, int, int, int]:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     if size < 24:
         raise CheckpointError(f"{path}: file of {size} bytes is too short to be GGUF")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        r = _Reader(path)
-        meta = {k: _field_value(f) for k, f in r.fields.items() if not k.startswith("GGUF.")}
-        version = int(r.fields["GGUF.version"].parts[0][0])
-        infos, data_offset, alignment, order = r.infos, int(r.data_offset), int(r.alignment), r.byte_order
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as e:
-        # the reader runs off the end of a truncated header, or meets a value type or alignment it refuses
-        raise CheckpointError(f"{path}: not a readable GGUF header ({e}); the file is truncated or corrupt") from None
-    finally:
-        r = None  # unmap the file
-    if order != "I":
-        raise CheckpointError(f"{path}: a big-endian GGUF file; moestream reads little-endian files")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+            if magic != b"GGUF":
+                raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                meta, infos, data_offset, alignment, version = _Header(path, buf).read()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     if data_offset > size:
         raise CheckpointError(f"{path}: the data section starts at byte {data_offset}, past the end of the file "
                               f"({size} bytes); the file is truncated")
@@ -381,6 +532,8 @@ def _index(path: Path, infos: list, data_offset: int, alignment: int, unsupporte
     ``unsupported``: when given, a tensor of a type moestream does not compute on is indexed (as its
     bytes) and its name and type appended here instead of refused (``moestream inspect``).
     """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # the gguf package, needed for GGUF files only
+
     size = path.stat().st_size
     out: dict[str, TensorInfo] = {}
     for name, raw, ne, rel in infos:
@@ -445,7 +598,7 @@ def hf_name(name: str, arch: str = "qwen3moe") -> str | None:
     """The Hugging Face name of architecture ``arch``'s llama.cpp tensor name (``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``, ``blk.3.exp_probs_b.bias`` ->
     ``model.layers.3.mlp.gate.e_score_correction_bias``), or None when :data:`NAMES` has no rule for it."""
-    for pat, repl in _NAME_RE.get(arch, ()):
+    for pat, repl in _name_patterns(arch):
         m = pat.match(name)
         if m:
             out = repl.format(**{k: v for k, v in m.groupdict().items() if k != "param"}) + "." + m["param"]
@@ -455,7 +608,13 @@ def hf_name(name: str, arch: str = "qwen3moe") -> str | None:
     return None
 
 
-def _meta(meta: dict, key: str, where, kind=int, default=None, required: bool = True):
+def _meta(meta: dict, key: str, where, kind=int, default=None, required: bool = True, minimum: int | None = None):
+    """Metadata ``key`` of type ``kind`` (an int passes as a float); ``default`` when absent (required if
+    ``required`` and no default). ``minimum``: the smallest integer allowed (a count or a size: at least 1).
+
+    Raises:
+        CheckpointError: naming the file and key, when missing, of another type, or under ``minimum``.
+    """
     v = meta.get(key)
     if v is None:
         if required and default is None:
@@ -466,7 +625,17 @@ def _meta(meta: dict, key: str, where, kind=int, default=None, required: bool = 
         v, ok = float(v), True
     if not ok:
         raise CheckpointError(f"{where}: metadata {key!r} = {str(v)[:60]!r} is not {kind.__name__}")
+    if minimum is not None and v < minimum:
+        raise CheckpointError(f"{where}: metadata {key!r} = {v} must be at least {minimum}")
     return v
+
+
+_BLOCK = re.compile(r"^(?:model\.layers|blk)\.(\d+)\.")
+
+
+def _blocks_held(tensors: dict[str, TensorInfo]) -> int:
+    """How many blocks (layers) the file's tensors hold: the highest ``blk.N`` (``model.layers.N``) plus one."""
+    return max((int(m[1]) + 1 for name in tensors if (m := _BLOCK.match(name))), default=0)
 
 
 def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
@@ -498,20 +667,36 @@ def _base_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise CheckpointError(f"{where}: no token_embd.weight tensor")
-    heads = _meta(meta, p + "attention.head_count", where)
-    hidden = _meta(meta, p + "embedding_length", where)
+    blocks = _meta(meta, p + "block_count", where, minimum=1)
+    held = _blocks_held(tensors)
+    if blocks > held:  # before anything is built per layer (a block_count of 2^32 - 1 took minutes)
+        raise CheckpointError(f"{where}: metadata '{p}block_count' = {blocks}, but the file's tensors hold "
+                              + (f"{held} blocks (blk.0 to blk.{held - 1})" if held else "no blocks (blk.N)"))
+    heads = _meta(meta, p + "attention.head_count", where, minimum=1)
+    hidden = _meta(meta, p + "embedding_length", where, minimum=1)
+    kv_heads = _meta(meta, p + "attention.head_count_kv", where, default=heads, minimum=1)
+    if heads % kv_heads:
+        raise CheckpointError(f"{where}: metadata '{p}attention.head_count' = {heads} is not a multiple of "
+                              f"'{p}attention.head_count_kv' = {kv_heads}")
+    head_dim = _meta(meta, p + "attention.key_length", where, required=False, minimum=1)
+    if head_dim is None:  # the head dim by default: the width over the heads, as llama.cpp's n_embd_head_k
+        if hidden % heads and arch != "deepseek2":  # deepseek2's head dims are MLA's (its own keys)
+            raise CheckpointError(f"{where}: metadata '{p}embedding_length' = {hidden} is not a multiple of "
+                                  f"'{p}attention.head_count' = {heads}, and no '{p}attention.key_length' gives "
+                                  "the head dim")
+        head_dim = hidden // heads
     cfg = {
         "model_type": model_type, "architectures": [cls],
         "vocab_size": embed.shape[0],
         "hidden_size": hidden,
-        "num_hidden_layers": _meta(meta, p + "block_count", where),
+        "num_hidden_layers": blocks,
         "num_attention_heads": heads,
-        "num_key_value_heads": _meta(meta, p + "attention.head_count_kv", where, default=heads),
-        "head_dim": _meta(meta, p + "attention.key_length", where, default=hidden // heads),
-        "num_experts_per_tok": _meta(meta, p + "expert_used_count", where),
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_experts_per_tok": _meta(meta, p + "expert_used_count", where, minimum=1),
         "rms_norm_eps": _meta(meta, p + "attention.layer_norm_rms_epsilon", where, float),
         "rope_theta": _meta(meta, p + "rope.freq_base", where, float, default=10000.0),
-        "max_position_embeddings": _meta(meta, p + "context_length", where),
+        "max_position_embeddings": _meta(meta, p + "context_length", where, minimum=1),
         "tie_word_embeddings": False,  # a file without `output` gets the embedding's bytes as lm_head
         "torch_dtype": "float32",
     }
@@ -532,7 +717,7 @@ def _experts(meta: dict, p: str, where) -> int:
 
 def _one_head_dim(meta: dict, p: str, where, cfg: dict) -> None:
     """Refuse an ``attention.value_length`` other than the head dim (the family has one ``head_dim``)."""
-    vdim = _meta(meta, p + "attention.value_length", where, default=cfg["head_dim"])
+    vdim = _meta(meta, p + "attention.value_length", where, default=cfg["head_dim"], minimum=1)
     if vdim != cfg["head_dim"]:
         raise CheckpointError(f"{where}: attention.key_length {cfg['head_dim']} and value_length {vdim} differ; "
                               f"{cfg['model_type']} has one head_dim")
@@ -552,7 +737,7 @@ def _softmax_moe_config(meta: dict, tensors: dict[str, TensorInfo], where, arch:
     cfg = _base_config(meta, tensors, where, arch)
     _one_head_dim(meta, p, where, cfg)
     head_dim = cfg["head_dim"]
-    rot = _meta(meta, p + "rope.dimension_count", where, required=False)
+    rot = _meta(meta, p + "rope.dimension_count", where, required=False, minimum=1)
     if rot is not None and rot != head_dim:
         raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} is not the head dim {head_dim}: "
                               "partial rotary embeddings are not supported")
@@ -563,19 +748,20 @@ def _softmax_moe_config(meta: dict, tensors: dict[str, TensorInfo], where, arch:
     experts = _experts(meta, p, where)
     if arch == "qwen3moe":
         cfg["num_experts"] = experts
-        cfg["moe_intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where)
+        cfg["moe_intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where, minimum=1)
         cfg["norm_topk_prob"] = _meta(meta, p + "expert_weights_norm", where, bool, default=True)
         # feed_forward_length is the dense MLP's width (unused while every layer is MoE)
-        cfg["intermediate_size"] = _meta(meta, p + "feed_forward_length", where, default=cfg["moe_intermediate_size"])
+        cfg["intermediate_size"] = _meta(meta, p + "feed_forward_length", where, default=cfg["moe_intermediate_size"],
+                                         minimum=1)
     elif arch == "olmoe":  # OlmoeModel writes the experts' width as feed_forward_length; llama.cpp's graph
         cfg["num_experts"] = experts  # renormalizes the top-k weights only when told (norm_w false)
         cfg["norm_topk_prob"] = _meta(meta, p + "expert_weights_norm", where, bool, default=False)
-        ff = _meta(meta, p + "feed_forward_length", where, required=False)
-        cfg["intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where, default=ff)
+        ff = _meta(meta, p + "feed_forward_length", where, required=False, minimum=1)
+        cfg["intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where, default=ff, minimum=1)
     else:  # Mixtral: convert_hf_to_gguf.py writes the experts' width as feed_forward_length
         cfg["num_local_experts"] = experts
-        ff = _meta(meta, p + "feed_forward_length", where, required=False)
-        cfg["intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where, default=ff)
+        ff = _meta(meta, p + "feed_forward_length", where, required=False, minimum=1)
+        cfg["intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where, default=ff, minimum=1)
     scaling = meta.get(p + "rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": meta.get(p + "rope.scaling.factor"),
@@ -596,18 +782,19 @@ def _deepseek_style_config(meta: dict, tensors: dict[str, TensorInfo], where, ar
     experts = _experts(meta, p, where)
     cfg.update({
         "n_routed_experts": experts,
-        "moe_intermediate_size": _meta(meta, p + "expert_feed_forward_length", where),
-        "n_shared_experts": _meta(meta, p + "expert_shared_count", where),
-        "first_k_dense_replace": _meta(meta, p + "leading_dense_block_count", where),
+        "moe_intermediate_size": _meta(meta, p + "expert_feed_forward_length", where, minimum=1),
+        "n_shared_experts": _meta(meta, p + "expert_shared_count", where, minimum=0),
+        "first_k_dense_replace": _meta(meta, p + "leading_dense_block_count", where, minimum=0),
         # llama.cpp's defaults where the converter leaves a key out: no scaling, no renormalization, one group
         "routed_scaling_factor": _meta(meta, p + "expert_weights_scale", where, float, default=1.0),
         "norm_topk_prob": _meta(meta, p + "expert_weights_norm", where, bool, default=False),
-        "n_group": _meta(meta, p + "expert_group_count", where, default=1),
+        "n_group": _meta(meta, p + "expert_group_count", where, default=1, minimum=1),
     })
-    cfg["topk_group"] = _meta(meta, p + "expert_group_used_count", where, default=cfg["n_group"])
+    cfg["topk_group"] = _meta(meta, p + "expert_group_used_count", where, default=cfg["n_group"], minimum=1)
     # the dense layers' width: the leading dense blocks need it
     cfg["intermediate_size"] = _meta(meta, p + "feed_forward_length", where, required=cfg["first_k_dense_replace"] > 0,
-                                     default=None if cfg["first_k_dense_replace"] else cfg["moe_intermediate_size"])
+                                     default=None if cfg["first_k_dense_replace"] else cfg["moe_intermediate_size"],
+                                     minimum=1)
     scaling = meta.get(p + "rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {
@@ -647,12 +834,13 @@ def _deepseek2_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict
     """
     p = "deepseek2."
     cfg = _deepseek_style_config(meta, tensors, where, "deepseek2")
-    rope_dim = _meta(meta, p + "rope.dimension_count", where)
-    qk = _meta(meta, p + "attention.key_length_mla", where, required=False)
+    rope_dim = _meta(meta, p + "rope.dimension_count", where, minimum=1)
+    qk = _meta(meta, p + "attention.key_length_mla", where, required=False, minimum=1)
     if qk is not None:
-        v = _meta(meta, p + "attention.value_length_mla", where)
+        v = _meta(meta, p + "attention.value_length_mla", where, minimum=1)
     else:
-        qk, v = _meta(meta, p + "attention.key_length", where), _meta(meta, p + "attention.value_length", where)
+        qk = _meta(meta, p + "attention.key_length", where, minimum=1)
+        v = _meta(meta, p + "attention.value_length", where, minimum=1)
     if qk <= rope_dim:
         raise CheckpointError(f"{where}: metadata {p}attention.key_length_mla {qk} leaves no unrotated key dims "
                               f"beside rope.dimension_count {rope_dim}")
@@ -662,8 +850,8 @@ def _deepseek2_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict
         "model_type": "deepseek_v3" if scoring == "sigmoid" else "deepseek_v2",
         "architectures": ["DeepseekV3ForCausalLM" if scoring == "sigmoid" else "DeepseekV2ForCausalLM"],
         "num_key_value_heads": cfg["num_attention_heads"],  # the converter writes MLA's latent as one kv head
-        "q_lora_rank": _meta(meta, p + "attention.q_lora_rank", where, required=False),
-        "kv_lora_rank": _meta(meta, p + "attention.kv_lora_rank", where),
+        "q_lora_rank": _meta(meta, p + "attention.q_lora_rank", where, required=False, minimum=1),
+        "kv_lora_rank": _meta(meta, p + "attention.kv_lora_rank", where, minimum=1),
         "qk_nope_head_dim": qk - rope_dim, "qk_rope_head_dim": rope_dim, "v_head_dim": v,
         "scoring_func": scoring,
         "topk_method": "noaux_tc" if scoring == "sigmoid" else "group_limited_greedy" if groups > 1 else "greedy",
@@ -696,9 +884,9 @@ def _glm4moe_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
     cfg = _deepseek_style_config(meta, tensors, where, "glm4moe")
     if _gating(meta, p, where, default=2) != "sigmoid":  # llama.cpp's default for glm4moe
         raise CheckpointError(f"{where}: metadata {p}expert_gating_func 1 (softmax): glm4_moe routes by sigmoid (2)")
-    nextn = _meta(meta, p + "nextn_predict_layers", where, default=0)
+    nextn = _meta(meta, p + "nextn_predict_layers", where, default=0, minimum=0)
     head_dim = cfg["head_dim"]
-    rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim)
+    rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim, minimum=1)
     factor = rot / head_dim
     if int(head_dim * factor) != rot:  # the family rebuilds the rotary width as int(head_dim * factor)
         raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} of head dim {head_dim} is not a "
@@ -753,14 +941,14 @@ def _hybrid_config(meta: dict, tensors: dict, where, arch: str) -> dict:
     _one_head_dim(meta, p, where, cfg)
     family = cfg["model_type"]
     blocks = cfg["num_hidden_layers"]  # block_count, the multi-token-prediction blocks included
-    mtp = _meta(meta, p + "nextn_predict_layers", where, default=0, required=False)
+    mtp = _meta(meta, p + "nextn_predict_layers", where, default=0, required=False, minimum=0)
     layers = blocks - mtp
     if layers < 1:
         raise CheckpointError(f"{where}: metadata {p}block_count {blocks} leaves no layer beside "
                               f"{p}nextn_predict_layers {mtp}")
     experts = _moe_checks(meta, p, where, family)
     head_dim = cfg["head_dim"]
-    rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim)
+    rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim, minimum=1)
     scaling = meta.get(p + "rope.scaling.type")
     if scaling not in (None, "none"):
         raise CheckpointError(f"{where}: metadata {p}rope.scaling.type {scaling!r}: {family} computes the "
@@ -770,8 +958,8 @@ def _hybrid_config(meta: dict, tensors: dict, where, arch: str) -> dict:
         sections = meta.get(p + "rope.dimension_sections")
         if isinstance(sections, list) and all(isinstance(x, int) for x in sections):
             rope.update(mrope_section=sections[:3], mrope_interleaved=True)
-    value_heads = _meta(meta, p + "ssm.time_step_rank", where)
-    inner = _meta(meta, p + "ssm.inner_size", where)
+    value_heads = _meta(meta, p + "ssm.time_step_rank", where, minimum=1)
+    inner = _meta(meta, p + "ssm.inner_size", where, minimum=1)
     if value_heads < 1 or inner % value_heads:
         raise CheckpointError(f"{where}: metadata {p}ssm.inner_size {inner} is not a multiple of "
                               f"{p}ssm.time_step_rank {value_heads} (the value heads)")
@@ -781,8 +969,8 @@ def _hybrid_config(meta: dict, tensors: dict, where, arch: str) -> dict:
         if interval < 1:
             raise CheckpointError(f"{where}: metadata {p}full_attention_interval {interval} must be at least 1")
         recurrent = [(i + 1) % interval != 0 for i in range(layers)]
-    moe = _meta(meta, p + "expert_feed_forward_length", where)
-    ff = _meta(meta, p + "feed_forward_length", where, required=False)
+    moe = _meta(meta, p + "expert_feed_forward_length", where, minimum=1)
+    ff = _meta(meta, p + "feed_forward_length", where, required=False, minimum=1)
     cfg.update({
         "num_hidden_layers": layers,
         "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
@@ -790,11 +978,12 @@ def _hybrid_config(meta: dict, tensors: dict, where, arch: str) -> dict:
         "num_experts": experts,
         "moe_intermediate_size": moe,
         # llama.cpp's default when the key is missing: the dense width
-        "shared_expert_intermediate_size": _meta(meta, p + "expert_shared_feed_forward_length", where, default=ff),
+        "shared_expert_intermediate_size": _meta(meta, p + "expert_shared_feed_forward_length", where, default=ff,
+                                                 minimum=1),
         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "linear_conv_kernel_dim": _meta(meta, p + "ssm.conv_kernel", where),
-        "linear_key_head_dim": _meta(meta, p + "ssm.state_size", where),
-        "linear_num_key_heads": _meta(meta, p + "ssm.group_count", where),
+        "linear_conv_kernel_dim": _meta(meta, p + "ssm.conv_kernel", where, minimum=1),
+        "linear_key_head_dim": _meta(meta, p + "ssm.state_size", where, minimum=1),
+        "linear_num_key_heads": _meta(meta, p + "ssm.group_count", where, minimum=1),
         "linear_num_value_heads": value_heads,
         "linear_value_head_dim": inner // value_heads,
     })
@@ -818,7 +1007,7 @@ def _gpt_oss_config(meta: dict, tensors: dict, where) -> dict:
     _one_head_dim(meta, p, where, cfg)
     layers = cfg["num_hidden_layers"]
     experts = _moe_checks(meta, p, where, "gpt_oss")
-    rot = _meta(meta, p + "rope.dimension_count", where, required=False)
+    rot = _meta(meta, p + "rope.dimension_count", where, required=False, minimum=1)
     if rot is not None and rot != cfg["head_dim"]:
         raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} is not the head dim "
                               f"{cfg['head_dim']}: partial rotary embeddings are not supported for gpt_oss")
@@ -826,7 +1015,7 @@ def _gpt_oss_config(meta: dict, tensors: dict, where) -> dict:
     if isinstance(pattern, list):
         sliding = _bools(meta, p + "attention.sliding_window_pattern", where, layers)
     else:
-        n = _meta(meta, p + "attention.sliding_window_pattern", where, default=2, required=False)
+        n = _meta(meta, p + "attention.sliding_window_pattern", where, default=2, required=False, minimum=0)
         sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
     scaling = meta.get(p + "rope.scaling.type")
     theta = cfg["rope_theta"]
@@ -848,9 +1037,9 @@ def _gpt_oss_config(meta: dict, tensors: dict, where) -> dict:
                               "the default rotary embedding")
     cfg.update({
         "num_hidden_layers": layers,
-        "intermediate_size": _meta(meta, p + "expert_feed_forward_length", where),
+        "intermediate_size": _meta(meta, p + "expert_feed_forward_length", where, minimum=1),
         "num_local_experts": experts,
-        "sliding_window": _meta(meta, p + "attention.sliding_window", where),
+        "sliding_window": _meta(meta, p + "attention.sliding_window", where, minimum=1),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "rope_parameters": rope,
         "swiglu_limit": 7.0, "attention_bias": True,
@@ -1211,6 +1400,11 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
+    try:  # the gguf package (its tensor-name map and ggml type tables) is needed for GGUF files only
+        import gguf  # noqa: F401
+    except ImportError:
+        raise CheckpointError(f"{path}: reading a GGUF file needs the gguf package (pip install 'gguf>=0.17')"
+                              ) from None
     files = split_files(path)
     identities = {f: file_identity(f) for f in files}  # before the headers: a later change shows
     raw: dict[str, TensorInfo] = {}

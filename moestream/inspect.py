@@ -22,6 +22,7 @@ from .gguf_format import UNSUPPORTED, is_gguf, open_gguf
 from .layout import ExpertLayout, discover_experts
 from .mlx_format import open_checkpoint
 from .models import family_for, supported_model_types
+from .models.base import check_layer_count
 from .models.moe import swiglu_expert
 from .quant import model as quant
 from .quant.resident import QuantEmbedding, QuantLinear
@@ -207,18 +208,26 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
         cfg, tensors = _synth_index(Path(config), dtype)
     else:
         cfg, tensors = raw, ckpt.tensors
+    if ckpt is not None:  # before a model of the config's size is built
+        try:
+            check_layer_count(cfg, tensors)
+        except ConfigError as e:
+            raise ConfigError(f"{ckpt.path / 'config.json' if ckpt.path.is_dir() else ckpt.path}: {e}") from None
     try:
         args = family.ModelArgs.from_config(cfg)
+        with torch.device("meta"):
+            net = family.Model(args)  # its layers check what they take (head counts): named by source too
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    with torch.device("meta"):
-        net = family.Model(args)
     adapt = getattr(family, "adapt_to_source", None)  # a layout the family follows (gpt-oss from MLX or GGUF)
     if ckpt is not None and ckpt.source_format is not None and adapt is not None:
         adapt(net, ckpt.source_format)
     if ckpt is not None:
         quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears: their scales are resident too
     layout = discover_experts(tensors)
+    adapt = getattr(family, "adapt_to_layout", None)  # gpt-oss: separate gate and up experts (moestream convert)
+    if adapt is not None:
+        adapt(net, layout)
     first = getattr(net, "unloaded_layers_from", None)
     if first is not None:  # multi-token-prediction layers after the decoder (DeepSeek-V3, GLM-4.5): not streamed
         layout = ExpertLayout({i: lay for i, lay in layout.layers.items() if i < first}, layout.expert_tensors -

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
+import time
 import unicodedata
 import weakref
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError, InputError, PromptTooLongError, TemplateVariableError
+from .errors import ChatTemplateError, CheckpointError, InputError, PromptTooLongError, TemplateVariableError
 
 BUNDLED_QWEN3 = Path(__file__).parent / "data" / "tokenizers" / "qwen3"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -34,6 +37,10 @@ def load_tokenizer(folder: str | Path):
         return load_gguf_tokenizer(folder)
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise CheckpointError(f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    return _with_template_source(_load_folder(folder), _folder_template_source(folder))
+
+
+def _load_folder(folder: Path):
     from transformers import AutoTokenizer
 
     try:
@@ -58,6 +65,43 @@ def load_tokenizer(folder: str | Path):
         raise CheckpointError(f"{folder}: cannot load the tokenizer: {error}") from None
 
 
+# tokenizer -> where its chat template came from ("<folder>/tokenizer_config.json: field 'chat_template'"), named
+# when a render of it passes its bounds
+_TEMPLATE_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _with_template_source(tokenizer, source: str):
+    try:
+        _TEMPLATE_SOURCES[tokenizer] = source
+    except TypeError:  # not weakly referable: the error names the template without its file
+        pass
+    return tokenizer
+
+
+def _folder_template_source(folder: Path) -> str:
+    """The file (and field) transformers reads a folder's chat template from: ``chat_template.jinja`` before
+    ``tokenizer_config.json``'s ``chat_template``, then the older ``chat_template.json``."""
+    if (folder / "chat_template.jinja").is_file():
+        return str(folder / "chat_template.jinja")
+    try:
+        if "chat_template" in json.loads((folder / "tokenizer_config.json").read_text()):
+            return f"{folder / 'tokenizer_config.json'}: field 'chat_template'"
+    except (OSError, ValueError, TypeError):
+        pass
+    if (folder / "chat_template.json").is_file():
+        return f"{folder / 'chat_template.json'}: field 'chat_template'"
+    return f"{folder}: the chat template"
+
+
+def template_source(tokenizer) -> str:
+    """Where ``tokenizer``'s chat template came from (its file and field), as errors name it."""
+    try:
+        found = _TEMPLATE_SOURCES.get(tokenizer)
+    except TypeError:
+        found = None
+    return found or f"{getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}: the chat template"
+
+
 def load_gguf_tokenizer(path: str | Path):
     """The tokenizer of a GGUF file: built by transformers from the file's metadata (``tokenizer.ggml.*``,
     ``tokenizer.chat_template``), else the tokenizer files in the folder beside it.
@@ -71,11 +115,14 @@ def load_gguf_tokenizer(path: str | Path):
     path = Path(path)
     from transformers import AutoTokenizer
 
+    source = f"{path}: metadata 'tokenizer.chat_template'"
     try:
         cls = _gguf_tokenizer_class(path)
         if cls is None:
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        return cls.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+            return _with_template_source(
+                AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True), source)
+        return _with_template_source(cls.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         local_files_only=True), source)
     except Exception as e:  # transformers raises many kinds for metadata it cannot convert
         error = " ".join(str(e).split()) or type(e).__name__
     if any((path.parent / f).is_file() for f in TOKENIZER_FILES):
@@ -381,12 +428,24 @@ def _keeps_every_byte(spec: dict, byte_level: bool) -> bool:
     return False  # WordPiece (an unknown word of up to 100 characters is one token), WordLevel
 
 
-# ---- rendering, with its output bounded ----
+# ---- rendering, bounded in time and output ----
+
+# A checkpoint's chat template is code from whoever made the checkpoint (tokenizer_config.json's chat_template, a
+# GGUF file's tokenizer.chat_template). Every render of it is bounded: it may run RENDER_SECONDS and write
+# RENDER_MAX_CHARS characters (a request's prompt bound, when one is given: PromptLimit.max_chars), else
+# ChatTemplateError names the template. Real templates render a conversation in milliseconds.
+RENDER_SECONDS = 5.0
+RENDER_MAX_CHARS = 64 << 20  # without a prompt bound: past any context (64 Mi characters, over 500,000 tokens)
+_TEMPLATE_FILE = "<template>"  # the file name Jinja compiles a template given as a string under
 
 _RENDER_LIMIT: ContextVar[int | None] = ContextVar("moestream_render_limit", default=None)
 
 
 class _RenderStopped(Exception):
+    pass
+
+
+class _RenderTimedOut(Exception):
     pass
 
 
@@ -407,6 +466,42 @@ def _bounded_concat(pieces) -> str:
     return "".join(out)
 
 
+@contextmanager
+def _render_deadline(seconds: float):
+    """Raise :class:`_RenderTimedOut` in a template's own code (the frames Jinja compiled from it) once
+    ``seconds`` have passed, on this thread: a loop that writes nothing never reaches the output bound.
+    The check runs on each line the template's code runs (``sys.settrace``, on this thread only, chained
+    to a tracer already set, such as coverage's); other code runs untraced. A single long operation in C
+    (one huge multiplication) is not interrupted."""
+    deadline = time.monotonic() + seconds
+    old = sys.gettrace()
+
+    def in_template(inner):
+        def local(frame, event, arg):
+            nonlocal inner
+            if inner is not None:
+                inner = inner(frame, event, arg)
+            if time.monotonic() > deadline:
+                raise _RenderTimedOut
+            return local
+
+        return local
+
+    def trace(frame, event, arg):
+        inner = old(frame, event, arg) if old is not None else None
+        if frame.f_code.co_filename != _TEMPLATE_FILE:
+            return inner
+        if time.monotonic() > deadline:  # a template calling its macros without a loop
+            raise _RenderTimedOut
+        return in_template(inner)
+
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(old)  # a tracer that raised was unset already
+
+
 def render_chat(
     tokenizer, messages: list[dict], tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
     add_generation_prompt: bool = True, limit: PromptLimit | None = None,
@@ -422,28 +517,40 @@ def render_chat(
             (never the template itself: :func:`check_template_kwargs`).
         add_generation_prompt: end with the opening of the assistant's turn.
         limit: when given, the render stops once past ``limit.max_chars`` characters, and the
-            text is checked against the limit (:class:`PromptLimit`).
+            text is checked against the limit (:class:`PromptLimit`); without one, past
+            :data:`RENDER_MAX_CHARS`. Every render stops after :data:`RENDER_SECONDS`.
 
     Raises:
         InputError: malformed messages, no chat template, or a template that fails on them.
         TemplateVariableError: a ``chat_template_kwargs`` key a caller may not set.
         PromptTooLongError: a rendered prompt over ``limit``.
+        ChatTemplateError: a render past :data:`RENDER_SECONDS`, or past :data:`RENDER_MAX_CHARS` without
+            ``limit``, naming the template's file and field.
     """
     _check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise InputError("the tokenizer has no chat template (use a plain prompt)")
     check_template_kwargs(tokenizer, chat_template_kwargs)
     kwargs = dict(chat_template_kwargs or {})
-    bounded = limit is not None and _bound_render(tokenizer, tools)
-    token = _RENDER_LIMIT.set(limit.max_chars if bounded else None)
+    max_chars = limit.max_chars if limit is not None else RENDER_MAX_CHARS
+    token = _RENDER_LIMIT.set(max_chars if _bound_render(tokenizer, tools) else None)
     try:
-        text = tokenizer.apply_chat_template(
-            list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
+        with _render_deadline(RENDER_SECONDS):
+            text = tokenizer.apply_chat_template(
+                list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
     except _RenderStopped:
+        if limit is None:
+            raise ChatTemplateError(
+                f"{template_source(tokenizer)}: the render wrote more than {max_chars:,} characters, the bound on "
+                "rendering a checkpoint's template") from None
         raise PromptTooLongError(
             f"the rendered prompt passed {limit.max_chars} bytes, so more than {limit.max_tokens} tokens (no token "
             f"of this tokenizer spans more than {limit.token_bytes * limit.shrink} bytes of text)") from None
+    except _RenderTimedOut:
+        raise ChatTemplateError(
+            f"{template_source(tokenizer)}: the render ran past {RENDER_SECONDS:g} s, the bound on rendering a "
+            "checkpoint's template (it loops too long for these messages)") from None
     except Exception as e:  # jinja2 raises TemplateError subclasses and plain errors from the template
         raise InputError(f"the chat template failed on these messages: {e}") from None
     finally:

@@ -165,7 +165,9 @@ def _read(cfg: dict, f: dataclasses.Field, hint, values: dict):
 class DecoderArgs(ConfigArgs):
     """The fields every decoder family reads alike (names as Hugging Face spells them).
 
-    ``head_dim`` absent, null or 0 is ``hidden_size // num_attention_heads``. A family
+    ``head_dim`` absent, null or 0 is ``hidden_size // num_attention_heads`` (refused when the heads do not
+    divide the width, unless the family derives ``head_dim`` itself: MLA); ``num_attention_heads`` must be a
+    multiple of ``num_key_value_heads``. A family
     whose experts take another activation than ``silu`` empties ``hidden_acts``; one
     reading its rope itself sets ``rope_types`` to None (else only those types are accepted).
     """
@@ -190,7 +192,15 @@ class DecoderArgs(ConfigArgs):
     @classmethod
     def check(cls, cfg: dict, v: dict) -> None:
         super().check(cfg, v)
-        v["head_dim"] = v["head_dim"] or v["hidden_size"] // v["num_attention_heads"]
+        heads, kv_heads = v["num_attention_heads"], v["num_key_value_heads"]
+        if isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:  # each serves a group of query heads
+            raise ConfigError(f"field 'num_attention_heads' = {heads} is not a multiple of field "
+                              f"'num_key_value_heads' = {kv_heads}")
+        mla = cls.__dataclass_fields__["head_dim"].metadata.get("derived")  # MLA's head dims are fields of its own
+        if not mla and not v["head_dim"] and v["hidden_size"] % heads:
+            raise ConfigError(f"field 'hidden_size' = {v['hidden_size']} is not a multiple of field "
+                              f"'num_attention_heads' = {heads}, and no 'head_dim' gives the head size")
+        v["head_dim"] = v["head_dim"] or v["hidden_size"] // heads
         family = cls.family or cfg.get("model_type")
         if cls.hidden_acts:
             act = field(cfg, "hidden_act", str, "silu")
@@ -255,6 +265,35 @@ def check_shared_fields(cfg: dict) -> None:
         ids = eos if isinstance(eos, list) else [eos]
         if eos is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ConfigError(f"field '{prefix}eos_token_id' = {_shown(eos)} is not a token id or a list of them")
+
+
+# a decoder layer's tensors: ``model.layers.N.``, ``model.language_model.layers.N.`` (Qwen3.5), ``mtp.layers.N.``
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layers_held(names) -> int:
+    """How many layers a checkpoint's tensor names hold: the highest ``layers.N`` plus one (0 for none)."""
+    return max((int(m[1]) + 1 for name in names if (m := _LAYER.search(name))), default=0)
+
+
+def check_layer_count(cfg: dict, names) -> None:
+    """Refuse a ``num_hidden_layers`` (top level, or ``text_config``'s) above the layers the checkpoint's tensors
+    hold (``names``), before a family reads the config or a model of that size is built: a config of 10^9 layers
+    over shards of 2 ran for minutes without a word. Values that are not a positive integer are left to the
+    family's own check, which names them.
+
+    Raises:
+        ConfigError: naming the field, its value and the layers the tensors hold.
+    """
+    held = None
+    for prefix, c in (("", cfg), ("text_config.", cfg.get("text_config"))):
+        n = c.get("num_hidden_layers") if isinstance(c, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            continue
+        held = layers_held(names) if held is None else held
+        if n > held:
+            raise ConfigError(f"field '{prefix}num_hidden_layers' = {n}, but the checkpoint's tensors hold "
+                              + (f"{held} layers (layers.0 to layers.{held - 1})" if held else "no layers (layers.N)"))
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,21 @@ def adapt_to_source(net: "Model", source) -> None:
     (``"gguf"``: llama.cpp's converter de-interleaves gate_up the same way) store gate, up and down in
     nn.Linear orientation, each with a bias (:func:`clamped_swiglu_linear_expert`). Called by the engine on
     the meta-device model, before its expert kernels are chosen."""
-    if source.name not in ("mlx", "gguf"):
-        return
+    if source.name in ("mlx", "gguf"):
+        _linear_experts(net)
+
+
+def adapt_to_layout(net: "Model", layout) -> None:
+    """Follow the checkpoint's expert layout (a :class:`moestream.layout.ExpertLayout`): experts stored as
+    separate gate, up and down linears in any format -- what ``moestream convert`` writes of gpt-oss, an mlx-lm
+    build, a GGUF file -- run as :func:`clamped_swiglu_linear_expert`; transformers' fused ``gate_up`` (and the
+    MXFP4 release) as :func:`clamped_swiglu_expert`. Called by the engine on the meta-device model."""
+    first = next(iter(layout.layers.values()), None)
+    if first is not None and first.experts and first.experts[0][0].role == "gate":
+        _linear_experts(net)
+
+
+def _linear_experts(net: "Model") -> None:
     a = net.args
     net.expert_roles = ("gate", "up", "down", "down.bias", "gate.bias", "up.bias")
     net.expert_shape = lambda: (a.intermediate_size, a.hidden_size)

@@ -12,12 +12,16 @@ with every part at 16 (``--bits 16``) the output is the float checkpoint, router
 in the streaming layout below, and config.json declares no quantization.
 
 On-disk layout: experts are per-expert tensors ``<block>.experts.E.{gate,up,down}_proj.
-{weight,scales,biases}``, the nine tensors of one expert adjacent in that order and the
-run starting at a 4 KiB-aligned file offset (the header is padded with spaces, gaps with
-``moestream.pad.N`` tensors, so the files stay valid safetensors): the store reads an expert
+{weight,scales,biases}`` (and a linear's own ``bias``, kept float, after its weight: gpt-oss), the
+tensors of one expert adjacent in that order and the run starting at a 4 KiB-aligned file offset
+(the header is padded with spaces, gaps with ``moestream.pad.N`` tensors, so the files stay valid
+safetensors): the store reads an expert
 in one ``preadv`` of one contiguous range. Shards hold about ``shard_gb`` GB and never
 split an expert. The writer holds one tensor (or one expert) at a time, and the same
-input gives the same bytes (fixed order, no timestamps).
+input gives the same bytes (fixed order, no timestamps). Experts stored for ``x @ W`` with gate
+and up in interleaved columns (gpt-oss's ``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H])
+are written de-interleaved and transposed into nn.Linear orientation, as mlx-lm and llama.cpp
+write them (:func:`_expert_shapes`); the family reads them so by their layout.
 """
 
 from __future__ import annotations
@@ -234,30 +238,77 @@ def plan(ckpt: Checkpoint, spec: ConvertSpec, dtype: torch.dtype) -> tuple[list[
                 qdict[key] = False if bits == FLOAT_BITS else {"group_size": g, "bits": bits}
         for e in range(lay.num_experts):
             pieces = {p.role: p for p in lay.experts[e]}
+            shapes = _expert_shapes(pieces)
             outs = []
             for role in ("gate", "up", "down"):
                 bits = spec.expert_down_bits if role == "down" else spec.expert_bits
-                out_f, in_f = pieces[role].shape
+                out_f, in_f = shapes[role]
                 if in_f % g and bits != FLOAT_BITS:
-                    raise ConfigError(f"{pieces[role].source}: {in_f} inputs are not a multiple of --group-size {g}")
+                    source = pieces.get(role, pieces.get("gate_up")).source
+                    raise ConfigError(f"{source}: {in_f} inputs are not a multiple of --group-size {g}")
                 outs += _qshapes(f"{lay.block}.experts.{e}.{_PROJ[role]}.weight", out_f, in_f, bits, g, st_dtype)
+                if role + ".bias" in shapes:  # a linear's own bias (gpt-oss): kept float, after its weight
+                    outs.append(_Out(f"{lay.block}.experts.{e}.{_PROJ[role]}.bias", shapes[role + ".bias"], st_dtype))
 
             def make(lay=lay, e=e, pieces=pieces):
                 out = {}
-                for role in ("gate", "up", "down"):
-                    w = reader.piece(pieces[role])
-                    if w.dtype == getattr(torch, "float8_e4m3fn", None):
-                        si = pieces.get(role + ".weight_scale_inv")
-                        if si is None:
-                            raise QuantError(f"{where}: tensor {pieces[role].source!r} is fp8 but its "
-                                             "weight_scale_inv is missing")
-                        w = reader.fp8(w, reader.piece(si), pieces[role].source)
+                for role, w in _expert_weights(reader, pieces, where).items():
+                    name = f"{lay.block}.experts.{e}.{_PROJ[role.split('.')[0]]}."
+                    if role.endswith(".bias"):
+                        out[name + "bias"] = w.to(dtype)
+                        continue
                     bits = spec.expert_down_bits if role == "down" else spec.expert_bits
-                    out.update(_quantize(w.float(), f"{lay.block}.experts.{e}.{_PROJ[role]}.weight", bits, g, dtype))
+                    out.update(_quantize(w.float(), name + "weight", bits, g, dtype))
                 return out
 
             items.append(_Item(outs, align=True, make=make, nbytes_in=sum(p.nbytes for p in lay.experts[e])))
     return items, qdict
+
+
+def _expert_shapes(pieces: dict) -> dict[str, tuple[int, ...]]:
+    """The [out, in] shape of an expert's gate, up and down linears as convert writes them (and of their
+    biases, ``<role>.bias``, where the expert has them): as stored, or, for experts stored for ``x @ W`` with
+    gate and up in interleaved columns (gpt-oss: ``gate_up`` [H, 2I], ``down`` [I, H]), de-interleaved and
+    transposed into nn.Linear orientation (gate and up [I, H], down [H, I]), as mlx-lm and llama.cpp write them."""
+    if "gate_up" in pieces:
+        hidden, two_i = pieces["gate_up"].shape
+        out = {"gate": (two_i // 2, hidden), "up": (two_i // 2, hidden), "down": (hidden, two_i // 2)}
+        if "gate_up.bias" in pieces:
+            out["gate.bias"] = out["up.bias"] = (two_i // 2,)
+    else:
+        out = {role: tuple(pieces[role].shape) for role in ("gate", "up", "down")}
+        out.update({role + ".bias": tuple(pieces[role + ".bias"].shape) for role in ("gate", "up")
+                    if role + ".bias" in pieces})
+    if "down.bias" in pieces:
+        out["down.bias"] = tuple(pieces["down.bias"].shape)
+    return dict(sorted(out.items(), key=lambda kv: ("gate", "up", "down").index(kv[0].split(".")[0])))
+
+
+def _expert_weights(reader: _Reader, pieces: dict, where) -> dict[str, torch.Tensor]:
+    """An expert's gate, up and down weights (fp8 dequantized) and biases, in the orientation and order of
+    :func:`_expert_shapes`."""
+    if "gate_up" in pieces:  # x @ W with interleaved columns: gate = gate_up[:, 0::2].T, up = gate_up[:, 1::2].T
+        gate_up = reader.piece(pieces["gate_up"])
+        out = {"gate": gate_up[:, 0::2].T, "up": gate_up[:, 1::2].T, "down": reader.piece(pieces["down"]).T}
+        if "gate_up.bias" in pieces:
+            bias = reader.piece(pieces["gate_up.bias"])
+            out["gate.bias"], out["up.bias"] = bias[0::2], bias[1::2]
+    else:
+        out = {}
+        for role in ("gate", "up", "down"):
+            w = reader.piece(pieces[role])
+            if w.dtype == getattr(torch, "float8_e4m3fn", None):
+                si = pieces.get(role + ".weight_scale_inv")
+                if si is None:
+                    raise QuantError(f"{where}: tensor {pieces[role].source!r} is fp8 but its weight_scale_inv is "
+                                     "missing")
+                w = reader.fp8(w, reader.piece(si), pieces[role].source)
+            out[role] = w
+        out.update({role + ".bias": reader.piece(pieces[role + ".bias"]) for role in ("gate", "up")
+                    if role + ".bias" in pieces})
+    if "down.bias" in pieces:
+        out["down.bias"] = reader.piece(pieces["down.bias"])
+    return {role: out[role] for role in _expert_shapes(pieces)}
 
 
 def _shards(items: list[_Item], shard_bytes: int) -> list[list[_Item]]:
