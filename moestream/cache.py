@@ -142,6 +142,10 @@ class ExpertCache:
             self.store.release(ew)  # its buffer may serve the next read
 
     # -- use ---------------------------------------------------------------------------
+    def holds(self, key: Key) -> bool:
+        """Whether ``key`` is cached now (so :meth:`fetch` hands it out at once, before any read)."""
+        return key in self._entries
+
     def fetch(
         self, layer: int, experts: list[int], counts: list[int] | None = None
     ) -> Iterator[tuple[int, ExpertWeights]]:

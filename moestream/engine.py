@@ -7,6 +7,7 @@ an expert cache (and, when asked, its tokenizer).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -31,11 +32,13 @@ from .models.layers import RMSNorm
 from .models.linear import use_fast_linear
 from .models.moe import swiglu_expert
 from .options import DEFAULT_BUDGET_GB, EngineOptions
-from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline, FusedSwiGLUKernel
+from .models.gpt_oss import clamped_swiglu_linear_expert
+from .models.kimi_linear import situ_expert
+from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline, FusedSwiGLUKernel, NativeMoEKernel
 from .policies import make_policy
 from .quant import model as quant
 from .quant import native
-from .quant.expert import QuantizedSwiGLU
+from .quant.expert import QuantizedGLU, QuantizedSwiGLU
 from .quant.resident import dense_extra_bytes, dequantize_resident
 from .quant.turboquant import set_fast
 from .store import ExpertStore
@@ -337,7 +340,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         trace = options.trace if parallel is None or parallel.rank == 0 else None
         usage_state = setup_cache_policy(ckpt, net, cache, opened.num_experts, options, trace=trace, owns=owns)
         batched = dev.type == "cuda" if options.batched_experts is None else options.batched_experts
-        kernels = expert_kernels(net, quant_fns, batched, fused)
+        kernels = expert_kernels(net, quant_fns, batched, fused, cpu=dev.type == "cpu")
         lookahead = options.prefetch_ahead if fused else 0
         pipeline = ExpertPipeline(cache, kernels, options.max_active_experts, io.prefetcher, parallel,
                                   usage_state.trace, lookahead=lookahead, blocks=net.moe_blocks())
@@ -455,7 +458,7 @@ def _load_resident(ckpt: Checkpoint, opened: _Opened, progress, io: IOSettings) 
     return unused
 
 
-def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool, fused: bool = False) -> dict:
+def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool, fused: bool = False, cpu: bool = False) -> dict:
     """layer -> the expert kernel of each MoE block, chosen once: the quantized layers' functions on
     their stored pieces (``quant_fns``), or where ``fused`` and the layer's experts are SwiGLU the fused
     kernel on the stored pieces; for the plain SwiGLU expert the fused Triton kernel from VRAM
@@ -466,6 +469,8 @@ def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool, fused: bool = 
         fn = quant_fns.get(block.layer)
         if fn is not None and fused and isinstance(fn, QuantizedSwiGLU):
             out[block.layer] = FusedSwiGLUKernel(fn.fmt)
+        elif cpu and not batched and native_kernel(block.expert_fn if fn is None else fn) is not None:
+            out[block.layer] = native_kernel(block.expert_fn if fn is None else fn)
         elif fn is not None:
             out[block.layer] = ExpertKernel(fn)
         elif fused and block.expert_fn is swiglu_expert:
@@ -475,6 +480,29 @@ def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool, fused: bool = 
         else:
             out[block.layer] = ExpertKernel(block.expert_fn)
     return out
+
+
+def native_kernel(fn) -> NativeMoEKernel | None:
+    """The CPU kernel computing a layer's experts several per call for expert function ``fn`` (the plain
+    SwiGLU expert, or its quantized form :class:`QuantizedSwiGLU` / :class:`QuantizedGLU`; Kimi's SiTU and
+    gpt-oss's clamped SwiGLU as float experts), or None (another function, or no compiled kernels: the
+    per-expert :class:`ExpertKernel` then). Chosen from the function alone, so every budget gets the same."""
+    if native.selected() == "torch":
+        return None
+    if fn is swiglu_expert:
+        return NativeMoEKernel(fn)
+    if isinstance(fn, QuantizedSwiGLU):
+        return NativeMoEKernel(fn, fn.fmt)
+    if isinstance(fn, QuantizedGLU) and fn.act == "situ":
+        lb = fn.params.get("linear_beta")
+        return NativeMoEKernel(fn, fn.fmt, "situ", (fn.params.get("beta", 1.0), float("nan") if lb is None else lb))
+    if isinstance(fn, functools.partial) and not fn.args:
+        if fn.func is situ_expert:
+            lb = fn.keywords.get("linear_beta")
+            return NativeMoEKernel(fn, None, "situ", (fn.keywords["beta"], float("nan") if lb is None else lb))
+        if fn.func is clamped_swiglu_linear_expert:
+            return NativeMoEKernel(fn, None, "clamped", (fn.keywords["alpha"], fn.keywords["limit"]))
+    return None
 
 
 def _use_fused(net: CausalLM, options: EngineOptions, dev: torch.device, tiered: bool, parallel,

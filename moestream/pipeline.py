@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .fused_moe import expert_projections, fused_moe
+from .quant import native
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -114,6 +115,38 @@ class ExpertKernel:
     def compute(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """One expert on ``x`` [n, H] -> [n, H]."""
         return self.fn(x, tensors)
+
+
+class NativeMoEKernel:
+    """A layer's gated experts on the CPU's compiled kernels, several experts per call
+    (:func:`moestream.quant.native.moe`): the experts the cache holds all at once (both cores split them),
+    then each one read as it arrives. Each slot's bits are those of its expert on its token alone (the
+    kernels' one reduction), so grouping experts into calls never changes the output.
+
+    Args:
+        fallback: the layer's expert function, for an expert whose pieces the kernels do not cover.
+        fmt: the experts' :class:`~moestream.quant.formats.ExpertFormat` (None: float experts).
+        act, params: the gated activation (``silu``; ``situ`` with (beta, linear_beta); ``clamped`` with
+            (alpha, limit)), as :func:`moestream.quant.native.expert`.
+        name: what ``moestream inspect`` and the stats call it.
+    """
+
+    batched = False
+    many = True
+
+    def __init__(self, fallback: ExpertFn, fmt=None, act: str = "silu",
+                 params: tuple[float, float] = (1.0, float("nan")), name: str | None = None):
+        self.fallback, self.fmt, self.act, self.params = fallback, fmt, act, params
+        kind = "float" if fmt is None else fmt.tag
+        self.name = name or f"compiled gated experts ({act}, {kind}), several per call"
+
+    def call_for(self, ew):
+        """The expert's packed kernel view, made once per cached expert (kept on its entry)."""
+        got = getattr(ew, "_native_call", None)
+        if got is None or got[0] is not self:
+            got = (self, native.expert_call(ew.tensors, self.fmt))
+            ew._native_call = got
+        return got[1]
 
 
 class BatchedSwiGLUKernel:
@@ -304,6 +337,8 @@ class ExpertPipeline:
         slots = fill(groups.t * groups.k, x.shape[1])
         # even with nothing needed: the (empty) fetch lets the prefetcher retire this layer's reads ahead
         cpu = self._cpu
+        if getattr(kernel, "many", False):
+            return self._compute_many(x, weights, groups, layer, kernel, needed, counts, slots)
         if kernel.batched:
             got = {}
             for e, ew in self.cache.fetch(layer, needed, counts):
@@ -320,6 +355,34 @@ class ExpertPipeline:
             # and round once, as transformers
             slots[sl] = (kernel.compute(x[sl // k], ew.tensors) * weights[sl, None]).to(slots.dtype)
             self.kernel_cpu_seconds += cpu() - c0
+        return slots
+
+    def _compute_many(self, x: torch.Tensor, weights: torch.Tensor, groups: SlotGroups, layer: int, kernel,
+                      needed: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
+        """:meth:`compute_slots` through a :class:`NativeMoEKernel`: the experts the cache holds in one call (they
+        stay intact until the first read one is inserted), then each read expert in its own call as it comes. An
+        expert the kernels do not cover (a piece in another dtype) goes through the kernel's ``fallback``."""
+        row_of = {e: i for i, e in enumerate(groups.experts)}
+        hold = getattr(self.cache, "holds", None)
+        ready = sum(1 for e in needed if hold((layer, e))) if hold is not None else 0
+        calls, rows = [], []
+        cpu = self._cpu
+        k = groups.k
+        for i, (e, ew) in enumerate(self.cache.fetch(layer, needed, counts)):
+            call = kernel.call_for(ew)
+            if call is None:  # as the per-expert path does
+                c0 = cpu()
+                sl = groups.span(row_of[e])
+                slots[sl] = (kernel.fallback(x[sl // k], ew.tensors) * weights[sl, None]).to(slots.dtype)
+                self.kernel_cpu_seconds += cpu() - c0
+            else:
+                calls.append(call)
+                rows.append(groups.span(row_of[e]).tolist())
+            if calls and i + 1 >= ready:  # the last held expert, then each read one: compute before the cache moves on
+                c0 = cpu()
+                native.moe(x, calls, rows, groups.k, weights, kernel.act, kernel.params, out=slots)
+                self.kernel_cpu_seconds += cpu() - c0
+                calls, rows = [], []
         return slots
 
     # -- the slot pool's path (FusedSwiGLUKernel) --------------------------------------------------

@@ -225,6 +225,11 @@ def _load() -> ctypes.CDLL:
     dll.ms_expert.argtypes = args + [ctypes.c_int, ctypes.c_void_p]
     dll.ms_attention.restype = dll.ms_rmsnorm.restype = dll.ms_act.restype = ctypes.c_int
     dll.ms_delta_rule.restype = ctypes.c_int
+    dll.ms_moe.restype = ctypes.c_int
+    dll.ms_moe.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                           ctypes.c_void_p]
     dll.ms_attention.argtypes = dll.ms_rmsnorm.argtypes = dll.ms_delta_rule.argtypes = [ctypes.c_void_p,
                                                                                          ctypes.c_void_p]
     dll.ms_act.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -266,7 +271,21 @@ def selected() -> str:
     Raises:
         ConfigError: ``MOESTREAM_CPU_KERNELS`` is not one of :data:`CHOICES` (a ``ValueError`` too).
     """
-    want = _forced[-1] if _forced else (os.environ.get(ENV, "auto").strip().lower() or "auto")
+    raw = _forced[-1] if _forced else os.environ.get(ENV)
+    got = _chosen.get(raw)
+    if got is not None:  # the same choice as the last call (on every kernel call: keep it cheap)
+        return got
+    got = _choose(raw)
+    _chosen.clear()
+    _chosen[raw] = got
+    return got
+
+
+_chosen: dict = {}  # the last choice of selected(), by the raw setting it came from
+
+
+def _choose(raw: str | None) -> str:
+    want = (raw or "auto").strip().lower() or "auto"
     if want not in CHOICES:
         raise KernelChoiceError(f"environment variable {ENV}={os.environ.get(ENV)!r}: expected one of "
                                 f"{', '.join(CHOICES)}")
@@ -295,14 +314,21 @@ def use(path: str):
 class Spec:
     """One stored linear as the kernel reads it: the spec fields, the pieces (kept alive) and their pointers."""
 
-    __slots__ = ("fields", "tensors", "out", "inn")
+    __slots__ = ("fields", "tensors", "out", "inn", "_c")
 
     def __init__(self, fields: list[int], tensors: list[torch.Tensor | None]):
         self.fields, self.tensors = fields, tensors + [None] * (PTRS - len(tensors))
         self.out, self.inn = fields[4], fields[5]
+        self._c = None
 
     def ptrs(self) -> list[int]:
         return [0 if t is None else t.data_ptr() for t in self.tensors]
+
+    def c_arrays(self):
+        """(fields, pointers) as the C arrays one call takes, made once (the pieces do not move)."""
+        if self._c is None:
+            self._c = ((ctypes.c_int64 * SPEC)(*self.fields), (ctypes.c_void_p * PTRS)(*self.ptrs()))
+        return self._c
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -552,8 +578,11 @@ def _call(fn, path: str, specs: list[Spec], x: torch.Tensor, out: int, dtype: to
           ) -> torch.Tensor:
     xf = _contig(x.float())
     y = torch.empty(x.shape[0], out, dtype=torch.float32)
-    fields = (ctypes.c_int64 * (SPEC * len(specs)))(*(f for s in specs for f in s.fields))
-    ptrs = (ctypes.c_void_p * (PTRS * len(specs)))(*(p for s in specs for p in s.ptrs()))
+    if len(specs) == 1:
+        fields, ptrs = specs[0].c_arrays()
+    else:
+        fields = (ctypes.c_int64 * (SPEC * len(specs)))(*(f for s in specs for f in s.fields))
+        ptrs = (ctypes.c_void_p * (PTRS * len(specs)))(*(p for s in specs for p in s.ptrs()))
     rc = fn(_PATH_CODE[path], fields, ptrs, xf.data_ptr(), x.shape[0], y.data_ptr(), *extra)
     if rc:
         raise RuntimeError(f"moestream kernels: path {path} is not compiled in this build")
@@ -561,14 +590,14 @@ def _call(fn, path: str, specs: list[Spec], x: torch.Tensor, out: int, dtype: to
     return y if dtype == torch.float32 else y.to(dtype)
 
 
-def linear(x: torch.Tensor, t: dict[str, torch.Tensor], lf, out_dtype: torch.dtype | None = None
-           ) -> torch.Tensor | None:
+def linear(x: torch.Tensor, t: dict[str, torch.Tensor], lf, out_dtype: torch.dtype | None = None,
+           spec: Spec | None = None) -> torch.Tensor | None:
     """``x`` [n, in] (float32, bf16 or fp16, CPU) times the stored weight of ``lf``, transposed: [n, out].
 
     ``t`` holds the linear's stored pieces under ``lf.role`` (see :func:`linear_spec`).
     Float32 accumulation, one rounding to ``out_dtype`` (default x.dtype) at the end. Returns None when the
     kernels do not cover this linear (format, device, dtype) or the PyTorch path is
-    selected: the caller computes it then.
+    selected: the caller computes it then. ``spec``: :func:`linear_spec` of these pieces made before.
 
     Raises:
         ValueError: pieces whose shapes disagree with ``lf`` (names the piece).
@@ -576,7 +605,7 @@ def linear(x: torch.Tensor, t: dict[str, torch.Tensor], lf, out_dtype: torch.dty
     p = _ready(x)
     if p is None:
         return None
-    spec = linear_spec(lf, t)
+    spec = spec or linear_spec(lf, t)
     if spec is None:
         return None
     _check(x.shape[1] == spec.inn, f"{lf.role}: input has {x.shape[1]} features, the weight takes {spec.inn}")
@@ -664,6 +693,89 @@ def float_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: to
            "do not chain")
     cp = (ctypes.c_float * 2)(*params)
     return _call(library().ms_expert, p, [g, u, d], x, d.out, out_dtype, ACTIVATIONS.index(act), cp)
+
+
+class ExpertCall:
+    """One gated expert as the kernels read it: its gate, up and down :class:`Spec` (kept alive) packed once
+    into the C arrays ``ms_moe`` takes (an expert the cache holds is packed once, not per token)."""
+
+    __slots__ = ("specs", "fields", "ptrs", "h_in", "h_out")
+
+    def __init__(self, specs: tuple[Spec, Spec, Spec]):
+        self.specs = specs
+        self.fields = bytes((ctypes.c_int64 * (3 * SPEC))(*(f for sp in specs for f in sp.fields)))
+        self.ptrs = bytes((ctypes.c_void_p * (3 * PTRS))(*(p for sp in specs for p in sp.ptrs())))
+        self.h_in, self.h_out = specs[0].inn, specs[2].out
+
+
+def expert_call(t: dict[str, torch.Tensor], fmt) -> ExpertCall | None:
+    """The :class:`ExpertCall` of an expert's stored pieces ``t``: quantized ones as :func:`expert` reads them
+    (``fmt`` their :class:`~moestream.quant.formats.ExpertFormat`), float ones (``fmt`` None: ``gate``, ``up``,
+    ``down`` with optional ``<role>.bias``) as :func:`float_expert`; None when the kernels do not cover them."""
+    if fmt is None:
+        specs = tuple(float_spec(t[r], t.get(r + ".bias")) for r in ("gate", "up", "down"))
+    else:
+        lin = fmt.linears
+        if fmt.fused_gate_up:
+            gu = lin["gate_up"]
+            inter = gu.out_features // 2
+            specs = (linear_spec(gu, t, "gate_up", (0, 2), inter), linear_spec(gu, t, "gate_up", (1, 2), inter),
+                     linear_spec(lin["down"], t))
+        else:
+            specs = (linear_spec(lin["gate"], t), linear_spec(lin["up"], t), linear_spec(lin["down"], t))
+    if any(sp is None for sp in specs):
+        return None
+    g, u, d = specs
+    _check(g.inn == u.inn and g.out == u.out == d.inn,
+           f"gate [{g.out}, {g.inn}], up [{u.out}, {u.inn}] and down [{d.out}, {d.inn}] do not chain")
+    return ExpertCall(specs)
+
+
+def moe(x: torch.Tensor, calls: list[ExpertCall], rows: list[list[int]], k: int, weights: torch.Tensor,
+        act: str = "silu", params: tuple[float, float] = (1.0, float("nan")),
+        out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A MoE layer's experts in one call: expert ``i`` (``calls[i]``) on the tokens of its routing slots
+    ``rows[i]`` (slot ``s = token * k + j``), each output weighted as the expert pipeline does -- rounded to
+    x's dtype, times ``weights[s]``, rounded to the product's promoted dtype, then to ``out``'s dtype.
+
+    Args:
+        x: [T, H] the layer's expert input (float32, bf16 or fp16).
+        weights: [T * k] routing weights (any float dtype; their dtype sets the product's rounding).
+        out: [T * k, H'] the slots to write (x's dtype by default: a new tensor, zeros where no expert wrote).
+
+    Returns:
+        ``out``, or None on the PyTorch path. Each slot's bits are those of that expert on that token alone.
+    """
+    p = _ready(x)
+    if p is None:
+        return None
+    t = x.shape[0]
+    h_out = calls[0].h_out if calls else x.shape[1]
+    if out is None:
+        out = torch.zeros(t * k, h_out, dtype=x.dtype)
+    if not calls:
+        return out
+    _check(all(c.h_in == x.shape[1] and c.h_out == h_out for c in calls) and out.is_contiguous()
+           and tuple(out.shape) == (t * k, h_out) and out.dtype in _DT,
+           f"moe: input [{t}, {x.shape[1]}] and slots {list(out.shape)} do not fit the experts")
+    xf = _contig(x.float())
+    wf = _contig(weights.reshape(-1).float())
+    flat, starts = [], [0]
+    for r in rows:
+        flat.extend(r)
+        starts.append(len(flat))
+    rows_a = (ctypes.c_int64 * len(flat))(*flat)
+    starts_a = (ctypes.c_int64 * len(starts))(*starts)
+    fields = b"".join(c.fields for c in calls)
+    ptrs = b"".join(c.ptrs for c in calls)
+    cp = (ctypes.c_float * 2)(*params)
+    prod = torch.promote_types(x.dtype, weights.dtype)
+    rc = library().ms_moe(_PATH_CODE[p], len(calls), fields, ptrs, rows_a, starts_a, xf.data_ptr(), k, x.shape[1],
+                          h_out, wf.data_ptr(), ACTIVATIONS.index(act), cp, _DT[x.dtype], _DT[prod], _DT[out.dtype],
+                          out.data_ptr())
+    if rc:
+        raise RuntimeError(f"moestream kernels: path {p} is not compiled in this build")
+    return out
 
 
 def _bits(f: float) -> int:

@@ -16,6 +16,7 @@ from ..checkpoint import torch_dtype
 from . import affine, ggml
 from .compressed import linear_format
 from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8, check_ggml, ggml_scheme
+from . import native
 from .kernels import dequantize_linear, qlinear
 
 _SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",), "gguf": ()}
@@ -47,7 +48,15 @@ class QuantLinear(nn.Module):
         return {"weight": getattr(self, self.weight_name), **{f"weight.{n}": getattr(self, n) for n in self.extra}}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = qlinear(x.reshape(-1, x.shape[-1]), self._pieces(), self.fmt).view(*x.shape[:-1], -1)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = None
+        if x.device.type == "cpu":  # the kernels' view of the stored pieces, made once (they do not move)
+            spec = native.spec_of(getattr(self, self.weight_name), lambda _: native.linear_spec(self.fmt, self._pieces()))
+            if spec is not None:
+                y = native.linear(x2, self._pieces(), self.fmt, spec=spec)
+        if y is None:
+            y = qlinear(x2, self._pieces(), self.fmt)
+        y = y.view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

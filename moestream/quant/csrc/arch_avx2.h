@@ -14,6 +14,8 @@ struct Arch2 {
   static constexpr int W = 16;
   static constexpr int R1 = 2;  // rows per pass for one token
   static constexpr int TT = 3;  // tokens per tile of the many-token path (12 of the 16 registers accumulate)
+  static constexpr int TD = 4;  // tokens from which the many-token path decodes rows into a buffer (above)
+  static constexpr int RT = 1;  // rows per pass of the few-token path
   static constexpr bool SIMD = true;
   static MS_INLINE V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static MS_INLINE V set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
@@ -29,6 +31,8 @@ struct Arch2 {
     std::memcpy(p, t, size_t(n) * 4);
   }
   static MS_INLINE V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  // a value held in registers (GCC otherwise reloads a reused operand from memory at every use)
+  static MS_INLINE void keep(V& a) { asm volatile("" : "+x"(a.lo), "+x"(a.hi)); }
   static MS_INLINE float hsum8(__m256 t) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  // lanes i + i+4
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                       // + i+2
@@ -47,6 +51,35 @@ struct Arch2 {
     alignas(32) float t[8] = {0};
     for (int64_t i = 0; i < n; ++i) t[i] = ld_dt(p, dt, c0 + i);
     return _mm256_load_ps(t);
+  }
+  // ggml's direct decoders (engine.h DecG): 16 weights each as two halves, ggml_group's float operations
+  static MS_INLINE __m256 nib8(const uint8_t* p, int hi, __m256 dl, __m256 ml) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    b = hi ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(15));
+    return _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(b)), ml);
+  }
+  static MS_INLINE V dq_nibbles(const uint8_t* p, int hi, float dl, float ml) {
+    const __m256 d = _mm256_set1_ps(dl), m = _mm256_set1_ps(ml);
+    return {nib8(p, hi, d, m), nib8(p + 8, hi, d, m)};
+  }
+  static MS_INLINE __m256 q6_8(const uint8_t* ql, int k, const uint8_t* qh, __m256 dl) {
+    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ql)));
+    const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qh)));
+    lo = k < 2 ? _mm256_and_si256(lo, _mm256_set1_epi32(15)) : _mm256_srli_epi32(lo, 4);
+    const __m256i hb = _mm256_and_si256(_mm256_srli_epi32(h, 2 * k), _mm256_set1_epi32(3));
+    const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hb, 4)), _mm256_set1_epi32(32));
+    return _mm256_mul_ps(dl, _mm256_cvtepi32_ps(q));
+  }
+  static MS_INLINE V dq_q6(const uint8_t* ql, int k, const uint8_t* qh, float dl) {
+    const __m256 d = _mm256_set1_ps(dl);
+    return {q6_8(ql, k, qh, d), q6_8(ql + 8, k, qh + 8, d)};
+  }
+  static MS_INLINE __m256 i8_8(const uint8_t* p, __m256 d) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))), d);
+  }
+  static MS_INLINE V dq_i8(const uint8_t* p, float d) {
+    const __m256 dv = _mm256_set1_ps(d);
+    return {i8_8(p, dv), i8_8(p + 8, dv)};
   }
   static MS_INLINE V load_dt(const uint8_t* p, int dt, int64_t c0, int64_t n) {
     return {load8_dt(p, dt, c0, n < 8 ? n : 8), load8_dt(p, dt, c0 + 8, n > 8 ? n - 8 : 0)};

@@ -11,6 +11,8 @@ struct Arch5 {
   static constexpr int W = 16;
   static constexpr int R1 = 4;  // rows per pass for one token
   static constexpr int TT = 5;  // tokens per tile of the many-token path (4 x 5 accumulators)
+  static constexpr int TD = 8;  // tokens from which the many-token path decodes rows into a buffer (above)
+  static constexpr int RT = 2;  // rows per pass of the few-token path
   static constexpr bool SIMD = true;
   static MS_INLINE V zero() { return _mm512_setzero_ps(); }
   static MS_INLINE V set1(float a) { return _mm512_set1_ps(a); }
@@ -20,8 +22,31 @@ struct Arch5 {
     _mm512_mask_storeu_ps(p, __mmask16((1u << n) - 1), a);
   }
   static MS_INLINE V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  // a value held in a register (GCC otherwise reloads a reused operand from memory at every use)
+  static MS_INLINE void keep(V& a) { asm volatile("" : "+v"(a)); }
   static MS_INLINE float hsum(V a) {  // lanes i + i+8, then the 8-lane tree
     return Arch2::hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+  }
+  // ggml's direct decoders (engine.h DecG): 16 weights each, the float operations of ggml_group
+  // dl * nibble - ml, the low (hi 0) or high nibbles of 16 bytes (Q4_K)
+  static MS_INLINE V dq_nibbles(const uint8_t* p, int hi, float dl, float ml) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    b = hi ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(15));
+    return _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dl), _mm512_cvtepi32_ps(b)), _mm512_set1_ps(ml));
+  }
+  // dl * ((low nibble (k < 2) or high one | bit pair k of qh << 4) - 32) (Q6_K)
+  static MS_INLINE V dq_q6(const uint8_t* ql, int k, const uint8_t* qh, float dl) {
+    __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)));
+    const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh)));
+    lo = k < 2 ? _mm512_and_si512(lo, _mm512_set1_epi32(15)) : _mm512_srli_epi32(lo, 4);
+    const __m512i hb = _mm512_and_si512(_mm512_srli_epi32(h, unsigned(2 * k)), _mm512_set1_epi32(3));
+    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hb, 4)), _mm512_set1_epi32(32));
+    return _mm512_mul_ps(_mm512_set1_ps(dl), _mm512_cvtepi32_ps(q));
+  }
+  // int8 * d (Q8_0)
+  static MS_INLINE V dq_i8(const uint8_t* p, float d) {
+    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d));
   }
   // n <= 16 elements of dtype dt at element c0 of p, zeros after
   static MS_INLINE V load_dt(const uint8_t* p, int dt, int64_t c0, int64_t n) {

@@ -16,6 +16,8 @@ struct ArchP {
   static constexpr int W = 16;
   static constexpr int R1 = 1;  // rows per pass for one token
   static constexpr int TT = 4;  // tokens per tile of the many-token path
+  static constexpr int TD = 4;  // tokens from which the many-token path decodes rows into a buffer (above)
+  static constexpr int RT = 1;  // rows per pass of the few-token path
   static constexpr bool SIMD = false;
   static MS_INLINE V zero() {
     V r;
@@ -43,6 +45,11 @@ struct ArchP {
     for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
     return r;
   }
+  static MS_INLINE void keep(V&) {}
+  // (the ggml direct decoders are SIMD-only: the portable path keeps ggml_group's loops)
+  static MS_INLINE V dq_nibbles(const uint8_t*, int, float, float) { return zero(); }
+  static MS_INLINE V dq_q6(const uint8_t*, int, const uint8_t*, float) { return zero(); }
+  static MS_INLINE V dq_i8(const uint8_t*, float) { return zero(); }
   static MS_INLINE float hsum(const V& a) {
     float t[16];
     for (int i = 0; i < 16; ++i) t[i] = a.v[i];

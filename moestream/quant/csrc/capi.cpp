@@ -158,6 +158,46 @@ float exp_canonical(float x) { return exp_c(x); }
 
 static inline float sigmoid_c(float z) { return 1.0f / (1.0f + exp_c(-z)); }
 
+// g [n, I] <- act(g, u) in place (ms_expert's activations)
+static void activate(int act, const float* params, float* g, const float* u, int64_t n) {
+  if (act == 0) {
+    for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.0f + exp_c(-g[i])) * u[i];
+  } else if (act == 1) {
+    const float beta = params[0], lb = params[1];
+    for (int64_t i = 0; i < n; ++i) {
+      const float a = beta * std::tanh(g[i] / beta) * sigmoid_c(g[i]);
+      g[i] = a * (std::isnan(lb) ? u[i] : lb * std::tanh(u[i] / lb));
+    }
+  } else {
+    const float alpha = params[0], limit = params[1];
+    for (int64_t i = 0; i < n; ++i) {
+      const float gc = std::min(g[i], limit), uc = std::min(std::max(u[i], -limit), limit);
+      g[i] = (uc + 1.0f) * (gc * sigmoid_c(gc * alpha));
+    }
+  }
+}
+
+// One gated expert on n rows x [n, in] (float32) into y [n, out] (float32): run_full of gate and up, the
+// activation, run_full of down. g and u are scratch of n * I floats.
+static void expert_rows(int path, const int64_t* specs, const void* const* ptrs, const float* x, int64_t n, float* y,
+                        int act, const float* params, std::vector<float>& g, std::vector<float>& u) {
+  Lin G = make_lin(specs, ptrs), U = make_lin(specs + SPEC, ptrs + PTRS), D = make_lin(specs + 2 * SPEC, ptrs + 2 * PTRS);
+  const int64_t I = G.out;
+  if (g.size() < size_t(n * I)) g.resize(size_t(n * I));
+  if (u.size() < size_t(n * I)) u.resize(size_t(n * I));
+  run_full(rows_fn(path, G), G, x, n, g.data(), I);
+  run_full(rows_fn(path, U), U, x, n, u.data(), I);
+  activate(act, params, g.data(), u.data(), n * I);
+  run_full(rows_fn(path, D), D, g.data(), n, y, D.out);
+}
+
+// value v rounded to dtype dt (the cast a torch .to(dt) makes), as float32
+static inline float round_to(float v, int dt) {
+  if (dt == BF16) return bf16_to_float(to_bf16(v));
+  if (dt == F16) return c10_half_round(v);
+  return v;
+}
+
 }  // namespace ms
 
 extern "C" {
@@ -194,26 +234,67 @@ int ms_expert(int path, const int64_t* specs, const void* const* ptrs, const flo
           D = ms::make_lin(specs + 2 * ms::SPEC, ptrs + 2 * ms::PTRS);
   ms::RowsFn fg = ms::rows_fn(path, G), fu = ms::rows_fn(path, U), fd = ms::rows_fn(path, D);
   if (fg == nullptr || fu == nullptr || fd == nullptr || act < 0 || act > 2) return -1;
-  const int64_t I = G.out;
-  std::vector<float> g(size_t(n * I)), u(size_t(n * I));
-  ms::run_full(fg, G, x, n, g.data(), I);
-  ms::run_full(fu, U, x, n, u.data(), I);
-  if (act == 0) {
-    for (int64_t i = 0; i < n * I; ++i) g[i] = g[i] / (1.0f + ms::exp_c(-g[i])) * u[i];
-  } else if (act == 1) {
-    const float beta = params[0], lb = params[1];
-    for (int64_t i = 0; i < n * I; ++i) {
-      const float a = beta * std::tanh(g[i] / beta) * ms::sigmoid_c(g[i]);
-      g[i] = a * (std::isnan(lb) ? u[i] : lb * std::tanh(u[i] / lb));
+  (void)G, (void)U;
+  (void)D;
+  std::vector<float> g, u;
+  ms::expert_rows(path, specs, ptrs, x, n, y, act, params, g, u);
+  return 0;
+}
+
+// A MoE layer's experts on the tokens routed to them, each slot's output weighted and rounded as the
+// expert pipeline does (moestream/pipeline.py compute_slots): expert e (specs and ptrs at e * 3 * SPEC and
+// e * 3 * PTRS, as ms_expert) computes the rows x[s / K] for its slots s = rows[starts[e]], ...,
+// rows[starts[e + 1] - 1] (slot s = token * K + k); its output y (float32) becomes
+// out[s] = round_o(round_p(round_x(y) * w[s])) with round_x to x_dt (the expert's output dtype), round_p to
+// prod_dt (the product's promoted dtype) and round_o to out_dt; out [T * K, H_out] in out_dt. x [T, H_in] and
+// w [T * K] float32. Experts run on threads (whole experts when there are several per thread, else each
+// expert's rows split): an output's bits are the same as ms_expert's on that expert and row alone.
+// 0, or -1 when a path is not compiled or an argument is bad.
+int ms_moe(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs, const int64_t* rows,
+           const int64_t* starts, const float* x, int64_t K, int64_t h_in, int64_t h_out, const float* w, int act,
+           const float* params, int x_dt, int prod_dt, int out_dt, void* out) {
+  if (n_e < 0 || K < 1 || act < 0 || act > 2) return -1;
+  for (int64_t e = 0; e < n_e; ++e)
+    for (int j = 0; j < 3; ++j) {
+      ms::Lin L = ms::make_lin(specs + (3 * e + j) * ms::SPEC, ptrs + (3 * e + j) * ms::PTRS);
+      if (ms::rows_fn(path, L) == nullptr) return -1;
     }
+  uint8_t* o = static_cast<uint8_t*>(out);
+  auto one = [&](int64_t e, std::vector<float>& xe, std::vector<float>& ye, std::vector<float>& g,
+                 std::vector<float>& u) {
+    const int64_t a = starts[e], n = starts[e + 1] - a;
+    if (n <= 0) return;
+    if (xe.size() < size_t(n * h_in)) xe.resize(size_t(n * h_in));
+    if (ye.size() < size_t(n * h_out)) ye.resize(size_t(n * h_out));
+    for (int64_t i = 0; i < n; ++i) std::memcpy(xe.data() + i * h_in, x + (rows[a + i] / K) * h_in, size_t(h_in) * 4);
+    ms::expert_rows(path, specs + 3 * e * ms::SPEC, ptrs + 3 * e * ms::PTRS, xe.data(), n, ye.data(), act, params,
+                    g, u);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t s = rows[a + i];
+      const float ws = w[s];
+      for (int64_t h = 0; h < h_out; ++h) {
+        const float v = ms::round_to(ms::round_to(ye[size_t(i * h_out + h)], x_dt) * ws, prod_dt);
+        ms::st_dt(o, out_dt, s * h_out + h, v);
+      }
+    }
+  };
+  int threads = 1;
+#ifdef _OPENMP
+  if (!omp_in_parallel()) threads = omp_get_max_threads();
+#endif
+  if (threads > 1 && n_e >= 2 * threads) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    {
+      std::vector<float> xe, ye, g, u;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t e = 0; e < n_e; ++e) one(e, xe, ye, g, u);
+    }
+#endif
   } else {
-    const float alpha = params[0], limit = params[1];
-    for (int64_t i = 0; i < n * I; ++i) {
-      const float gc = std::min(g[i], limit), uc = std::min(std::max(u[i], -limit), limit);
-      g[i] = (uc + 1.0f) * (gc * ms::sigmoid_c(gc * alpha));
-    }
+    std::vector<float> xe, ye, g, u;
+    for (int64_t e = 0; e < n_e; ++e) one(e, xe, ye, g, u);
   }
-  ms::run_full(fd, D, g.data(), n, y, D.out);
   return 0;
 }
 

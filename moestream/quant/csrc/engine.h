@@ -578,32 +578,207 @@ static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t*
   }
 }
 
+// The legacy and k-quant sub-blocks with AVX2 (8 lanes at a time; both SIMD paths), the same float operations
+// as ggml_group's loops, so the same bits; the types without a SIMD form fall back to ggml_group.
+#if MS_AVX2
+static MS_INLINE __m256 cvt8(__m128i bytes_lo8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes_lo8)); }
+
+// 8 lanes of bit j of the 32-bit word h, for lanes j = j0..j0+7, as 0 or 16
+static MS_INLINE __m256i bit4(uint32_t h, int j0) {
+  const __m256i sh = _mm256_setr_epi32(j0, j0 + 1, j0 + 2, j0 + 3, j0 + 4, j0 + 5, j0 + 6, j0 + 7);
+  return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(h)), sh), _mm256_set1_epi32(1)), 4);
+}
+#endif
+
+template <int T, bool SIMD>
+static MS_INLINE void ggml_group_s(const uint8_t* row, int64_t g, float* out) {
+#if MS_AVX2
+  if constexpr (SIMD && (T == G_Q4_0 || T == G_Q4_1 || T == G_Q8_0 || T == G_Q5_0 || T == G_Q5_1)) {
+    constexpr int64_t size = T == G_Q4_0 ? 18 : T == G_Q4_1 ? 20 : T == G_Q5_0 ? 22 : T == G_Q5_1 ? 24 : 34;
+    const uint8_t* b = row + g * size;
+    const __m256 d = _mm256_set1_ps(ggml_f16(b));
+    if constexpr (T == G_Q8_0) {
+      for (int k = 0; k < 4; ++k) {
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * k)));
+        _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+      }
+      return;
+    } else {
+      constexpr int qo = T == G_Q4_0 ? 2 : T == G_Q4_1 ? 4 : T == G_Q5_0 ? 6 : 8;  // where the nibbles start
+      const uint8_t* qs = b + qo;
+      const __m256i m15 = _mm256_set1_epi32(15);
+      uint32_t qh = 0;
+      if constexpr (T == G_Q5_0 || T == G_Q5_1) std::memcpy(&qh, b + qo - 4, 4);
+      const __m256 m = T == G_Q4_1 || T == G_Q5_1 ? _mm256_set1_ps(ggml_f16(b + 2)) : _mm256_setzero_ps();
+      for (int k = 0; k < 2; ++k) {
+        const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * k)));
+        __m256i lo = _mm256_and_si256(raw, m15), hi = _mm256_srli_epi32(raw, 4);
+        if constexpr (T == G_Q5_0 || T == G_Q5_1) {
+          lo = _mm256_or_si256(lo, bit4(qh, 8 * k));
+          hi = _mm256_or_si256(hi, bit4(qh, 16 + 8 * k));
+        }
+        if constexpr (T == G_Q4_0 || T == G_Q5_0) {
+          const __m256i off = _mm256_set1_epi32(T == G_Q4_0 ? 8 : 16);
+          _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, off))));
+          _mm256_storeu_ps(out + 16 + 8 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, off))));
+        } else {
+          _mm256_storeu_ps(out + 8 * k, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)), m));
+          _mm256_storeu_ps(out + 16 + 8 * k, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)), m));
+        }
+      }
+      return;
+    }
+  }
+  if constexpr (SIMD && (T == G_Q4_K || T == G_Q5_K)) {
+    constexpr int64_t size = T == G_Q4_K ? 144 : 176;
+    const uint8_t* b = row + (g / 8) * size;
+    const int s = int(g % 8);
+    const uint8_t* sc = b + 4;
+    int scale, mn;
+    if (s < 4) {
+      scale = sc[s] & 63;
+      mn = sc[s + 4] & 63;
+    } else {
+      scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+      mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+    }
+    const __m256 dl = _mm256_set1_ps(ggml_f16(b) * float(scale)), ml = _mm256_set1_ps(ggml_f16(b + 2) * float(mn));
+    const uint8_t* qs = b + (T == G_Q4_K ? 16 : 48) + (s / 2) * 32;
+    const __m256i m15 = _mm256_set1_epi32(15);
+    for (int k = 0; k < 4; ++k) {
+      const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * k)));
+      __m256i q = s % 2 ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, m15);
+      if constexpr (T == G_Q5_K) {
+        const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 8 * k)));
+        q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, s), _mm256_set1_epi32(1)), 4));
+      }
+      _mm256_storeu_ps(out + 8 * k, _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(q)), ml));
+    }
+    return;
+  }
+  if constexpr (SIMD && (T == G_Q6_K || T == G_Q2_K || T == G_Q3_K)) {
+    constexpr int64_t size = T == G_Q2_K ? 84 : T == G_Q3_K ? 110 : 210;
+    const uint8_t* b = row + (g / 16) * size;
+    const int s = int(g % 16);
+    const __m256i m3 = _mm256_set1_epi32(3);
+    if constexpr (T == G_Q6_K) {
+      const __m256 dl = _mm256_set1_ps(ggml_f16(b + 208) * float(int8_t(b[192 + s])));
+      const int n = s / 8, k = (s % 8) / 2, l0 = (s % 2) * 16;
+      const uint8_t* ql = b + n * 64 + (k % 2) * 32 + l0;
+      const uint8_t* qh = b + 128 + n * 32 + l0;
+      for (int j = 0; j < 2; ++j) {
+        const __m256i lraw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ql + 8 * j)));
+        const __m256i hraw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qh + 8 * j)));
+        const __m256i low = k < 2 ? _mm256_and_si256(lraw, _mm256_set1_epi32(15)) : _mm256_srli_epi32(lraw, 4);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(hraw, 2 * k), m3);
+        const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+        _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(q)));
+      }
+      return;
+    } else {
+      const int n = s / 8, shift = 2 * ((s % 8) / 2), l0 = (s % 2) * 16;
+      const uint8_t* q = b + (T == G_Q2_K ? 16 : 32) + n * 32 + l0;
+      if constexpr (T == G_Q2_K) {
+        const __m256 dl = _mm256_set1_ps(ggml_f16(b + 80) * float(b[s] & 15));
+        const __m256 ml = _mm256_set1_ps(ggml_f16(b + 82) * float(b[s] >> 4));
+        for (int j = 0; j < 2; ++j) {
+          const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j)));
+          const __m256i c = _mm256_and_si256(_mm256_srli_epi32(raw, shift), m3);
+          _mm256_storeu_ps(out + 8 * j, _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(c)), ml));
+        }
+      } else {
+        const uint8_t* sc = b + 96;
+        const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4, high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        const __m256 dl = _mm256_set1_ps(ggml_f16(b + 108) * float(int(int8_t(uint8_t(low | (high << 4)))) - 32));
+        const uint8_t* hm = b + l0;
+        for (int j = 0; j < 2; ++j) {
+          const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j)));
+          const __m256i hraw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hm + 8 * j)));
+          const __m256i hb = _mm256_and_si256(_mm256_srli_epi32(hraw, s / 2), _mm256_set1_epi32(1));
+          // (bit set ? 0 : 4) = 4 - 4 * bit
+          const __m256i c = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(raw, shift), m3),
+                                             _mm256_sub_epi32(_mm256_set1_epi32(4), _mm256_slli_epi32(hb, 2)));
+          _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(c)));
+        }
+      }
+      return;
+    }
+  }
+#endif
+  ggml_group<T>(row, g, out);
+}
+
+// ggml types a SIMD arch decodes straight into registers (A::dq_nibbles, dq_q6, dq_i8: the same float operations
+// as ggml_group's loops); the others go through a sub-block buffer
+template <int T>
+constexpr bool ggml_direct() { return T == G_Q4_K || T == G_Q6_K || T == G_Q8_0; }
+
 template <class A, int T>
 struct DecG {
   using V = typename A::V;
+  static constexpr bool DIRECT = A::SIMD && ggml_direct<T>();
   const Lin& L;
   struct Row {
     const uint8_t* p;
     int64_t g0;  // first vector of the buffered group
+    const uint8_t* q;   // direct: the sub-block's codes (Q6_K: its low bits)
+    const uint8_t* qh;  // direct Q6_K: its high bits
+    float dl, ml;       // direct: the sub-block's scale and min
+    int sel;            // direct: which nibble (Q4_K), which bit pair (Q6_K)
     alignas(64) float w[32];
   };
-  explicit DecG(const Lin& l) : L(l) {}
+  int64_t group_bytes;  // stored bytes per sub-block (about: the block's header is spread over its sub-blocks)
+  explicit DecG(const Lin& l) : L(l), group_bytes(l.row_bytes * l.group / std::max<int64_t>(1, l.in)) {}
   MS_INLINE void start(Row& r, int64_t row) const { r.p = L.w + L.stored(row) * L.row_bytes; }
   MS_INLINE void prefetch(const Row& r, int64_t g) const {
 #if defined(__GNUC__)
-    __builtin_prefetch(r.p + (g * L.group * L.row_bytes) / L.in + PREFETCH_BYTES, 0, 3);
+    __builtin_prefetch(r.p + g * group_bytes + PREFETCH_BYTES, 0, 3);
 #else
     (void)r, (void)g;
 #endif
   }
   MS_INLINE void group(Row& r, int64_t g) const {
-    if constexpr (T >= G_MXFP4)
-      ggml_group_x<T, A::SIMD>(r.p, g, L.s, r.w);
-    else
-      ggml_group<T>(r.p, g, r.w);
     r.g0 = g * (L.group / A::W);
+    if constexpr (DIRECT && T == G_Q4_K) {
+      const uint8_t* b = r.p + (g / 8) * 144;
+      const int s = int(g % 8);
+      const uint8_t* sc = b + 4;
+      int scale, mn;
+      if (s < 4) {
+        scale = sc[s] & 63;
+        mn = sc[s + 4] & 63;
+      } else {
+        scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+        mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+      }
+      r.dl = ggml_f16(b) * float(scale);
+      r.ml = ggml_f16(b + 2) * float(mn);
+      r.q = b + 16 + (s / 2) * 32;
+      r.sel = s % 2;
+    } else if constexpr (DIRECT && T == G_Q6_K) {
+      const uint8_t* b = r.p + (g / 16) * 210;
+      const int s = int(g % 16);
+      r.dl = ggml_f16(b + 208) * float(int8_t(b[192 + s]));
+      const int n = s / 8, k = (s % 8) / 2, l0 = (s % 2) * 16;
+      r.q = b + n * 64 + (k % 2) * 32 + l0;
+      r.qh = b + 128 + n * 32 + l0;
+      r.sel = k;
+    } else if constexpr (DIRECT && T == G_Q8_0) {
+      const uint8_t* b = r.p + g * 34;
+      r.dl = ggml_f16(b);
+      r.q = b + 2;
+    } else if constexpr (T >= G_MXFP4) {
+      ggml_group_x<T, A::SIMD>(r.p, g, L.s, r.w);
+    } else {
+      ggml_group_s<T, A::SIMD>(r.p, g, r.w);
+    }
   }
-  MS_INLINE V load(const Row& r, int64_t v) const { return A::loadu(r.w + (v - r.g0) * A::W); }
+  MS_INLINE V load(const Row& r, int64_t v) const {
+    if constexpr (DIRECT && T == G_Q4_K) return A::dq_nibbles(r.q + 16 * (v - r.g0), r.sel, r.dl, r.ml);
+    else if constexpr (DIRECT && T == G_Q6_K) return A::dq_q6(r.q, r.sel, r.qh, r.dl);
+    else if constexpr (DIRECT && T == G_Q8_0) return A::dq_i8(r.q + 16 * (v - r.g0), r.dl);
+    else return A::loadu(r.w + (v - r.g0) * A::W);
+  }
 };
 
 
@@ -730,35 +905,41 @@ static MS_NOINLINE void dot_rows(const D& dec, int64_t row, const float* x, int6
     for (int t = 0; t < T; ++t) y[t * ldy + row + r] = A::hsum(acc[r][t]);
 }
 
-// The weights of row `row` decoded into buf[nvec * 16]: the vectors dot_rows multiplies.
+// Vectors [v0, v1) of row `row` decoded into buf: the vectors dot_rows multiplies (buf[(v - v0) * 16 ...]).
 template <class A, class D>
-static MS_NOINLINE void decode_row(const D& dec, int64_t row, int64_t nvec, int64_t vpg, float* buf) {
+static MS_NOINLINE void decode_row(const D& dec, int64_t row, int64_t v0, int64_t v1, int64_t vpg, float* buf) {
   typename D::Row st;
   dec.start(st, row);
-  for (int64_t v = 0, g = 0; v < nvec; ++g) {
+  for (int64_t v = v0, g = v0 / vpg; v < v1; ++g) {
     dec.prefetch(st, g);
     dec.group(st, g);
-    const int64_t end = std::min(nvec, v + vpg);
-    for (; v < end; ++v) A::storeu(buf + v * 16, dec.load(st, v));
+    const int64_t end = std::min(v1, (g + 1) * vpg);
+    for (; v < end; ++v) A::storeu(buf + (v - v0) * 16, dec.load(st, v));
   }
 }
 
-// R decoded rows (buf [R][ldb]) x T tokens (x [T][ldx]) -> y[t * ldy + r]
+// R decoded rows (buf [R][ldb], vectors v0.. of each) x T tokens (x [T][ldx]) over vectors [v0, v1), continuing
+// the accumulators parked in acc [R][T] (the same chains as one pass over every vector: chunking the reduction
+// keeps the order).
 template <class A, int R, int T>
-static MS_NOINLINE void tile(const float* buf, int64_t ldb, const float* x, int64_t ldx, int64_t nvec, float* y, int64_t ldy) {
+static MS_NOINLINE void tile(const float* buf, int64_t ldb, const float* x, int64_t ldx, int64_t v0, int64_t v1,
+                             typename A::V* acc_park) {
   using V = typename A::V;
   V acc[R][T];
   MS_UNROLL
   for (int r = 0; r < R; ++r)
     MS_UNROLL
-    for (int t = 0; t < T; ++t) acc[r][t] = A::zero();
-  for (int64_t v = 0; v < nvec; ++v) {
+    for (int t = 0; t < T; ++t) acc[r][t] = acc_park[r * T + t];
+  for (int64_t v = v0; v < v1; ++v) {
     V xv[T];
     MS_UNROLL
-    for (int t = 0; t < T; ++t) xv[t] = A::loadu(x + t * ldx + v * 16);
+    for (int t = 0; t < T; ++t) {
+      xv[t] = A::loadu(x + t * ldx + v * 16);
+      A::keep(xv[t]);
+    }
     MS_UNROLL
     for (int r = 0; r < R; ++r) {
-      const V w = A::loadu(buf + r * ldb + v * 16);
+      const V w = A::loadu(buf + r * ldb + (v - v0) * 16);
       MS_UNROLL
       for (int t = 0; t < T; ++t) acc[r][t] = A::fma(w, xv[t], acc[r][t]);
     }
@@ -766,41 +947,98 @@ static MS_NOINLINE void tile(const float* buf, int64_t ldb, const float* x, int6
   MS_UNROLL
   for (int r = 0; r < R; ++r)
     MS_UNROLL
-    for (int t = 0; t < T; ++t) y[t * ldy + r] = A::hsum(acc[r][t]);
+    for (int t = 0; t < T; ++t) acc_park[r * T + t] = acc[r][t];
 }
 
-// R decoded rows x n tokens: token blocks of A::TT, then the rest one tile of that many.
+// A token block of the many-token path: R rows x T tokens over one chunk of vectors.
 template <class A, int R>
-static void tile_tokens(const float* buf, int64_t ldb, const float* x, int64_t ldx, int64_t n, int64_t nvec, float* y,
-                        int64_t ldy) {
-  constexpr int TT = A::TT;
-  int64_t t = 0;
-  for (; t + TT <= n; t += TT) tile<A, R, TT>(buf, ldb, x + t * ldx, ldx, nvec, y + t * ldy, ldy);
-  const int64_t left = n - t;
-  const float* xt = x + t * ldx;
-  float* yt = y + t * ldy;
-  static_assert(TT <= 6, "tile tails cover up to 5 tokens");
-  switch (left) {
-    case 1: return tile<A, R, 1>(buf, ldb, xt, ldx, nvec, yt, ldy);
-    case 2: return tile<A, R, (TT > 2 ? 2 : 1)>(buf, ldb, xt, ldx, nvec, yt, ldy);
-    case 3: if constexpr (TT > 3) return tile<A, R, 3>(buf, ldb, xt, ldx, nvec, yt, ldy); break;
-    case 4: if constexpr (TT > 4) return tile<A, R, 4>(buf, ldb, xt, ldx, nvec, yt, ldy); break;
-    case 5: if constexpr (TT > 5) return tile<A, R, 5>(buf, ldb, xt, ldx, nvec, yt, ldy); break;
+static void tile_chunk(const float* buf, int64_t ldb, const float* x, int64_t ldx, int64_t nt, int64_t v0, int64_t v1,
+                       typename A::V* park) {
+  switch (nt) {
+    case 1: return tile<A, R, 1>(buf, ldb, x, ldx, v0, v1, park);
+    case 2: return tile<A, R, 2>(buf, ldb, x, ldx, v0, v1, park);
+    case 3: return tile<A, R, 3>(buf, ldb, x, ldx, v0, v1, park);
+    case 4: if constexpr (A::TT >= 4) return tile<A, R, 4>(buf, ldb, x, ldx, v0, v1, park); break;
+    case 5: if constexpr (A::TT >= 5) return tile<A, R, 5>(buf, ldb, x, ldx, v0, v1, park); break;
     default: break;
   }
 }
 
-// The many-token path of one arch (not templated on the decoder: compiled once per arch): RB rows
-// decoded in buf [m][ldb] times n tokens.
 template <class A>
-static void tile_rows(const float* buf, int64_t ldb, int64_t m, const float* x, int64_t ldx, int64_t n, int64_t nvec,
-                      float* y, int64_t ldy) {
+static void tile_rows(const float* buf, int64_t ldb, int64_t m, const float* x, int64_t ldx, int64_t nt, int64_t v0,
+                      int64_t v1, typename A::V* park) {
   static_assert(RB == 4, "tile_rows covers 1 to 4 rows");
   switch (m) {
-    case 4: return tile_tokens<A, 4>(buf, ldb, x, ldx, n, nvec, y, ldy);
-    case 3: return tile_tokens<A, 3>(buf, ldb, x, ldx, n, nvec, y, ldy);
-    case 2: return tile_tokens<A, 2>(buf, ldb, x, ldx, n, nvec, y, ldy);
-    default: return tile_tokens<A, 1>(buf, ldb, x, ldx, n, nvec, y, ldy);
+    case 4: return tile_chunk<A, 4>(buf, ldb, x, ldx, nt, v0, v1, park);
+    case 3: return tile_chunk<A, 3>(buf, ldb, x, ldx, nt, v0, v1, park);
+    case 2: return tile_chunk<A, 2>(buf, ldb, x, ldx, nt, v0, v1, park);
+    default: return tile_chunk<A, 1>(buf, ldb, x, ldx, nt, v0, v1, park);
+  }
+}
+
+// Whether decoder D decodes at a cost of its own (the ggml blocks): the many-token path then decodes rows once.
+template <class D, class = void>
+struct Costly : std::false_type {};
+template <class D>
+struct Costly<D, std::void_t<decltype(D::COSTLY)>> : std::bool_constant<D::COSTLY> {};
+template <class D>
+constexpr bool costly() { return Costly<D>::value; }
+
+// Vectors per chunk of the many-token path: RB rows of them decoded (8 KiB) and a token block's x (10 KiB at
+// 5 tokens) stay in L1 while every token block passes over them.
+constexpr int64_t CHUNK_VECTORS = 32;
+
+// Rows [r0, r1) for n tokens of one decoder, n > 1: up to A::TD tokens straight from the codes (dot_rows), more
+// through RB decoded rows per chunk of the reduction.
+template <class A, class D>
+static void rows_many(const D& dec, const Lin& L, const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t r1,
+                      float* y, int64_t ldy, int64_t nvec, int64_t vpg) {
+  if (n <= (costly<D>() ? 1 : A::TD)) {
+    for (int64_t r = r0; r < r1;) {
+      const int64_t left = r1 - r;
+      const bool two = A::RT > 1 && left >= 2;
+      switch (n) {
+        case 2: two ? dot_rows<A, D, A::RT, 2>(dec, r, x, ldx, nvec, vpg, y, ldy) : dot_rows<A, D, 1, 2>(dec, r, x, ldx, nvec, vpg, y, ldy); break;
+        case 3: two ? dot_rows<A, D, A::RT, 3>(dec, r, x, ldx, nvec, vpg, y, ldy) : dot_rows<A, D, 1, 3>(dec, r, x, ldx, nvec, vpg, y, ldy); break;
+        case 4: two ? dot_rows<A, D, A::RT, 4>(dec, r, x, ldx, nvec, vpg, y, ldy) : dot_rows<A, D, 1, 4>(dec, r, x, ldx, nvec, vpg, y, ldy); break;
+        default:
+          if constexpr (A::TD >= 8) {
+            if (n == 5) { two ? dot_rows<A, D, A::RT, 5>(dec, r, x, ldx, nvec, vpg, y, ldy) : dot_rows<A, D, 1, 5>(dec, r, x, ldx, nvec, vpg, y, ldy); break; }
+            if (n == 6) { two ? dot_rows<A, D, A::RT, 6>(dec, r, x, ldx, nvec, vpg, y, ldy) : dot_rows<A, D, 1, 6>(dec, r, x, ldx, nvec, vpg, y, ldy); break; }
+            if (n == 7) { two ? dot_rows<A, D, A::RT, 7>(dec, r, x, ldx, nvec, vpg, y, ldy) : dot_rows<A, D, 1, 7>(dec, r, x, ldx, nvec, vpg, y, ldy); break; }
+            two ? dot_rows<A, D, A::RT, 8>(dec, r, x, ldx, nvec, vpg, y, ldy) : dot_rows<A, D, 1, 8>(dec, r, x, ldx, nvec, vpg, y, ldy);
+          }
+          break;
+      }
+      r += two ? A::RT : 1;
+    }
+    return;
+  }
+  using V = typename A::V;
+  constexpr int TT = A::TT;
+  thread_local std::vector<float> buf;
+  thread_local std::vector<V> park;
+  const int64_t ldb = CHUNK_VECTORS * 16;
+  if (buf.size() < size_t(RB * ldb)) buf.resize(size_t(RB * ldb));
+  const int64_t blocks = (n + TT - 1) / TT;
+  if (park.size() < size_t(blocks * RB * TT)) park.resize(size_t(blocks * RB * TT));
+  for (int64_t r = r0; r < r1; r += RB) {
+    const int64_t m = std::min<int64_t>(RB, r1 - r);
+    for (auto& a : park) a = A::zero();
+    for (int64_t v0 = 0; v0 < nvec; v0 += CHUNK_VECTORS) {
+      const int64_t v1 = std::min(nvec, v0 + CHUNK_VECTORS);
+      for (int64_t i = 0; i < m; ++i) decode_row<A, D>(dec, r + i, v0, v1, vpg, buf.data() + i * ldb);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t t = b * TT, nt = std::min<int64_t>(TT, n - t);
+        tile_rows<A>(buf.data(), ldb, m, x + t * ldx, ldx, nt, v0, v1, park.data() + b * RB * TT);
+      }
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t t0 = b * TT, nt = std::min<int64_t>(TT, n - t0);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t t = 0; t < nt; ++t)
+          y[(t0 + t) * ldy + r + i] = A::hsum(park[size_t(b * RB * TT + i * nt + t)]);
+    }
   }
 }
 
@@ -817,15 +1055,7 @@ static void rows_with(const Lin& L, const float* x, int64_t ldx, int64_t n, int6
     for (; r < r1; ++r) dot_rows<A, D, 1, 1>(dec, r, x, ldx, nvec, vpg, y, ldy);
     return;
   }
-  // several tokens: RB rows decoded once into an L1-sized buffer, then every token from it
-  thread_local std::vector<float> buf;
-  const int64_t ldb = nvec * 16;
-  if (buf.size() < size_t(RB * ldb)) buf.resize(size_t(RB * ldb));
-  for (int64_t r = r0; r < r1; r += RB) {
-    const int64_t m = std::min<int64_t>(RB, r1 - r);
-    for (int64_t i = 0; i < m; ++i) decode_row<A, D>(dec, r + i, nvec, vpg, buf.data() + i * ldb);
-    tile_rows<A>(buf.data(), ldb, m, x, ldx, n, nvec, y + r, ldy);
-  }
+  rows_many<A, D>(dec, L, x, ldx, n, r0, r1, y, ldy, nvec, vpg);
 }
 
 // Weights stored input-major ([in, stored columns], kind FLOAT_T: y = x @ W): columns [c0, c1) of y for
