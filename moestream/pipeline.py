@@ -318,6 +318,16 @@ class ExpertPipeline:
         kernel = self.kernels[layer]
         if getattr(kernel, "slotted", False) and self.exchange is None:
             return self._compute_in_slots(x, weights, idx, layer, kernel)
+        if getattr(kernel, "many", False) and self.exchange is None:  # the CPU: group on the host, no tensors
+            t, k = idx.shape
+            slots_of: dict[int, list[int]] = {}
+            for s, e in enumerate(idx.reshape(-1).tolist()):
+                slots_of.setdefault(e, []).append(s)  # first use order; each expert's slots ascending
+            needed = list(slots_of)
+            slots = x.new_empty(t * k, x.shape[1])
+            self._compute_many(x, weights.reshape(-1), slots_of, k, layer, kernel, needed,
+                               [len(slots_of[e]) for e in needed], slots)
+            return sum_slots(slots.view(t, k, -1))
         groups = group_slots(idx)
         owned = None if self.exchange is None else self.exchange.owned_ids(layer)
         slots = self.compute_slots(x, weights.reshape(-1), groups, layer, self.kernels[layer], owned)
@@ -338,7 +348,8 @@ class ExpertPipeline:
         # even with nothing needed: the (empty) fetch lets the prefetcher retire this layer's reads ahead
         cpu = self._cpu
         if getattr(kernel, "many", False):
-            return self._compute_many(x, weights, groups, layer, kernel, needed, counts, slots)
+            slots_of = {e: groups.span(row_of[e]).tolist() for e in needed}
+            return self._compute_many(x, weights, slots_of, groups.k, layer, kernel, needed, counts, slots)
         if kernel.batched:
             got = {}
             for e, ew in self.cache.fetch(layer, needed, counts):
@@ -357,30 +368,28 @@ class ExpertPipeline:
             self.kernel_cpu_seconds += cpu() - c0
         return slots
 
-    def _compute_many(self, x: torch.Tensor, weights: torch.Tensor, groups: SlotGroups, layer: int, kernel,
-                      needed: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
+    def _compute_many(self, x: torch.Tensor, weights: torch.Tensor, slots_of: dict[int, list[int]], k: int,
+                      layer: int, kernel, needed: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """:meth:`compute_slots` through a :class:`NativeMoEKernel`: the experts the cache holds in one call (they
         stay intact until the first read one is inserted), then each read expert in its own call as it comes. An
         expert the kernels do not cover (a piece in another dtype) goes through the kernel's ``fallback``."""
-        row_of = {e: i for i, e in enumerate(groups.experts)}
         hold = getattr(self.cache, "holds", None)
         ready = sum(1 for e in needed if hold((layer, e))) if hold is not None else 0
         calls, rows = [], []
         cpu = self._cpu
-        k = groups.k
         for i, (e, ew) in enumerate(self.cache.fetch(layer, needed, counts)):
             call = kernel.call_for(ew)
             if call is None:  # as the per-expert path does
                 c0 = cpu()
-                sl = groups.span(row_of[e])
+                sl = torch.tensor(slots_of[e], device=x.device)
                 slots[sl] = (kernel.fallback(x[sl // k], ew.tensors) * weights[sl, None]).to(slots.dtype)
                 self.kernel_cpu_seconds += cpu() - c0
             else:
                 calls.append(call)
-                rows.append(groups.span(row_of[e]).tolist())
+                rows.append(slots_of[e])
             if calls and i + 1 >= ready:  # the last held expert, then each read one: compute before the cache moves on
                 c0 = cpu()
-                native.moe(x, calls, rows, groups.k, weights, kernel.act, kernel.params, out=slots)
+                native.moe(x, calls, rows, k, weights, kernel.act, kernel.params, out=slots)
                 self.kernel_cpu_seconds += cpu() - c0
                 calls, rows = [], []
         return slots

@@ -83,3 +83,42 @@ def test_streaming_exact_wherever_the_pieces_lie(tmp_path, dtype):
     if dtype == "bfloat16":
         path = write_checkpoint(path, tmp_path / "bf16", {k: v.bfloat16() for k, v in read_all(path).items()})
     fh.assert_streaming_exact_at_offsets(path, tmp_path)
+
+
+@pytest.mark.parametrize("variant", ["base", "sliding-window", "top-4-of-16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_attention_block_in_one_call_gives_the_op_by_op_bits(tmp_path, variant, dtype):
+    """The compiled attention block (q/k/v, q/k norms, rotary, the cache, attention, o in one call) gives every
+    position the bits of the same ops one by one, through a cache that grows (capacity 8) and a decode step."""
+    from moestream.models import layers
+
+    make_qwen3_moe(tmp_path / "src", seed=6, **VARIANTS[variant])
+    path = tmp_path / "src"
+    if dtype == "bfloat16":
+        path = write_checkpoint(path, tmp_path / "bf16", {k: v.bfloat16() for k, v in read_all(path).items()})
+    ids = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(1))
+    engine = load(path, cache_budget_gb="all", tokenizer=False, workers=2, learn_experts=False)
+    try:
+        def run():
+            kv = engine.model.new_kv_cache(8)
+            with torch.inference_mode():
+                return torch.cat([engine.model(ids[:13], 0, kv, all_logits=True),
+                                  engine.model(ids[13:], 13, kv, all_logits=True),
+                                  engine.model(ids[:1], 30, kv, all_logits=True)])
+
+        calls = []
+        real = layers.Attention._block
+        layers.Attention._block = lambda *a: calls.append(1) or real(*a)
+        try:
+            fused = run()
+        finally:
+            layers.Attention._block = real
+        assert calls  # the block ran
+        layers.Attention._block = lambda *a: None  # the ops one by one
+        try:
+            plain = run()
+        finally:
+            layers.Attention._block = real
+        assert torch.equal(fused, plain)
+    finally:
+        engine.close()

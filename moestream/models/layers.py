@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, InputError
+from ..quant import native
 from . import ops
 from .ops import attention_mask
 from .rope import apply_rotary
@@ -79,6 +80,26 @@ class KVCache:
         """The mask of :func:`attention_mask` for the keys :meth:`update` returned (a static decode
         cache, :mod:`moestream.decode_graph`, computes it on the device instead)."""
         return attention_mask(start, t, window, device)
+
+    def reserve(self, layer: int, end: int, like: torch.Tensor, kv_heads: int, head_dim: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value storage [kv_heads, capacity, head_dim] with room for positions ``0..end``
+        (grown as :meth:`update` grows it; ``like`` gives the dtype and device): for a kernel that writes into it."""
+        entry = self.layers[layer]
+        if entry is None or entry[0].shape[1] < end:
+            cap = max(self.capacity, end)
+            while cap < end:
+                cap *= 2
+            if entry is not None:
+                cap = max(cap, 2 * entry[0].shape[1])
+            nk = like.new_empty(kv_heads, cap, head_dim)
+            nv = like.new_empty(kv_heads, cap, head_dim)
+            if entry is not None:
+                n = entry[0].shape[1]
+                nk[:, :n] = entry[0]
+                nv[:, :n] = entry[1]
+            entry = self.layers[layer] = (nk, nv)
+        return entry
 
     def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,6 +169,10 @@ class Attention(AttentionProjections):
     ) -> torch.Tensor:
         """x [T, H] at positions ``start..start+T`` -> [T, H]; appends this chunk's keys/values to ``kv``."""
         t = x.shape[0]
+        if x.device.type == "cpu" and type(kv) is KVCache:  # the whole block in one call of the compiled kernels
+            out = self._block(x, cos, sin, kv, layer, start)
+            if out is not None:
+                return out
         q = self.q_proj(x).view(t, self.heads, self.head_dim)
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
@@ -157,6 +182,33 @@ class Attention(AttentionProjections):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = kv.attend(layer, start, q, k, v, self.scale, self.window)
         return self.o_proj(out.transpose(0, 1).reshape(t, self.heads * self.head_dim))
+
+
+    def _block(self, x, cos, sin, kv: KVCache, layer: int, start: int) -> torch.Tensor | None:
+        """:func:`moestream.quant.native.attention_block` (the same bits as the ops one by one), or None where it
+        does not apply (biases, a projection the kernels do not cover, another dtype)."""
+        specs = tuple(kernel_spec(p) for p in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))
+        if any(sp is None for sp in specs):
+            return None
+        keys, values = kv.reserve(layer, start + x.shape[0], x, self.kv_heads, self.head_dim)
+        qn = None if self.q_norm is None else self.q_norm.weight
+        kn = None if self.k_norm is None else self.k_norm.weight
+        eps = 0.0 if self.q_norm is None else self.q_norm.eps
+        if self.q_norm is not None and (type(self.q_norm) is not RMSNorm or self.k_norm.eps != eps):
+            return None
+        return native.attention_block(x, specs, qn, kn, eps, cos, sin, keys, values, start, self.heads,
+                                      self.kv_heads, self.head_dim, self.scale, self.window)
+
+
+def kernel_spec(module: nn.Module):
+    """A projection's kernel view (made once, kept until its weight changes): a float ``nn.Linear`` or a
+    quantized one (:class:`moestream.quant.resident.QuantLinear`) without a bias; None for others."""
+    if getattr(module, "bias", None) is not None:
+        return None
+    if isinstance(module, nn.Linear):
+        return native.spec_of(module.weight, native.float_spec)
+    make = getattr(module, "kernel_spec", None)
+    return make() if make is not None else None
 
 
 class MLP(nn.Module):

@@ -225,6 +225,8 @@ def _load() -> ctypes.CDLL:
     dll.ms_expert.argtypes = args + [ctypes.c_int, ctypes.c_void_p]
     dll.ms_attention.restype = dll.ms_rmsnorm.restype = dll.ms_act.restype = ctypes.c_int
     dll.ms_delta_rule.restype = ctypes.c_int
+    dll.ms_attn_block.restype = ctypes.c_int
+    dll.ms_attn_block.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     dll.ms_moe.restype = ctypes.c_int
     dll.ms_moe.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -833,6 +835,51 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
             0 if sk is None else sk.data_ptr(), out.data_ptr(), 0 if mk is None else mk.data_ptr()]
     rc = library().ms_attention((ctypes.c_int64 * len(a))(*a), (ctypes.c_void_p * len(ptrs))(*ptrs))
     _check(rc == 0, "attention: bad arguments")
+    return out
+
+
+def attention_block(x: torch.Tensor, specs: tuple[Spec, Spec, Spec, Spec], q_norm: torch.Tensor | None,
+                    k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, start: int, heads: int, kv_heads: int, head_dim: int, scale: float,
+                    window: int | None = None) -> torch.Tensor | None:
+    """One sequence's attention block in one call, the same bits as its ops one by one (transformers'
+    ``Qwen3MoeAttention``: q, k, v projections, per-head RMSNorm of q and k, rotary on the first ``cos.shape[-1]``
+    dims, the keys and values stored, :func:`attention`, the o projection; every intermediate rounded to x's
+    dtype where the op-by-op path rounds it).
+
+    Args:
+        x: [T, H] the normed input, in the model dtype (float32, bf16 or fp16).
+        specs: the q, k, v, o projections' kernel views (no biases).
+        q_norm, k_norm: [head_dim] weights in x's dtype, or None for none (then ``eps`` is unused).
+        cos, sin: [T, rot] in x's dtype (the ``cat(freqs, freqs)`` layout).
+        keys, values: [kv_heads, capacity, head_dim] the layer's cache in x's dtype (capacity >= start + T): the
+            chunk's keys and values are written at positions ``start..start+T``.
+
+    Returns:
+        [T, H] in x's dtype, or None on the PyTorch path or when not covered (then the caller runs the ops).
+    """
+    p = selected()
+    if p == "torch" or x.device.type != "cpu" or x.dtype not in _DT or x.dim() != 2:
+        return None
+    dt = x.dtype
+    t = x.shape[0]
+    if not all(v.dtype == dt and v.is_contiguous() for v in (cos, sin)) or keys.dtype != dt or values.dtype != dt \
+            or keys.stride(2) != 1 or keys.stride() != values.stride() or keys.shape[1] < start + t:
+        return None
+    if (q_norm is None) != (k_norm is None) or any(w is not None and w.dtype != dt for w in (q_norm, k_norm)):
+        return None
+    xc = _contig(x)
+    out = torch.empty_like(xc)
+    fields = b"".join(bytes(sp.c_arrays()[0]) for sp in specs)
+    ptrs = b"".join(bytes(sp.c_arrays()[1]) for sp in specs)
+    a = [t, heads, kv_heads, head_dim, cos.shape[-1], _DT[dt], start, window or 0, keys.stride(0), keys.stride(1),
+         _bits(scale), _bits(eps), int(q_norm is not None)]
+    qn = 0 if q_norm is None else _contig(q_norm).data_ptr()
+    kn = 0 if k_norm is None else _contig(k_norm).data_ptr()
+    pp = [xc.data_ptr(), qn, kn, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr()]
+    rc = library().ms_attn_block(_PATH_CODE[p], (ctypes.c_int64 * len(a))(*a), fields, ptrs,
+                                 (ctypes.c_void_p * len(pp))(*pp))
+    _check(rc == 0, "attention block: bad arguments")
     return out
 
 

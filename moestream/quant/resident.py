@@ -47,11 +47,17 @@ class QuantLinear(nn.Module):
     def _pieces(self) -> dict[str, torch.Tensor]:
         return {"weight": getattr(self, self.weight_name), **{f"weight.{n}": getattr(self, n) for n in self.extra}}
 
+    def kernel_spec(self):
+        """The compiled kernels' view of the stored pieces (made once: they do not move), or None."""
+        if getattr(self, self.weight_name).device.type != "cpu":
+            return None
+        return native.spec_of(getattr(self, self.weight_name), lambda _: native.linear_spec(self.fmt, self._pieces()))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         y = None
-        if x.device.type == "cpu":  # the kernels' view of the stored pieces, made once (they do not move)
-            spec = native.spec_of(getattr(self, self.weight_name), lambda _: native.linear_spec(self.fmt, self._pieces()))
+        if x.device.type == "cpu":
+            spec = self.kernel_spec()
             if spec is not None:
                 y = native.linear(x2, self._pieces(), self.fmt, spec=spec)
         if y is None:

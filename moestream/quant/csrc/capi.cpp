@@ -198,7 +198,23 @@ static inline float round_to(float v, int dt) {
   return v;
 }
 
+// sum of squares of n float32 values by the canonical reduction (16 lanes, one chain, one tree)
+static float sum_squares16(const float* x, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] = std::fma(x[i + l], x[i + l], acc[l]);
+  for (int l = 0; i + l < n; ++l) acc[l] = std::fma(x[i + l], x[i + l], acc[l]);
+  for (int h = 8; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) acc[l] = acc[l] + acc[l + h];
+  return acc[0];
+}
+
 }  // namespace ms
+
+extern "C" {
+int ms_attention(const int64_t* a, const void* const* p);
+}
 
 extern "C" {
 
@@ -295,6 +311,90 @@ int ms_moe(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs,
     std::vector<float> xe, ye, g, u;
     for (int64_t e = 0; e < n_e; ++e) one(e, xe, ye, g, u);
   }
+  return 0;
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// The attention block of one sequence's T tokens, as transformers' Qwen3MoeAttention and moestream.models.layers
+// .Attention compute it op by op (the same roundings, so the same bits): q, k, v = x W^T (each rounded to the
+// model dtype dt), per-head RMSNorm of q and k (weight * round(x r), rounded; if has_norm), rotary on their first
+// `rot` dims (round(round(x cos) + round(rotate_half(x) sin)) in dt), k and v stored in the cache at positions
+// start..start+T-1, attention over positions 0..start+T-1 (ms_attention), its output rounded to dt, then o =
+// out W_o^T rounded to dt.
+// a: 0 T, 1 Hq, 2 Hkv, 3 D, 4 rot, 5 dt, 6 start, 7 window (0: none), 8 cache head stride, 9 cache position
+//    stride (elements), 10 scale (float32 bits), 11 norm eps (float32 bits), 12 has_norm
+// specs/ptrs: q, k, v, o (4 x SPEC, 4 x PTRS); p: x [T, H] (dt), q_norm w [D] (dt), k_norm w, cos [T, rot] (dt),
+//    sin, k cache, v cache (dt), out [T, H] (dt). 0, or -1 when a path is not compiled or an argument is bad.
+int ms_attn_block(int path, const int64_t* a, const int64_t* specs, const void* const* sptrs, const void* const* p) {
+  const int64_t T = a[0], Hq = a[1], Hkv = a[2], D = a[3], rot = a[4], start = a[6], window = a[7];
+  const int dt = int(a[5]);
+  if (T < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || rot < 0 || rot > D || rot % 2 || dt < 0 || dt > 2) return -1;
+  ms::Lin Lq = ms::make_lin(specs, sptrs), Lk = ms::make_lin(specs + ms::SPEC, sptrs + ms::PTRS),
+          Lv = ms::make_lin(specs + 2 * ms::SPEC, sptrs + 2 * ms::PTRS),
+          Lo = ms::make_lin(specs + 3 * ms::SPEC, sptrs + 3 * ms::PTRS);
+  ms::RowsFn fq = ms::rows_fn(path, Lq), fk = ms::rows_fn(path, Lk), fv = ms::rows_fn(path, Lv), fo = ms::rows_fn(path, Lo);
+  if (!fq || !fk || !fv || !fo || Lq.out != Hq * D || Lk.out != Hkv * D || Lv.out != Hkv * D || Lo.in != Hq * D ||
+      Lq.in != Lk.in || Lq.in != Lv.in || Lo.out != Lq.in)
+    return -1;
+  const int64_t H = Lq.in;
+  float scale, eps;
+  const uint32_t sb = uint32_t(uint64_t(a[10]) & 0xffffffffu), eb = uint32_t(uint64_t(a[11]) & 0xffffffffu);
+  std::memcpy(&scale, &sb, 4);
+  std::memcpy(&eps, &eb, 4);
+  const uint8_t* x = static_cast<const uint8_t*>(p[0]);
+  const uint8_t* qw = static_cast<const uint8_t*>(p[1]);
+  const uint8_t* kw = static_cast<const uint8_t*>(p[2]);
+  const uint8_t* cosp = static_cast<const uint8_t*>(p[3]);
+  const uint8_t* sinp = static_cast<const uint8_t*>(p[4]);
+  uint8_t* kc = static_cast<uint8_t*>(const_cast<void*>(p[5]));
+  uint8_t* vc = static_cast<uint8_t*>(const_cast<void*>(p[6]));
+  uint8_t* out = static_cast<uint8_t*>(const_cast<void*>(p[7]));
+  std::vector<float> xf(size_t(T * H)), q(size_t(T * Hq * D)), k(size_t(T * Hkv * D)), v(size_t(T * Hkv * D));
+  for (int64_t i = 0; i < T * H; ++i) xf[size_t(i)] = ms::ld_dt(x, dt, i);
+  ms::run_full(fq, Lq, xf.data(), T, q.data(), Hq * D);
+  ms::run_full(fk, Lk, xf.data(), T, k.data(), Hkv * D);
+  ms::run_full(fv, Lv, xf.data(), T, v.data(), Hkv * D);
+  for (auto* buf : {&q, &k, &v})
+    for (float& f : *buf) f = ms::round_to(f, dt);
+  const int64_t half = rot / 2;
+  // per head: norm, then rotary (q [T, Hq, D] and k [T, Hkv, D] laid out token-major)
+  auto head = [&](float* h, const uint8_t* w, int64_t t) {
+    if (a[12]) {
+      const float r = 1.0f / std::sqrt(ms::sum_squares16(h, D) / float(D) + eps);
+      for (int64_t i = 0; i < D; ++i) h[i] = ms::round_to(ms::ld_dt(w, dt, i) * ms::round_to(h[i] * r, dt), dt);
+    }
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = h[i], x2 = h[i + half];
+      const float c1 = ms::ld_dt(cosp, dt, t * rot + i), s1 = ms::ld_dt(sinp, dt, t * rot + i);
+      const float c2 = ms::ld_dt(cosp, dt, t * rot + i + half), s2 = ms::ld_dt(sinp, dt, t * rot + i + half);
+      h[i] = ms::round_to(ms::round_to(x1 * c1, dt) + ms::round_to(-x2 * s1, dt), dt);
+      h[i + half] = ms::round_to(ms::round_to(x2 * c2, dt) + ms::round_to(x1 * s2, dt), dt);
+    }
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t hh = 0; hh < Hq; ++hh) head(q.data() + (t * Hq + hh) * D, qw, t);
+    for (int64_t hh = 0; hh < Hkv; ++hh) head(k.data() + (t * Hkv + hh) * D, kw, t);
+  }
+  const int64_t hs = a[8], ps = a[9];
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t hh = 0; hh < Hkv; ++hh)
+      for (int64_t i = 0; i < D; ++i) {
+        const int64_t at = hh * hs + (start + t) * ps + i;
+        ms::st_dt(kc, dt, at, k[size_t((t * Hkv + hh) * D + i)]);
+        ms::st_dt(vc, dt, at, v[size_t((t * Hkv + hh) * D + i)]);
+      }
+  std::vector<float> att(size_t(T * Hq * D));
+  const int64_t aa[22] = {T, Hq, Hkv, D, 0, D, dt, start, window, start + T, hs, ps, 0, 0, hs, ps, a[10],
+                          Hq * D, D, Hq * D, D, 0};
+  const void* ap[7] = {q.data(), kc, nullptr, vc, nullptr, att.data(), nullptr};
+  if (ms_attention(aa, ap)) return -1;
+  for (float& f : att) f = ms::round_to(f, dt);
+  std::vector<float> o(size_t(T * H));
+  ms::run_full(fo, Lo, att.data(), T, o.data(), H);
+  for (int64_t i = 0; i < T * H; ++i) ms::st_dt(out, dt, i, o[size_t(i)]);
   return 0;
 }
 
