@@ -923,13 +923,13 @@ static MS_NOINLINE void decode_row(const D& dec, int64_t row, int64_t v0, int64_
 // keeps the order).
 template <class A, int R, int T>
 static MS_NOINLINE void tile(const float* buf, int64_t ldb, const float* x, int64_t ldx, int64_t v0, int64_t v1,
-                             typename A::V* acc_park) {
+                             float* acc_park) {
   using V = typename A::V;
   V acc[R][T];
   MS_UNROLL
   for (int r = 0; r < R; ++r)
     MS_UNROLL
-    for (int t = 0; t < T; ++t) acc[r][t] = acc_park[r * T + t];
+    for (int t = 0; t < T; ++t) acc[r][t] = A::loadu(acc_park + 16 * (r * T + t));
   for (int64_t v = v0; v < v1; ++v) {
     V xv[T];
     MS_UNROLL
@@ -947,13 +947,13 @@ static MS_NOINLINE void tile(const float* buf, int64_t ldb, const float* x, int6
   MS_UNROLL
   for (int r = 0; r < R; ++r)
     MS_UNROLL
-    for (int t = 0; t < T; ++t) acc_park[r * T + t] = acc[r][t];
+    for (int t = 0; t < T; ++t) A::storeu(acc_park + 16 * (r * T + t), acc[r][t]);
 }
 
 // A token block of the many-token path: R rows x T tokens over one chunk of vectors.
 template <class A, int R>
 static void tile_chunk(const float* buf, int64_t ldb, const float* x, int64_t ldx, int64_t nt, int64_t v0, int64_t v1,
-                       typename A::V* park) {
+                       float* park) {
   switch (nt) {
     case 1: return tile<A, R, 1>(buf, ldb, x, ldx, v0, v1, park);
     case 2: return tile<A, R, 2>(buf, ldb, x, ldx, v0, v1, park);
@@ -966,7 +966,7 @@ static void tile_chunk(const float* buf, int64_t ldb, const float* x, int64_t ld
 
 template <class A>
 static void tile_rows(const float* buf, int64_t ldb, int64_t m, const float* x, int64_t ldx, int64_t nt, int64_t v0,
-                      int64_t v1, typename A::V* park) {
+                      int64_t v1, float* park) {
   static_assert(RB == 4, "tile_rows covers 1 to 4 rows");
   switch (m) {
     case 4: return tile_chunk<A, 4>(buf, ldb, x, ldx, nt, v0, v1, park);
@@ -1014,30 +1014,28 @@ static void rows_many(const D& dec, const Lin& L, const float* x, int64_t ldx, i
     }
     return;
   }
-  using V = typename A::V;
   constexpr int TT = A::TT;
-  thread_local std::vector<float> buf;
-  thread_local std::vector<V> park;
+  thread_local std::vector<float> buf, park;  // park: the accumulators, 16 floats each, between chunks
   const int64_t ldb = CHUNK_VECTORS * 16;
   if (buf.size() < size_t(RB * ldb)) buf.resize(size_t(RB * ldb));
   const int64_t blocks = (n + TT - 1) / TT;
-  if (park.size() < size_t(blocks * RB * TT)) park.resize(size_t(blocks * RB * TT));
+  if (park.size() < size_t(blocks * RB * TT * 16)) park.resize(size_t(blocks * RB * TT * 16));
   for (int64_t r = r0; r < r1; r += RB) {
     const int64_t m = std::min<int64_t>(RB, r1 - r);
-    for (auto& a : park) a = A::zero();
+    std::fill(park.begin(), park.end(), 0.0f);
     for (int64_t v0 = 0; v0 < nvec; v0 += CHUNK_VECTORS) {
       const int64_t v1 = std::min(nvec, v0 + CHUNK_VECTORS);
       for (int64_t i = 0; i < m; ++i) decode_row<A, D>(dec, r + i, v0, v1, vpg, buf.data() + i * ldb);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t t = b * TT, nt = std::min<int64_t>(TT, n - t);
-        tile_rows<A>(buf.data(), ldb, m, x + t * ldx, ldx, nt, v0, v1, park.data() + b * RB * TT);
+        tile_rows<A>(buf.data(), ldb, m, x + t * ldx, ldx, nt, v0, v1, park.data() + b * RB * TT * 16);
       }
     }
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t t0 = b * TT, nt = std::min<int64_t>(TT, n - t0);
       for (int64_t i = 0; i < m; ++i)
         for (int64_t t = 0; t < nt; ++t)
-          y[(t0 + t) * ldy + r + i] = A::hsum(park[size_t(b * RB * TT + i * nt + t)]);
+          y[(t0 + t) * ldy + r + i] = A::hsum(A::loadu(park.data() + 16 * (b * RB * TT + i * nt + t)));
     }
   }
 }
