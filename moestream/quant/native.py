@@ -62,9 +62,12 @@ from .hadamard import block_size, sloane_matrix
 ENV = "MOESTREAM_CPU_KERNELS"
 CHOICES = ("auto", "avx512", "avx2", "portable", "torch")
 CSRC = Path(__file__).parent / "csrc"
-# the slowest first, so a build with few cores ends sooner
-SOURCES = ("portable_g.cpp", "portable_q.cpp", "portable_x.cpp", "avx512_g.cpp", "avx2_g.cpp", "avx512_q.cpp",
-           "avx2_q.cpp", "avx512_x.cpp", "avx2_x.cpp", "capi.cpp", "ops.cpp")
+# The translation units: csrc/unit.cpp once per (path, format group) -- its rows function -- then the entry
+# points and the ops; the slowest first, so a build with few cores ends sooner. name -> (source, defines).
+_UNITS = {f"{p}_{g}": ("unit.cpp", [f"-DMS_PATH={pi}", f"-DMS_GROUP={gi}"])
+          for p, pi in (("portable", 0), ("avx512", 2), ("avx2", 1)) for g, gi in (("g", 1), ("q", 0), ("x", 2))}
+_UNITS.update({"capi": ("capi.cpp", []), "ops": ("ops.cpp", [])})
+SOURCES = tuple(_UNITS)
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off"]
 LIBRARY = "libmoestream_cpu.so"
 # kinds and the spec layout of csrc/capi.cpp (make_lin)
@@ -136,7 +139,8 @@ def build_key() -> str:
     h = hashlib.sha256()
     cxx = _compiler() or ""
     files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
-    for part in (*(f.name.encode() + f.read_bytes() for f in files), " ".join(FLAGS + _arch_flags()).encode(),
+    units = repr([(u, _UNITS[u], _cold(u)) for u in SOURCES]).encode()
+    for part in (*(f.name.encode() + f.read_bytes() for f in files), " ".join(FLAGS + _arch_flags()).encode(), units,
                  cxx.encode(), _compiler_version(cxx).encode(), platform.machine().encode(), cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
@@ -162,8 +166,9 @@ def _compile(cxx: str, out: Path, openmp: bool, say=None) -> None:
         while todo or running:
             while todo and len(running) < jobs and not errors:
                 src = todo.pop(0)
-                obj = tmp / (Path(src).stem + ".o")
-                cmd = [cxx, *FLAGS, *_arch_flags(), *omp, "-c", str(CSRC / src), "-o", str(obj)]
+                obj = tmp / (src + ".o")
+                path, defines = _UNITS[src]
+                cmd = [cxx, *FLAGS, *_arch_flags(), *omp, *defines, *_cold(src), "-c", str(CSRC / path), "-o", str(obj)]
                 proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 running.append((src, obj, proc, time.perf_counter()))
                 objs.append(obj)
@@ -187,6 +192,12 @@ def _compile(cxx: str, out: Path, openmp: bool, say=None) -> None:
         os.replace(lib, out)  # atomic: a concurrent build leaves one whole library
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cold(unit: str) -> list[str]:
+    """Flags of a unit the machine does not run by default: on x86 the portable path (the SIMD paths compute
+    there) is compiled at -O2, half the build time; elsewhere it is the path in use and keeps -O3."""
+    return ["-O2"] if unit.startswith("portable") and _arch_flags() == ["-march=native"] else []
 
 
 def _say(line: str) -> None:

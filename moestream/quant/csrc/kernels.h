@@ -3,11 +3,12 @@
 // arithmetic (attention over the KV cache, RMSNorm, activations: ops.cpp).
 //
 // Built for the machine it runs on (moestream/quant/native.py: -march=native, the build cached per
-// CPU). Three paths, each split into translation units by format group so a build uses every core:
-//   portable_{q,g,x}.cpp: plain C++ over 16-lane arrays (arch_portable.h),
-//   avx2_{q,g,x}.cpp:     AVX2 + FMA + F16C, a 16-lane vector as two 8-lane halves (arch_avx2.h),
-//   avx512_{q,g,x}.cpp:   AVX-512 F/BW/VL/VBMI, 16 lanes (arch_avx512.h);
-// q: affine, fp8, mxfp4, codebooks and float weights; g: ggml's legacy and k-quant blocks; x: ggml's
+// CPU). Three paths, each split into translation units by format group so a build uses every core (unit.cpp
+// compiled once per pair):
+//   portable: plain C++ over 16-lane arrays (arch_portable.h),
+//   avx2:     AVX2 + FMA + F16C, a 16-lane vector as two 8-lane halves (arch_avx2.h),
+//   avx512:   AVX-512 F/BW/VL/VBMI, 16 lanes (arch_avx512.h);
+// groups q: affine, fp8, mxfp4, codebooks and float weights; g: ggml's legacy and k-quant blocks; x: ggml's
 // MXFP4, IQ1-IQ3 and TQ blocks. capi.cpp holds the C entry points (ctypes) and splits output rows over
 // OpenMP threads.
 //
