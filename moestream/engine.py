@@ -28,12 +28,12 @@ from .memory import reset_peak_rss
 from .mlx_format import open_checkpoint
 from .models import family_for
 from .models.base import CausalLM, check_layer_count, checkpoint_dtype, load_resident
+from .models.gpt_oss import clamped_swiglu_linear_expert
+from .models.kimi_linear import situ_expert
 from .models.layers import RMSNorm
 from .models.linear import use_fast_linear
 from .models.moe import swiglu_expert
 from .options import DEFAULT_BUDGET_GB, EngineOptions
-from .models.gpt_oss import clamped_swiglu_linear_expert
-from .models.kimi_linear import situ_expert
 from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline, FusedSwiGLUKernel, NativeMoEKernel
 from .policies import make_policy
 from .quant import model as quant
