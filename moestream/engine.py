@@ -17,7 +17,14 @@ from types import ModuleType
 import torch
 
 from . import fused_moe
-from .budget import BudgetPlan, plan_cpu_budget, plan_device_budget, plan_host_budget, resident_bytes
+from .budget import (
+    BudgetPlan,
+    context_tokens_for,
+    plan_cpu_budget,
+    plan_device_budget,
+    plan_host_budget,
+    resident_bytes,
+)
 from .cache import ExpertCache
 from .checkpoint import Checkpoint, resolve_model
 from .decode_graph import DecodeRunner, graph_unsupported
@@ -28,12 +35,12 @@ from .memory import reset_peak_rss
 from .mlx_format import open_checkpoint
 from .models import family_for
 from .models.base import CausalLM, check_layer_count, checkpoint_dtype, load_resident
-from .models.layers import RMSNorm
+from .models.gpt_oss import clamped_swiglu_linear_expert
+from .models.kimi_linear import situ_expert
+from .models.layers import KVPool, RMSNorm
 from .models.linear import use_fast_linear
 from .models.moe import swiglu_expert
 from .options import DEFAULT_BUDGET_GB, EngineOptions
-from .models.gpt_oss import clamped_swiglu_linear_expert
-from .models.kimi_linear import situ_expert
 from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline, FusedSwiGLUKernel, NativeMoEKernel
 from .policies import make_policy
 from .quant import model as quant
@@ -569,6 +576,8 @@ def _attach_decode_runner(net: CausalLM, pipeline: ExpertPipeline, cache, kernel
         return
     graphs = options.cuda_graphs and dev.type == "cuda" and io.prefetcher is None and trace is None and not lookahead
     net.decode_runner = DecodeRunner(net, pipeline, cache, graphs)
+    if net.decode_runner.graphs:  # every request's KV cache on the same kept tensors: graphs captured once
+        net.kv_pool = KVPool(context_tokens_for(net, options.context_tokens))
 
 
 def _drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:

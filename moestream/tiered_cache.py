@@ -723,13 +723,14 @@ class TieredExpertCache(ExpertCache):
         :meth:`settle` (before the buffer is written again)."""
         self._pending.append((sizes, ids, event))
 
-    def settle(self) -> None:
+    def settle(self, keep: int = 0) -> None:
         """Copy the pending routings out of their buffers (waiting for their events), so the buffers can be
-        written again."""
-        for sizes, ids, event in self._pending:
+        written again; all but the newest ``keep`` (a decode loop's ring of buffers: the older ones are long
+        done, so it does not wait for the step in flight)."""
+        while len(self._pending) > keep:
+            sizes, ids, event = self._pending.pop(0)
             CopyEngine.wait(event)
             self._host_log.append((sizes, ids.clone()))
-        self._pending = []
 
     def _fold(self) -> None:
         self.settle()

@@ -26,7 +26,12 @@ from moestream.tiered_cache import (
 from .helpers import make_qwen3_moe
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the tier logic is tested on the CPU above)")
+
+
+def needs_cuda(test):
+    """A CUDA test: in ``pytest -m gpu`` (the lent machine's run), skipped without a GPU (the tier logic is
+    tested on the CPU above)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")(test))
 
 
 @pytest.fixture(scope="module")

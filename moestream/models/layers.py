@@ -10,6 +10,7 @@ the values they combine).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +48,12 @@ class KVCache:
     grows (doubling) as tokens are appended. ``length`` is the tokens cached so far.
     """
 
-    def __init__(self, num_layers: int, capacity: int = 256):
+    def __init__(self, num_layers: int, capacity: int = 256, storage: KVStorage | None = None):
         self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self.capacity = capacity
         self.length = 0
+        self.storage = storage  # preallocated tensors leased from a KVPool (the same for successive requests)
+        self.version = 0  # counts changes of the layers' tensors (a static decode step's graphs are per tensors)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``, ``v`` [kv_heads, T, head_dim] at positions ``start..start+T``.
@@ -59,7 +62,13 @@ class KVCache:
         """
         end = start + k.shape[1]
         entry = self.layers[layer]
+        if entry is None and self.storage is not None:
+            entry = self.storage.tensors(layer, k, v, end)
+            if entry is not None:
+                self.layers[layer] = entry
+                self.version += 1
         if entry is None or entry[0].shape[1] < end:
+            self.version += 1
             cap = max(self.capacity, end)
             while cap < end:
                 cap *= 2
@@ -112,6 +121,61 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in filter(None, self.layers))
+
+
+class KVStorage:
+    """One set of KV tensors of :attr:`KVPool.capacity` positions per layer, leased to one
+    :class:`KVCache` at a time (:meth:`KVPool.new_cache`); a layer's tensors are made at its first use."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tensors(self, layer: int, k: torch.Tensor, v: torch.Tensor, end: int):
+        """The layer's (keys, values) [kv_heads, capacity, d] for chunks like ``k``, ``v``, or None when
+        ``end`` positions do not fit (the cache then allocates its own, as without a pool)."""
+        cap = self.pool.capacity
+        if end > cap:
+            return None
+        got = self._layers.get(layer)
+        like = lambda a, b: (a.shape[0], a.shape[2], a.dtype, a.device) == (b.shape[0], b.shape[2], b.dtype, b.device)  # noqa: E731
+        if got is None or not like(got[0], k) or not like(got[1], v):
+            got = (k.new_empty(k.shape[0], cap, k.shape[2]), v.new_empty(v.shape[0], cap, v.shape[2]))
+            self._layers[layer] = got
+        return got
+
+
+class KVPool:
+    """KV storage kept for the engine's life and reused by successive requests, so that a decode step
+    captured as a CUDA graph over one cache's tensors replays for the next request's cache
+    (:class:`moestream.decode_graph.DecodeRunner` keys its graphs by the tensors).
+
+    ``capacity``: positions per set (the engine's context tokens); at most ``sets`` sets exist (caches
+    alive at once beyond that allocate their own tensors, as without a pool). A set is leased by
+    :meth:`new_cache` and comes back when that cache is garbage.
+    """
+
+    def __init__(self, capacity: int, sets: int = 2):
+        self.capacity, self.max_sets = capacity, sets
+        self._free: list[KVStorage] = []
+        self.made = 0  # storage sets made so far
+        self.leases = 0  # caches that got a set
+
+    def new_cache(self, num_layers: int, capacity: int, cls: type | None = None) -> KVCache:
+        """A :class:`KVCache` (or ``cls``) whose layers take a free storage set's tensors (when one is free or
+        another may be made)."""
+        storage = None
+        if self._free:
+            storage = self._free.pop()
+        elif self.made < self.max_sets:
+            storage = KVStorage(self)
+            self.made += 1
+        kv = (cls or KVCache)(num_layers, capacity)
+        if storage is not None:
+            kv.storage = storage
+            self.leases += 1
+            weakref.finalize(kv, self._free.append, storage)
+        return kv
 
 
 class AttentionProjections(nn.Module):
