@@ -144,6 +144,21 @@ def kernels_alone(res, dev):
         moe[f"tokens_{t}"] = {"us": us, "expert_gb_s": min(t * kk, e) * layout.slot_bytes / us / 1e3}
     res["fused_moe"] = moe
     log("fused MoE:", json.dumps(moe))
+    sweep = {}
+    keep = fm.BLOCK_M, fm.BLOCK_N, fm.BLOCK_K
+    for bm, bn, bk in ((16, 64, 64), (32, 64, 64), (64, 64, 64), (16, 128, 64), (64, 128, 64), (16, 64, 128)):
+        fm.BLOCK_M, fm.BLOCK_N, fm.BLOCK_K = bm, bn, bk
+        row = {}
+        for t in (1, 512):
+            x = torch.randn(t, h, generator=g, device=dev).to(torch.bfloat16)
+            idx = torch.stack([torch.randperm(e, generator=g, device=dev)[:kk] for _ in range(t)])
+            w = torch.rand(t, kk, generator=g, device=dev)
+            row[f"tokens_{t}_us"] = graph_us(lambda x=x, idx=idx, w=w: fm.fused_moe(
+                x, w, idx, table, views["gate"], views["up"], views["down"]))
+        sweep[f"bm{bm}_bn{bn}_bk{bk}"] = row
+    fm.BLOCK_M, fm.BLOCK_N, fm.BLOCK_K = keep
+    res["fused_moe_tiles"] = sweep
+    log("fused MoE tiles:", json.dumps(sweep))
 
 
 def floor_bytes(engine) -> int:
@@ -247,14 +262,32 @@ def profile(a, res, engine, dev, top, out: Path):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    prompt = ids(7, 64, top)
-    list(generate(engine, prompt, 8, stop_at_eos=False))
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        list(generate(engine, prompt, a.profile + 1, stop_at_eos=False))
+    net = engine.model
+    kv = net.new_kv_cache(600)
+    with torch.inference_mode():
+        net(torch.tensor(ids(7, 512, top), device=dev), 0, kv)
+        for n in range(3):
+            net(torch.tensor([1000 + n], device=dev), 512 + n, kv)
         torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            for n in range(a.profile):
+                net(torch.tensor([2000 + n], device=dev), 515 + n, kv)
+            torch.cuda.synchronize()
+    del kv
     table = p.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-    out.with_suffix(".profile.txt").write_text(table)
-    log("profile:\n" + table)
+    kv = net.new_kv_cache(a.prompt + 8)
+    x = torch.tensor(ids(8, a.prompt, top), device=dev)
+    with torch.inference_mode():
+        net(x, 0, kv)
+        kv = net.new_kv_cache(a.prompt + 8)
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p2:
+            net(x, 0, kv)
+            torch.cuda.synchronize()
+    table2 = p2.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    out.with_suffix(".profile.txt").write_text(f"decode ({a.profile} steps after a 512-token prompt):\n{table}\n\n"
+                                               f"prefill of {a.prompt} tokens:\n{table2}\n")
+    log("profile:\n" + table + "\n" + table2)
 
 
 def main() -> None:

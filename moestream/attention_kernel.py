@@ -198,6 +198,74 @@ if triton is not None:
         _finish(o_ptr, hq, t, valid, den, acc, so0, so1, DV, BDV)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _qk_norm_rope(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, HQ, sqt, sqh, skt, skh, sct,
+                      sot_q, sot_k, q_eps, k_eps, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr):
+        # one program: token t, head h (query heads first, then key heads): RMSNorm over the head (rounded to
+        # the dtype, as the norm's output), then the half-split rotation, in float32, rounded once
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        d = tl.arange(0, BD)
+        m = d < D
+        half = D // 2
+        partner = tl.where(d < half, d + half, d - half)
+        if h < HQ:
+            src = q_ptr + t * sqt + h * sqh
+            dst = qo_ptr + t * sot_q + h * D
+            w_ptr = qw_ptr
+            eps = q_eps
+        else:
+            src = k_ptr + t * skt + (h - HQ) * skh
+            dst = ko_ptr + t * sot_k + (h - HQ) * D
+            w_ptr = kw_ptr
+            eps = k_eps
+        x = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner, mask=m, other=0.0).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=m, other=0.0).to(tl.float32)
+            x = ((x * r).to(q_ptr.dtype.element_ty).to(tl.float32) * w).to(q_ptr.dtype.element_ty).to(tl.float32)
+            xp = ((xp * r).to(q_ptr.dtype.element_ty).to(tl.float32) * wp).to(q_ptr.dtype.element_ty).to(tl.float32)
+        c = tl.load(cos_ptr + t * sct + d, mask=m, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + t * sct + d, mask=m, other=0.0).to(tl.float32)
+        rot = tl.where(d < half, 0.0 - xp, xp)
+        tl.store(dst + d, (x * c + rot * sn).to(qo_ptr.dtype.element_ty), mask=m)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys as attention takes them, in one launch: each head's RMSNorm (``q_norm``/``k_norm``,
+    :class:`~moestream.models.layers.RMSNorm` modules, or both None) and the rotary embedding (half-split,
+    over the whole head).
+
+    Args:
+        q: [T, Hq, D], k: [T, Hkv, D] (the projections' views; the last dimension contiguous).
+        cos, sin: [T, D].
+
+    Returns:
+        ``(q [Hq, T, D], k [Hkv, T, D])`` in q's dtype (views of [T, H, D] tensors): ``x * cos +
+        rotate_half(x) * sin`` of the normed ``x`` (rounded to the dtype, as the norm's output), in float32
+        and rounded once.
+    """
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    qo = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    ko = torch.empty(t, hk, d, dtype=k.dtype, device=k.device)
+    if t:
+        norm = q_norm is not None
+        qw = q_norm.weight if norm else qo
+        kw = k_norm.weight if norm else ko
+        cos, sin = cos.contiguous(), sin.contiguous()
+        _qk_norm_rope[(t, hq + hk)](q, k, qw, kw, cos, sin, qo, ko, hq, q.stride(0), q.stride(1), k.stride(0),
+                                    k.stride(1), cos.stride(0), qo.stride(0), ko.stride(0),
+                                    float(q_norm.eps) if norm else 0.0, float(k_norm.eps) if norm else 0.0,
+                                    D=d, BD=triton.next_power_of_2(d), NORM=norm, num_warps=1)
+    return qo.transpose(0, 1), ko.transpose(0, 1)
+
+
 def tiling(heads: int, kv_heads: int) -> tuple[int, int, int, int]:
     """(G, heads per tile, queries per tile, head tiles per key head) for ``heads`` query heads over
     ``kv_heads`` key heads: a function of the model's shapes only."""

@@ -22,8 +22,12 @@ final norm and the LM head; :func:`graph_unsupported` says which qualify) runs t
   (:class:`~moestream.models.layers.KVPool`) gives every request the same tensors, so the graphs
   captured for the first request replay for all later ones (``stats.captures`` counts them).
 
+With ``--prefetch-ahead N`` each segment also copies the next ``N`` layers' guessed experts (their routers
+on this layer's input, computed in the graph) to the host, which stages the host-tier ones into VRAM
+slots on the copy stream right after queuing the next segment: the copies run beside its compute.
+
 Graphs are off (the same static path runs eagerly) with ``cuda_graphs=False``, on the CPU,
-while a disk prefetcher, a lookahead or a routing trace needs the host inside the step, and
+while a disk prefetcher or a routing trace needs the host inside the step, and
 after a capture fails (a warning says why). A cache that grows past its storage gets new
 tensors: its steps are captured again.
 """
@@ -129,7 +133,7 @@ class RunnerStats:
 class _Captured:
     graphs: list  # torch.cuda.CUDAGraph: one for budget all, segments otherwise
     out: torch.Tensor  # the logits buffer the last graph writes
-    segments: list = field(default_factory=list)  # (layer, pinned routing buffer) per boundary
+    segments: list = field(default_factory=list)  # (layer, pinned buffer, slots, layers guessed) per boundary
     routing: torch.Tensor | None = None  # on the device, written by the graph: the step's routings (budget all)
     sizes: list = field(default_factory=list)  # (layer, slots) of ``routing``
 
@@ -145,15 +149,17 @@ class _SegmentCapture:
         self.segments: list[tuple[int, torch.Tensor]] = []
         self.graphs[0].capture_begin(pool=pool, capture_error_mode=mode)
 
-    def boundary(self, layer: int, idx: torch.Tensor) -> None:
-        flat = idx.reshape(-1)
+    def boundary(self, layer: int, idx: torch.Tensor, guesses: list | tuple = (), ahead: list | tuple = ()) -> None:
+        """End the segment at ``layer``'s routing ``idx`` (and the next layers' guesses, ``ahead`` their layers,
+        for the copies staged between the segments: ``--prefetch-ahead``)."""
+        flat = torch.cat([idx.reshape(-1), *guesses]) if guesses else idx.reshape(-1)
         host = self._buffers.pop(0)[: flat.numel()]
         host.copy_(flat, non_blocking=True)
         self.graphs[-1].capture_end()
         g = torch.cuda.CUDAGraph()
         g.capture_begin(pool=self.pool, capture_error_mode=self.mode)
         self.graphs.append(g)
-        self.segments.append((layer, host))
+        self.segments.append((layer, host, idx.numel(), tuple(ahead)))
 
     def end(self) -> None:
         self.graphs[-1].capture_end()
@@ -304,7 +310,8 @@ class DecodeRunner:
                     g.capture_end()
                 got = _Captured([g], out, routing=flat, sizes=sizes)
             else:
-                seg = _SegmentCapture(self._pool, mode, [self._pinned(k) for _ in self._moe_layers])
+                ahead = 1 + max((len(v) for v in getattr(self.pipeline, "following", {}).values()), default=0)
+                seg = _SegmentCapture(self._pool, mode, [self._pinned(k * ahead) for _ in self._moe_layers])
                 self.pipeline.capture = seg
                 try:
                     out = self._forward(kv)
@@ -318,14 +325,17 @@ class DecodeRunner:
     def _replay(self, got: _Captured) -> torch.Tensor:
         graphs = got.graphs
         graphs[0].replay()
-        for j, (layer, host) in enumerate(got.segments):
+        for j, (layer, host, n, ahead) in enumerate(got.segments):
             ev = self._event()
-            ev.synchronize()  # the layer's routing is in ``host``
-            self.pipeline.fetch_layer(layer, host.tolist())
+            ev.synchronize()  # the layer's routing (and the next layers' guesses) is in ``host``
+            ids = host.tolist()
+            self.pipeline.fetch_layer(layer, ids[:n])
             try:
                 graphs[j + 1].replay()
             finally:
                 self.cache.end_layer()
+            if ahead:  # copy the guessed host-tier experts now, beside the segment just queued
+                self.cache.stage([(a, e) for i, a in enumerate(ahead) for e in ids[n * (i + 1) : n * (i + 2)]])
         self._routing_to_host(got.sizes, got.routing)
         return got.out.clone()  # the next replay writes the same buffer
 

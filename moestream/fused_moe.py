@@ -365,6 +365,53 @@ if triton is not None:
         tl.store(out_ptr + r * so + d, (w * h).to(out_ptr.dtype.element_ty), mask=m)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _softmax_topk(l_ptr, w_ptr, i_ptr, E, sl, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                      RENORM: tl.constexpr):
+        # one program: one token's router logits -> softmax (float32) -> the K largest, largest first (the
+        # lowest expert id among equals) -> renormalized to sum 1 (RENORM)
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BE)
+        m = e < E
+        x = tl.load(l_ptr + t * sl + e, mask=m, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = tl.where(m, p, 0.0)
+        prob = p / tl.sum(p, axis=0)
+        vals = tl.where(m, prob, -1.0)
+        kk = tl.arange(0, KP)
+        top = tl.zeros([KP], dtype=tl.float32)
+        ids = tl.zeros([KP], dtype=tl.int64)
+        for j in tl.static_range(K):
+            best = tl.max(vals, axis=0)
+            at = tl.min(tl.where(vals == best, e, BE), axis=0)
+            top = tl.where(kk == j, best, top)
+            ids = tl.where(kk == j, at.to(tl.int64), ids)
+            vals = tl.where(e == at, -1.0, vals)
+        if RENORM:
+            top = top / tl.sum(top, axis=0)
+        km = kk < K
+        tl.store(w_ptr + t * K + kk, top.to(w_ptr.dtype.element_ty), mask=km)
+        tl.store(i_ptr + t * K + kk, ids, mask=km)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moestream.models.moe.softmax_topk` (Qwen3-MoE's router) in one launch: softmax over ``logits``
+    [T, E] in float32, the ``top_k`` largest (largest first; the lowest id among equal ones), renormalized
+    when ``norm_topk_prob``; ``(weights [T, K] in logits' dtype, ids [T, K] int64)``. The reductions are
+    Triton's (the low bits of the weights may differ from PyTorch's; one form for every path on the GPU)."""
+    t, e = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    w = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
+    idx = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t:
+        _softmax_topk[(t,)](logits, w, idx, e, logits.stride(0), K=top_k, KP=triton.next_power_of_2(top_k),
+                            BE=triton.next_power_of_2(e), RENORM=bool(norm_topk_prob), num_warps=1)
+    return w, idx
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:class:`moestream.models.layers.RMSNorm`'s function in one launch: ``weight * (x * rsqrt(mean(x^2) + eps))``
     over the last dimension, the norm in float32 and rounded to x's dtype before the weight multiplies

@@ -412,10 +412,11 @@ class ExpertPipeline:
                 pool.flush()
             cache.log_routing(layer, idx)
             return kernel.compute_from_slots(x, weights, idx, pool.table[layer], pool.views)
-        if self.capture is not None:
-            self.capture.boundary(layer, idx)
-            return kernel.compute_from_slots(x, weights, idx, pool.table[layer], pool.views)
         ahead = self.following.get(layer, ())
+        if self.capture is not None:  # the next layers' guesses computed in the graph, staged between segments
+            guesses = [b.route(self._route_input)[1].reshape(-1) for b in ahead]
+            self.capture.boundary(layer, idx, guesses, [b.layer for b in ahead])
+            return kernel.compute_from_slots(x, weights, idx, pool.table[layer], pool.views)
         n = idx.numel()
         if ahead:  # the next layers' routers on this layer's input, fetched in the same copy
             guesses = [b.route(self._route_input)[1].reshape(-1) for b in ahead]

@@ -87,3 +87,28 @@ def test_ops_attend_takes_the_kernel_off_the_cpu(monkeypatch):
     monkeypatch.setattr(ak, "attention", lambda *a, **kw: calls.append(a) or "kernel")
     q, k, v = tensors(4, 2, 16, 10, torch.float32, torch.Generator().manual_seed(0))
     assert ops.attend(q, k, v, 3, 0.5) == "kernel" and len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype,norm", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_qk_norm_rope_is_the_norm_then_the_rotation(dtype, norm):
+    """The one-launch q/k RMSNorm + rotary: the model's composition (per-head RMSNorm, then the half-split
+    rotation) computed in float32 and rounded once; a token's row the same alone or among others."""
+    from moestream.models.layers import RMSNorm
+    from moestream.models.rope import apply_rotary, make_rope
+
+    g = torch.Generator().manual_seed(3)
+    t, hq, hk, d = 5, 4, 2, 16
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k = torch.randn(t, hk, d, generator=g).to(dtype)
+    qn, kn = RMSNorm(d, 1e-6), RMSNorm(d, 1e-5)
+    for n in (qn, kn):
+        n.weight.data = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
+    cos, sin = make_rope(d, 10000.0)(torch.arange(40, 40 + t), dtype)
+    got_q, got_k = ak.qk_norm_rope(q, k, qn if norm else None, kn if norm else None, cos, sin)
+    want_q = apply_rotary((qn(q) if norm else q).transpose(0, 1).float(), cos.float(), sin.float())
+    want_k = apply_rotary((kn(k) if norm else k).transpose(0, 1).float(), cos.float(), sin.float())
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)  # a few bf16 steps
+    torch.testing.assert_close(got_q.float(), want_q, **tol)
+    torch.testing.assert_close(got_k.float(), want_k, **tol)
+    one_q, one_k = ak.qk_norm_rope(q[2:3], k[2:3], qn if norm else None, kn if norm else None, cos[2:3], sin[2:3])
+    assert torch.equal(one_q, got_q[:, 2:3]) and torch.equal(one_k, got_k[:, 2:3])

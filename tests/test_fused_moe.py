@@ -495,3 +495,20 @@ def test_fused_pipeline_same_bits_for_every_budget(tiny, fused_ref, vram, host, 
     assert t.h2d_copies == s.misses + s.prefetch_hits + t.staged
     if ahead:
         assert t.staged > 0
+
+
+@interpreted
+@pytest.mark.parametrize("renorm", [True, False])
+def test_fused_router_is_softmax_topk(renorm):
+    """The one-launch router: softmax top-k's experts in its order, its weights to float32 rounding."""
+    from moestream.models.moe import softmax_topk
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 48, generator=g)  # distinct values (equal ones may come in another order)
+    w, idx = fm.softmax_topk(logits, 8, renorm)
+    rw, ridx = softmax_topk(logits, 8, renorm)
+    assert idx.dtype == torch.int64 and w.dtype == torch.float32 and torch.equal(idx, ridx)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+    wb, ib = fm.softmax_topk(logits.to(torch.bfloat16), 8, renorm)
+    assert wb.dtype == torch.bfloat16 and ib.shape == (9, 8)
+    assert torch.equal(fm.softmax_topk(logits[4:5], 8, renorm)[0], w[4:5])

@@ -86,3 +86,30 @@ def test_a_decode_step_replays_as_a_graph_at_every_position():
         pos.fill_(p)
         graph.replay()
         assert torch.equal(out, ak.attention(q, k[:, : p + 1], v[:, : p + 1], p, 0.1)), p
+
+
+def test_fused_qk_norm_rope_and_router_at_real_shapes():
+    """The one-launch q/k norm + rotary and softmax top-k router (on the GPU's decode path) against the
+    model's composition of PyTorch ops: to bf16 rounding; the router's experts the same."""
+    from moestream.models.layers import RMSNorm
+    from moestream.models.moe import softmax_topk
+    from moestream.models.rope import apply_rotary, make_rope
+
+    g = torch.Generator("cuda").manual_seed(5)
+    t, hq, hk, d = 300, 32, 4, 128
+    q = torch.randn(t, hq, d, generator=g, device="cuda").to(torch.bfloat16)
+    k = torch.randn(t, hk, d, generator=g, device="cuda").to(torch.bfloat16)
+    qn, kn = RMSNorm(d, 1e-6).cuda(), RMSNorm(d, 1e-6).cuda()
+    for n in (qn, kn):
+        n.weight.data = (1 + 0.3 * torch.randn(d, generator=g, device="cuda")).to(torch.bfloat16)
+    cos, sin = make_rope(d, 1e6).cuda()(torch.arange(1000, 1000 + t, device="cuda"), torch.bfloat16)
+    got_q, got_k = ak.qk_norm_rope(q, k, qn, kn, cos, sin)
+    for got, x, n in ((got_q, q, qn), (got_k, k, kn)):
+        want = apply_rotary(n(x).transpose(0, 1).float(), cos.float(), sin.float())
+        err = float((got.float() - want).norm() / want.norm())
+        assert err < 5e-3, err
+    logits = torch.randn(t, 128, generator=g, device="cuda")
+    w, idx = fm.softmax_topk(logits, 8, True)
+    rw, ridx = softmax_topk(logits, 8, True)
+    assert torch.equal(idx, ridx)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)

@@ -129,6 +129,8 @@ def budgets(path):
         ("all, graphs", dict(cache_budget_gb="all")),
         ("all, eager", dict(cache_budget_gb="all", cuda_graphs=False)),
         ("25% + host tier", dict(cache_budget_gb=str(0.25 * total / 1e9), host_cache_gb="auto")),
+        ("25% + host tier, 1 layer ahead", dict(cache_budget_gb=str(0.25 * total / 1e9), host_cache_gb="auto",
+                                                prefetch_ahead=1)),
         ("10% + disk", dict(cache_budget_gb=str(0.10 * total / 1e9))),
     ]
 
@@ -151,6 +153,7 @@ def test_every_budget_gives_the_bits_of_budget_all_as_graphs(which, request):
             assert stats.replays >= len(STEPS) - 1 and not stats.disabled, (name, stats)  # segmented graphs
             assert cache.stats.misses > 0
     assert runs["25% + host tier"][2].tier_stats.host_hits > 0
+    assert runs["25% + host tier, 1 layer ahead"][2].tier_stats.staged > 0  # copies staged between graph segments
     assert runs["10% + disk"][2].tier_stats.disk_reads > 0
 
 
@@ -205,7 +208,8 @@ def run_generate(engine, prompt, n, **kw):
 def test_generate_100_and_200_tokens_agree_on_the_first_100(real2, graphs):
     """The KV capacity (prompt + max tokens, or the engine's kept storage) never reaches the bits: 100 and
     200 tokens give the same first 100 tokens and logits (issue 31), with the kept KV storage and without."""
-    engine = load(real2, tokenizer=False, device="cuda", hotlist=False, learn_experts=False, cuda_graphs=graphs)
+    engine = load(real2, cache_budget_gb="all", tokenizer=False, device="cuda", hotlist=False, learn_experts=False,
+                  cuda_graphs=graphs)
     try:
         prompt = torch.randint(0, 150000, (61,), generator=torch.Generator().manual_seed(2)).tolist()
         t100, l100, _ = run_generate(engine, prompt, 100)
@@ -222,11 +226,12 @@ def test_generate_100_and_200_tokens_agree_on_the_first_100(real2, graphs):
 
 
 def test_two_requests_replay_the_graphs_captured_once(real2, monkeypatch):
-    """The decode graphs are captured once for the engine's life: a second and third request (other prompt
-    lengths) replay them. The device-side greedy loop gives the plain loop's tokens and logits digest."""
+    """The decode graphs are captured once for the engine's life (every expert resident from the load on: a
+    residency that changes is another graph): a second and third request (other prompt lengths) replay them.
+    The device-side greedy loop gives the plain loop's tokens and logits digest."""
     from moestream import generation
 
-    engine = load(real2, tokenizer=False, device="cuda", hotlist=False, learn_experts=False)
+    engine = load(real2, cache_budget_gb="all", tokenizer=False, device="cuda", hotlist=False, learn_experts=False)
     try:
         runner = engine.model.decode_runner
         prompts = [torch.randint(0, 150000, (n,), generator=torch.Generator().manual_seed(n)).tolist()

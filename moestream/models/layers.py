@@ -227,6 +227,8 @@ class Attention(AttentionProjections):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # q/k norm and rotary in one GPU launch (moestream.attention_kernel.qk_norm_rope), set by the engine
+        self.fused_rope = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, layer: int, start: int
@@ -240,10 +242,14 @@ class Attention(AttentionProjections):
         q = self.q_proj(x).view(t, self.heads, self.head_dim)
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.fused_rope is not None and x.is_cuda:
+            q, k = self.fused_rope(q, k, self.q_norm, self.k_norm, cos, sin)
+            v = v.transpose(0, 1)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = kv.attend(layer, start, q, k, v, self.scale, self.window)
         return self.o_proj(out.transpose(0, 1).reshape(t, self.heads * self.head_dim))
 
