@@ -431,7 +431,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 BLOCK_M = 16  # routing slots per block of the tl.dot kernels: one size for every call (see block_m)
-BLOCK_N, BLOCK_K = 64, 64  # output features per program and the reduction's step, for every call
+BLOCK_N, BLOCK_K = 64, 128  # output features per program and the reduction's step, for every call (H200 sweep)
 
 
 def block_m(t: int, k: int, e: int) -> int:
