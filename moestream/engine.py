@@ -474,14 +474,16 @@ def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool, fused: bool = 
     """layer -> the expert kernel of each MoE block, chosen once: the quantized layers' functions on
     their stored pieces (``quant_fns``), or where ``fused`` and the layer's experts are SwiGLU the fused
     kernel on the stored pieces; for the plain SwiGLU expert the fused Triton kernel from VRAM
-    slots where ``fused``, else the batched SwiGLU chain where ``batched``; else the family's own
-    expert function."""
+    slots where ``fused`` (also on the CPU, where ``fused_experts=True`` asks for it under Triton's
+    interpreter), else the CPU's compiled layer kernel (``cpu``), else the batched SwiGLU chain where
+    ``batched``; else the family's own expert function."""
     out = {}
     for block in net.moe_blocks():
         fn = quant_fns.get(block.layer)
         if fn is not None and fused and isinstance(fn, QuantizedSwiGLU):
             out[block.layer] = FusedSwiGLUKernel(fn.fmt)
-        elif cpu and not batched and native_kernel(block.expert_fn if fn is None else fn) is not None:
+        elif cpu and not batched and not (fused and block.expert_fn is swiglu_expert) \
+                and native_kernel(block.expert_fn if fn is None else fn) is not None:
             out[block.layer] = native_kernel(block.expert_fn if fn is None else fn)
         elif fn is not None:
             out[block.layer] = ExpertKernel(fn)

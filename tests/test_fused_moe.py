@@ -403,6 +403,11 @@ def test_kv_pool_gives_successive_caches_the_same_tensors():
     c = pool.new_cache(1, 8)
     d = pool.new_cache(1, 8)  # two sets at most: this one allocates its own
     assert ptr(c) not in (first,) and d.storage is None and pool.made == 2
+    e = pool.new_cache(1, 8)  # the CPU's attention block takes its storage through reserve
+    del c
+    f = pool.new_cache(1, 8)
+    keys, _ = f.reserve(0, 5, k, 2, 4)
+    assert keys.data_ptr() not in (first,) and keys.shape == (2, 32, 4) and e.storage is None
     version = b.version
     b.update(0, 5, torch.randn(2, 40, 4), torch.randn(2, 40, 4))  # past the capacity: grows, the prefix kept
     assert b.layers[0][0].shape[1] >= 45 and torch.equal(b.layers[0][0][:, :5], k) and b.version > version

@@ -63,7 +63,7 @@ class KVCache:
         end = start + k.shape[1]
         entry = self.layers[layer]
         if entry is None and self.storage is not None:
-            entry = self.storage.tensors(layer, k, v, end)
+            entry = self.storage.tensors(layer, k.shape[0], k.shape[2], v.shape[2], k, end)
             if entry is not None:
                 self.layers[layer] = entry
                 self.version += 1
@@ -95,7 +95,13 @@ class KVCache:
         """The layer's key and value storage [kv_heads, capacity, head_dim] with room for positions ``0..end``
         (grown as :meth:`update` grows it; ``like`` gives the dtype and device): for a kernel that writes into it."""
         entry = self.layers[layer]
+        if entry is None and self.storage is not None:
+            entry = self.storage.tensors(layer, kv_heads, head_dim, head_dim, like, end)
+            if entry is not None:
+                self.layers[layer] = entry
+                self.version += 1
         if entry is None or entry[0].shape[1] < end:
+            self.version += 1
             cap = max(self.capacity, end)
             while cap < end:
                 cap *= 2
@@ -131,16 +137,16 @@ class KVStorage:
         self.pool = pool
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tensors(self, layer: int, k: torch.Tensor, v: torch.Tensor, end: int):
-        """The layer's (keys, values) [kv_heads, capacity, d] for chunks like ``k``, ``v``, or None when
-        ``end`` positions do not fit (the cache then allocates its own, as without a pool)."""
+    def tensors(self, layer: int, kv_heads: int, dk: int, dv: int, like: torch.Tensor, end: int):
+        """The layer's (keys [kv_heads, capacity, dk], values [kv_heads, capacity, dv]) in ``like``'s dtype and
+        device, or None when ``end`` positions do not fit (the cache then allocates its own, as without a pool)."""
         cap = self.pool.capacity
         if end > cap:
             return None
         got = self._layers.get(layer)
-        like = lambda a, b: (a.shape[0], a.shape[2], a.dtype, a.device) == (b.shape[0], b.shape[2], b.dtype, b.device)  # noqa: E731
-        if got is None or not like(got[0], k) or not like(got[1], v):
-            got = (k.new_empty(k.shape[0], cap, k.shape[2]), v.new_empty(v.shape[0], cap, v.shape[2]))
+        want = ((kv_heads, cap, dk), (kv_heads, cap, dv), like.dtype, like.device)
+        if got is None or (got[0].shape, got[1].shape, got[0].dtype, got[0].device) != want:
+            got = (like.new_empty(kv_heads, cap, dk), like.new_empty(kv_heads, cap, dv))
             self._layers[layer] = got
         return got
 

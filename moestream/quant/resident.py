@@ -13,10 +13,9 @@ import torch
 from torch import nn
 
 from ..checkpoint import torch_dtype
-from . import affine, ggml
+from . import affine, ggml, native
 from .compressed import linear_format
 from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8, check_ggml, ggml_scheme
-from . import native
 from .kernels import dequantize_linear, qlinear
 
 _SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",), "gguf": ()}
