@@ -124,7 +124,7 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=256, help="warm-up prefill tokens")
     p.add_argument("--warm-decode", type=int, default=4)
     p.add_argument("--prefill", type=int, default=512)
-    p.add_argument("--tiered", default="", help="comma list of fraction:host (host: auto, none or GB)")
+    p.add_argument("--tiered", default="", help="comma list of fraction:host[:prefetch-ahead] (host: auto, none or GB)")
     p.add_argument("--tiered-warm", type=int, default=16, help="warm-up prefill tokens of the tiered runs")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--deadline", type=float, default=1e9, help="seconds after which no new stage starts")
@@ -240,7 +240,8 @@ def tiered(a, res, dev, tokens, warm, ref_logits, save):
             log(f"skipped {spec}: past the deadline")
             res.setdefault("skipped", []).append(spec)
             continue
-        frac, host = spec.split(":")
+        frac, host, *rest = spec.split(":")  # fraction:host[:prefetch-ahead]
+        ahead = int(rest[0]) if rest else 0
         from moestream.checkpoint import Checkpoint
         from moestream.layout import discover_experts
 
@@ -252,8 +253,9 @@ def tiered(a, res, dev, tokens, warm, ref_logits, save):
         t = time.perf_counter()
         engine = load(a.model, cache_budget_gb=str(float(frac) * experts_total / 1e9),
                       host_cache_gb=None if host == "none" else host, device="cuda", tokenizer=False, hotlist=False,
-                      learn_experts=False, workers=a.workers, progress=False, use_page_cache=False)
-        r = {"fraction": float(frac), "host": host, "load_seconds": time.perf_counter() - t}
+                      learn_experts=False, workers=a.workers, progress=False, use_page_cache=False,
+                      prefetch_ahead=ahead)
+        r = {"fraction": float(frac), "host": host, "prefetch_ahead": ahead, "load_seconds": time.perf_counter() - t}
         try:
             net, c = engine.model, engine.cache
             ts, st = c.tier_stats, engine.store.stats
@@ -301,7 +303,8 @@ def report(res):
         e = res["all_eager"]
         log(f"{'all, eager':<28} {e['ms_per_token']:9.2f} {e['tok_s']:8.1f}")
     for r in res.get("tiered", []):
-        log(f"{str(r['fraction']) + ' + ' + r['host']:<28} {r['ms_per_token']:9.2f} {r['tok_s']:8.1f} "
+        name = f"{r['fraction']} + {r['host']}, ahead {r.get('prefetch_ahead', 0)}"
+        log(f"{name:<28} {r['ms_per_token']:9.2f} {r['tok_s']:8.1f} "
             f"{r.get('floor_ms', 0):9.2f} {r.get('ratio_to_floor', 0):8.2f}")
     if "prefill" in res:
         log(f"prefill {res['prefill']['tokens']} tokens: {res['prefill']['tok_s']:.0f} tok/s")

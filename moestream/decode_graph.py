@@ -6,53 +6,51 @@ final norm and the LM head; :func:`graph_unsupported` says which qualify) runs t
 
 - **Static shapes.** The token id and its position are device tensors written before the
   step. Each attention layer writes its key and value at that position with ``index_copy_``
-  and attends over a fixed span of the cache, the *bucket* (:func:`bucket_for`: the next
-  power of two of at least 64 above the position, at most the capacity), under a mask computed
-  on the device from the position (:class:`StaticDecodeKV`). So a step is the same sequence
-  of kernels at every position of a bucket, which a CUDA graph can replay; the eager path runs
-  the same kernels and gives the same bits.
+  and attends with :mod:`moestream.attention_kernel` reading the position from the device
+  (:class:`StaticDecodeKV`): the kernel's loop ends at the position, its grid covers the cache's
+  capacity. So a step is the same kernels at every position, which one CUDA graph replays, and
+  its bits are the eager path's and the prefill's (the kernel's reduction is fixed by position).
 - **Every expert resident** (budget ``all``): the MoE layers need nothing from the host
   (:class:`~moestream.pipeline.FusedSwiGLUKernel` reads the slot table on the device), so the
-  whole step is one graph; the routings, which only the counters need, go to pinned host
-  memory in one asynchronous copy at its end.
+  whole step is one graph; the routings, which only the counters need, are copied to a ring of
+  pinned host buffers after each replay (no wait for the step in flight).
 - **Partial budgets**: the step is captured as segments between the MoE layers' miss checks.
   Segment ``j`` ends by copying MoE layer ``j``'s routing to pinned host memory; the host waits
   for it, fetches what VRAM lacks into slots, publishes the slot table, and replays segment
   ``j + 1``, which starts with that layer's fused kernel (:func:`plan_segments`).
+- **Captured once.** Graphs are kept per (KV tensors, residency); the engine's KV storage
+  (:class:`~moestream.models.layers.KVPool`) gives every request the same tensors, so the graphs
+  captured for the first request replay for all later ones (``stats.captures`` counts them).
+
+With ``--prefetch-ahead N`` each segment also copies the next ``N`` layers' guessed experts (their routers
+on this layer's input, computed in the graph) to the host, which stages the host-tier ones into VRAM
+slots on the copy stream right after queuing the next segment: the copies run beside its compute.
 
 Graphs are off (the same static path runs eagerly) with ``cuda_graphs=False``, on the CPU,
-while a disk prefetcher, a lookahead or a routing trace needs the host inside the step, and
-after a capture fails (a warning says why). A KV cache that grows past its capacity is a new
-set of tensors: its steps are captured again.
+while a disk prefetcher or a routing trace needs the host inside the step, and
+after a capture fails (a warning says why). A cache that grows past its storage gets new
+tensors: its steps are captured again.
 """
 
 from __future__ import annotations
 
 import sys
-import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from . import attention_kernel
+from .models import ops
 from .models.base import CausalLM
 from .models.layers import MLP, Attention, DecoderLayer, KVCache, RMSNorm
 from .models.linear import Linear
 from .models.moe import StreamedMoE
 from .models.rope import RotaryEmbedding
 
-MIN_BUCKET = 64
-
-
-def bucket_for(length: int, capacity: int) -> int:
-    """Keys a static decode step attends over for a KV length ``length``: the next power of two of at
-    least :data:`MIN_BUCKET`, at most ``capacity`` (a function of the position and the cache's size only,
-    so every budget picks the same)."""
-    b = MIN_BUCKET
-    while b < length:
-        b *= 2
-    return min(b, capacity)
+MAX_GRAPHS = 4  # captured steps kept (KV tensors x residency), least recently used dropped first
+ROUTING_RING = 4  # pinned buffers the all-resident step's routings rotate through
 
 
 def graph_unsupported(model: nn.Module, also_allowed: tuple = ()) -> str | None:
@@ -93,39 +91,27 @@ class StaticDecodeKV:
     Args:
         kv: the KV cache (every layer's tensors allocated, capacity above the position).
         pos: int64 [1] on the device, the position being decoded.
-        bucket: keys attended over (positions ``0..bucket-1``; those past ``pos`` are masked).
     """
 
-    def __init__(self, kv: KVCache, pos: torch.Tensor, bucket: int):
-        self.kv, self.pos, self.bucket = kv, pos, bucket
-        self._masks: dict[int | None, torch.Tensor] = {}
+    def __init__(self, kv: KVCache, pos: torch.Tensor):
+        self.kv, self.pos = kv, pos
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``, ``v`` [kv_heads, 1, head_dim] at the position; the layer's first ``bucket`` keys and values."""
+        """Write ``k``, ``v`` [kv_heads, 1, head_dim] at the position; the layer's whole key and value tensors."""
         keys, values = self.kv.layers[layer]
         keys.index_copy_(1, self.pos, k)
         values.index_copy_(1, self.pos, v)
-        return keys[:, : self.bucket], values[:, : self.bucket]
+        return keys, values
 
     def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`KVCache.attend` for the one-token step: the bucket's keys under the device-side mask."""
+        """:meth:`KVCache.attend` for the one-token step: on CUDA the attention kernel reading the position
+        from the device (one kernel sequence for every position); elsewhere :func:`ops.attend` at the
+        position read back (the CPU's kernels: the plain path's bits)."""
         keys, values = self.update(layer, start, k, v)
-        mask = self.attention_mask(start, 1, window, q.device)
-        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale,
-                                              enable_gqa=q.shape[0] != keys.shape[0])[0]
-
-    def attention_mask(self, start: int, t: int, window: int | None, device) -> torch.Tensor:
-        """Boolean [1, bucket]: keys at positions ``<= pos`` (and ``> pos - window``), from the device position."""
-        mask = self._masks.get(window)
-        if mask is None:
-            at = torch.arange(self.bucket, device=self.pos.device)
-            mask = at <= self.pos
-            if window is not None:
-                mask = mask & (at > self.pos - window)
-            mask = mask[None, :]
-            self._masks[window] = mask
-        return mask
+        if keys.is_cuda and attention_kernel.available(keys.device):
+            return attention_kernel.attention(q, keys, values, 0, scale, window, sinks, pos=self.pos)
+        return ops.attend(q, keys, values, int(self.pos[0]), scale, window, sinks)
 
 
 @dataclass
@@ -147,8 +133,8 @@ class RunnerStats:
 class _Captured:
     graphs: list  # torch.cuda.CUDAGraph: one for budget all, segments otherwise
     out: torch.Tensor  # the logits buffer the last graph writes
-    segments: list = field(default_factory=list)  # (layer, pinned routing buffer) per boundary
-    routing: torch.Tensor | None = None  # pinned: the step's routings (budget all)
+    segments: list = field(default_factory=list)  # (layer, pinned buffer, slots, layers guessed) per boundary
+    routing: torch.Tensor | None = None  # on the device, written by the graph: the step's routings (budget all)
     sizes: list = field(default_factory=list)  # (layer, slots) of ``routing``
 
 
@@ -163,15 +149,17 @@ class _SegmentCapture:
         self.segments: list[tuple[int, torch.Tensor]] = []
         self.graphs[0].capture_begin(pool=pool, capture_error_mode=mode)
 
-    def boundary(self, layer: int, idx: torch.Tensor) -> None:
-        flat = idx.reshape(-1)
+    def boundary(self, layer: int, idx: torch.Tensor, guesses: list | tuple = (), ahead: list | tuple = ()) -> None:
+        """End the segment at ``layer``'s routing ``idx`` (and the next layers' guesses, ``ahead`` their layers,
+        for the copies staged between the segments: ``--prefetch-ahead``)."""
+        flat = torch.cat([idx.reshape(-1), *guesses]) if guesses else idx.reshape(-1)
         host = self._buffers.pop(0)[: flat.numel()]
         host.copy_(flat, non_blocking=True)
         self.graphs[-1].capture_end()
         g = torch.cuda.CUDAGraph()
         g.capture_begin(pool=self.pool, capture_error_mode=self.mode)
         self.graphs.append(g)
-        self.segments.append((layer, host))
+        self.segments.append((layer, host, idx.numel(), tuple(ahead)))
 
     def end(self) -> None:
         self.graphs[-1].capture_end()
@@ -198,36 +186,36 @@ class DecodeRunner:
         self.ids = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.stats = RunnerStats()
-        self._captured: dict[tuple, _Captured] = {}
-        self._zeroed: dict[int, weakref.ref] = {}  # id -> the KV tensors whose tail was zeroed
+        self._captured: OrderedDict[tuple, _Captured] = OrderedDict()
         self._moe_layers = plan_segments(model)
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._ring: list[torch.Tensor] = []  # pinned: where each replay's routings go (budget all)
+        self._ring_at = 0
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, ids: torch.Tensor, start: int, kv: KVCache) -> torch.Tensor | None:
-        """Logits [1, vocab] of token ``ids`` [1] at position ``start``, written into ``kv``; None when the
-        step must take the plain path (a KV layer not yet allocated or full)."""
-        if type(kv) is not KVCache or not kv.layers or any(
-                e is None or e[0].shape[1] <= start for e in kv.layers):
+        """Logits [1, vocab] of token ``ids`` [1] (host or device) at position ``start``, written into ``kv``;
+        None when the step must take the plain path (a KV layer not yet allocated or full)."""
+        key = self._key(kv)
+        if key is None or start >= key[1]:
             self.stats.declined += 1
             return None
         if hasattr(self.cache, "settle"):
-            self.cache.settle()  # the last step's routing buffers may be written again
-        capacity = min(e[0].shape[1] for e in kv.layers)
-        bucket = bucket_for(start + 1, capacity)
-        self._zero_tail(kv, start)
+            self.cache.settle(keep=ROUTING_RING - 1)  # the oldest routing buffer may be written again
         self.ids.copy_(ids.reshape(1), non_blocking=True)
         self.pos.fill_(start)
         if not self.graphs:
             self.stats.eager += 1
-            return self._eager(kv, bucket)
-        key = (bucket, capacity, tuple(e[0].data_ptr() for e in kv.layers), self._all_resident())
+            return self._eager(kv)
+        key = (key[0], self._all_resident())
         got = self._captured.get(key)
         if got is None:
-            out = self._eager(kv, bucket)  # this step, eagerly (which also warms up what the capture needs)
+            out = self._eager(kv)  # this step, eagerly (which also warms up what the capture needs)
             self.stats.eager += 1
             try:
-                self._captured[key] = self._capture(kv, bucket)
+                while len(self._captured) >= MAX_GRAPHS:
+                    self._captured.popitem(last=False)
+                self._captured[key] = self._capture(kv)
                 self.stats.captures += 1
             except Exception as e:  # noqa: BLE001 -- a capture that fails leaves the eager path, same bits
                 self.graphs = False
@@ -235,26 +223,32 @@ class DecodeRunner:
                 print(f"moestream: warning: {self.stats.disabled}", file=sys.stderr)
                 torch.cuda.synchronize(self.device)
             return out
+        self._captured.move_to_end(key)
         self.stats.replays += 1
         return self._replay(got)
 
-    def _zero_tail(self, kv: KVCache, start: int) -> None:
-        """Zero the positions past the prefill once per KV tensor: attention reads them (masked), and
-        uninitialized memory may hold NaN, which a zero weight does not cancel."""
-        for k, v in kv.layers:
-            seen = self._zeroed.get(id(k))
-            if seen is None or seen() is not k:
-                k[:, start:].zero_()
-                v[:, start:].zero_()
-                self._zeroed[id(k)] = weakref.ref(k)
+    @staticmethod
+    def _key(kv: KVCache) -> tuple | None:
+        """(the KV tensors' addresses, the least capacity) of ``kv``, kept on it while its tensors stay the
+        same; None when it is not a plain cache with every layer allocated."""
+        if type(kv) is not KVCache or not kv.layers:
+            return None
+        got = getattr(kv, "_static_key", None)
+        if got is not None and got[0] == kv.version:
+            return got[1]
+        if any(e is None for e in kv.layers):
+            return None
+        key = (tuple((e[0].data_ptr(), e[1].data_ptr()) for e in kv.layers), min(e[0].shape[1] for e in kv.layers))
+        kv._static_key = (kv.version, key)
+        return key
 
-    def _forward(self, kv: KVCache, bucket: int) -> torch.Tensor:
+    def _forward(self, kv: KVCache) -> torch.Tensor:
         """The static step: [1, vocab] logits for the token in :attr:`ids` at :attr:`pos`."""
         model = self.model
         decoder = model.decoder
         h = decoder.embed_tokens(self.ids)
         cos, sin = model.rotary(self.pos, h.dtype)
-        skv = StaticDecodeKV(kv, self.pos, bucket)
+        skv = StaticDecodeKV(kv, self.pos)
         for i, layer in enumerate(decoder.layers):
             h = layer(h, cos, sin, skv, i, 0)
         return model.head(decoder.norm(h))
@@ -265,16 +259,27 @@ class DecodeRunner:
     def _pinned(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
 
-    def _routing_to_host(self, host: torch.Tensor | None = None) -> tuple[list, torch.Tensor | None]:
-        """The step's logged routings (budget all), concatenated and copied to pinned memory (async):
-        into ``host`` (a capture allocates it before it starts) or a new buffer."""
+    def _logged(self) -> tuple[list, torch.Tensor | None]:
+        """The step's logged routings (budget all): their (layer, slots) and the ids concatenated, on the device."""
         log = self.cache.take_log() if hasattr(self.cache, "take_log") else []
         if not log:
             return [], None
-        flat = torch.cat([i.reshape(-1) for _, i in log])
-        host = self._pinned(flat.numel()) if host is None else host[: flat.numel()]
+        return [(layer, i.numel()) for layer, i in log], torch.cat([i.reshape(-1) for _, i in log])
+
+    def _routing_to_host(self, sizes: list, flat: torch.Tensor | None) -> None:
+        """Copy a step's routings (device) into the next pinned buffer of the ring, asynchronously; the
+        counters fold them in once the copy is done."""
+        if flat is None:
+            return
+        if len(self._ring) < ROUTING_RING:
+            self._ring.append(self._pinned(flat.numel()))
+        host = self._ring[self._ring_at % len(self._ring)]
+        self._ring_at += 1
+        if host.numel() < flat.numel():
+            host = self._ring[(self._ring_at - 1) % len(self._ring)] = self._pinned(flat.numel())
+        host = host[: flat.numel()]
         host.copy_(flat, non_blocking=True)
-        return [(layer, i.numel()) for layer, i in log], host
+        self.cache.log_pending(sizes, host, self._event())
 
     def _event(self):
         if self.device.type != "cuda":
@@ -283,15 +288,13 @@ class DecodeRunner:
         ev.record()
         return ev
 
-    def _eager(self, kv: KVCache, bucket: int) -> torch.Tensor:
-        out = self._forward(kv, bucket)
-        sizes, host = self._routing_to_host()
-        if host is not None:
-            self.cache.log_pending(sizes, host, self._event())
+    def _eager(self, kv: KVCache) -> torch.Tensor:
+        out = self._forward(kv)
+        self._routing_to_host(*self._logged())
         return out
 
     # -- graphs -----------------------------------------------------------------------------------
-    def _capture(self, kv: KVCache, bucket: int) -> _Captured:
+    def _capture(self, kv: KVCache) -> _Captured:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         mode = "thread_local"  # the store's reader threads may call CUDA (host registration) meanwhile
@@ -299,19 +302,19 @@ class DecodeRunner:
         with torch.cuda.stream(stream):
             if self._all_resident():
                 g = torch.cuda.CUDAGraph()
-                buffer = self._pinned(k * len(self._moe_layers))
                 g.capture_begin(pool=self._pool, capture_error_mode=mode)
                 try:
-                    out = self._forward(kv, bucket)
-                    sizes, host = self._routing_to_host(buffer)
+                    out = self._forward(kv)
+                    sizes, flat = self._logged()
                 finally:
                     g.capture_end()
-                got = _Captured([g], out, routing=host, sizes=sizes)
+                got = _Captured([g], out, routing=flat, sizes=sizes)
             else:
-                seg = _SegmentCapture(self._pool, mode, [self._pinned(k) for _ in self._moe_layers])
+                ahead = 1 + max((len(v) for v in getattr(self.pipeline, "following", {}).values()), default=0)
+                seg = _SegmentCapture(self._pool, mode, [self._pinned(k * ahead) for _ in self._moe_layers])
                 self.pipeline.capture = seg
                 try:
-                    out = self._forward(kv, bucket)
+                    out = self._forward(kv)
                 finally:
                     self.pipeline.capture = None
                     seg.end()
@@ -322,16 +325,18 @@ class DecodeRunner:
     def _replay(self, got: _Captured) -> torch.Tensor:
         graphs = got.graphs
         graphs[0].replay()
-        for j, (layer, host) in enumerate(got.segments):
+        for j, (layer, host, n, ahead) in enumerate(got.segments):
             ev = self._event()
-            ev.synchronize()  # the layer's routing is in ``host``
-            self.pipeline.fetch_layer(layer, host.tolist())
+            ev.synchronize()  # the layer's routing (and the next layers' guesses) is in ``host``
+            ids = host.tolist()
+            self.pipeline.fetch_layer(layer, ids[:n])
             try:
                 graphs[j + 1].replay()
             finally:
                 self.cache.end_layer()
-        if got.routing is not None:
-            self.cache.log_pending(got.sizes, got.routing, self._event())
+            if ahead:  # copy the guessed host-tier experts now, beside the segment just queued
+                self.cache.stage([(a, e) for i, a in enumerate(ahead) for e in ids[n * (i + 1) : n * (i + 2)]])
+        self._routing_to_host(got.sizes, got.routing)
         return got.out.clone()  # the next replay writes the same buffer
 
     def close(self) -> None:

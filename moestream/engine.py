@@ -16,8 +16,15 @@ from types import ModuleType
 
 import torch
 
-from . import fused_moe
-from .budget import BudgetPlan, plan_cpu_budget, plan_device_budget, plan_host_budget, resident_bytes
+from . import attention_kernel, fused_moe
+from .budget import (
+    BudgetPlan,
+    context_tokens_for,
+    plan_cpu_budget,
+    plan_device_budget,
+    plan_host_budget,
+    resident_bytes,
+)
 from .cache import ExpertCache
 from .checkpoint import Checkpoint, resolve_model
 from .decode_graph import DecodeRunner, graph_unsupported
@@ -30,9 +37,10 @@ from .models import family_for
 from .models.base import CausalLM, check_layer_count, checkpoint_dtype, load_resident
 from .models.gpt_oss import clamped_swiglu_linear_expert
 from .models.kimi_linear import situ_expert
-from .models.layers import RMSNorm
+from .models.layers import Attention, KVPool, RMSNorm
 from .models.linear import use_fast_linear
-from .models.moe import swiglu_expert
+from .models.moe import softmax_topk, swiglu_expert
+from .models.rope import RotaryEmbedding
 from .options import DEFAULT_BUDGET_GB, EngineOptions
 from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline, FusedSwiGLUKernel, NativeMoEKernel
 from .policies import make_policy
@@ -293,7 +301,11 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         dev = opened.device if parallel is None else parallel.device
         tiered = dev.type == "cuda" or options.host_cache is not None or bool(options.fused_experts)
         _check_device(ckpt, opened, dev, tiered, options)
-        io = plan_io(ckpt, options.workers, options.use_page_cache, options.prefetch_ahead, options.wire_memory,
+        # on CUDA with the fused kernel --prefetch-ahead stages host-tier experts beside compute inside the decode
+        # graphs (the pipeline's lookahead); the disk read-ahead would need the host inside every step
+        disk_ahead = 0 if dev.type == "cuda" and _use_fused(opened.net, options, dev, tiered, parallel, {}) else \
+            options.prefetch_ahead
+        io = plan_io(ckpt, options.workers, options.use_page_cache, disk_ahead, options.wire_memory,
                      chunk_reads=not tiered)
         # tiered: the store reads into (pinned) host buffers; the cache copies them to the device
         store = ExpertStore(ckpt, opened.layout, opened.dtype, "cpu" if tiered else dev, options.workers,
@@ -462,14 +474,16 @@ def expert_kernels(net: CausalLM, quant_fns: dict, batched: bool, fused: bool = 
     """layer -> the expert kernel of each MoE block, chosen once: the quantized layers' functions on
     their stored pieces (``quant_fns``), or where ``fused`` and the layer's experts are SwiGLU the fused
     kernel on the stored pieces; for the plain SwiGLU expert the fused Triton kernel from VRAM
-    slots where ``fused``, else the batched SwiGLU chain where ``batched``; else the family's own
-    expert function."""
+    slots where ``fused`` (also on the CPU, where ``fused_experts=True`` asks for it under Triton's
+    interpreter), else the CPU's compiled layer kernel (``cpu``), else the batched SwiGLU chain where
+    ``batched``; else the family's own expert function."""
     out = {}
     for block in net.moe_blocks():
         fn = quant_fns.get(block.layer)
         if fn is not None and fused and isinstance(fn, QuantizedSwiGLU):
             out[block.layer] = FusedSwiGLUKernel(fn.fmt)
-        elif cpu and not batched and native_kernel(block.expert_fn if fn is None else fn) is not None:
+        elif cpu and not batched and not (fused and block.expert_fn is swiglu_expert) \
+                and native_kernel(block.expert_fn if fn is None else fn) is not None:
             out[block.layer] = native_kernel(block.expert_fn if fn is None else fn)
         elif fn is not None:
             out[block.layer] = ExpertKernel(fn)
@@ -550,25 +564,54 @@ def _check_quantized_tier(ckpt: Checkpoint, opened: _Opened, quant_fns: dict, fu
     raise ConfigError(f"{ckpt.path}: quantized experts on the GPU tier: {why}; use --device cpu")
 
 
+class GpuRouter:
+    """A router of :func:`moestream.models.moe.softmax_topk` (a ``functools.partial`` of it) that computes on
+    CUDA with :func:`moestream.fused_moe.softmax_topk` (one launch), elsewhere as before."""
+
+    def __init__(self, router: functools.partial):
+        self.router = router
+
+    def __call__(self, logits: torch.Tensor):
+        if logits.is_cuda:
+            return fused_moe.softmax_topk(logits, **self.router.keywords)
+        return self.router(logits)
+
+
 def _fuse_norms(net: CausalLM) -> None:
-    """Every plain :class:`~moestream.models.layers.RMSNorm` of ``net`` computes with
-    :func:`moestream.fused_moe.rms_norm` on CUDA (subclasses, such as norms of ``1 + w``, keep theirs)."""
+    """The small ops of the token path in one GPU launch each (fewer kernels per decode step; each applies
+    on CUDA only): every plain :class:`~moestream.models.layers.RMSNorm` of ``net`` computes with
+    :func:`moestream.fused_moe.rms_norm` (subclasses, such as norms of ``1 + w``, keep theirs); plain
+    attention layers' q/k norms and rotary with :func:`moestream.attention_kernel.qk_norm_rope` (the plain
+    rope over the whole head); softmax top-k routers with :func:`moestream.fused_moe.softmax_topk`."""
+    plain_rope = type(net.rotary) is RotaryEmbedding
     for m in net.modules():
         if type(m) is RMSNorm:
             m.fused = fused_moe.rms_norm
+        elif (type(m) is Attention and plain_rope and net.rotary.inv_freq.numel() * 2 == m.head_dim
+              and (m.q_norm is None or (type(m.q_norm) is RMSNorm and type(m.k_norm) is RMSNorm))):
+            m.fused_rope = attention_kernel.qk_norm_rope
+    for block in net.moe_blocks():
+        r = block.router
+        if isinstance(r, functools.partial) and r.func is softmax_topk and not r.args:
+            block.router = GpuRouter(r)
 
 
 def _attach_decode_runner(net: CausalLM, pipeline: ExpertPipeline, cache, kernels: dict, options: EngineOptions,
                           dev: torch.device, io: IOSettings, trace, lookahead: int) -> None:
     """Decode steps through static buffers (CUDA graphs on the GPU) when every MoE layer runs the fused
     kernel and the family is plain (:func:`moestream.decode_graph.graph_unsupported`). Graphs stay off
-    while the host must act inside a step: a disk prefetcher, a lookahead or a routing trace."""
+    while the host must act inside a step: a disk prefetcher or a routing trace (the lookahead's host-tier
+    copies are staged between the graph segments). With graphs, the KV storage is kept for the engine's life
+    (:class:`~moestream.models.layers.KVPool`): every request replays the graphs captured for the first."""
     if not kernels or not all(getattr(k, "slotted", False) for k in kernels.values()):
         return
     if graph_unsupported(net) is not None:
         return
-    graphs = options.cuda_graphs and dev.type == "cuda" and io.prefetcher is None and trace is None and not lookahead
+    # the lookahead's copies are staged between the graph segments (DecodeRunner._replay): graphs stay on
+    graphs = options.cuda_graphs and dev.type == "cuda" and io.prefetcher is None and trace is None
     net.decode_runner = DecodeRunner(net, pipeline, cache, graphs)
+    if net.decode_runner.graphs:  # every request's KV cache on the same kept tensors: graphs captured once
+        net.kv_pool = KVPool(context_tokens_for(net, options.context_tokens))
 
 
 def _drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:

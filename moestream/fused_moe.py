@@ -11,24 +11,26 @@ and
 
 is computed with no host work, no ``torch.stack`` and no atomics:
 
-- **few tokens** (``T * K <= ROWS_MAX``, decode): two launches. One program per (slot,
-  block of I) computes gate and up as float32 dot products over H and writes
-  ``silu(g) * u`` (float32); one program per (token, block of H) runs the down projection of
-  each of the token's K experts in routing order, multiplies by the routing weight and adds
-  them up in float32, k = 0 first, rounding once to the compute dtype. The expert id -> slot
-  lookup happens inside the kernels.
-- **many tokens** (prefill): vLLM's ``fused_moe`` scheme (arXiv 2309.06180's serving stack;
-  the code here is written from its description): the ``T*K`` slots are grouped by expert into
-  blocks of ``BLOCK_M`` rows of one expert (on the device: a stable sort and prefix sums of a
-  fixed size, so no host sync), a fixed grid of at most ``ceil(T*K / BLOCK_M) + min(E, T*K)``
-  blocks (the ones past the end exit at once), and three launches: gate/up with ``tl.dot``
-  (float32 accumulation) and SiLU, written in the compute dtype; down with ``tl.dot`` times the
-  routing weight (float32, per slot); the sum over k in routing order.
+- **the tl.dot kernels** (vLLM's ``fused_moe`` scheme, arXiv 2309.06180's serving stack; the code here
+  is written from its description): the ``T*K`` routing slots go in blocks of :data:`BLOCK_M` rows of one
+  expert, and three launches compute gate/up with ``tl.dot`` (float32 accumulation) and SiLU, written in
+  the compute dtype; down with ``tl.dot`` times the routing weight (float32, per slot); the sum over k in
+  routing order. A prefill chunk groups its slots by expert on the device (a stable sort and prefix
+  sums of a fixed size, so no host sync; a fixed grid of at most ``ceil(T*K / BLOCK_M) + min(E, T*K)``
+  blocks, the ones past the end exit at once). A decode step (``T * K <= ROWS_MAX``) runs **the same
+  kernels with the same tile shapes**, one slot per block (no grouping): so a routing slot's bits are the
+  same whether it was computed in a decode step or in a prefill chunk of any length, and whichever other
+  slots shared its block (each output element is one chain of tensor-core steps over the same tiles).
+- **quantized experts, few tokens**: row kernels that unpack whole words in registers (one program per
+  (slot, block of I) for gate/up and SiLU, float32; one per (slot, block of H) for down times the weight;
+  the sum over k), faster than dequantizing tiles for the tensor cores at one token; their bits differ
+  from the tl.dot kernels' (docs/gpu.md).
 
 Determinism: each output element is written by exactly one program with a fixed loop order,
-and the block shapes depend only on ``(T, K, E, H, I, dtype)``. So the bits depend only on
-the inputs, the routing and the shapes -- never on which slot an expert sits in, which tier it
-came from, or which other experts share a block. Source of the math: Qwen3-MoE's expert,
+and the tile shapes depend only on the model's ``(K, H, I, dtype)``, never on ``T``. So the bits
+depend only on the inputs, the routing and the model -- never on which slot an expert sits in,
+which tier it came from, which other slots share a block or how many tokens the call carries
+(quantized experts: the same within a decode step or within a prefill chunk). Source of the math: Qwen3-MoE's expert,
 ``down(silu(gate x) * up x)`` (transformers' ``Qwen3MoeMLP``), Shazeer 2020 (GLU variants).
 
 On a machine without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
@@ -47,12 +49,37 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
     tl = None
 
-ROWS_MAX = 64  # T*K up to this: the two-launch row path (decode); beyond: the blocked tl.dot path
+ROWS_MAX = 64  # T*K up to this: a decode step (one slot per block; quantized: the row kernels)
 
 
 def interpreted() -> bool:
     """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _interpreter_loops_to_runtime_bounds() -> None:
+    """Under Triton 3.6's interpreter a scalar (a kernel argument, a loaded value) is a NumPy array of shape
+    (1,), which NumPy 2 no longer converts to an index: ``range(lo, hi)`` over such values fails, where the
+    compiled kernel loops to them. Give the interpreter's tensors an ``__index__`` that reads the one element
+    (only the interpreter changes; the compiled kernels are untouched)."""
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover - another Triton
+        return
+    patch = getattr(interp, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_moestream", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._moestream = True
+    interp._patch_lang_tensor = patched
+
+
+if triton is not None and interpreted():
+    _interpreter_loops_to_runtime_bounds()
 
 
 def available(device: torch.device | str) -> bool:
@@ -223,27 +250,6 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _down_sum_rows(h_ptr, w_ptr, idx_ptr, table_ptr, wd_ptr, sd_ptr, bd_ptr, out_ptr, K: constexpr,
-                       H: constexpr, NI: constexpr, sh, q0, q1, s0, s1, b0, b1, so,
-                       BN: tl.constexpr, BK: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                       BR: tl.constexpr, VEC: tl.constexpr):
-        # one program: token t, output features n in [nb*BN, nb*BN + BN), its K experts in routing order
-        t = tl.program_id(0)
-        nb = tl.program_id(1)
-        n = nb * BN + tl.arange(0, BN)
-        nmask = n < H
-        out = tl.zeros([BN], dtype=tl.float32)
-        for j in range(0, K):
-            s = t * K + j
-            e = tl.load(idx_ptr + s)
-            slot = tl.load(table_ptr + e).to(tl.int64)
-            wt = tl.load(w_ptr + s).to(tl.float32)
-            acc = _down_dot(h_ptr, s, sh, wd_ptr, sd_ptr, bd_ptr, slot, n, nmask, NI, q0, q1, s0, s1, b0, b1,
-                            BN, BK, F, BITS, GS, BR, VEC)
-            out += acc * wt
-        tl.store(out_ptr + t * so + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
-
-    @triton.jit
     def _down_rows(h_ptr, w_ptr, idx_ptr, table_ptr, wd_ptr, sd_ptr, bd_ptr, y_ptr, K: constexpr, H: constexpr,
                    NI: constexpr, sh, q0, q1, s0, s1, b0, b1, sy,
                    BN: tl.constexpr, BK: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
@@ -262,7 +268,7 @@ if triton is not None:
                         BN, BK, F, BITS, GS, BR, VEC)
         tl.store(y_ptr + s.to(tl.int64) * sy + n, acc * wt, mask=nmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["TK", "E"])
     def _gate_up_blocks(x_ptr, rows_ptr, bexp_ptr, table_ptr, wg_ptr, sg_ptr, bg_ptr, wu_ptr, su_ptr, bu_ptr, h_ptr,
                         K: constexpr, TK, E, H: constexpr, NI: constexpr, sx, q0, q1, s0, s1, b0, b1, sh,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
@@ -301,7 +307,7 @@ if triton is not None:
         tl.store(h_ptr + rows[:, None].to(tl.int64) * sh + n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=rmask[:, None] & nmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["TK", "E"])
     def _down_blocks(h_ptr, w_ptr, rows_ptr, bexp_ptr, table_ptr, wd_ptr, sd_ptr, bd_ptr, y_ptr, TK, E,
                      H: constexpr, NI: constexpr, sh, q0, q1, s0, s1, b0, b1, sy,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
@@ -359,6 +365,53 @@ if triton is not None:
         tl.store(out_ptr + r * so + d, (w * h).to(out_ptr.dtype.element_ty), mask=m)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _softmax_topk(l_ptr, w_ptr, i_ptr, E, sl, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                      RENORM: tl.constexpr):
+        # one program: one token's router logits -> softmax (float32) -> the K largest, largest first (the
+        # lowest expert id among equals) -> renormalized to sum 1 (RENORM)
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BE)
+        m = e < E
+        x = tl.load(l_ptr + t * sl + e, mask=m, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = tl.where(m, p, 0.0)
+        prob = p / tl.sum(p, axis=0)
+        vals = tl.where(m, prob, -1.0)
+        kk = tl.arange(0, KP)
+        top = tl.zeros([KP], dtype=tl.float32)
+        ids = tl.zeros([KP], dtype=tl.int64)
+        for j in tl.static_range(K):
+            best = tl.max(vals, axis=0)
+            at = tl.min(tl.where(vals == best, e, BE), axis=0)
+            top = tl.where(kk == j, best, top)
+            ids = tl.where(kk == j, at.to(tl.int64), ids)
+            vals = tl.where(e == at, -1.0, vals)
+        if RENORM:
+            top = top / tl.sum(top, axis=0)
+        km = kk < K
+        tl.store(w_ptr + t * K + kk, top.to(w_ptr.dtype.element_ty), mask=km)
+        tl.store(i_ptr + t * K + kk, ids, mask=km)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moestream.models.moe.softmax_topk` (Qwen3-MoE's router) in one launch: softmax over ``logits``
+    [T, E] in float32, the ``top_k`` largest (largest first; the lowest id among equal ones), renormalized
+    when ``norm_topk_prob``; ``(weights [T, K] in logits' dtype, ids [T, K] int64)``. The reductions are
+    Triton's (the low bits of the weights may differ from PyTorch's; one form for every path on the GPU)."""
+    t, e = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    w = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
+    idx = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t:
+        _softmax_topk[(t,)](logits, w, idx, e, logits.stride(0), K=top_k, KP=triton.next_power_of_2(top_k),
+                            BE=triton.next_power_of_2(e), RENORM=bool(norm_topk_prob), num_warps=1)
+    return w, idx
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:class:`moestream.models.layers.RMSNorm`'s function in one launch: ``weight * (x * rsqrt(mean(x^2) + eps))``
     over the last dimension, the norm in float32 and rounded to x's dtype before the weight multiplies
@@ -377,10 +430,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
+BLOCK_M = 16  # routing slots per block of the tl.dot kernels: one size for every call (see block_m)
+BLOCK_N, BLOCK_K = 64, 128  # output features per program and the reduction's step, for every call (H200 sweep)
+
+
 def block_m(t: int, k: int, e: int) -> int:
-    """Rows per block of the blocked path, from the shapes only: 16, 32 or 64 by the mean slots per expert."""
-    mean = t * k / max(1, min(e, t * k))
-    return 16 if mean <= 24 else 32 if mean <= 48 else 64
+    """Rows per block of the tl.dot kernels: :data:`BLOCK_M` whatever the shapes, so that a slot's bits
+    never depend on how many tokens share the call (a decode step, a prefill chunk of any length)."""
+    return BLOCK_M
+
+
+_ONE_ROW: dict[tuple, torch.Tensor] = {}
+
+
+def one_row_blocks(tk: int, bm: int, device) -> torch.Tensor:
+    """``rows`` for blocks of one routing slot each (a decode step through the tl.dot kernels): block ``b``
+    holds slot ``b`` and padding (``tk``). Made once per (tk, bm, device)."""
+    key = (tk, bm, str(device))
+    rows = _ONE_ROW.get(key)
+    if rows is None:
+        rows = torch.full((tk, bm), tk, dtype=torch.int32)
+        rows[:, 0] = torch.arange(tk, dtype=torch.int32)
+        rows = _ONE_ROW[key] = rows.reshape(-1).to(device)
+    return rows
 
 
 def align_blocks(flat: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,7 +464,7 @@ def align_blocks(flat: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.T
 
     Returns:
         ``rows`` int32 [B*bm]: each block's slot positions, ascending within an expert
-        (``T*K`` marks padding); ``block_expert`` int32 [B]: the expert of each block, ``E``
+        (``T*K`` marks padding); ``block_expert`` int64 [B]: the expert of each block, ``E``
         for the blocks past the end. ``B = ceil(T*K / bm) + min(E, T*K)``, a bound that
         depends only on the shapes, so the grid is fixed.
     """
@@ -411,7 +483,7 @@ def align_blocks(flat: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.T
     rows = torch.full((nblocks * bm,), tk, dtype=torch.int32, device=dev)
     rows[dest] = order.to(torch.int32)
     block_expert = torch.searchsorted(block_end, torch.arange(nblocks, device=dev), right=True)
-    return rows, block_expert.to(torch.int32)
+    return rows, block_expert
 
 
 def _rows_config(h: int, i: int) -> tuple[int, int, int, int]:
@@ -602,9 +674,9 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
     tk = t * k
     gu = (gate.q, gate.s, gate.b, up.q, up.s, up.b)
     dn = (down.q, down.s, down.b)
-    if tk <= ROWS_MAX:
+    quant = gate.fmt != FLOAT or down.fmt != FLOAT
+    if tk <= ROWS_MAX and quant:  # quantized decode: the row kernels unpacking whole words
         bn1, bk1, bn2, bk2 = _rows_config(h, i_)
-        quant = gate.fmt != FLOAT or down.fmt != FLOAT
         if gate.fmt != FLOAT:
             bn1, bk1 = QUANT_ROWS["bn1"], min(QUANT_ROWS["bk1"], triton.next_power_of_2(h))
         if down.fmt != FLOAT:
@@ -619,11 +691,6 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
         _gate_up_rows[(tk, triton.cdiv(i_, bn1))](
             x, flat, table, *gu, hbuf, k, h, i_, x.stride(0), *gate.strides(), hbuf.stride(0),
             BN=bn1, BK=bk1, **gate.consts(), VEC=vec1, num_warps=4)
-        if not quant:
-            _down_sum_rows[(t, triton.cdiv(h, bn2))](
-                hbuf, wflat, flat, table, *dn, out, k, h, i_, hbuf.stride(0), *down.strides(),
-                out.stride(0), BN=bn2, BK=bk2, **down.consts(), VEC=False, num_warps=4)
-            return out
         y = torch.empty(tk, h, dtype=torch.float32, device=x.device)
         _down_rows[(tk, triton.cdiv(h, bn2))](
             hbuf, wflat, flat, table, *dn, y, k, h, i_, hbuf.stride(0), *down.strides(), y.stride(0),
@@ -632,11 +699,15 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
         return out
     e = table.numel()
     bm = block_m(t, k, e)
-    rows, bexp = align_blocks(flat.to(torch.int64), e, bm)
+    flat = flat.to(torch.int64)
+    if tk <= ROWS_MAX:  # a decode step: the same kernels, one slot per block (no grouping on the device)
+        rows, bexp = one_row_blocks(tk, bm, x.device), flat
+    else:
+        rows, bexp = align_blocks(flat, e, bm)
     nblocks = bexp.numel()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     up16 = interpreted() and x.dtype != torch.float32
-    bn, bk = 64, 64
+    bn, bk = BLOCK_N, BLOCK_K
     hbuf = torch.empty(tk, i_, dtype=x.dtype, device=x.device)
     _gate_up_blocks[(nblocks, triton.cdiv(i_, bn))](
         x, rows, bexp, table, *gu, hbuf, k, tk, e, h, i_, x.stride(0), *gate.strides(),

@@ -575,17 +575,10 @@ def generate(
         context = list(prompt_ids) if sampling.penalized else []
         generated: list[int] = []
         digest = hashlib.sha256()
-        for n in range(max_tokens):
-            last = logits[-1].float()
-            # a fingerprint of every step's logits, bit for bit: equal digests prove two runs
-            # (budgets, worker counts, read paths) computed the same numbers, not only the same tokens
-            digest.update(last.contiguous().view(torch.int32).cpu().numpy().tobytes())
-            stats.logits_sha256 = digest.hexdigest()
-            processed = apply_penalties(last, context, generated, sampling) if sampling.penalized else last
-            if think_closed:
-                processed = processed.clone() if processed is last else processed
-                processed[think_end] = float("-inf")
-            token = sampler(processed)
+
+        def account(n: int, token: int) -> tuple[str, str | None]:
+            """Step ``n``'s token into the counters, the think state and the text: (text, finish reason)."""
+            nonlocal think_closed
             generated.append(token)
             if context:
                 context.append(token)
@@ -601,6 +594,48 @@ def generate(
                 stats.finish_reason = reason = "stop"
             elif final:
                 reason = "length"
+            return text, reason
+
+        if _pipelined(engine, kv, sampling, logprobs, par):
+            # greedy on the GPU: the token is picked on the device and step n + 1 is queued before the host
+            # reads step n's token (one wait per token; the host's work overlaps the next step)
+            picker = _DevicePicker(logits, think_end, think_closed)
+            cur = picker.pick(logits)
+            for n in range(max_tokens):
+                nxt, failed = None, None
+                if n + 1 < max_tokens:
+                    try:
+                        nxt = picker.pick(_forward(engine, cur.token, pos, kv, session))
+                    except Exception as e:  # noqa: BLE001 -- raised once the step it belongs to is reached
+                        failed = e
+                token, host_logits = cur.wait()
+                digest.update(host_logits)
+                stats.logits_sha256 = digest.hexdigest()
+                text, reason = account(n, token)
+                yield Step(token, text, cur.logits if keep_logits else None, None, reason)
+                if reason is not None:
+                    if nxt is not None:
+                        kv.length = pos  # the step queued ahead is dropped: its position is past the cache's tokens
+                    break
+                if failed is not None:
+                    raise failed
+                if session is not None:
+                    session.ids.append(token)
+                pos += 1
+                cur = nxt
+            return
+        for n in range(max_tokens):
+            last = logits[-1].float()
+            # a fingerprint of every step's logits, bit for bit: equal digests prove two runs
+            # (budgets, worker counts, read paths) computed the same numbers, not only the same tokens
+            digest.update(last.contiguous().view(torch.int32).cpu().numpy().tobytes())
+            stats.logits_sha256 = digest.hexdigest()
+            processed = apply_penalties(last, context, generated, sampling) if sampling.penalized else last
+            if think_closed:
+                processed = processed.clone() if processed is last else processed
+                processed[think_end] = float("-inf")
+            token = sampler(processed)
+            text, reason = account(n, token)
             lp = _logprob(processed, token, logprobs) if logprobs is not None else None
             try:
                 yield Step(token, text, last if keep_logits else None, lp, reason)
@@ -619,6 +654,71 @@ def generate(
     finally:
         counters.fill(stats)
 
+
+
+PIPELINE_DEVICES = ("cuda",)  # where greedy decode picks tokens on the device, a step ahead (tests add "cpu")
+
+
+def _pipelined(engine: Engine, kv, sampling: SamplingParams, logprobs: int | None, par) -> bool:
+    """Whether the decode loop picks tokens on the device and queues each step before reading the last one's
+    token: greedy, no penalties, no log-probabilities, one process, a plain KV cache (one that a step too many
+    leaves as it was but for a position past the session's tokens), on a device of :data:`PIPELINE_DEVICES`."""
+    return (engine.device.type in PIPELINE_DEVICES and sampling.temperature == 0 and not sampling.penalized
+            and logprobs is None and par is None and type(kv) is KVCache)
+
+
+@dataclass
+class _Picked:
+    """A step's token picked on the device, and its copies to the host in flight."""
+
+    token: torch.Tensor  # int64 [1] on the device: the next step's input
+    logits: torch.Tensor  # float32 [vocab] on the device (the Step's logits)
+    host_token: torch.Tensor
+    host_logits: torch.Tensor
+    event: object
+
+    def wait(self) -> tuple[int, memoryview]:
+        """(the token, the logits' float32 bytes) once the copies are done."""
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host_token[0]), memoryview(self.host_logits.numpy()).cast("B")
+
+
+class _DevicePicker:
+    """Greedy picks on the device (the same token as :class:`Sampler` at temperature 0: the first maximum),
+    the ``</think>`` mask applied there too, each step's token and logits copied to a ring of two pinned
+    buffers (a step's are read before the step after next writes them again)."""
+
+    def __init__(self, logits: torch.Tensor, think_end: int | None, think_closed: bool):
+        dev = logits.device
+        self.cuda = dev.type == "cuda"
+        vocab = logits.shape[-1]
+        self.think_end = think_end
+        self.closed = torch.tensor([think_closed], device=dev) if think_end is not None else None
+        self._tok = [torch.empty(1, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self._logits = [torch.empty(vocab, dtype=torch.float32, pin_memory=self.cuda) for _ in range(2)]
+        self._at = 0
+
+    def pick(self, logits: torch.Tensor) -> _Picked:
+        last = logits[-1].float()
+        processed = last
+        if self.think_end is not None:
+            processed = last.clone()
+            one = processed.narrow(0, self.think_end, 1)
+            one.copy_(torch.where(self.closed, torch.full_like(one, float("-inf")), one))
+        token = torch.argmax(processed).reshape(1)
+        if self.closed is not None:
+            self.closed |= token == self.think_end
+        j = self._at % 2
+        self._at += 1
+        host_token, host_logits = self._tok[j], self._logits[j]
+        host_token.copy_(token, non_blocking=True)
+        host_logits.copy_(last, non_blocking=True)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return _Picked(token, last, host_token, host_logits, event)
 
 
 def _check_request(engine: Engine, prompt_ids, max_tokens: int, logprobs: int | None,

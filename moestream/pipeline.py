@@ -195,11 +195,12 @@ class BatchedSwiGLUKernel:
 class FusedSwiGLUKernel:
     """A layer's SwiGLU experts computed in place from their VRAM slots by the fused Triton kernel
     (:func:`moestream.fused_moe.fused_moe`): gate/up, SiLU, down, the routing weights and the sum
-    over k in routing order, in two launches for a decode step and three (plus the device-side
-    grouping) for a prefill chunk. It reads the slot table on the device, so the pipeline needs
-    no routing on the host when every expert is resident. Its bits depend only on the inputs,
-    the routing and the shapes (never on the slot or tier an expert came from); they differ from
-    the other kernels'. Needs the cache's :class:`~moestream.tiered_cache.SlotPool`.
+    over k in routing order, in three launches (plus the device-side grouping for a prefill chunk;
+    a decode step runs the same kernels one slot per block). It reads the slot table on the device,
+    so the pipeline needs no routing on the host when every expert is resident. Its bits depend only
+    on the inputs, the routing and the model's shapes (never on the slot or tier an expert came from,
+    nor on the other tokens of the call); they differ from the other kernels'. Needs the cache's
+    :class:`~moestream.tiered_cache.SlotPool`.
 
     ``fmt``: the layer's :class:`~moestream.quant.formats.ExpertFormat` when its experts are stored
     quantized (MLX affine, fp8, MXFP4: the slots hold the stored bytes, dequantized in registers);
@@ -412,10 +413,11 @@ class ExpertPipeline:
                 pool.flush()
             cache.log_routing(layer, idx)
             return kernel.compute_from_slots(x, weights, idx, pool.table[layer], pool.views)
-        if self.capture is not None:
-            self.capture.boundary(layer, idx)
-            return kernel.compute_from_slots(x, weights, idx, pool.table[layer], pool.views)
         ahead = self.following.get(layer, ())
+        if self.capture is not None:  # the next layers' guesses computed in the graph, staged between segments
+            guesses = [b.route(self._route_input)[1].reshape(-1) for b in ahead]
+            self.capture.boundary(layer, idx, guesses, [b.layer for b in ahead])
+            return kernel.compute_from_slots(x, weights, idx, pool.table[layer], pool.views)
         n = idx.numel()
         if ahead:  # the next layers' routers on this layer's input, fetched in the same copy
             guesses = [b.route(self._route_input)[1].reshape(-1) for b in ahead]

@@ -723,13 +723,14 @@ class TieredExpertCache(ExpertCache):
         :meth:`settle` (before the buffer is written again)."""
         self._pending.append((sizes, ids, event))
 
-    def settle(self) -> None:
+    def settle(self, keep: int = 0) -> None:
         """Copy the pending routings out of their buffers (waiting for their events), so the buffers can be
-        written again."""
-        for sizes, ids, event in self._pending:
+        written again; all but the newest ``keep`` (a decode loop's ring of buffers: the older ones are long
+        done, so it does not wait for the step in flight)."""
+        while len(self._pending) > keep:
+            sizes, ids, event = self._pending.pop(0)
             CopyEngine.wait(event)
             self._host_log.append((sizes, ids.clone()))
-        self._pending = []
 
     def _fold(self) -> None:
         self.settle()
@@ -740,17 +741,22 @@ class TieredExpertCache(ExpertCache):
             parts.append(([(layer, i.numel()) for layer, i in log], flat))
         parts += self._host_log
         self._host_log = []
+        # steps of one layout (every decode step's) stacked: a few vectorized ops per layer, not per step
+        groups: dict[tuple, list[torch.Tensor]] = {}
         for sizes, flat in parts:
+            groups.setdefault(tuple(sizes), []).append(flat)
+        for sizes, flats in groups.items():
+            rows = torch.stack([f[: sum(n for _, n in sizes)] for f in flats]).long()  # [steps, slots]
             at = 0
             for layer, n in sizes:
-                ids = flat[at : at + n].long()
+                ids = rows[:, at : at + n]
                 at += n
                 use = self._usage.get(layer)
-                if use is None:
+                if use is None or n == 0:
                     continue
-                counts = torch.bincount(ids, minlength=use.numel())
-                use += counts
-                distinct = int((counts > 0).sum())
+                use += torch.bincount(ids.reshape(-1), minlength=use.numel())
+                ordered = ids.sort(dim=1).values
+                distinct = ids.shape[0] + int((ordered[:, 1:] != ordered[:, :-1]).sum())
                 self._stats.lookups += distinct
                 self._stats.hits += distinct
 

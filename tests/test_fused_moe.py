@@ -8,16 +8,10 @@ import pytest
 import torch
 
 from moestream import fused_moe as fm
-from moestream.decode_graph import (
-    MIN_BUCKET,
-    DecodeRunner,
-    StaticDecodeKV,
-    bucket_for,
-    graph_unsupported,
-    plan_segments,
-)
+from moestream.decode_graph import DecodeRunner, StaticDecodeKV, graph_unsupported, plan_segments
 from moestream.engine import load
-from moestream.models.layers import KVCache, attention_mask
+from moestream.models import ops
+from moestream.models.layers import KVCache, KVPool
 from moestream.store import ExpertStore
 from moestream.tiered_cache import CopyEngine, SlotLayout, SlotPool, TieredExpertCache, expert_slot_layout
 
@@ -71,8 +65,31 @@ def test_align_blocks_places_every_slot_once_in_blocks_of_one_expert(t, k, e, bm
         assert mine == sorted(mine)
 
 
-def test_block_rows_depend_on_the_shapes_only():
-    assert fm.block_m(1, 8, 128) == 16 and fm.block_m(512, 8, 128) == 32 and fm.block_m(4096, 8, 128) == 64
+def test_block_rows_are_one_size_for_every_call():
+    """A slot's bits must not depend on how many tokens share the call: one block size for all."""
+    assert {fm.block_m(t, 8, 128) for t in (1, 7, 512, 4096)} == {fm.BLOCK_M}
+    rows = fm.one_row_blocks(3, 4, "cpu")
+    assert rows.tolist() == [0, 3, 3, 3, 1, 3, 3, 3, 2, 3, 3, 3] and fm.one_row_blocks(3, 4, "cpu") is rows
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_slot_has_the_same_bits_in_a_decode_step_and_in_a_prefill_chunk(dtype):
+    """The decode path (T*K <= 64: one slot per block) and the blocked path (slots grouped by expert) run the
+    same kernels with the same tiles: a token's output is bit-identical alone, among few tokens (decode
+    path) and in a chunk of many (blocked path), wherever it sits in the chunk."""
+    g = torch.Generator().manual_seed(7)
+    h, i, e, k = 48, 40, 9, 4
+    _, views = random_experts(e + 3, i, h, dtype, g)
+    table = torch.randperm(e + 3, generator=g)[:e].to(torch.int32)
+    t = 30  # 120 slots: the blocked path
+    x = torch.randn(t, h, generator=g).to(dtype)
+    idx = routing(t, k, e, g)
+    w = torch.rand(t, k, generator=g)
+    whole = fm.fused_moe(x, w, idx, table, views["gate"], views["up"], views["down"])
+    for a, b in [(0, 1), (7, 8), (29, 30), (3, 10), (16, 30)]:  # decode-sized (<= 16 tokens) and blocked parts
+        part = fm.fused_moe(x[a:b], w[a:b], idx[a:b], table, views["gate"], views["up"], views["down"])
+        assert torch.equal(part, whole[a:b]), (a, b)
 
 
 # -- the kernel, under the interpreter ---------------------------------------------------------
@@ -322,14 +339,12 @@ def test_all_resident_counts_routing_from_the_device_log(tiny):
 # -- the static decode path ----------------------------------------------------------------------
 
 
-def test_buckets_and_segments(tiny):
-    assert bucket_for(1, 4096) == MIN_BUCKET and bucket_for(65, 4096) == 128 and bucket_for(300, 279) == 279
-    assert bucket_for(4097, 10000) == 8192
+def test_segments_and_the_cpu_path(tiny):
     engine = load(tiny, tokenizer=False, device="cpu", hotlist=False, learn_experts=False)
     try:
         assert graph_unsupported(engine.model) is None
         assert plan_segments(engine.model) == [0, 1]
-        assert engine.model.decode_runner is None  # the CPU path is untouched
+        assert engine.model.decode_runner is None and engine.model.kv_pool is None  # the CPU path is untouched
     finally:
         engine.close()
 
@@ -349,18 +364,53 @@ def test_families_that_cannot_take_the_static_path_say_why():
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_static_mask_is_the_attention_mask(window):
-    kv = KVCache(1, 16)
-    kv.update(0, 0, torch.zeros(1, 12, 4), torch.zeros(1, 12, 4))
-    for pos in (0, 3, 9, 11):
-        skv = StaticDecodeKV(kv, torch.tensor([pos]), 12)
-        got = skv.attention_mask(pos, 1, window, "cpu")
-        want = attention_mask(pos, 1, window, "cpu")
-        want = torch.ones(1, pos + 1, dtype=torch.bool) if want is None else want
-        assert torch.equal(got[:, : pos + 1], want) and not got[:, pos + 1 :].any()
-        k = torch.full((1, 1, 4), float(pos + 1))
-        keys, _ = skv.update(0, pos, k, k)
-        assert keys.shape == (1, 12, 4) and torch.equal(kv.layers[0][0][:, pos], k[:, 0])
+def test_static_kv_writes_at_the_device_position_and_attends_over_what_it_sees(window):
+    """The static step writes its key and value at the position held on the device and attends over the
+    positions up to it: the plain path's bits (the CPU's kernels), whatever the cache's capacity or what
+    lies past the position."""
+    g = torch.Generator().manual_seed(1)
+    for cap in (12, 40):
+        kv = KVCache(1, cap)
+        kv.update(0, 0, torch.randn(2, cap, 4, generator=g), torch.randn(2, cap, 4, generator=g))
+        for pos in (0, 3, 9, 11):
+            skv = StaticDecodeKV(kv, torch.tensor([pos]))
+            q = torch.randn(4, 1, 4, generator=g)
+            k, v = torch.randn(2, 1, 4, generator=g), torch.randn(2, 1, 4, generator=g)
+            out = skv.attend(0, pos, q, k, v, 0.5, window)
+            keys, values = kv.layers[0]
+            assert keys.shape == (2, cap, 4) and torch.equal(keys[:, pos], k[:, 0])
+            assert torch.equal(values[:, pos], v[:, 0])
+            want = ops.attend(q, keys[:, : pos + 1].clone(), values[:, : pos + 1].clone(), pos, 0.5, window)
+            assert torch.equal(out, want)
+
+
+def test_kv_pool_gives_successive_caches_the_same_tensors():
+    """A request's KV cache takes the pool's kept tensors (so a decode graph captured over them replays for
+    the next request); caches alive at once get their own; past the pool's capacity a cache grows on its own."""
+    pool = KVPool(32, sets=2)
+    k = torch.randn(2, 5, 4)
+
+    def ptr(kv):
+        kv.update(0, 0, k, k)
+        return kv.layers[0][0].data_ptr()
+
+    a = pool.new_cache(1, 8)
+    first = ptr(a)
+    assert a.layers[0][0].shape == (2, 32, 4)
+    del a
+    b = pool.new_cache(1, 8)
+    assert ptr(b) == first  # the same storage for the next request
+    c = pool.new_cache(1, 8)
+    d = pool.new_cache(1, 8)  # two sets at most: this one allocates its own
+    assert ptr(c) not in (first,) and d.storage is None and pool.made == 2
+    e = pool.new_cache(1, 8)  # the CPU's attention block takes its storage through reserve
+    del c
+    f = pool.new_cache(1, 8)
+    keys, _ = f.reserve(0, 5, k, 2, 4)
+    assert keys.data_ptr() not in (first,) and keys.shape == (2, 32, 4) and e.storage is None
+    version = b.version
+    b.update(0, 5, torch.randn(2, 40, 4), torch.randn(2, 40, 4))  # past the capacity: grows, the prefix kept
+    assert b.layers[0][0].shape[1] >= 45 and torch.equal(b.layers[0][0][:, :5], k) and b.version > version
 
 
 def run_steps(engine, prompt, steps):
@@ -378,8 +428,8 @@ STEPS = [5, 77, 291, 5]
 
 
 def test_static_decode_steps_match_the_plain_path(tiny):
-    """The static path (device position, a fixed span of the cache, the mask on the device) computes the
-    model's decode steps: close to the plain path, and it declines a step with no KV cache to decode into."""
+    """The static path (the position on the device, the whole cache's tensors) computes the model's decode
+    steps: the plain path's bits, and it declines a step with no KV cache to decode into."""
     engine = load(tiny, tokenizer=False, device="cpu", hotlist=False, learn_experts=False, cache_budget_gb="all")
     try:
         ref = run_steps(engine, PROMPT, STEPS)
@@ -389,7 +439,7 @@ def test_static_decode_steps_match_the_plain_path(tiny):
         got = run_steps(engine, PROMPT, STEPS)
         assert runner.stats.eager == len(STEPS)
         for a, b in zip(ref, got):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            assert torch.equal(a, b)  # the same CPU kernels: attention's bits do not depend on the span it reads
         kv = engine.model.new_kv_cache()
         with torch.inference_mode():
             engine.model(torch.tensor([3]), 0, kv)
@@ -450,3 +500,20 @@ def test_fused_pipeline_same_bits_for_every_budget(tiny, fused_ref, vram, host, 
     assert t.h2d_copies == s.misses + s.prefetch_hits + t.staged
     if ahead:
         assert t.staged > 0
+
+
+@interpreted
+@pytest.mark.parametrize("renorm", [True, False])
+def test_fused_router_is_softmax_topk(renorm):
+    """The one-launch router: softmax top-k's experts in its order, its weights to float32 rounding."""
+    from moestream.models.moe import softmax_topk
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 48, generator=g)  # distinct values (equal ones may come in another order)
+    w, idx = fm.softmax_topk(logits, 8, renorm)
+    rw, ridx = softmax_topk(logits, 8, renorm)
+    assert idx.dtype == torch.int64 and w.dtype == torch.float32 and torch.equal(idx, ridx)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+    wb, ib = fm.softmax_topk(logits.to(torch.bfloat16), 8, renorm)
+    assert wb.dtype == torch.bfloat16 and ib.shape == (9, 8)
+    assert torch.equal(fm.softmax_topk(logits[4:5], 8, renorm)[0], w[4:5])

@@ -256,3 +256,40 @@ def test_python_api_mirrors_the_cli(engine):
     dec = engine.tokenizer.decode
     assert "".join(r.reasoning for r in rs) == dec(tokens[1:3]).strip("\n")
     assert "".join(r.text for r in rs) == "".join(r.answer for r in rs) == dec(tokens[4:]).strip("\n")
+
+
+def test_device_side_greedy_loop_is_the_plain_loop(engine, monkeypatch):
+    """The decode loop that picks greedy tokens on the device and queues each step before reading the last
+    one's token (on CUDA) gives the plain loop's tokens, text, finish reasons, logits and digest, with the
+    </think> mask, stop strings, an EOS and a session (whose tokens and KV length it leaves the same)."""
+    from moestream import generation
+
+    open_id, close_id = think_token_ids(engine.tokenizer)
+    eos = sorted(eos_ids(engine))[0]
+
+    def runs():
+        out = []
+        with forced(engine, lambda step: close_id if step in (1, 3) else None):
+            for kw in ({}, {"multi_think": True}, {"stop": ["e"]}):
+                stats = GenerationStats()
+                steps = list(generate(engine, prompt(engine), 9, stop_at_eos=False, keep_logits=True, stats=stats,
+                                      **kw))
+                out.append(([(s.token, s.text, s.finish_reason) for s in steps], [s.logits for s in steps],
+                            stats.logits_sha256))
+        session = Session()
+        with forced(engine, lambda step: eos if step == 4 else None):
+            steps = list(generate(engine, prompt(engine), 9, session=session))
+        out.append(([(s.token, s.finish_reason) for s in steps], [], (list(session.ids), session.kv.length)))
+        return out
+
+    plain = runs()
+    monkeypatch.setattr(generation, "PIPELINE_DEVICES", ("cpu",))
+    calls = []
+    real = generation._DevicePicker.pick
+    monkeypatch.setattr(generation._DevicePicker, "pick", lambda self, x: calls.append(1) or real(self, x))
+    piped = runs()
+    assert calls  # the device-side loop ran
+    for (a, la, da), (b, lb, db) in zip(plain, piped):
+        assert a == b and da == db
+        assert all(torch.equal(x, y) for x, y in zip(la, lb))
+    assert plain[-1][0][-1] == (eos, "stop") and len(plain[-1][0]) == 5

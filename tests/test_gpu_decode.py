@@ -129,6 +129,8 @@ def budgets(path):
         ("all, graphs", dict(cache_budget_gb="all")),
         ("all, eager", dict(cache_budget_gb="all", cuda_graphs=False)),
         ("25% + host tier", dict(cache_budget_gb=str(0.25 * total / 1e9), host_cache_gb="auto")),
+        ("25% + host tier, 1 layer ahead", dict(cache_budget_gb=str(0.25 * total / 1e9), host_cache_gb="auto",
+                                                prefetch_ahead=1)),
         ("10% + disk", dict(cache_budget_gb=str(0.10 * total / 1e9))),
     ]
 
@@ -151,6 +153,7 @@ def test_every_budget_gives_the_bits_of_budget_all_as_graphs(which, request):
             assert stats.replays >= len(STEPS) - 1 and not stats.disabled, (name, stats)  # segmented graphs
             assert cache.stats.misses > 0
     assert runs["25% + host tier"][2].tier_stats.host_hits > 0
+    assert runs["25% + host tier, 1 layer ahead"][2].tier_stats.staged > 0  # copies staged between graph segments
     assert runs["10% + disk"][2].tier_stats.disk_reads > 0
 
 
@@ -174,3 +177,74 @@ def test_logits_match_transformers(which, rtol, request):
     for row in range(got.shape[0]):
         err = float((got[row] - want[row]).norm() / want[row].norm())
         assert err < rtol, (which, row, err)
+
+
+def test_fused_kernel_decode_and_blocked_paths_give_a_row_the_same_bits():
+    """Real widths, 128 experts, top-8: a token computed alone or among few (the decode path: T*K <= 64) and
+    in a 512-token chunk (the blocked path, slots grouped by expert) gives the same bits."""
+    g = torch.Generator("cuda").manual_seed(9)
+    e, k, h, i = 128, 8, 2048, 768
+    storage, views, layout = pool_views(e, i, h, torch.bfloat16, g)
+    table = torch.arange(e, dtype=torch.int32, device="cuda")
+    t = 512
+    x = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g, device="cuda")[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g, device="cuda")
+    whole = fm.fused_moe(x, w, idx, table, views["gate"], views["up"], views["down"])
+    for a, b in [(0, 1), (77, 78), (511, 512), (8, 16), (100, 107), (256, 512)]:
+        part = fm.fused_moe(x[a:b], w[a:b], idx[a:b], table, views["gate"], views["up"], views["down"])
+        assert torch.equal(part, whole[a:b]), (a, b)
+
+
+def run_generate(engine, prompt, n, **kw):
+    from moestream.generation import GenerationStats, generate
+
+    stats = GenerationStats()
+    steps = list(generate(engine, prompt, n, keep_logits=True, stop_at_eos=False, stats=stats, **kw))
+    return [s.token for s in steps], [s.logits.cpu() for s in steps], stats
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_generate_100_and_200_tokens_agree_on_the_first_100(real2, graphs):
+    """The KV capacity (prompt + max tokens, or the engine's kept storage) never reaches the bits: 100 and
+    200 tokens give the same first 100 tokens and logits (issue 31), with the kept KV storage and without."""
+    engine = load(real2, cache_budget_gb="all", tokenizer=False, device="cuda", hotlist=False, learn_experts=False,
+                  cuda_graphs=graphs)
+    try:
+        prompt = torch.randint(0, 150000, (61,), generator=torch.Generator().manual_seed(2)).tolist()
+        t100, l100, _ = run_generate(engine, prompt, 100)
+        t200, l200, _ = run_generate(engine, prompt, 200)
+        engine.model.kv_pool = None  # each cache sized by its request, as without the kept storage
+        o100, m100, _ = run_generate(engine, prompt, 100)
+        o200, m200, _ = run_generate(engine, prompt, 200)
+    finally:
+        engine.close()
+        torch.cuda.empty_cache()
+    for toks, logits in ((t200, l200), (o100, m100), (o200, m200)):
+        assert toks[:100] == t100
+        assert all(torch.equal(a, b) for a, b in zip(logits[:100], l100))
+
+
+def test_two_requests_replay_the_graphs_captured_once(real2, monkeypatch):
+    """The decode graphs are captured once for the engine's life (every expert resident from the load on: a
+    residency that changes is another graph): a second and third request (other prompt lengths) replay them.
+    The device-side greedy loop gives the plain loop's tokens and logits digest."""
+    from moestream import generation
+
+    engine = load(real2, cache_budget_gb="all", tokenizer=False, device="cuda", hotlist=False, learn_experts=False)
+    try:
+        runner = engine.model.decode_runner
+        prompts = [torch.randint(0, 150000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                   for n in (40, 300, 7)]
+        runs = [run_generate(engine, p, 24) for p in prompts]
+        assert runner.stats.captures == 1 and runner.stats.replays >= 3 * 22, runner.stats
+        assert engine.model.kv_pool.made == 1
+        monkeypatch.setattr(generation, "PIPELINE_DEVICES", ())
+        plain = [run_generate(engine, p, 24) for p in prompts]
+        assert runner.stats.captures == 1
+    finally:
+        engine.close()
+        torch.cuda.empty_cache()
+    for (t1, l1, s1), (t2, l2, s2) in zip(runs, plain):
+        assert t1 == t2 and s1.logits_sha256 == s2.logits_sha256
+        assert all(torch.equal(a, b) for a, b in zip(l1, l2))

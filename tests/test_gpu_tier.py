@@ -26,7 +26,12 @@ from moestream.tiered_cache import (
 from .helpers import make_qwen3_moe
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the tier logic is tested on the CPU above)")
+
+
+def needs_cuda(test):
+    """A CUDA test: in ``pytest -m gpu`` (the lent machine's run), skipped without a GPU (the tier logic is
+    tested on the CPU above)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")(test))
 
 
 @pytest.fixture(scope="module")
@@ -332,8 +337,15 @@ def test_cuda_read_buffers_are_pinned(tiny):
         assert isinstance(engine.store.pool, PinnedBufferPool)
         ew = engine.store.read_all([(0, 0)])[(0, 0)]
         assert next(iter(ew.tensors.values())).is_pinned()
-        assert isinstance(engine.pipeline.kernels[engine.model.moe_blocks()[0].layer], BatchedSwiGLUKernel)
+        kernel = engine.pipeline.kernels[engine.model.moe_blocks()[0].layer]
+        assert type(kernel).__name__ == "FusedSwiGLUKernel"  # the default on CUDA with Triton
         engine.store.release(ew)
+    finally:
+        engine.close()
+    engine = load(tiny, cache_budget_gb="0", device="cuda", tokenizer=False, hotlist=False, learn_experts=False,
+                  fused_experts=False)
+    try:
+        assert isinstance(engine.pipeline.kernels[engine.model.moe_blocks()[0].layer], BatchedSwiGLUKernel)
     finally:
         engine.close()
 

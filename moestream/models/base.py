@@ -333,6 +333,8 @@ class CausalLM(nn.Module):
     synth_biases_after = "norm"
     # one-token decode steps through static buffers (moestream.decode_graph.DecodeRunner), set by the engine
     decode_runner = None
+    # KV storage reused by successive requests (moestream.models.layers.KVPool), set by the engine with a runner
+    kv_pool = None
 
     def __init__(self, a: DecoderArgs, prefix: str = "model", head: str = "lm_head"):
         """The model of config ``a``: the skeleton (vocab_size, hidden_size, rms_norm_eps, tie_word_embeddings,
@@ -408,6 +410,10 @@ class CausalLM(nn.Module):
         return sum(2 * m.kv_heads * m.head_dim * itemsize for m in self.modules() if isinstance(m, Attention))
 
     def new_kv_cache(self, capacity: int = 256) -> KVCache:
+        """An empty KV cache (from :attr:`kv_pool`'s kept storage when the engine set one: the GPU's decode
+        graphs then replay for every request)."""
+        if self.kv_pool is not None:
+            return self.kv_pool.new_cache(len(self.decoder.layers), capacity)
         return KVCache(len(self.decoder.layers), capacity)
 
     def forward(self, ids: torch.Tensor, start: int, kv: KVCache, all_logits: bool = False) -> torch.Tensor:

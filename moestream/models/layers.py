@@ -10,6 +10,7 @@ the values they combine).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +48,12 @@ class KVCache:
     grows (doubling) as tokens are appended. ``length`` is the tokens cached so far.
     """
 
-    def __init__(self, num_layers: int, capacity: int = 256):
+    def __init__(self, num_layers: int, capacity: int = 256, storage: KVStorage | None = None):
         self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self.capacity = capacity
         self.length = 0
+        self.storage = storage  # preallocated tensors leased from a KVPool (the same for successive requests)
+        self.version = 0  # counts changes of the layers' tensors (a static decode step's graphs are per tensors)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``, ``v`` [kv_heads, T, head_dim] at positions ``start..start+T``.
@@ -59,7 +62,13 @@ class KVCache:
         """
         end = start + k.shape[1]
         entry = self.layers[layer]
+        if entry is None and self.storage is not None:
+            entry = self.storage.tensors(layer, k.shape[0], k.shape[2], v.shape[2], k, end)
+            if entry is not None:
+                self.layers[layer] = entry
+                self.version += 1
         if entry is None or entry[0].shape[1] < end:
+            self.version += 1
             cap = max(self.capacity, end)
             while cap < end:
                 cap *= 2
@@ -86,7 +95,13 @@ class KVCache:
         """The layer's key and value storage [kv_heads, capacity, head_dim] with room for positions ``0..end``
         (grown as :meth:`update` grows it; ``like`` gives the dtype and device): for a kernel that writes into it."""
         entry = self.layers[layer]
+        if entry is None and self.storage is not None:
+            entry = self.storage.tensors(layer, kv_heads, head_dim, head_dim, like, end)
+            if entry is not None:
+                self.layers[layer] = entry
+                self.version += 1
         if entry is None or entry[0].shape[1] < end:
+            self.version += 1
             cap = max(self.capacity, end)
             while cap < end:
                 cap *= 2
@@ -112,6 +127,61 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in filter(None, self.layers))
+
+
+class KVStorage:
+    """One set of KV tensors of :attr:`KVPool.capacity` positions per layer, leased to one
+    :class:`KVCache` at a time (:meth:`KVPool.new_cache`); a layer's tensors are made at its first use."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tensors(self, layer: int, kv_heads: int, dk: int, dv: int, like: torch.Tensor, end: int):
+        """The layer's (keys [kv_heads, capacity, dk], values [kv_heads, capacity, dv]) in ``like``'s dtype and
+        device, or None when ``end`` positions do not fit (the cache then allocates its own, as without a pool)."""
+        cap = self.pool.capacity
+        if end > cap:
+            return None
+        got = self._layers.get(layer)
+        want = ((kv_heads, cap, dk), (kv_heads, cap, dv), like.dtype, like.device)
+        if got is None or (got[0].shape, got[1].shape, got[0].dtype, got[0].device) != want:
+            got = (like.new_empty(kv_heads, cap, dk), like.new_empty(kv_heads, cap, dv))
+            self._layers[layer] = got
+        return got
+
+
+class KVPool:
+    """KV storage kept for the engine's life and reused by successive requests, so that a decode step
+    captured as a CUDA graph over one cache's tensors replays for the next request's cache
+    (:class:`moestream.decode_graph.DecodeRunner` keys its graphs by the tensors).
+
+    ``capacity``: positions per set (the engine's context tokens); at most ``sets`` sets exist (caches
+    alive at once beyond that allocate their own tensors, as without a pool). A set is leased by
+    :meth:`new_cache` and comes back when that cache is garbage.
+    """
+
+    def __init__(self, capacity: int, sets: int = 2):
+        self.capacity, self.max_sets = capacity, sets
+        self._free: list[KVStorage] = []
+        self.made = 0  # storage sets made so far
+        self.leases = 0  # caches that got a set
+
+    def new_cache(self, num_layers: int, capacity: int, cls: type | None = None) -> KVCache:
+        """A :class:`KVCache` (or ``cls``) whose layers take a free storage set's tensors (when one is free or
+        another may be made)."""
+        storage = None
+        if self._free:
+            storage = self._free.pop()
+        elif self.made < self.max_sets:
+            storage = KVStorage(self)
+            self.made += 1
+        kv = (cls or KVCache)(num_layers, capacity)
+        if storage is not None:
+            kv.storage = storage
+            self.leases += 1
+            weakref.finalize(kv, self._free.append, storage)
+        return kv
 
 
 class AttentionProjections(nn.Module):
@@ -163,6 +233,8 @@ class Attention(AttentionProjections):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # q/k norm and rotary in one GPU launch (moestream.attention_kernel.qk_norm_rope), set by the engine
+        self.fused_rope = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, layer: int, start: int
@@ -176,10 +248,14 @@ class Attention(AttentionProjections):
         q = self.q_proj(x).view(t, self.heads, self.head_dim)
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.fused_rope is not None and x.is_cuda:
+            q, k = self.fused_rope(q, k, self.q_norm, self.k_norm, cos, sin)
+            v = v.transpose(0, 1)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = kv.attend(layer, start, q, k, v, self.scale, self.window)
         return self.o_proj(out.transpose(0, 1).reshape(t, self.heads * self.head_dim))
 

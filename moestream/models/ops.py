@@ -9,8 +9,10 @@ CPU kernels are not such: its BLAS picks code by the operands' alignment and the
 scaled-dot-product attention by the shapes, and its vectorized and scalar loops give different bits for
 ``sigmoid``, ``silu`` and ``softplus`` of the same float32 value (``docs/reliability.md``, "Invariance").
 
-Elsewhere (CUDA), or with ``MOESTREAM_CPU_KERNELS=torch`` (the reference path) or no compiled kernels,
-each op is the PyTorch call it replaces, with the same math.
+On CUDA attention runs on moestream's Triton kernel (:mod:`moestream.attention_kernel`), with the same
+independence from the cache's capacity and the queries in the call. Elsewhere, or with
+``MOESTREAM_CPU_KERNELS=torch`` (the reference path) or no compiled kernels, each op is the PyTorch call
+it replaces, with the same math.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import attention_kernel
 from ..quant import native
 
 
@@ -139,7 +142,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     Returns:
         [Hq, T, Dv] in q's dtype: ``softmax(q k^T * scale) v`` over the positions each query sees. On the
         CPU the compiled kernel (position order, canonical exp: bits independent of S beyond the visible
-        positions and of T); elsewhere PyTorch's scaled-dot-product attention.
+        positions and of T); on CUDA the Triton kernel of :mod:`moestream.attention_kernel` (blocks of 64
+        positions in position order: the same independence); elsewhere PyTorch's scaled-dot-product
+        attention.
 
     Raises:
         NotImplementedError: ``keys2`` or ``mask`` off the CPU kernels (those callers keep their own PyTorch
@@ -150,6 +155,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
         out = native.attention(q.transpose(0, 1), keys, values, start, scale, window, keys2, sinks, mask)
         if out is not None:
             return out.to(q.dtype).transpose(0, 1)
+    elif keys2 is None and mask is None and attention_kernel.available(q.device):
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        return attention_kernel.attention(q, keys, values, start, scale, window, sinks)
     end = start + t
     if sinks is not None and keys2 is None and mask is None:
         return _eager_sink_attention(q, keys[:, :end], values[:, :end], attention_mask(start, t, window, q.device),
