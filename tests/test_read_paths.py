@@ -236,8 +236,11 @@ def test_the_cpu_split_of_a_decoded_token(mid_model, tmp_path):
     assert s.decode_cpu_seconds > 0 and s.prefill_cpu_seconds > 0
     assert s.cpu_s_per_decoded_token == pytest.approx(s.decode_cpu_seconds / 5)
     assert s.cpu_reads_s_per_token > 0 and s.cpu_kernels_s_per_token > 0
-    assert s.cpu_reads_s_per_token + s.cpu_kernels_s_per_token + s.cpu_rest_s_per_token == pytest.approx(
-        s.cpu_s_per_decoded_token)
+    # the compiled kernels hold the expert kernels (and attention, norms, the LM head...): every part at least 0,
+    # and together the whole (the rest is what the reads and kernels leave)
+    assert s.cpu_compiled_s_per_token >= s.cpu_kernels_s_per_token and s.cpu_rest_s_per_token >= 0
+    assert s.cpu_reads_s_per_token + s.cpu_compiled_s_per_token + s.cpu_rest_s_per_token >= s.cpu_s_per_decoded_token \
+        - 1e-9
     assert s.cpu_kernels_s_per_token < s.cpu_s_per_decoded_token
     assert s.prefetch_per_layer and all(len(v) == 3 for v in s.prefetch_per_layer.values())
     hits = sum(v[1] for v in s.prefetch_per_layer.values())
@@ -245,6 +248,7 @@ def test_the_cpu_split_of_a_decoded_token(mid_model, tmp_path):
     assert s.prefetch_accuracy == pytest.approx(hits / (hits + wasted))
     d = json.loads(s.to_json())
     for k in ("cpu_s_per_decoded_token", "cpu_reads_s_per_token", "cpu_kernels_s_per_token", "cpu_rest_s_per_token",
+              "cpu_compiled_s_per_token",
               "prefetch_accuracy", "prefetch_per_layer", "prefill_read_ahead"):
         assert k in d
     assert "CPU per token" in s.summary() and "accuracy" in s.summary()

@@ -247,7 +247,45 @@ def _load() -> ctypes.CDLL:
                                                                                          ctypes.c_void_p]
     dll.ms_act.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                            ctypes.c_float]
-    return dll
+    return _Metered(dll)
+
+
+_kernel_cpu = [0.0]  # CPU seconds (the process's, all threads) spent inside the compiled kernels' calls
+
+
+class _Metered:
+    """The library with every ``ms_*`` call timed on the process CPU clock into :func:`kernel_cpu_seconds`."""
+
+    def __init__(self, dll: ctypes.CDLL):
+        self._dll = dll
+        for name in ("ms_paths", "ms_linear", "ms_rotate", "ms_expert", "ms_moe", "ms_attention", "ms_attn_block",
+                     "ms_rmsnorm", "ms_act", "ms_delta_rule"):
+            fn = getattr(dll, name)
+            setattr(self, name, fn if name == "ms_paths" else self._timed(fn))
+
+    @staticmethod
+    def _timed(fn):
+        clock, total = time.process_time, _kernel_cpu
+
+        def call(*args):
+            c0 = clock()
+            try:
+                return fn(*args)
+            finally:
+                total[0] += clock() - c0
+
+        call.__name__ = fn.__name__
+        return call
+
+    def __getattr__(self, name):  # anything else (a helper's new entry point): as the library has it
+        return getattr(self._dll, name)
+
+
+def kernel_cpu_seconds() -> float:
+    """CPU seconds (user + system, every thread of the process) spent inside the compiled kernels so far: the
+    token's compiled arithmetic, for the stats' split of CPU time (threads doing other work meanwhile, the
+    expert store's readers, count too: :mod:`moestream.generation` takes them out)."""
+    return _kernel_cpu[0]
 
 
 def library() -> ctypes.CDLL | None:
