@@ -5,9 +5,12 @@ Starts ``moestream serve`` on ``--model`` (any further arguments after ``--`` go
 prompt of ``--prompt`` varied token ids (a new prompt per request) and ``max_tokens`` ``--tokens``, greedy,
 with ``ignore_eos`` (a random-weight synth may draw its EOS early). Per request: time to the first token,
 the time between the first and the last token over the tokens after the first (what a streaming client
-sees; the prefill drops out), and how many tokens came. Writes ``--out`` (JSON) and prints a line each::
+sees; the prefill drops out), and how many tokens came. With ``--concurrency 1,8`` it then sends, for each
+level N, N such requests at once (threads, each its own prompt) and reports output tokens per second over
+the wall time of the round, the client's view of batching (a stand-in for aiperf where it is not
+installed). Writes ``--out`` (JSON) and prints a line each::
 
-    python benchmarks/serve_request.py --model /dev/shm/q30-48 --out serve.json -- --device cuda
+    python benchmarks/serve_request.py --model /dev/shm/q30-48 --out serve.json -- --device cuda --max-batch 8
 
 The same measure as ``benchmarks/gpu_generate.py``'s "first to last" of ``generate`` in-process, so the two
 side by side give the server's own cost (HTTP, SSE framing, detokenization, the request thread).
@@ -24,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -76,6 +80,8 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens (varied ids)")
     p.add_argument("--tokens", type=int, default=128, help="max_tokens of each request")
     p.add_argument("--requests", type=int, default=3)
+    p.add_argument("--concurrency", default="", help="comma list of concurrency levels to run after the serial "
+                                                     "requests (e.g. 1,8)")
     p.add_argument("--port", type=int, default=8187)
     p.add_argument("--ready-limit", type=float, default=300, help="seconds the server may take to load")
     p.add_argument("--out", type=Path, default=Path("serve_request.json"))
@@ -100,6 +106,19 @@ def main() -> int:
             result["median_ms_per_token"] = statistics.median(steps)
             print(f"median first to last: {result['median_ms_per_token']:.2f} ms/token "
                   f"({1000 / result['median_ms_per_token']:.0f} tok/s)")
+        result["concurrency"] = {}
+        for n in [int(c) for c in a.concurrency.split(",") if c]:
+            prompts = [[rng.randrange(1000, 100000) for _ in range(a.prompt)] for _ in range(n)]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(n) as pool:
+                runs = list(pool.map(lambda ids: one_request(url, ids, a.tokens), prompts))
+            wall = time.perf_counter() - t0
+            tokens = sum((r["usage"] or {}).get("completion_tokens") or r["chunks"] for r in runs)
+            result["concurrency"][n] = {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
+                                        "ttft_p50_s": statistics.median(r["ttft_s"] for r in runs)}
+            print(f"concurrency {n}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} output tok/s, "
+                  f"time to first token p50 {result['concurrency'][n]['ttft_p50_s']:.3f} s", flush=True)
+            a.out.write_text(json.dumps(result, indent=1))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
