@@ -57,6 +57,7 @@ struct Lin {
   float lut[16] = {0};  // codebook values (codebook kind), e2m1 values (mxfp4)
   int64_t row0 = 0, row_step = 1;  // row r is stored row row0 + r * row_step (FLOAT_T: column)
   int pack = 0;         // codebook packing (Pack)
+  int act = 0;          // ggml: the activation mode (q8.h ActMode: float, or llama.cpp's 8-bit blocks)
   // input rotation (turboquant): x -> H_B(signs * x), MLX's blockwise Hadamard; rot_b 0: none
   int64_t rot_b = 0, rot_m = 1;
   float rot_scale = 1.0f;
