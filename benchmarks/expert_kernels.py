@@ -208,7 +208,7 @@ CASES = [
       for t in GGUF_TYPES),
     # --activations q8: the types it covers, each measured right after its float row above (``--only gguf-Q4_K``)
     *(("Qwen3-30B-A3B", f"gguf-{t}-q8act", ggml.TYPES[t][2], (768, 2048),
-       partial(gguf_expert, 768, 2048, t, activations="q8")) for t in Q8_ACTIVATION_TYPES),
+       partial(gguf_expert, 768, 2048, t, activations="q8")) for t in Q8_ACTIVATION_TYPES if t in GGUF_TYPES),
 ]
 
 

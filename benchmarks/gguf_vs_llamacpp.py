@@ -70,10 +70,20 @@ if not os.path.exists(q4):
     params.nthread = 2
     assert llama_cpp.llama_model_quantize(src.encode(), q4.encode(), ctypes.byref(params)) == 0
 tokens = json.load(open(tokens_file))
+if os.environ.get("LLAMA_REPACK", "on") == "off":  # llama-cpp-python takes no use_extra_bufts: its defaults, patched
+    default = llama_cpp.llama_cpp.llama_model_default_params
+
+    def no_repack():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = no_repack
 n_ctx = max(256, -(-len(tokens) // 256) * 256)  # whole prompt in one batch, every position's logits kept
 for path in sys.argv[5:]:
     llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, logits_all=True, n_threads=2, verbose=False, n_batch=n_ctx,
-                          n_ubatch=n_ctx, use_extra_bufts=os.environ.get("LLAMA_REPACK", "on") == "on")
+                          n_ubatch=n_ctx)
+    assert bool(llm.model_params.use_extra_bufts) == (os.environ.get("LLAMA_REPACK", "on") == "on")
     llm.eval(tokens)
     np.save(f"{out_dir}/{path.rsplit('/', 1)[1]}.npy", np.array(llm.scores[: len(tokens)], dtype=np.float32))
 '''

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "arch_avx512.h"
 #include "engine.h"
@@ -264,21 +265,37 @@ static MS_INLINE void kchunk(const uint8_t* b, int j, __m256i& lo, __m256i& hi) 
   }
 }
 
-// int16 scales for madd: the 8 lanes of one 32-value half, lane i's scale at int16 positions 2i, 2i+1
+// A K-quant block's scales decoded once: sc[16] (Q4_K/Q5_K: the 8 sub-block scales; Q6_K: the 16 int8
+// scales) and, for madd against the activation's 16-sums, the offset weights (Q4_K/Q5_K: each min twice;
+// Q6_K: the scales)
 template <int T>
-static MS_INLINE void kscales(const uint8_t* b, int j, __m256i& slo, __m256i& shi) {
-  if constexpr (T == G_Q6_K) {  // lanes 4k..4k+3 share scale 4j + k of the chunk
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 4 * j);
-    slo = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
-    shi = _mm256_set_m128i(_mm_set1_epi16(sc[3]), _mm_set1_epi16(sc[2]));
-  } else {
-    int s0, s1, m;
-    k4_scale_min(b + 4, 2 * j, s0, m);
-    k4_scale_min(b + 4, 2 * j + 1, s1, m);
-    slo = _mm256_set1_epi16(short(s0));
-    shi = _mm256_set1_epi16(short(s1));
+struct KScales {
+  alignas(32) int16_t sc[16];
+  alignas(32) int16_t off[16];
+  MS_INLINE explicit KScales(const uint8_t* b) {
+    if constexpr (T == G_Q6_K) {
+      for (int k = 0; k < 16; ++k) sc[k] = off[k] = int8_t(b[192 + k]);
+    } else {
+      for (int s = 0; s < 8; ++s) {
+        int a, m;
+        k4_scale_min(b + 4, s, a, m);
+        sc[s] = int16_t(a);
+        off[2 * s] = off[2 * s + 1] = int16_t(m);
+      }
+    }
   }
-}
+  // int16 scales for madd: the 8 lanes of one 32-value half of chunk j, lane i's scale at int16 positions 2i, 2i+1
+  MS_INLINE void chunk(int j, __m256i& slo, __m256i& shi) const {
+    if constexpr (T == G_Q6_K) {  // lanes 4k..4k+3 share scale 4j + k of the chunk
+      slo = _mm256_set_m128i(_mm_set1_epi16(sc[4 * j + 1]), _mm_set1_epi16(sc[4 * j]));
+      shi = _mm256_set_m128i(_mm_set1_epi16(sc[4 * j + 3]), _mm_set1_epi16(sc[4 * j + 2]));
+    } else {
+      slo = _mm256_set1_epi16(sc[2 * j]);
+      shi = _mm256_set1_epi16(sc[2 * j + 1]);
+    }
+  }
+  MS_INLINE __m256i offsets() const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(off)); }
+};
 
 static MS_INLINE int32_t hsum_i32x8(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -289,37 +306,35 @@ static MS_INLINE int32_t hsum_i32x8(__m256i v) {
 
 // the block offset with one madd (integers: any order gives the same sum)
 template <int T>
-static MS_INLINE int32_t kblock_offset_simd(const uint8_t* b, const int16_t* bsums) {
-  const __m256i bs = ld256(bsums);
-  if constexpr (T == G_Q6_K) {
-    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-    return 32 * hsum_i32x8(_mm256_madd_epi16(sc, bs));
-  } else {
-    alignas(32) int16_t mins[16];
-    for (int s = 0; s < 8; ++s) {
-      int sc, m;
-      k4_scale_min(b + 4, s, sc, m);
-      mins[2 * s] = mins[2 * s + 1] = int16_t(m);
-    }
-    return hsum_i32x8(_mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(mins)), bs));
-  }
+static MS_INLINE int32_t kblock_offset_simd(__m256i offw, const int16_t* bsums) {
+  const int32_t o = hsum_i32x8(_mm256_madd_epi16(offw, ld256(bsums)));
+  return T == G_Q6_K ? 32 * o : o;
+}
+
+// how far ahead the next rows' bytes are prefetched (the rows are read one after another)
+constexpr int64_t Q8_AHEAD_ROWS = 2;
+static MS_INLINE void prefetch_block(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
 
 // AVX2: R tokens of one row, tokens t0..t0+R-1
 template <int T, int R>
-static MS_NOINLINE void krow_avx2(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y, int64_t ldy) {
+static MS_NOINLINE void krow_avx2(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y, int64_t ldy,
+                                  int64_t ahead) {
   const int64_t in = xa.in;
   __m256 acc_lo[R], acc_hi[R];
   float m[R];
   for (int t = 0; t < R; ++t) acc_lo[t] = acc_hi[t] = _mm256_setzero_ps(), m[t] = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kbytes<T>();
+    prefetch_block(blk + ahead, kbytes<T>());
+    const KScales<T> ks(blk);
     __m256i is_lo[R], is_hi[R];
     for (int t = 0; t < R; ++t) is_lo[t] = is_hi[t] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       __m256i wl, wh, sl, sh;
       kchunk<T>(blk, j, wl, wh);
-      kscales<T>(blk, j, sl, sh);
+      ks.chunk(j, sl, sh);
       for (int t = 0; t < R; ++t) {
         const uint8_t* xq = xa.row(t0 + t) + 256 * b + 64 * j;
         is_lo[t] = _mm256_add_epi32(is_lo[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wl, ld256(xq)), sl));
@@ -335,7 +350,7 @@ static MS_NOINLINE void krow_avx2(const uint8_t* row, int64_t nb, const Q8Rows& 
       acc_lo[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is_lo[t]), dd, acc_lo[t]);
       acc_hi[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is_hi[t]), dd, acc_hi[t]);
       const int16_t* bs = reinterpret_cast<const int16_t*>(xr + in + 4 * nb) + 16 * b;
-      m[t] = std::fma(float(kblock_offset_simd<T>(blk, bs)), dm * dx, m[t]);
+      m[t] = std::fma(float(kblock_offset_simd<T>(ks.offsets(), bs)), dm * dx, m[t]);
     }
   }
   for (int t = 0; t < R; ++t) y[(t0 + t) * ldy] = Arch2::hsum8(_mm256_add_ps(acc_lo[t], acc_hi[t])) - m[t];
@@ -347,13 +362,15 @@ static MS_INLINE __m256i dot_ss8(__m256i aw, __m256i w, __m256i x) {
 }
 
 template <int R>
-static MS_NOINLINE void q80_row_avx2(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y, int64_t ldy) {
+static MS_NOINLINE void q80_row_avx2(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y,
+                                     int64_t ldy, int64_t ahead) {
   const int64_t in = xa.in;
   __m256 acc_lo[R], acc_hi[R];
   for (int t = 0; t < R; ++t) acc_lo[t] = acc_hi[t] = _mm256_setzero_ps();
   for (int64_t c = 0; c < (nb + 1) / 2; ++c) {
     const int64_t b0 = 2 * c;
     const bool two = b0 + 1 < nb;
+    prefetch_block(row + b0 * Q80_BYTES + ahead, 2 * Q80_BYTES);
     const __m256i w0 = ld256(row + b0 * Q80_BYTES + 2);
     const __m256i w1 = two ? ld256(row + (b0 + 1) * Q80_BYTES + 2) : _mm256_setzero_si256();
     const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
@@ -377,19 +394,22 @@ static MS_INLINE __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x
 static MS_INLINE __m512i ld512(const void* p) { return _mm512_loadu_si512(p); }
 
 template <int T, int R>
-static MS_NOINLINE void krow_avx512(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y, int64_t ldy) {
+static MS_NOINLINE void krow_avx512(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y,
+                                    int64_t ldy, int64_t ahead) {
   const int64_t in = xa.in;
   __m512 acc[R];
   float m[R];
   for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps(), m[t] = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kbytes<T>();
+    prefetch_block(blk + ahead, kbytes<T>());
+    const KScales<T> ks(blk);
     __m512i is[R];
     for (int t = 0; t < R; ++t) is[t] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       __m256i wl, wh, sl, sh;
       kchunk<T>(blk, j, wl, wh);
-      kscales<T>(blk, j, sl, sh);
+      ks.chunk(j, sl, sh);
       const __m512i w = join(wl, wh), s = join(sl, sh);
       for (int t = 0; t < R; ++t) {
         const __m512i x = ld512(xa.row(t0 + t) + 256 * b + 64 * j);
@@ -403,7 +423,7 @@ static MS_NOINLINE void krow_avx512(const uint8_t* row, int64_t nb, const Q8Rows
       const float dx = reinterpret_cast<const float*>(xr + in)[b];
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_set1_ps(d * dx), acc[t]);
       const int16_t* bs = reinterpret_cast<const int16_t*>(xr + in + 4 * nb) + 16 * b;
-      m[t] = std::fma(float(kblock_offset_simd<T>(blk, bs)), dm * dx, m[t]);
+      m[t] = std::fma(float(kblock_offset_simd<T>(ks.offsets(), bs)), dm * dx, m[t]);
     }
   }
   for (int t = 0; t < R; ++t) y[(t0 + t) * ldy] = Arch5::hsum(acc[t]) - m[t];
@@ -420,13 +440,15 @@ static MS_INLINE __m512i dot_ss8_512(__m512i aw, __mmask64 neg, __m512i x) {
 }
 
 template <int R>
-static MS_NOINLINE void q80_row_avx512(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y, int64_t ldy) {
+static MS_NOINLINE void q80_row_avx512(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y,
+                                       int64_t ldy, int64_t ahead) {
   const int64_t in = xa.in;
   __m512 acc[R];
   for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t c = 0; c < (nb + 1) / 2; ++c) {
     const int64_t b0 = 2 * c;
     const bool two = b0 + 1 < nb;
+    prefetch_block(row + b0 * Q80_BYTES + ahead, 2 * Q80_BYTES);
     const __m512i w = join(ld256(row + b0 * Q80_BYTES + 2),
                            two ? ld256(row + (b0 + 1) * Q80_BYTES + 2) : _mm256_setzero_si256());
     const __m512i aw = _mm512_abs_epi8(w);
@@ -444,13 +466,15 @@ static MS_NOINLINE void q80_row_avx512(const uint8_t* row, int64_t nb, const Q8R
 }
 #endif
 
-// One row for every token, R tokens at a time (the weights decoded once per R)
-template <int T, class F1, class F2, class F4>
-static void row_tiles(int64_t n, F1&& one, F2&& two, F4&& four) {
+// One row for every token, R tokens at a time (the weights decoded once per R); W the widest tile
+template <int W, class F>
+static void row_tiles(int64_t n, F&& f) {
   int64_t t = 0;
-  for (; t + 4 <= n; t += 4) four(t);
-  if (t + 2 <= n) two(t), t += 2;
-  if (t < n) one(t);
+  if constexpr (W >= 8)
+    for (; t + 8 <= n; t += 8) f(std::integral_constant<int, 8>(), t);
+  for (; t + 4 <= n; t += 4) f(std::integral_constant<int, 4>(), t);
+  if (t + 2 <= n) f(std::integral_constant<int, 2>(), t), t += 2;
+  if (t < n) f(std::integral_constant<int, 1>(), t);
 }
 
 template <int T>
@@ -458,31 +482,29 @@ static void simd_rows(int path, const Lin& L, const Q8Rows& xa, int64_t r0, int6
   const int64_t nb = T == G_Q8_0 ? L.in / 32 : L.in / 256;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = L.w + L.stored(r) * L.row_bytes;
+    // the row Q8_AHEAD_ROWS on (while it is one of this call's): its bytes at the offset being read here
+    const int64_t ahead = r + Q8_AHEAD_ROWS < r1 ? (L.stored(r + Q8_AHEAD_ROWS) - L.stored(r)) * L.row_bytes : 0;
     float* yr = y + r;
 #if MS_AVX512
     if (path == AVX512) {
-      if constexpr (T == G_Q8_0)
-        row_tiles<T>(xa.n, [&](int64_t t) { q80_row_avx512<1>(row, nb, xa, t, yr, ldy); },
-                     [&](int64_t t) { q80_row_avx512<2>(row, nb, xa, t, yr, ldy); },
-                     [&](int64_t t) { q80_row_avx512<4>(row, nb, xa, t, yr, ldy); });
-      else
-        row_tiles<T>(xa.n, [&](int64_t t) { krow_avx512<T, 1>(row, nb, xa, t, yr, ldy); },
-                     [&](int64_t t) { krow_avx512<T, 2>(row, nb, xa, t, yr, ldy); },
-                     [&](int64_t t) { krow_avx512<T, 4>(row, nb, xa, t, yr, ldy); });
+      row_tiles<8>(xa.n, [&](auto R, int64_t t) {
+        if constexpr (T == G_Q8_0)
+          q80_row_avx512<decltype(R)::value>(row, nb, xa, t, yr, ldy, ahead);
+        else
+          krow_avx512<T, decltype(R)::value>(row, nb, xa, t, yr, ldy, ahead);
+      });
       continue;
     }
 #endif
 #if MS_AVX2
-    if constexpr (T == G_Q8_0)
-      row_tiles<T>(xa.n, [&](int64_t t) { q80_row_avx2<1>(row, nb, xa, t, yr, ldy); },
-                   [&](int64_t t) { q80_row_avx2<2>(row, nb, xa, t, yr, ldy); },
-                   [&](int64_t t) { q80_row_avx2<4>(row, nb, xa, t, yr, ldy); });
-    else
-      row_tiles<T>(xa.n, [&](int64_t t) { krow_avx2<T, 1>(row, nb, xa, t, yr, ldy); },
-                   [&](int64_t t) { krow_avx2<T, 2>(row, nb, xa, t, yr, ldy); },
-                   [&](int64_t t) { krow_avx2<T, 4>(row, nb, xa, t, yr, ldy); });
+    row_tiles<4>(xa.n, [&](auto R, int64_t t) {
+      if constexpr (T == G_Q8_0)
+        q80_row_avx2<decltype(R)::value>(row, nb, xa, t, yr, ldy, ahead);
+      else
+        krow_avx2<T, decltype(R)::value>(row, nb, xa, t, yr, ldy, ahead);
+    });
 #else
-    (void)path, (void)row, (void)yr, (void)nb, (void)ldy;
+    (void)path, (void)row, (void)yr, (void)nb, (void)ldy, (void)ahead;
 #endif
   }
 }
