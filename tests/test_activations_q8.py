@@ -106,7 +106,8 @@ def _deq_act(x: torch.Tensor, qtype: str) -> torch.Tensor:
     block = 256 if native.Q8_TYPES[qtype] == "Q8_K" else 32
     codes, d, _ = (ref_q8_k if block == 256 else ref_q8_0)(x.numpy())
     n = x.shape[0]
-    return torch.from_numpy(codes.astype(np.float64).reshape(n, -1, block) * d.astype(np.float64)[..., None]).view(n, -1)
+    deq = codes.astype(np.float64).reshape(n, -1, block) * d.astype(np.float64)[..., None]
+    return torch.from_numpy(deq).view(n, -1)
 
 
 def _bound(xq: torch.Tensor, w64: torch.Tensor, inn: int) -> torch.Tensor:
@@ -275,3 +276,17 @@ def test_types_q8_does_not_cover_are_named_once_and_stay_float(tmp_path, capfd):
     assert not torch.equal(q8, flt)  # the Q8_0 experts' down projections are q8
     lf = with_activations(LinearFormat("w", ggml_scheme(ggml.dtype_name("Q4_0")), 4, 256), "q8", got := [], "w")
     assert lf.scheme.act == "float" and got == [("w", "Q4_0")]
+
+
+def test_the_flag_reaches_the_options():
+    import argparse
+
+    from moestream.cli.engine_args import add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    m = ["--model", "m.gguf"]
+    assert EngineOptions.from_args(p.parse_args([*m, "--activations", "q8"])).activations == "q8"
+    assert EngineOptions.from_args(p.parse_args(m)).activations == "float"
+    with pytest.raises(SystemExit):
+        p.parse_args([*m, "--activations", "int4"])

@@ -10,7 +10,8 @@
 //   avx512:   AVX-512 F/BW/VL/VBMI, 16 lanes (arch_avx512.h);
 // groups q: affine, fp8, mxfp4, codebooks and float weights; g: ggml's legacy and k-quant blocks; x: ggml's
 // MXFP4, IQ1-IQ3 and TQ blocks. capi.cpp holds the C entry points (ctypes) and splits output rows over
-// OpenMP threads.
+// OpenMP threads. q8.cpp (q8.h): the opt-in q8 activation mode of ggml weights (llama.cpp's 8-bit activation
+// blocks and integer dot products), all three paths in one unit, with a fixed reduction of its own.
 //
 // One reduction, every path (so every path and every machine gives the same bits):
 //   - each weight is dequantized in float32 by fixed operations (affine: fma(q, scale, bias); fp8,
