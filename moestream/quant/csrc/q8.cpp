@@ -135,21 +135,19 @@ static void kblock_codes(const uint8_t* b, uint8_t* w, int16_t* scale4) {
   }
 }
 
-// The block's integer offset for token activations xr (block b): Q4_K/Q5_K sum of mins x 32-sums, Q6_K
-// 32 x sum of scales x 16-sums (the codes are stored + 32)
+// The block's integer offsets for token activations (block b's 16-sums bsums), in 8 lanes: lane i the pair of
+// 16-sums 2i, 2i+1. Q4_K/Q5_K: min of sub-block i times its 32-sum; Q6_K: 32 x (scale 2i x sum 2i + scale 2i+1
+// x sum 2i+1) (the codes are stored + 32)
 template <int T>
-static MS_INLINE int32_t kblock_offset(const uint8_t* b, const int16_t* bsums) {
-  int32_t o = 0;
-  if constexpr (T == G_Q6_K) {
-    for (int k = 0; k < 16; ++k) o += int32_t(int8_t(b[192 + k])) * bsums[k];
-    return 32 * o;
-  } else {
-    for (int s = 0; s < 8; ++s) {
+static MS_INLINE void kblock_offsets(const uint8_t* b, const int16_t* bsums, int32_t* off) {
+  for (int i = 0; i < 8; ++i) {
+    if constexpr (T == G_Q6_K) {
+      off[i] = 32 * (int32_t(int8_t(b[192 + 2 * i])) * bsums[2 * i] + int32_t(int8_t(b[193 + 2 * i])) * bsums[2 * i + 1]);
+    } else {
       int sc, m;
-      k4_scale_min(b + 4, s, sc, m);
-      o += m * (bsums[2 * s] + bsums[2 * s + 1]);
+      k4_scale_min(b + 4, i, sc, m);
+      off[i] = m * bsums[2 * i] + m * bsums[2 * i + 1];
     }
-    return o;
   }
 }
 
@@ -173,6 +171,12 @@ static inline float tree16(float* a) {
   return a[0];
 }
 
+static inline float tree8(float* a) {  // (i, i+4), (i, i+2), (i, i+1): Arch2::hsum8
+  for (int h = 4; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) a[i] = a[i] + a[i + h];
+  return a[0];
+}
+
 // ---- portable ----------------------------------------------------------------------------------------------
 
 template <int T>
@@ -186,7 +190,7 @@ static void krows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r
       const uint8_t* xr = xa.row(t);
       const float* dx = reinterpret_cast<const float*>(xr + in);
       const int16_t* bs = reinterpret_cast<const int16_t*>(xr + in + 4 * nb);
-      float acc[16] = {0}, m = 0.0f;
+      float acc[16] = {0}, m[8] = {0};
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * kbytes<T>();
         kblock_codes<T>(blk, w, s4);
@@ -201,9 +205,11 @@ static void krows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r
         kblock_d<T>(blk, d, dm);
         const float dd = d * dx[b], ddm = dm * dx[b];
         for (int l = 0; l < 16; ++l) acc[l] = std::fma(float(isum[l]), dd, acc[l]);
-        m = std::fma(float(kblock_offset<T>(blk, bs + 16 * b)), ddm, m);
+        int32_t off[8];
+        kblock_offsets<T>(blk, bs + 16 * b, off);
+        for (int i = 0; i < 8; ++i) m[i] = std::fma(float(off[i]), ddm, m[i]);
       }
-      y[t * ldy + r] = tree16(acc) - m;
+      y[t * ldy + r] = tree16(acc) - tree8(m);
     }
   }
 }
@@ -297,18 +303,12 @@ struct KScales {
   MS_INLINE __m256i offsets() const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(off)); }
 };
 
-static MS_INLINE int32_t hsum_i32x8(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
-
-// the block offset with one madd (integers: any order gives the same sum)
+// the block's 8 offset lanes (kblock_offsets) with one madd
 template <int T>
-static MS_INLINE int32_t kblock_offset_simd(__m256i offw, const int16_t* bsums) {
-  const int32_t o = hsum_i32x8(_mm256_madd_epi16(offw, ld256(bsums)));
-  return T == G_Q6_K ? 32 * o : o;
+static MS_INLINE __m256 kblock_offsets_simd(__m256i offw, const int16_t* bsums) {
+  __m256i o = _mm256_madd_epi16(offw, ld256(bsums));
+  if constexpr (T == G_Q6_K) o = _mm256_slli_epi32(o, 5);
+  return _mm256_cvtepi32_ps(o);
 }
 
 // how far ahead the next rows' bytes are prefetched (the rows are read one after another)
@@ -322,9 +322,8 @@ template <int T, int R>
 static MS_NOINLINE void krow_avx2(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y, int64_t ldy,
                                   int64_t ahead) {
   const int64_t in = xa.in;
-  __m256 acc_lo[R], acc_hi[R];
-  float m[R];
-  for (int t = 0; t < R; ++t) acc_lo[t] = acc_hi[t] = _mm256_setzero_ps(), m[t] = 0.0f;
+  __m256 acc_lo[R], acc_hi[R], m[R];
+  for (int t = 0; t < R; ++t) acc_lo[t] = acc_hi[t] = m[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kbytes<T>();
     prefetch_block(blk + ahead, kbytes<T>());
@@ -350,10 +349,11 @@ static MS_NOINLINE void krow_avx2(const uint8_t* row, int64_t nb, const Q8Rows& 
       acc_lo[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is_lo[t]), dd, acc_lo[t]);
       acc_hi[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is_hi[t]), dd, acc_hi[t]);
       const int16_t* bs = reinterpret_cast<const int16_t*>(xr + in + 4 * nb) + 16 * b;
-      m[t] = std::fma(float(kblock_offset_simd<T>(ks.offsets(), bs)), dm * dx, m[t]);
+      m[t] = _mm256_fmadd_ps(kblock_offsets_simd<T>(ks.offsets(), bs), _mm256_set1_ps(dm * dx), m[t]);
     }
   }
-  for (int t = 0; t < R; ++t) y[(t0 + t) * ldy] = Arch2::hsum8(_mm256_add_ps(acc_lo[t], acc_hi[t])) - m[t];
+  for (int t = 0; t < R; ++t)
+    y[(t0 + t) * ldy] = Arch2::hsum8(_mm256_add_ps(acc_lo[t], acc_hi[t])) - Arch2::hsum8(m[t]);
 }
 
 // signed x signed bytes, sums of 4 per int32 lane (|w| <= 128, |x| <= 127: no int16 saturation)
@@ -398,8 +398,8 @@ static MS_NOINLINE void krow_avx512(const uint8_t* row, int64_t nb, const Q8Rows
                                     int64_t ldy, int64_t ahead) {
   const int64_t in = xa.in;
   __m512 acc[R];
-  float m[R];
-  for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps(), m[t] = 0.0f;
+  __m256 m[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps(), m[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kbytes<T>();
     prefetch_block(blk + ahead, kbytes<T>());
@@ -423,10 +423,10 @@ static MS_NOINLINE void krow_avx512(const uint8_t* row, int64_t nb, const Q8Rows
       const float dx = reinterpret_cast<const float*>(xr + in)[b];
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_set1_ps(d * dx), acc[t]);
       const int16_t* bs = reinterpret_cast<const int16_t*>(xr + in + 4 * nb) + 16 * b;
-      m[t] = std::fma(float(kblock_offset_simd<T>(ks.offsets(), bs)), dm * dx, m[t]);
+      m[t] = _mm256_fmadd_ps(kblock_offsets_simd<T>(ks.offsets(), bs), _mm256_set1_ps(dm * dx), m[t]);
     }
   }
-  for (int t = 0; t < R; ++t) y[(t0 + t) * ldy] = Arch5::hsum(acc[t]) - m[t];
+  for (int t = 0; t < R; ++t) y[(t0 + t) * ldy] = Arch5::hsum(acc[t]) - Arch2::hsum8(m[t]);
 }
 
 // signed x signed bytes, sums of 4 per int32 lane: |w| as unsigned, x negated where w < 0

@@ -14,11 +14,12 @@
 // holds the exact integer sum of values 4l..4l+3 (weight code x activation code, times the sub-block scale
 // for the K-quants: AVX-512 dpbusd / maddubs+madd, AVX2 maddubs+madd, portable loops give the same
 // integers). K-quants: a block's four chunks are summed per lane as integers, then
-// acc[l] = fma(float(isum[l]), d_w * d_x, acc[l]) and, in a scalar chain over the blocks in order,
-// m = fma(float(offset), dm_w * d_x, m) with the block's integer offset (Q4_K/Q5_K: sum of mins x the
-// activation's 32-sums; Q6_K: 32 x sum of scales x 16-sums); Q8_0: acc[l] = fma(float(isum[l]), d_w * d_x,
-// acc[l]) per chunk (lanes 0-7 the chunk's first block, 8-15 its second). The output is tree(acc) - m,
-// the tree (i, i+8), (i, i+4), (i, i+2), (i, i+1) of kernels.h.
+// acc[l] = fma(float(isum[l]), d_w * d_x, acc[l]) and, in an 8-lane accumulator over the blocks in order,
+// m[i] = fma(float(offset[i]), dm_w * d_x, m[i]) with the block's integer offsets, lane i from the
+// activation's 16-sums 2i and 2i+1 (Q4_K/Q5_K: min of sub-block i x its 32-sum; Q6_K: 32 x the scales x
+// 16-sums, the codes being stored + 32); Q8_0: acc[l] = fma(float(isum[l]), d_w * d_x, acc[l]) per chunk
+// (lanes 0-7 the chunk's first block, 8-15 its second). The output is tree16(acc) - tree8(m), the trees
+// (i, i+8), (i, i+4), (i, i+2), (i, i+1) of kernels.h and its last three steps.
 #pragma once
 
 #include <cstdint>
