@@ -11,8 +11,8 @@ scales in the stored layout, through the expert function the engine uses
   experts (``tq3a-tq2e``, [1536, 4096], groups of 64);
 * FP8 e4m3, 128 x 128 block scales (bf16): Laguna-XS.2-FP8 ([512, 2048]);
 * MXFP4 (e2m1, e8m0 scales per 32), SiTU-GLU: Kimi K3 ([3072, 3584]);
-* GGUF in ``--activations q8`` mode (``gguf-<type>-q8act``: Q4_K, Q5_K, Q6_K, Q8_0), the same experts with
-  their inputs rounded to llama.cpp's 8-bit blocks and integer dot products;
+* GGUF in ``--activations q8`` mode (``gguf-<type>-q8act``: the types it covers that are measured here), the
+  same experts with their inputs rounded to llama.cpp's 8-bit blocks and integer dot products;
 * GGUF (``gguf-<type>``, ggml blocks as llama.cpp stores them): Qwen3-30B-A3B's expert in each ggml
   type moestream computes on (Q8_0, Q4_K, Q6_K, IQ4_XS, and the published-MoE types MXFP4,
   IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0), random codes, float16

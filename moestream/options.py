@@ -82,9 +82,10 @@ class EngineOptions:
         fast: skip the QJL residual of turboquant linears (changes the output).
         activations: how the input of a GGUF checkpoint's block-quantized linears is multiplied: ``float``
             (float32, the default) or ``q8``: rounded to 8 bits per block and multiplied by integer dot
-            products as llama.cpp's CPU backend does (Q4_K, Q5_K, Q6_K, Q8_0 weights; other ggml types keep
-            float activations, named once at load). Changes the output (towards llama.cpp's); streaming
-            stays bit-identical to budget ``all`` within either mode. GGUF files on the CPU only.
+            products as llama.cpp's CPU backend does (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL weights;
+            other ggml types keep float activations, named once at load). Changes the output (towards
+            llama.cpp's); streaming stays bit-identical to budget ``all`` within either mode. GGUF files on
+            the CPU only.
         host_cache: the pinned host-RAM tier behind a VRAM cache in bytes, ``"auto"``, or None
             (none); on the CPU the same tier logic runs with a CPU "device" tier (for tests).
         batched_experts: compute each layer's SwiGLU experts as one batched matmul chain

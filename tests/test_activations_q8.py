@@ -1,8 +1,8 @@
 """``--activations q8``: llama.cpp's numerics for GGUF files (moestream/quant/csrc/q8.h).
 
 The activation quantizer against an independent numpy form of ggml's ``quantize_row_q8_K_ref`` and x86
-``quantize_row_q8_0``; each q8 kernel (Q4_K, Q5_K, Q6_K, Q8_0) on every compiled path against the float64
-product of the gguf package's dequantized weights and the dequantized 8-bit activations, at the
+``quantize_row_q8_0``; each q8 kernel (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL) on every compiled path
+against the float64 product of the gguf package's dequantized weights and the dequantized 8-bit activations, at the
 Qwen3-30B-A3B expert's widths (2048, 768) and odd row and block counts; every path the same bits; a row's
 bits independent of the rows beside it, the thread count and where the weight and input lie; a tiny GGUF
 model streamed at budget 0 ``torch.equal`` to budget ``all`` in q8 mode, near its float-mode logits; q8 refused
@@ -25,7 +25,7 @@ from moestream.quant.formats import ExpertFormat, LinearFormat, ggml_scheme, wit
 from .gguf_helpers import K_SHAPE, _random_blocks, make_model, write_gguf
 from .test_quant_native import PATHS, on
 
-TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL")
 EPS = 2.0 ** -24  # float32's unit roundoff
 
 
@@ -89,9 +89,10 @@ def test_activation_rounding_is_ggmls(block):
 
 def _weights(qtype: str, out: int, inn: int, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
-    if qtype == "Q8_0":  # the gguf package's blocks, then random codes (-128 included)
-        raw = quantize(rng.normal(0, 0.05, (out, inn)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-        raw = raw.reshape(out, -1, 34)
+    if qtype in ("Q8_0", "Q4_0", "Q5_0"):  # the gguf package's blocks, then random codes (Q8_0: -128 included)
+        qt = gguf.GGMLQuantizationType[qtype]
+        raw = quantize(rng.normal(0, 0.05, (out, inn)).astype(np.float32), qt)
+        raw = raw.reshape(out, -1, gguf.GGML_QUANT_SIZES[qt][1])
         raw[:, :, 2:] = rng.integers(0, 256, raw[:, :, 2:].shape)
         return torch.from_numpy(raw.reshape(out, -1).copy())
     return torch.from_numpy(_random_blocks((out, inn), qtype, 0.05, rng))
@@ -121,7 +122,7 @@ def _bound(xq: torch.Tensor, w64: torch.Tensor, inn: int) -> torch.Tensor:
 @pytest.mark.parametrize("out, inn", [(768, 2048), (2048, 768), (13, 2048), (5, 96)])
 def test_q8_linear_against_float64(path, qtype, out, inn):
     on(path)
-    if qtype != "Q8_0" and inn % 256:
+    if native.Q8_TYPES[qtype] == "Q8_K" and inn % 256:
         inn = 256  # a K-quant row is whole blocks of 256: one block
     w = _weights(qtype, out, inn, seed=out + inn)
     x = _x(5, inn, seed=inn) if inn >= 256 else torch.randn(5, inn, generator=torch.Generator().manual_seed(3))
@@ -266,16 +267,16 @@ def test_q8_mode_is_refused_for_a_checkpoint_that_is_not_gguf(tmp_path):
 def test_types_q8_does_not_cover_are_named_once_and_stay_float(tmp_path, capfd):
     if not native.paths():
         pytest.skip("the CPU kernels are not built here")
-    path = tmp_path / "q4_0.gguf"
-    write_gguf(make_model(seed=6, **K_SHAPE), path, "Q4_0", types={"ffn_down_exps": "Q8_0"})
+    path = tmp_path / "q4_1.gguf"
+    write_gguf(make_model(seed=6, **K_SHAPE), path, "Q4_1", types={"ffn_down_exps": "Q8_0"})
     q8, _ = _logits(path, "all", activations="q8")
     err = capfd.readouterr().err
     notes = [ln for ln in err.splitlines() if "--activations q8 covers" in ln]
-    assert len(notes) == 1 and "Q4_0" in notes[0] and "keep float activations" in notes[0], err
+    assert len(notes) == 1 and "Q4_1" in notes[0] and "keep float activations" in notes[0], err
     flt, _ = _logits(path, "all")
     assert not torch.equal(q8, flt)  # the Q8_0 experts' down projections are q8
-    lf = with_activations(LinearFormat("w", ggml_scheme(ggml.dtype_name("Q4_0")), 4, 256), "q8", got := [], "w")
-    assert lf.scheme.act == "float" and got == [("w", "Q4_0")]
+    lf = with_activations(LinearFormat("w", ggml_scheme(ggml.dtype_name("Q4_1")), 4, 256), "q8", got := [], "w")
+    assert lf.scheme.act == "float" and got == [("w", "Q4_1")]
 
 
 def test_the_flag_reaches_the_options():

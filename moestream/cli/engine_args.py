@@ -60,8 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "the KV cache); another dtype than auto's changes the output")
     p.add_argument("--activations", default="float", choices=ACTIVATIONS,
                    help="GGUF files: float (default: float32 inputs to the quantized linears) or q8 (llama.cpp's "
-                   "numerics: inputs rounded to 8 bits per block, integer dot products; Q4_K, Q5_K, Q6_K, Q8_0 "
-                   "weights, other types stay float); q8 changes the output, towards llama.cpp's")
+                   "numerics: inputs rounded to 8 bits per block, integer dot products; Q4_K, Q5_K, Q6_K, Q8_0, "
+                   "Q4_0, Q5_0, IQ4_NL weights, other types stay float); q8 changes the output, towards llama.cpp's")
     add_cache_policy_args(p)
     add_parallel_args(p)  # --dist-timeout, --ep-placement, --ep-combine (under torchrun)
 

@@ -361,9 +361,10 @@ def is_quant_param(role: str) -> bool:
 __all__ = ["QuantError", "Scheme", "QuantConfig", "LinearFormat", "ExpertFormat", "expert_format", "ggml_scheme"]
 
 
-# The ggml types the q8 activation mode computes on (moestream/quant/csrc/q8.h): what Q4_K_M, Q5_K_M, Q6_K and
-# Q8_0 files hold for their experts and linears. A tensor of another type keeps float activations.
-Q8_ACTIVATION_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+# The ggml types the q8 activation mode computes on (moestream/quant/csrc/q8.h): what Q4_K_M, Q5_K_M, Q6_K,
+# Q8_0, Q4_0, Q5_0 and IQ4_NL files hold for their experts and linears. A tensor of another type keeps float
+# activations.
+Q8_ACTIVATION_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL")
 
 
 def with_activations(lf: LinearFormat | None, activations: str, fallback: list | None = None,

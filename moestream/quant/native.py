@@ -80,9 +80,10 @@ GGML_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, 
 GGML_GROUP = {"Q2_K": 16, "Q3_K": 16, "Q6_K": 16, "IQ2_XS": 16, "IQ2_S": 16, "IQ1_M": 16}  # the others: 32
 SPEC, PTRS = 16, 8
 # q8 activation mode (csrc/q8.h): the ggml types it computes on, and the activation block each takes (ggml's
-# vec_dot_type: Q8_K for the K-quants, Q8_0 for Q8_0)
+# vec_dot_type: Q8_K for the K-quants, Q8_0 for Q8_0, Q4_0, Q5_0 and IQ4_NL)
 ACT_FLOAT, ACT_Q8 = 0, 1
-Q8_TYPES = {"Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "Q8_0": "Q8_0"}
+Q8_TYPES = {"Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q5_0": "Q8_0",
+            "IQ4_NL": "Q8_0"}
 _Q8_CODE = {"Q8_K": 1, "Q8_0": 2}
 STREAM, TEN3, TRITS = 0, 1, 2  # codebook packings
 TRIT, LEVEL_BITS = 3, {2: 1, 4: 2, 8: 3, 16: 4}  # turboquant codebook length -> code bits (3: ternary)

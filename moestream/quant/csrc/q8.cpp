@@ -1,5 +1,6 @@
 // The q8 activation mode's kernels (q8.h): the activation quantizers (one scalar form, shared by every path)
-// and the integer dot products of Q4_K, Q5_K, Q6_K and Q8_0 weights on the portable, AVX2 and AVX-512 paths.
+// and the integer dot products of Q4_K, Q5_K, Q6_K (Q8_K activations), Q8_0, Q4_0, Q5_0 and IQ4_NL (Q8_0
+// activations) weights on the portable, AVX2 and AVX-512 paths.
 #include "q8.h"
 
 #include <algorithm>
@@ -15,7 +16,7 @@ namespace ms {
 int q8_type_of(const Lin& L) {
   if (L.kind != GGML || L.act != ACT_Q8) return Q8_NONE;
   if (L.bits == G_Q4_K || L.bits == G_Q5_K || L.bits == G_Q6_K) return L.in % 256 ? Q8_NONE : Q8_KB;
-  if (L.bits == G_Q8_0) return L.in % 32 ? Q8_NONE : Q8_0B;
+  if (L.bits == G_Q8_0 || L.bits == G_Q4_0 || L.bits == G_Q5_0 || L.bits == G_IQ4_NL) return L.in % 32 ? Q8_NONE : Q8_0B;
   return Q8_NONE;
 }
 
@@ -86,7 +87,7 @@ void q8_quantize(int type, const float* x, int64_t ldx, int64_t n, int64_t in, Q
 // ---------------------------------------------------------------------------------------------------------
 // Weight blocks: ggml-common.h layouts (moestream/quant/ggml.py), the scale decoding of ggml_group (engine.h).
 
-constexpr int64_t Q4K_BYTES = 144, Q5K_BYTES = 176, Q6K_BYTES = 210, Q80_BYTES = 34;
+constexpr int64_t Q4K_BYTES = 144, Q5K_BYTES = 176, Q6K_BYTES = 210;
 
 // Q4_K / Q5_K sub-block s: 6-bit scale and min
 static MS_INLINE void k4_scale_min(const uint8_t* sc, int s, int& scale, int& mn) {
@@ -214,8 +215,35 @@ static void krows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r
   }
 }
 
-static void q80_rows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+// The 32-value types against Q8_0 activations (Q8_0, Q4_0, Q5_0, IQ4_NL): a block is a float16 scale d (first)
+// and 32 signed codes, weight = d * code (ggml_group's operations)
+template <int T>
+constexpr int64_t sbytes() { return T == G_Q8_0 ? 34 : T == G_Q5_0 ? 22 : 18; }
+
+template <int T>
+static MS_INLINE void sblock_codes(const uint8_t* b, int8_t* q) {
+  if constexpr (T == G_Q8_0) {
+    std::memcpy(q, b + 2, 32);
+  } else if constexpr (T == G_Q5_0) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = int8_t(int((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+      q[j + 16] = int8_t(int((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+  } else {
+    for (int j = 0; j < 16; ++j) {
+      const int lo = b[2 + j] & 15, hi = b[2 + j] >> 4;
+      q[j] = int8_t(T == G_IQ4_NL ? int(IQ4_VALUES[lo]) : lo - 8);
+      q[j + 16] = int8_t(T == G_IQ4_NL ? int(IQ4_VALUES[hi]) : hi - 8);
+    }
+  }
+}
+
+template <int T>
+static void srows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy) {
   const int64_t nb = L.in / 32, in = L.in;
+  int8_t wq[32];
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = L.w + L.stored(r) * L.row_bytes;
     for (int64_t t = 0; t < xa.n; ++t) {
@@ -228,10 +256,10 @@ static void q80_rows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_
           int32_t p = 0;
           float dd = 0.0f;  // a missing second block: fma(0, 0, acc), as the SIMD paths' zero lanes
           if (b < nb) {
-            const int8_t* wq = reinterpret_cast<const int8_t*>(row + b * Q80_BYTES + 2);
+            sblock_codes<T>(row + b * sbytes<T>(), wq);
             const int8_t* xq = reinterpret_cast<const int8_t*>(xr) + 32 * b;
             for (int i = 0; i < 4; ++i) p += int32_t(wq[4 * (l % 8) + i]) * xq[4 * (l % 8) + i];
-            dd = ggml_f16(row + b * Q80_BYTES) * dx[b];
+            dd = ggml_f16(row + b * sbytes<T>()) * dx[b];
           }
           acc[l] = std::fma(float(p), dd, acc[l]);
         }
@@ -356,12 +384,39 @@ static MS_NOINLINE void krow_avx2(const uint8_t* row, int64_t nb, const Q8Rows& 
     y[(t0 + t) * ldy] = Arch2::hsum8(_mm256_add_ps(acc_lo[t], acc_hi[t])) - Arch2::hsum8(m[t]);
 }
 
+// A 32-value block's signed codes (sblock_codes) in one register
+template <int T>
+static MS_INLINE __m256i sblock256(const uint8_t* b) {
+  if constexpr (T == G_Q8_0) {
+    return ld256(b + 2);
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (T == G_Q5_0 ? 6 : 2)));
+    const __m128i m = _mm_set1_epi8(15);
+    const __m256i n = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+    if constexpr (T == G_IQ4_NL) {
+      const __m128i tab = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+      return _mm256_shuffle_epi8(_mm256_set_m128i(tab, tab), n);
+    } else if constexpr (T == G_Q5_0) {  // bit j of qh as 16 in byte j
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                           3, 3, 3, 3, 3, 3);
+      const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+      const __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int(qh)), sel), bit);
+      const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi8(h, bit), _mm256_set1_epi8(16));
+      return _mm256_sub_epi8(_mm256_or_si256(n, hi), _mm256_set1_epi8(16));
+    } else {
+      return _mm256_sub_epi8(n, _mm256_set1_epi8(8));
+    }
+  }
+}
+
 // signed x signed bytes, sums of 4 per int32 lane (|w| <= 128, |x| <= 127: no int16 saturation)
 static MS_INLINE __m256i dot_ss8(__m256i aw, __m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
 }
 
-template <int R>
+template <int T, int R>
 static MS_NOINLINE void q80_row_avx2(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y,
                                      int64_t ldy, int64_t ahead) {
   const int64_t in = xa.in;
@@ -370,11 +425,12 @@ static MS_NOINLINE void q80_row_avx2(const uint8_t* row, int64_t nb, const Q8Row
   for (int64_t c = 0; c < (nb + 1) / 2; ++c) {
     const int64_t b0 = 2 * c;
     const bool two = b0 + 1 < nb;
-    prefetch_block(row + b0 * Q80_BYTES + ahead, 2 * Q80_BYTES);
-    const __m256i w0 = ld256(row + b0 * Q80_BYTES + 2);
-    const __m256i w1 = two ? ld256(row + (b0 + 1) * Q80_BYTES + 2) : _mm256_setzero_si256();
+    constexpr int64_t SB = sbytes<T>();
+    prefetch_block(row + b0 * SB + ahead, 2 * SB);
+    const __m256i w0 = sblock256<T>(row + b0 * SB);
+    const __m256i w1 = two ? sblock256<T>(row + (b0 + 1) * SB) : _mm256_setzero_si256();
     const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-    const float d0 = ggml_f16(row + b0 * Q80_BYTES), d1 = two ? ggml_f16(row + (b0 + 1) * Q80_BYTES) : 0.0f;
+    const float d0 = ggml_f16(row + b0 * SB), d1 = two ? ggml_f16(row + (b0 + 1) * SB) : 0.0f;
     for (int t = 0; t < R; ++t) {
       const uint8_t* xr = xa.row(t0 + t);
       const float* dx = reinterpret_cast<const float*>(xr + in);
@@ -439,7 +495,7 @@ static MS_INLINE __m512i dot_ss8_512(__m512i aw, __mmask64 neg, __m512i x) {
 #endif
 }
 
-template <int R>
+template <int T, int R>
 static MS_NOINLINE void q80_row_avx512(const uint8_t* row, int64_t nb, const Q8Rows& xa, int64_t t0, float* y,
                                        int64_t ldy, int64_t ahead) {
   const int64_t in = xa.in;
@@ -448,12 +504,12 @@ static MS_NOINLINE void q80_row_avx512(const uint8_t* row, int64_t nb, const Q8R
   for (int64_t c = 0; c < (nb + 1) / 2; ++c) {
     const int64_t b0 = 2 * c;
     const bool two = b0 + 1 < nb;
-    prefetch_block(row + b0 * Q80_BYTES + ahead, 2 * Q80_BYTES);
-    const __m512i w = join(ld256(row + b0 * Q80_BYTES + 2),
-                           two ? ld256(row + (b0 + 1) * Q80_BYTES + 2) : _mm256_setzero_si256());
+    constexpr int64_t SB = sbytes<T>();
+    prefetch_block(row + b0 * SB + ahead, 2 * SB);
+    const __m512i w = join(sblock256<T>(row + b0 * SB), two ? sblock256<T>(row + (b0 + 1) * SB) : _mm256_setzero_si256());
     const __m512i aw = _mm512_abs_epi8(w);
     const __mmask64 neg = _mm512_movepi8_mask(w);
-    const float d0 = ggml_f16(row + b0 * Q80_BYTES), d1 = two ? ggml_f16(row + (b0 + 1) * Q80_BYTES) : 0.0f;
+    const float d0 = ggml_f16(row + b0 * SB), d1 = two ? ggml_f16(row + (b0 + 1) * SB) : 0.0f;
     for (int t = 0; t < R; ++t) {
       const uint8_t* xr = xa.row(t0 + t);
       const float* dx = reinterpret_cast<const float*>(xr + in);
@@ -479,7 +535,8 @@ static void row_tiles(int64_t n, F&& f) {
 
 template <int T>
 static void simd_rows(int path, const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy) {
-  const int64_t nb = T == G_Q8_0 ? L.in / 32 : L.in / 256;
+  constexpr bool K = T == G_Q4_K || T == G_Q5_K || T == G_Q6_K;
+  const int64_t nb = K ? L.in / 256 : L.in / 32;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = L.w + L.stored(r) * L.row_bytes;
     // the row Q8_AHEAD_ROWS on (while it is one of this call's): its bytes at the offset being read here
@@ -488,8 +545,8 @@ static void simd_rows(int path, const Lin& L, const Q8Rows& xa, int64_t r0, int6
 #if MS_AVX512
     if (path == AVX512) {
       row_tiles<8>(xa.n, [&](auto R, int64_t t) {
-        if constexpr (T == G_Q8_0)
-          q80_row_avx512<decltype(R)::value>(row, nb, xa, t, yr, ldy, ahead);
+        if constexpr (!K)
+          q80_row_avx512<T, decltype(R)::value>(row, nb, xa, t, yr, ldy, ahead);
         else
           krow_avx512<T, decltype(R)::value>(row, nb, xa, t, yr, ldy, ahead);
       });
@@ -498,8 +555,8 @@ static void simd_rows(int path, const Lin& L, const Q8Rows& xa, int64_t r0, int6
 #endif
 #if MS_AVX2
     row_tiles<4>(xa.n, [&](auto R, int64_t t) {
-      if constexpr (T == G_Q8_0)
-        q80_row_avx2<decltype(R)::value>(row, nb, xa, t, yr, ldy, ahead);
+      if constexpr (!K)
+        q80_row_avx2<T, decltype(R)::value>(row, nb, xa, t, yr, ldy, ahead);
       else
         krow_avx2<T, decltype(R)::value>(row, nb, xa, t, yr, ldy, ahead);
     });
@@ -516,7 +573,10 @@ bool q8_rows(int path, const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, f
       case G_Q4_K: krows_portable<G_Q4_K>(L, xa, r0, r1, y, ldy); break;
       case G_Q5_K: krows_portable<G_Q5_K>(L, xa, r0, r1, y, ldy); break;
       case G_Q6_K: krows_portable<G_Q6_K>(L, xa, r0, r1, y, ldy); break;
-      default: q80_rows_portable(L, xa, r0, r1, y, ldy); break;
+      case G_Q4_0: srows_portable<G_Q4_0>(L, xa, r0, r1, y, ldy); break;
+      case G_Q5_0: srows_portable<G_Q5_0>(L, xa, r0, r1, y, ldy); break;
+      case G_IQ4_NL: srows_portable<G_IQ4_NL>(L, xa, r0, r1, y, ldy); break;
+      default: srows_portable<G_Q8_0>(L, xa, r0, r1, y, ldy); break;
     }
     return true;
   }
@@ -524,6 +584,9 @@ bool q8_rows(int path, const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, f
     case G_Q4_K: simd_rows<G_Q4_K>(path, L, xa, r0, r1, y, ldy); break;
     case G_Q5_K: simd_rows<G_Q5_K>(path, L, xa, r0, r1, y, ldy); break;
     case G_Q6_K: simd_rows<G_Q6_K>(path, L, xa, r0, r1, y, ldy); break;
+    case G_Q4_0: simd_rows<G_Q4_0>(path, L, xa, r0, r1, y, ldy); break;
+    case G_Q5_0: simd_rows<G_Q5_0>(path, L, xa, r0, r1, y, ldy); break;
+    case G_IQ4_NL: simd_rows<G_IQ4_NL>(path, L, xa, r0, r1, y, ldy); break;
     default: simd_rows<G_Q8_0>(path, L, xa, r0, r1, y, ldy); break;
   }
   return true;

@@ -5,7 +5,7 @@
 //   Q4_K, Q5_K, Q6_K weights -> Q8_K activations: blocks of 256, a float32 scale d = max / -127 (max the
 //     value of largest magnitude, the first one on ties), q = round_half_even(x * (-127 / max)) clamped to
 //     127, and the sums of each 16 codes (ggml-quants.c quantize_row_q8_K_ref);
-//   Q8_0 weights -> Q8_0 activations: blocks of 32, d = fp16(amax / 127), q = round_half_even(x * (127 /
+//   Q8_0, Q4_0, Q5_0, IQ4_NL weights -> Q8_0 activations: blocks of 32, d = fp16(amax / 127), q = round_half_even(x * (127 /
 //     amax)) (ggml-cpu/arch/x86/quants.c quantize_row_q8_0, the x86 form llama.cpp runs here; gguf-py's
 //     quantizer divides by d and rounds half away from zero, which differs on a few ties).
 //
@@ -17,7 +17,8 @@
 // acc[l] = fma(float(isum[l]), d_w * d_x, acc[l]) and, in an 8-lane accumulator over the blocks in order,
 // m[i] = fma(float(offset[i]), dm_w * d_x, m[i]) with the block's integer offsets, lane i from the
 // activation's 16-sums 2i and 2i+1 (Q4_K/Q5_K: min of sub-block i x its 32-sum; Q6_K: 32 x the scales x
-// 16-sums, the codes being stored + 32); Q8_0: acc[l] = fma(float(isum[l]), d_w * d_x, acc[l]) per chunk
+// 16-sums, the codes being stored + 32); the 32-blocks (signed codes: Q8_0's int8, Q4_0's nibble - 8, Q5_0's
+// 5 bits - 16, IQ4_NL's table values): acc[l] = fma(float(isum[l]), d_w * d_x, acc[l]) per chunk
 // (lanes 0-7 the chunk's first block, 8-15 its second). The output is tree16(acc) - tree8(m), the trees
 // (i, i+8), (i, i+4), (i, i+2), (i, i+1) of kernels.h and its last three steps.
 #pragma once
