@@ -237,6 +237,9 @@ def test_q8_mode_streams_the_bits_of_budget_all_and_stays_near_float(q4_k_m, whi
     assert torch.equal(streamed, full)
     chunked, _ = _logits(path, "0.0002", activations="q8", prefetch_ahead=1)
     assert torch.equal(chunked, full)
+    auto, engine = _logits(path, "all", dtype="auto", activations="q8")  # bf16, GGUF's default, too
+    assert engine.dtype == torch.bfloat16
+    assert torch.equal(_logits(path, "0", dtype="auto", activations="q8")[0], auto)
     flt, _ = _logits(path, "all")
     assert not torch.equal(flt, full)  # the mode is on
     # How far from float mode: 8-bit blocks round each input value by at most half a code step, 1/254 of its
