@@ -334,11 +334,21 @@ int ms_moe(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs,
     const ms::Lin U = ms::make_lin(specs + (3 * e + 1) * ms::SPEC, ptrs + (3 * e + 1) * ms::PTRS);
     if (ms::q8_type_of(G) == ms::q8_type_of(U)) qt = ms::q8_type_of(G);
   }
-  ms::Q8Rows xq_all;
+  ms::Q8Rows xq_all;  // the call's tokens only (a read expert's call: its own), in order of first use
+  std::vector<int64_t> at;  // token -> its row of xq_all
   if (qt != ms::Q8_NONE) {
     int64_t T = 0;
     for (int64_t i = 0; i < starts[n_e]; ++i) T = std::max(T, rows[i] / K + 1);
-    ms::q8_quantize(qt, x, h_in, T, h_in, xq_all);
+    at.assign(size_t(T), -1);
+    std::vector<float> used;
+    int64_t m = 0;
+    for (int64_t i = 0; i < starts[n_e]; ++i) {
+      const int64_t t = rows[i] / K;
+      if (at[size_t(t)] >= 0) continue;
+      at[size_t(t)] = m++;
+      used.insert(used.end(), x + t * h_in, x + (t + 1) * h_in);
+    }
+    ms::q8_quantize(qt, used.data(), h_in, m, h_in, xq_all);
   }
   auto one = [&](int64_t e, std::vector<float>& xe, std::vector<float>& ye, std::vector<float>& g,
                  std::vector<float>& u, ms::Q8Rows& xq) {
@@ -354,7 +364,7 @@ int ms_moe(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs,
       xq.type = qt, xq.in = h_in, xq.n = n, xq.stride = xq_all.stride;
       if (xq.data.size() < size_t(n * xq.stride)) xq.data.resize(size_t(n * xq.stride));
       for (int64_t i = 0; i < n; ++i)
-        std::memcpy(xq.row(i), xq_all.row(rows[a + i] / K), size_t(xq.stride));
+        std::memcpy(xq.row(i), xq_all.row(at[size_t(rows[a + i] / K)]), size_t(xq.stride));
     }
     ms::expert_rows(path, specs + 3 * e * ms::SPEC, ptrs + 3 * e * ms::PTRS, xe.data(), n, ye.data(), act, params,
                     g, u, shared ? &xq : nullptr);
