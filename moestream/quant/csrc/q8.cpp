@@ -88,6 +88,8 @@ void q8_quantize(int type, const float* x, int64_t ldx, int64_t n, int64_t in, Q
 // Weight blocks: ggml-common.h layouts (moestream/quant/ggml.py), the scale decoding of ggml_group (engine.h).
 
 constexpr int64_t Q4K_BYTES = 144, Q5K_BYTES = 176, Q6K_BYTES = 210;
+// how far ahead the SIMD paths prefetch the next rows' bytes (the rows are read one after another)
+constexpr int64_t Q8_AHEAD_ROWS = 2;
 
 // Q4_K / Q5_K sub-block s: 6-bit scale and min
 static MS_INLINE void k4_scale_min(const uint8_t* sc, int s, int& scale, int& mn) {
@@ -339,8 +341,6 @@ static MS_INLINE __m256 kblock_offsets_simd(__m256i offw, const int16_t* bsums) 
   return _mm256_cvtepi32_ps(o);
 }
 
-// how far ahead the next rows' bytes are prefetched (the rows are read one after another)
-constexpr int64_t Q8_AHEAD_ROWS = 2;
 static MS_INLINE void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
