@@ -510,11 +510,15 @@ static MS_NOINLINE void q80_row_avx512(const uint8_t* row, int64_t nb, const Q8R
     const __m512i aw = _mm512_abs_epi8(w);
     const __mmask64 neg = _mm512_movepi8_mask(w);
     const float d0 = ggml_f16(row + b0 * SB), d1 = two ? ggml_f16(row + (b0 + 1) * SB) : 0.0f;
+    // lanes 0-7 block b0's scale, 8-15 block b0 + 1's (0 when missing): d_w * d_x per lane as one multiply
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512 dw = _mm512_permutexvar_ps(half, _mm512_castps128_ps512(_mm_setr_ps(d0, d1, 0.0f, 0.0f)));
+    const __mmask16 got = two ? 0x3 : 0x1;
     for (int t = 0; t < R; ++t) {
       const uint8_t* xr = xa.row(t0 + t);
       const float* dx = reinterpret_cast<const float*>(xr + in);
       const __m512i x = ld512(xr + 32 * b0);  // a missing second block: its weights are 0 (the row has spare bytes)
-      const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[b0]), _mm256_set1_ps(two ? d1 * dx[b0 + 1] : 0.0f), 1);
+      const __m512 dd = _mm512_mul_ps(dw, _mm512_permutexvar_ps(half, _mm512_maskz_loadu_ps(got, dx + b0)));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_ss8_512(aw, neg, x)), dd, acc[t]);
     }
   }
