@@ -324,8 +324,12 @@ class Scheduler:
                 log.exception("moestream: storing a prefix failed")
 
     def _drop_cancelled(self) -> None:
+        """Cancelled sequences leave, running or waiting (call with the lock held)."""
         for s in [s for s in self.running if s.cancelled.is_set()]:
             self.running.remove(s)
+            self._leave(s, None)
+        for s in [s for s in self.waiting if s.cancelled.is_set()]:
+            self.waiting.remove(s)
             self._leave(s, None)
 
     def _plan(self) -> list[tuple[Sequence, torch.Tensor, int]]:
