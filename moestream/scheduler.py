@@ -448,9 +448,9 @@ class Scheduler:
             self.running.clear()
             self._wake.notify_all()
 
-    def run(self, requests: Iterable[Request]) -> Iterator[tuple[int, Step]]:
-        """Generate every request together on the calling thread: ``(index of the request, Step)`` as each is
-        made. Closing the iterator early cancels the sequences not done.
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[int, Sequence, Step]]:
+        """Generate every request together on the calling thread: ``(index of the request, its Sequence, Step)``
+        as each is made. Closing the iterator early cancels the sequences not done.
 
         Raises:
             InputError: a bad request (before any is run).
@@ -465,7 +465,7 @@ class Scheduler:
             while not all(s.done for s in seqs):
                 for s, step in self.step():
                     if s.id in index:
-                        yield index[s.id], step
+                        yield index[s.id], s, step
         finally:
             for s in seqs:
                 if not s.done:
