@@ -226,6 +226,7 @@ class Scheduler:
         self._decoding: dict[int, _Decoding] = {}
         self.steps = 0  # forward passes made
         self.observer: Callable[[int, int], None] | None = None  # (sequences, tokens) of each step: metrics
+        self.on_idle: Callable[[], None] | None = None  # called by serve_forever when the last sequence has left
 
     # ---- submitting and cancelling ----
 
@@ -428,6 +429,11 @@ class Scheduler:
         """Step while there is work, wait for :meth:`submit` when there is none, until :meth:`close`."""
         while True:
             with self._wake:
+                if not self._closed and not self.has_work() and self.on_idle is not None:
+                    try:
+                        self.on_idle()
+                    except Exception:  # noqa: BLE001
+                        log.exception("moestream: the scheduler's on_idle callback failed")
                 while not self._closed and not self.has_work():
                     self._wake.wait()
                 if self._closed:

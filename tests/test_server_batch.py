@@ -261,3 +261,54 @@ def test_full_batch_and_queue_answer_429_and_metrics(engines):
         assert r.usage.completion_tokens >= 1
     finally:
         srv.stop()
+
+
+def test_rss_within_the_budget_plan_after_200_concurrent_requests(ckpt, tmp_path):
+    """200 requests at once of mixed prompt and answer sizes, streamed and not, against a ``moestream serve``
+    process with --max-batch 8: every one answered, and its RSS afterwards within the warmed-up process's plus the
+    KV caches and prefix cache the budget plan counts (and 32 MB of allocator slack)."""
+    import asyncio
+    import random
+
+    from .test_reliability_server import MB, idle, rss, start_server, stop_server
+
+    (tmp_path / "tiny").symlink_to(ckpt)
+    url, proc = start_server(tmp_path, "--max-batch", "8", "--max-queue", "200", "--max-context", "64",
+                             "--prefix-cache-gb", "0.002")
+    rng = random.Random(0)
+    words = "the cache streams experts from disk while a batch decodes".split()
+
+    def body(k: int) -> dict:
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 30)))
+        return {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": rng.randrange(1, 16),
+                "temperature": rng.choice([0, 1]), "seed": k, "stream": k % 2 == 0}
+
+    async def one(client, b) -> int:
+        if not b["stream"]:
+            return (await client.post(url + "/v1/chat/completions", json=b)).status_code
+        async with client.stream("POST", url + "/v1/chat/completions", json=b) as r:
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            return r.status_code if lines[-1] == "data: [DONE]" else 599
+
+    async def many(n: int) -> list[int]:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(one(client, body(k)) for k in range(n)))
+
+    try:
+        assert set(asyncio.run(many(16))) == {200}  # warm-up: every code path's first allocations
+        idle(url)
+        rss0 = rss(proc.pid)
+        codes = asyncio.run(many(200))
+        assert codes.count(200) == 200, sorted(set(codes))
+        idle(url)
+        time.sleep(0.5)  # the scheduler gives freed memory back once idle (malloc_trim), just after the last step
+        per_token = 2 * 2 * 2 * 2 * 8 * 2  # layers x (k, v) x kv heads x head dim x bf16
+        plan = 8 * 2 * 64 * per_token + int(0.002e9)
+        assert rss(proc.pid) - rss0 < plan + 32 * MB, (rss(proc.pid) - rss0) / MB
+        text = httpx.get(url + "/metrics").text
+        sizes = re.search(r'^moestream_batch_size_bucket\{le="1.0"\} (\S+)$', text, re.M)
+        total = re.search(r"^moestream_batch_size_count (\S+)$", text, re.M)
+        assert float(total[1]) > float(sizes[1])  # they ran batched
+    finally:
+        stop_server(proc)
