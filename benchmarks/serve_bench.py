@@ -184,6 +184,36 @@ def single_stream(args) -> dict:
             "scheduler_median": q, "scheduler_over_generate": q / p if p else None}
 
 
+def second_turn(args) -> dict:
+    """Time to first token of a chat's second turn after ``--history`` tokens, with the prefix cache holding the
+    first turn, against a fresh prompt of only the new turn's ``--new-turn`` tokens (medians of alternating runs)."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from moestream.engine import load
+    from moestream.generation import GenerationStats, generate
+
+    budget = args.cache_budget_gb if args.cache_budget_gb in ("all", "auto") else float(args.cache_budget_gb)
+    g = torch.Generator().manual_seed(2)
+    with load(args.model, cache_budget_gb=budget, hotlist=False, learn_experts=False, prefix_cache_gb=2) as engine:
+        history = torch.randint(0, 150000, (args.history,), generator=g).tolist()
+        cached, fresh = [], []
+        list(generate(engine, history, 1))  # turn 1: its blocks go to the prefix cache
+        for _ in range(args.single_stream_rounds):
+            new = torch.randint(0, 150000, (args.new_turn,), generator=g).tolist()
+            stats = GenerationStats()
+            t0 = time.perf_counter()
+            next(iter(generate(engine, history + new, 1, stats=stats)))
+            cached.append(time.perf_counter() - t0)
+            assert stats.prompt_cached_tokens >= args.history // 16 * 16, stats.prompt_cached_tokens
+            t0 = time.perf_counter()
+            next(iter(generate(engine, new, 1)))
+            fresh.append(time.perf_counter() - t0)
+    a, b = statistics.median(cached), statistics.median(fresh)
+    return {"history_tokens": args.history, "new_tokens": args.new_turn, "ttft_second_turn_s": cached,
+            "ttft_new_turn_alone_s": fresh, "ratio_median": a / b}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -199,16 +229,20 @@ def main() -> None:
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--single-stream", action="store_true")
     ap.add_argument("--single-stream-rounds", type=int, default=3)
+    ap.add_argument("--second-turn", action="store_true", help="time a second chat turn's first token (prefix cache)")
+    ap.add_argument("--history", type=int, default=2000)
+    ap.add_argument("--new-turn", type=int, default=64)
+    ap.add_argument("--skip-serve", action="store_true", help="only the in-process measurements")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     result = {"command": " ".join(sys.argv), "cpu": cpu_model(), "cores": os.cpu_count(), "model": args.model,
               "cache_budget_gb": args.cache_budget_gb, "max_batch": args.max_batch, "isl": args.isl, "osl": args.osl,
               "levels": []}
-    for c in args.concurrency:
+    for c in [] if args.skip_serve else args.concurrency:
         r = level(args, c)
         result["levels"].append(r)
         print(json.dumps(r), flush=True)
-    base = result["levels"][0]
+    base = result["levels"][0] if result["levels"] else {}
     for r in result["levels"]:
         if base["output_tok_s"] and r["output_tok_s"]:
             r["output_tok_s_vs_first"] = r["output_tok_s"] / base["output_tok_s"]
@@ -218,6 +252,9 @@ def main() -> None:
     if args.single_stream:
         result["single_stream"] = single_stream(args)
         print(json.dumps(result["single_stream"]), flush=True)
+    if args.second_turn:
+        result["second_turn"] = second_turn(args)
+        print(json.dumps(result["second_turn"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
