@@ -44,7 +44,7 @@ from .generation import (
 )
 from .generation import generate as generate_tokens
 from .memory import peak_rss_bytes
-from .scheduler import Request, Scheduler
+from .scheduler import DEFAULT_STEP_TOKENS, Request, Scheduler
 from .textstream import ReasoningSplitter
 from .tokenizer import chat_ids, encode_prompt, prompt_opens_thinking, think_token_ids
 
@@ -302,6 +302,6 @@ def batch_generate(
                                             _each("logprobs", logprobs, n), _each("min_tokens", min_tokens, n),
                                             _each("ignore_eos", ignore_eos, n))
     ]
-    scheduler = Scheduler(engine, max_batch or n, step_tokens=max(512, max_batch or n))
+    scheduler = Scheduler(engine, max_batch or n, step_tokens=max(DEFAULT_STEP_TOKENS, max_batch or n))
     for i, seq, step in scheduler.run(requests):
         yield BatchStep(i, step.token, step.text, step.logprob, step.logits, step.finish_reason, seq.stats)

@@ -54,7 +54,12 @@ from .textstream import StopStrings
 from .tokenizer import StreamDecoder, current_turn, think_token_ids
 
 log = logging.getLogger("moestream.scheduler")
-DEFAULT_STEP_TOKENS = 512  # tokens one step computes at most (decode tokens first, then prefill chunks)
+# Tokens one step computes at most (decode tokens first, then prefill chunks), and the longest chunk of one prompt
+# in a step. A step may carry several prompts' chunks: on a streamed model a prefill step reads about every expert of
+# each layer whatever its length (256 tokens x top-8 of 128 already touch all of them), so prompts that arrive
+# together share one read; one long prompt still takes at most a chunk per step, so decode steps keep coming.
+DEFAULT_STEP_TOKENS = 2048
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -206,7 +211,7 @@ class Scheduler:
     """
 
     def __init__(self, engine: Engine, max_batch: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS,
-                 prefill_chunk: int = 512, prefix_cache=...):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache=...):
         if max_batch < 1:
             raise InputError(f"max_batch must be at least 1, got {max_batch}")
         if step_tokens < max_batch or prefill_chunk < 1:

@@ -123,6 +123,21 @@ def test_sequences_join_after_prefill_and_leave_at_their_end(streamed):
         assert s.generated == [x.token for x in _solo(streamed, r)]
 
 
+def test_prompts_arriving_together_share_a_step_and_a_long_one_takes_a_chunk(streamed, resident):
+    """Four prompts submitted together prefill in one forward pass (one read of each expert for all of them), the
+    long one's share of it capped at ``prefill_chunk``; each answer is still its solo run's."""
+    tok = streamed.tokenizer
+    prompts = [tok.encode(TEXTS[1]), tok.encode(TEXTS[0]), tok.encode(TEXTS[3]), tok.encode(TEXTS[4])]
+    reqs = [Request(p, 5, SAMPLINGS[k], keep_logits=True, logprobs=1) for k, p in enumerate(prompts)]
+    sizes = []
+    sch = Scheduler(streamed, 4, step_tokens=40, prefill_chunk=8, prefix_cache=None)
+    sch.observer = lambda seqs, tokens: sizes.append((seqs, tokens))
+    got = _collect(sch, reqs)
+    assert sizes[0] == (4, sum(min(len(p), 8) for p in prompts)) and len(prompts[0]) > 8
+    for k in range(4):
+        _same(_solo(resident, reqs[k]), got[k], f"request {k}")
+
+
 class EosAfter(torch.nn.Module):
     """The real model with the end-of-sequence token made certain from its ``after``-th call on."""
 
