@@ -71,7 +71,8 @@ def start_server(args, port: int) -> subprocess.Popen:
            "--cache-budget-gb", args.cache_budget_gb, "--max-batch", str(args.max_batch), "--max-queue", "256",
            "--max-context", str(args.max_context), "--model-name", "bench", "--no-hotlist", "--no-learn-experts",
            "--prefix-cache-gb", str(args.prefix_cache_gb)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 600
     while True:
         if proc.poll() is not None:
@@ -233,10 +234,17 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=2000)
     ap.add_argument("--new-turn", type=int, default=64)
     ap.add_argument("--skip-serve", action="store_true", help="only the in-process measurements")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="OMP_NUM_THREADS for the server and the in-process runs (default: as inherited). On a "
+                    "machine whose cores other processes keep busy, one thread avoids a kernel call waiting a "
+                    "time slice for its second thread")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported (the in-process runs)
     result = {"command": " ".join(sys.argv), "cpu": cpu_model(), "cores": os.cpu_count(), "model": args.model,
               "cache_budget_gb": args.cache_budget_gb, "max_batch": args.max_batch, "isl": args.isl, "osl": args.osl,
+              "threads": args.threads or os.environ.get("OMP_NUM_THREADS") or "default",
               "levels": []}
     for c in [] if args.skip_serve else args.concurrency:
         r = level(args, c)
