@@ -185,6 +185,40 @@ def single_stream(args) -> dict:
             "scheduler_median": q, "scheduler_over_generate": q / p if p else None}
 
 
+def step_scale(args) -> list[dict]:
+    """In this process, without HTTP or a load tester on the same cores: B sequences decoding together (after
+    64-token prompts), the median of 12 steps' time, decode tok/s and expert MB read per step, B = 1, 4, 8."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from moestream.engine import load
+    from moestream.scheduler import Request, Scheduler
+
+    budget = args.cache_budget_gb if args.cache_budget_gb in ("all", "auto") else float(args.cache_budget_gb)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    with load(args.model, cache_budget_gb=budget, hotlist=False, learn_experts=False) as engine:
+        for b in (1, 4, 8):
+            sch = Scheduler(engine, b)
+            for _ in range(b):
+                sch.submit(Request(torch.randint(0, 150000, (64,), generator=g).tolist(), 40, ignore_eos=True))
+            while sch.waiting or any(s.state != "decode" for s in sch.running):
+                sch.step()
+            for _ in range(3):
+                sch.step()
+            times, read0 = [], engine.store.stats.bytes_read
+            for _ in range(12):
+                t0 = time.perf_counter()
+                sch.step()
+                times.append(time.perf_counter() - t0)
+            step = statistics.median(times)
+            read = (engine.store.stats.bytes_read - read0) / 12
+            out.append({"batch": b, "step_ms": 1000 * step, "decode_tok_s": b / step,
+                        "expert_mb_read_per_step": read / 1e6, "expert_mb_read_per_token": read / 1e6 / b})
+            sch.close()
+    return out
+
+
 def second_turn(args) -> dict:
     """Time to first token of a chat's second turn after ``--history`` tokens, with the prefix cache holding the
     first turn, against a fresh prompt of only the new turn's ``--new-turn`` tokens (medians of alternating runs)."""
@@ -236,6 +270,7 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=2000)
     ap.add_argument("--new-turn", type=int, default=64)
     ap.add_argument("--skip-serve", action="store_true", help="only the in-process measurements")
+    ap.add_argument("--step-scale", action="store_true", help="in-process decode speed and reads at batch 1, 4, 8")
     ap.add_argument("--threads", type=int, default=0,
                     help="OMP_NUM_THREADS for the server and the in-process runs (default: as inherited). On a "
                     "machine whose cores other processes keep busy, one thread avoids a kernel call waiting a "
@@ -262,6 +297,9 @@ def main() -> None:
     if args.single_stream:
         result["single_stream"] = single_stream(args)
         print(json.dumps(result["single_stream"]), flush=True)
+    if args.step_scale:
+        result["step_scale"] = step_scale(args)
+        print(json.dumps(result["step_scale"]), flush=True)
     if args.second_turn:
         result["second_turn"] = second_turn(args)
         print(json.dumps(result["second_turn"]), flush=True)
