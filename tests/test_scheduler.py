@@ -383,3 +383,20 @@ def test_on_cuda_a_lone_sequence_is_generates_bits_and_a_batch_is_close(ckpt):
         for i in range(4):
             assert torch.allclose(got[i][0].logits, solo[i][0].logits, rtol=1e-4, atol=1e-4), i
             assert got[i][-1].finish_reason is not None
+
+
+def test_a_hybrid_family_runs_its_batch_one_by_one_and_has_no_prefix_cache(tmp_path):
+    """Qwen3-Next (Gated DeltaNet layers: a recurrent state, not batchable, not sliceable): the scheduler's steps run
+    its sequences one after the other, each the bits of generate() alone; asking for a prefix cache gives none."""
+    from .test_family_qwen3_hybrid import make_qwen3_next
+
+    make_qwen3_next(tmp_path, seed=1)
+    with load(tmp_path, cache_budget_gb=0.0001, tokenizer=False, workers=2, prefix_cache_gb=0.01) as eng:
+        assert not eng.model.batchable and eng.prefix_cache is None
+        g = torch.Generator().manual_seed(3)
+        reqs = [Request(torch.randint(0, 300, (n,), generator=g).tolist(), m, s, keep_logits=True, logprobs=1)
+                for n, m, s in zip((9, 30, 4), (6, 4, 7), SAMPLINGS)]
+        solo = [_solo(eng, r) for r in reqs]
+        got = _collect(Scheduler(eng, 3, step_tokens=16), reqs)
+        for i in range(3):
+            _same(solo[i], got[i], f"request {i}")
