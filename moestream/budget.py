@@ -168,6 +168,7 @@ class BudgetPlan:
             doubling; ``sequences`` of them for a server running that many at once).
         prefix_cache: bytes of the prefix cache's KV blocks (``--prefix-cache-gb``).
         sequences: sequences that run at once (``--max-batch``).
+        context_tokens: tokens of context each sequence's KV cache was counted for.
     """
 
     budget: int | None
@@ -177,6 +178,7 @@ class BudgetPlan:
     kv_cache: int = 0
     prefix_cache: int = 0
     sequences: int = 1
+    context_tokens: int = 0
 
 
 def context_tokens_for(net, context_tokens: int | None) -> int:
@@ -292,7 +294,7 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
     if wire_memory:
         memory.check_memlock(resident + cached + 2 * workers * one)
     return BudgetPlan(budget, auto, reserve, kv_cache=kv - prefix_cache, prefix_cache=prefix_cache,
-                      sequences=sequences)
+                      sequences=sequences, context_tokens=ctx)
 
 
 def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, free: int,
@@ -324,7 +326,7 @@ def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, expert
                 f"GB) and a {reserve / GB:.2f} GB reserve leave nothing for experts"
             )
         return BudgetPlan(min(left, experts), None, reserve, kv_cache=kv, prefix_cache=prefix_cache,
-                          sequences=sequences)
+                          sequences=sequences, context_tokens=ctx)
     cached = experts if budget is None else min(budget, experts)
     if resident + cached > free:
         raise BudgetError(
@@ -332,7 +334,8 @@ def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, expert
             f"{(resident + cached) / GB:.2f} GB, but {device} has {free / GB:.2f} GB free; "
             "give a smaller --cache-budget-gb"
         )
-    return BudgetPlan(budget, None, reserve, kv_cache=kv, prefix_cache=prefix_cache, sequences=sequences)
+    return BudgetPlan(budget, None, reserve, kv_cache=kv, prefix_cache=prefix_cache, sequences=sequences,
+                      context_tokens=ctx)
 
 
 def plan_host_budget(host: int | None | str, experts: int, one: int, workers: int, share: int = 1) -> int:

@@ -191,6 +191,11 @@ class _Decoding:
         return Step(token, text, last if r.keep_logits else None, lp, reason)
 
 
+def _reservation(seq: Sequence) -> int:
+    """KV cache tokens a sequence may come to hold: its prompt and every token it may generate."""
+    return len(seq.request.ids) + seq.request.max_tokens
+
+
 class Scheduler:
     """Runs :class:`Sequence`\\ s of one engine together, a forward pass per :meth:`step`.
 
@@ -201,6 +206,11 @@ class Scheduler:
             then prefill chunks while it lasts.
         prefill_chunk: the longest prefill chunk of one sequence in a step.
         prefix_cache: a :class:`~moestream.prefix_cache.PrefixCache` (default: the engine's, if any).
+        kv_tokens: KV cache tokens the running sequences may reserve together (each reserves its prompt plus
+            ``max_tokens``; the budget plan's ``context_tokens x sequences``), None: no bound. A waiting
+            sequence starts only when its reservation fits beside the running ones' (first come, first
+            served), or when nothing runs: so the KV caches stay within the plan, and a request is never
+            refused for it.
 
     Thread-safe for :meth:`submit` and :meth:`Sequence.cancel` from other threads while one thread runs
     :meth:`step` (or :meth:`serve_forever`).
@@ -211,7 +221,7 @@ class Scheduler:
     """
 
     def __init__(self, engine: Engine, max_batch: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache=...):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache=..., kv_tokens: int | None = None):
         if max_batch < 1:
             raise InputError(f"max_batch must be at least 1, got {max_batch}")
         if step_tokens < max_batch or prefill_chunk < 1:
@@ -223,6 +233,7 @@ class Scheduler:
         self.engine, self.max_batch, self.step_tokens, self.prefill_chunk = engine, max_batch, step_tokens, \
             prefill_chunk
         self.prefix_cache = getattr(engine, "prefix_cache", None) if prefix_cache is ... else prefix_cache
+        self.kv_tokens = kv_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._lock = threading.Lock()
@@ -329,6 +340,9 @@ class Scheduler:
             except Exception:  # noqa: BLE001 -- the cache is an optimization; a failure there ends no answer
                 log.exception("moestream: storing a prefix failed")
 
+    def _reserved(self) -> int:
+        return sum(_reservation(s) for s in self.running)
+
     def _drop_cancelled(self) -> None:
         """Cancelled sequences leave, running or waiting (call with the lock held)."""
         for s in [s for s in self.running if s.cancelled.is_set()]:
@@ -363,6 +377,9 @@ class Scheduler:
         with self._lock:
             self._drop_cancelled()
             while self.waiting and len(self.running) < self.max_batch:
+                if self.running and self.kv_tokens is not None and \
+                        self._reserved() + _reservation(self.waiting[0]) > self.kv_tokens:
+                    break  # its KV cache would not fit beside the running ones' yet: it waits its turn
                 s = self.waiting.popleft()
                 if s.cancelled.is_set():
                     self._leave(s, None)

@@ -253,7 +253,9 @@ class BatchRunner:
 
     def __init__(self, engine, max_batch: int, max_queue: int, metrics: Metrics):
         self.engine, self.max_batch, self.max_queue, self.metrics = engine, max_batch, max_queue, metrics
-        self.scheduler = Scheduler(engine, max_batch)
+        plan = getattr(engine, "budget", None)  # the KV caches the budget plan counted: the running ones' bound
+        kv_tokens = plan.context_tokens * plan.sequences if plan is not None and plan.context_tokens else None
+        self.scheduler = Scheduler(engine, max_batch, kv_tokens=kv_tokens)
         self.scheduler.observer = metrics.observe_step
         # a burst of sequences freed KV caches, logits and activations in the scheduler thread's arena: give
         # them back to the system once it idles (glibc keeps them otherwise; 175 MB after 200 requests at once)

@@ -138,6 +138,31 @@ def test_prompts_arriving_together_share_a_step_and_a_long_one_takes_a_chunk(str
         _same(_solo(resident, reqs[k]), got[k], f"request {k}")
 
 
+def test_the_kv_bound_holds_sequences_back_never_refuses_them(streamed, resident):
+    """kv_tokens 40: a sequence reserves its prompt plus max_tokens; a waiting one starts only when its reservation
+    fits beside the running ones' (in order), one whose reservation exceeds the bound runs when alone; the answers
+    are the solo runs'. The server bounds its scheduler by the budget plan's context x sequences."""
+    tok = streamed.tokenizer
+    reqs = [Request(tok.encode(TEXTS[0]), 15, keep_logits=True), Request(tok.encode(TEXTS[3]), 20, keep_logits=True),
+            Request(tok.encode(TEXTS[1]), 5, keep_logits=True), Request(tok.encode("c"), 3, keep_logits=True)]
+    assert len(reqs[2].ids) + 5 > 40
+    sch = Scheduler(streamed, 4, kv_tokens=40, prefix_cache=None)
+    seqs = [sch.submit(r) for r in reqs]
+    got: dict[int, list] = {s.id: [] for s in seqs}
+    peak = 0
+    while sch.has_work():
+        for s, step in sch.step():
+            got[s.id].append(step)
+        reserved = sum(len(s.request.ids) + s.request.max_tokens for s in sch.running)
+        assert len(sch.running) == 1 or reserved <= 40
+        peak = max(peak, len(sch.running))
+    assert peak == 2  # the first two fit together (2 + 15 + 3 + 20 tokens), never three
+    for s, r in zip(seqs, reqs):
+        _same(_solo(resident, r), got[s.id], "under the KV bound")
+    plan = streamed.budget
+    assert plan.sequences == 1 and plan.context_tokens == 4096
+
+
 class EosAfter(torch.nn.Module):
     """The real model with the end-of-sequence token made certain from its ``after``-th call on."""
 
