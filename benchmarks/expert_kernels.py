@@ -11,6 +11,8 @@ scales in the stored layout, through the expert function the engine uses
   experts (``tq3a-tq2e``, [1536, 4096], groups of 64);
 * FP8 e4m3, 128 x 128 block scales (bf16): Laguna-XS.2-FP8 ([512, 2048]);
 * MXFP4 (e2m1, e8m0 scales per 32), SiTU-GLU: Kimi K3 ([3072, 3584]);
+* GGUF in ``--activations q8`` mode (``gguf-<type>-q8act``: the types it covers that are measured here), the
+  same experts with their inputs rounded to llama.cpp's 8-bit blocks and integer dot products;
 * GGUF (``gguf-<type>``, ggml blocks as llama.cpp stores them): Qwen3-30B-A3B's expert in each ggml
   type moestream computes on (Q8_0, Q4_K, Q6_K, IQ4_XS, and the published-MoE types MXFP4,
   IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0), random codes, float16
@@ -47,7 +49,14 @@ from moestream.models.kimi_linear import situ_expert
 from moestream.models.moe import swiglu_expert
 from moestream.quant import affine, ggml, native
 from moestream.quant.expert import expert_fn_for
-from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme, ggml_scheme
+from moestream.quant.formats import (
+    Q8_ACTIVATION_TYPES,
+    ExpertFormat,
+    LinearFormat,
+    Scheme,
+    ggml_scheme,
+    with_activations,
+)
 from moestream.quant.turboquant import TRIT, TQExpertFormat, TQExperts, TQScheme, codes_per_word
 
 DISK_GBPS = 3.0
@@ -151,12 +160,14 @@ def gguf_blocks(qtype: str, out: int, inn: int, g: torch.Generator) -> torch.Ten
     return raw.reshape(out, -1)
 
 
-def gguf_expert(inter, hidden, qtype, seed=0):
+def gguf_expert(inter, hidden, qtype, seed=0, activations="float"):
+    """A ggml-type expert; ``activations="q8"``: in moestream's --activations q8 mode (llama.cpp's 8-bit
+    activation blocks and integer dot products)."""
     g = torch.Generator().manual_seed(seed)
     pieces, lins = {}, {}
     for role, (o, i) in shapes(inter, hidden):
         pieces[role] = gguf_blocks(qtype, o, i, g)
-        lins[role] = LinearFormat(role, ggml_scheme(ggml.dtype_name(qtype)), o, i)
+        lins[role] = with_activations(LinearFormat(role, ggml_scheme(ggml.dtype_name(qtype)), o, i), activations)
     return pieces, expert_fn_for(swiglu_expert, ExpertFormat(lins))
 
 
@@ -195,6 +206,9 @@ CASES = [
     ("Kimi-K3", "mxfp4-situ", 4, (3072, 3584), partial(mxfp4_expert, 3072, 3584)),
     *(("Qwen3-30B-A3B", f"gguf-{t}", ggml.TYPES[t][2], (768, 2048), partial(gguf_expert, 768, 2048, t))
       for t in GGUF_TYPES),
+    # --activations q8: the types it covers, each measured right after its float row above (``--only gguf-Q4_K``)
+    *(("Qwen3-30B-A3B", f"gguf-{t}-q8act", ggml.TYPES[t][2], (768, 2048),
+       partial(gguf_expert, 768, 2048, t, activations="q8")) for t in Q8_ACTIVATION_TYPES if t in GGUF_TYPES),
 ]
 
 
@@ -257,7 +271,8 @@ def main() -> None:
             target = read_ms * (1 if n == 1 else 2)
             row = dict(model=model, format=fmt, bits=bits, shape=[inter, hidden], rows=n, compute_ms=round(ms, 4),
                        read_ms=round(read_ms, 4), weight_gbps=round(gbps, 2), expert_bytes=nbytes, path=path,
-                       threads=args.threads, copy_gbps=round(copy, 2), hit=ms <= target)
+                       threads=args.threads, copy_gbps=round(copy, 2), hit=ms <= target,
+                       load_average=round(os.getloadavg()[0], 2))
             if n == 1:
                 row["half_copy_hit"] = gbps >= copy / 2
             rows.append(row)

@@ -70,10 +70,20 @@ if not os.path.exists(q4):
     params.nthread = 2
     assert llama_cpp.llama_model_quantize(src.encode(), q4.encode(), ctypes.byref(params)) == 0
 tokens = json.load(open(tokens_file))
+if os.environ.get("LLAMA_REPACK", "on") == "off":  # llama-cpp-python takes no use_extra_bufts: its defaults, patched
+    default = llama_cpp.llama_cpp.llama_model_default_params
+
+    def no_repack():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = no_repack
 n_ctx = max(256, -(-len(tokens) // 256) * 256)  # whole prompt in one batch, every position's logits kept
 for path in sys.argv[5:]:
     llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, logits_all=True, n_threads=2, verbose=False, n_batch=n_ctx,
                           n_ubatch=n_ctx)
+    assert bool(llm.model_params.use_extra_bufts) == (os.environ.get("LLAMA_REPACK", "on") == "on")
     llm.eval(tokens)
     np.save(f"{out_dir}/{path.rsplit('/', 1)[1]}.npy", np.array(llm.scores[: len(tokens)], dtype=np.float32))
 '''
@@ -174,12 +184,13 @@ class ActivationQuantEmulation:
         self.native.linear, self.native.swiglu = self.saved
 
 
-def moestream_logits(path: Path, tokens: list[int], dtype: str = "float32") -> np.ndarray:
-    """Every position's logits, float32 numpy ``(len(tokens), vocab)``, computed in ``dtype``."""
+def moestream_logits(path: Path, tokens: list[int], dtype: str = "float32", activations: str = "float") -> np.ndarray:
+    """Every position's logits, float32 numpy ``(len(tokens), vocab)``, computed in ``dtype`` with
+    ``activations`` (``q8``: llama.cpp's 8-bit activation blocks, moestream's ``--activations q8``)."""
     from moestream.engine import load
 
     # float32 by default as llama.cpp computes its activations (moestream's GGUF default is bf16)
-    engine = load(path, cache_budget_gb="0", tokenizer=False, workers=2, dtype=dtype)
+    engine = load(path, cache_budget_gb="0", tokenizer=False, workers=2, dtype=dtype, activations=activations)
     try:
         with torch.inference_mode():
             ids = torch.tensor(tokens)
@@ -229,6 +240,13 @@ def main() -> int:
     ap.add_argument("--no-bf16", action="store_true", help="skip moestream's bf16 runs")
     ap.add_argument("--emulate-act-quant", action="store_true",
                     help="also run the quantized files with llama.cpp's 8-bit activation rounding emulated")
+    ap.add_argument("--activations", default="float", choices=["float", "q8"],
+                    help="q8: also run the quantized files in moestream's --activations q8 mode (llama.cpp's "
+                    "8-bit activation blocks and integer dot products), reported as q8_vs_llama_cpp")
+    ap.add_argument("--llama-repack", default="on", choices=["on", "off"],
+                    help="llama.cpp's CPU repack / AMX buffers (use_extra_bufts; default on). off: its plain CPU "
+                    "dot products (quantize_row_q8_K + vec_dot_*_q8_K), what --activations q8 follows; on an AMX "
+                    "Xeon the AMX path crashed (SIGSEGV) on the synth's Q8_0 and Q4_K_M files")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
     out = args.out
@@ -263,10 +281,10 @@ def main() -> int:
     results = {"source": (f"moestream synth {args.synth_config.name} --layers {args.layers} --init {args.init} "
                           f"--dtype {args.synth_dtype}") if synth else "random transformers Qwen3-MoE, 256 wide",
                "tokens": len(tokens), "tokenizer_from_gguf_matches_folder":
-               tok_gguf.encode(text, add_special_tokens=False) == tokens}
+               tok_gguf.encode(text, add_special_tokens=False) == tokens, "llama_repack": args.llama_repack}
     if not (same_tokens and all((out / f"{f.name}.npy").exists() for f in files.values())):  # else reuse
         run([args.llama_python, "-c", LLAMA, str(files[ft]), str(files["q4_k_m"]), str(tokens_file), str(out),
-             *(str(f) for f in files.values())])
+             *(str(f) for f in files.values())], {"LLAMA_REPACK": args.llama_repack})
     float_path = moestream_logits(hf, tokens)
     results[f"moestream_hf_float_vs_gguf_{ft}"] = compare(moestream_logits(files[ft], tokens), float_path)
     for t, f in files.items():
@@ -278,6 +296,11 @@ def main() -> int:
             ours16 = moestream_logits(f, tokens, "bf16")
             results[t]["bf16_vs_llama_cpp"] = compare(ours16, llama)
             results[t]["bf16_vs_float"] = compare(ours16, float_path)
+        if args.activations == "q8" and t != ft:
+            q8 = moestream_logits(f, tokens, activations="q8")
+            results[t]["q8_vs_llama_cpp"] = compare(q8, llama)
+            results[t]["q8_vs_float"] = compare(q8, float_path)
+            results[t]["q8_vs_moestream_float"] = compare(q8, ours)
         if args.emulate_act_quant and t != ft:
             with ActivationQuantEmulation():
                 emu = moestream_logits(f, tokens)

@@ -29,6 +29,7 @@ from .cache import ExpertCache
 from .checkpoint import Checkpoint, resolve_model
 from .decode_graph import DecodeRunner, graph_unsupported
 from .errors import ConfigError, EngineClosedError, LayoutError, MoestreamError
+from .gguf_format import GGUFFormat
 from .io_setup import IOSettings, plan_io
 from .layout import ExpertLayout, discover_experts
 from .memory import reset_peak_rss
@@ -416,8 +417,16 @@ def _open(ckpt: Checkpoint, options: EngineOptions) -> _Opened:
     adapt = getattr(family, "adapt_to_layout", None)  # gpt-oss: separate gate and up experts (moestream convert)
     if adapt is not None:
         adapt(net, layout)
-    formats = quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path)  # quantized experts
-    quantized_resident = quant.quantize_model(net, ckpt, ckpt.path)  # quantized resident linears, on meta
+    _check_activations(ckpt, options)
+    fallback: list = []  # (tensor, type) that q8 mode leaves with float activations
+    formats = quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path, options.activations,
+                                   fallback)  # quantized experts
+    quantized_resident = quant.quantize_model(net, ckpt, ckpt.path, options.activations,
+                                              fallback)  # quantized resident linears, on meta
+    if fallback:
+        kinds = sorted({t for _, t in fallback})
+        print(f"note: --activations q8 covers {', '.join(quant.Q8_ACTIVATION_TYPES)}; {len(fallback)} tensors of "
+              f"type {', '.join(kinds)} keep float activations ({fallback[0][0]}, ...)", file=sys.stderr)
     if options.dtype == "auto":
         dtype = quant.float_dtype(ckpt, net.embed_name, checkpoint_dtype(ckpt, net.embed_name))
     else:
@@ -427,6 +436,26 @@ def _open(ckpt: Checkpoint, options: EngineOptions) -> _Opened:
     num_experts = _check_layout(net, layout, ckpt.path, formats)
     return _Opened(family, net, layout, formats, quantized_resident, num_experts, dtype,
                    resolve_device(options.device))
+
+
+def _check_activations(ckpt: Checkpoint, options: EngineOptions) -> None:
+    """Refuse ``--activations q8`` where it cannot apply: a checkpoint that is no GGUF file (q8 mode is llama.cpp's
+    numerics on ggml block types), another device than the CPU, or the PyTorch kernel path (q8 mode runs on the
+    compiled kernels only).
+
+    Raises:
+        ConfigError: naming the flag and why.
+    """
+    if options.activations == "float":
+        return
+    if not isinstance(ckpt.source_format, GGUFFormat):
+        raise ConfigError(f"--activations q8 is llama.cpp's numerics for GGUF files; {ckpt.path} is not one "
+                          "(its quantized linears compute with float activations: use --activations float)")
+    if resolve_device(options.device).type != "cpu":
+        raise ConfigError("--activations q8 runs on the CPU's compiled kernels; use --device cpu")
+    if native.selected() == "torch" or native.library() is None:
+        why = "MOESTREAM_CPU_KERNELS=torch" if native.selected() == "torch" else "the CPU kernels are not built"
+        raise ConfigError(f"--activations q8 runs on the CPU's compiled kernels, which are off here ({why})")
 
 
 def _check_device(ckpt: Checkpoint, opened: _Opened, dev: torch.device, tiered: bool,

@@ -20,6 +20,8 @@ from .policies import POLICIES
 DEFAULT_BUDGET_GB = 3
 DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 EP_COMBINES = ("allgather", "alltoall")
+# --activations: float32 inputs (moestream's own numerics) or llama.cpp's 8-bit activation blocks (GGUF)
+ACTIVATIONS = ("float", "q8")
 EP_PLACEMENTS = ("auto", "balanced", "contiguous")
 DEFAULT_DIST_TIMEOUT_S = 60.0
 # Share of the budget hot lists and usage profiles may pin (--hot-fraction). 0, off, by default: on routing that
@@ -78,6 +80,12 @@ class EngineOptions:
         trace: write the routing trace (JSON lines) to this file.
         cache_policy: eviction policy, ``lru``, ``lfu`` or ``layer``.
         fast: skip the QJL residual of turboquant linears (changes the output).
+        activations: how the input of a GGUF checkpoint's block-quantized linears is multiplied: ``float``
+            (float32, the default) or ``q8``: rounded to 8 bits per block and multiplied by integer dot
+            products as llama.cpp's CPU backend does (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL weights;
+            other ggml types keep float activations, named once at load). Changes the output (towards
+            llama.cpp's); streaming stays bit-identical to budget ``all`` within either mode. GGUF files on
+            the CPU only.
         host_cache: the pinned host-RAM tier behind a VRAM cache in bytes, ``"auto"``, or None
             (none); on the CPU the same tier logic runs with a CPU "device" tier (for tests).
         batched_experts: compute each layer's SwiGLU experts as one batched matmul chain
@@ -96,7 +104,7 @@ class EngineOptions:
         prefix_cache: bytes of KV blocks the prefix cache keeps (``--prefix-cache-gb``; 0: off;
             :mod:`moestream.prefix_cache`); counted in the budget plan.
 
-    None of these but ``max_active_experts``, ``fast`` and ``dtype`` changes the output.
+    None of these but ``max_active_experts``, ``fast``, ``dtype`` and ``activations`` changes the output.
     """
 
     cache_budget: int | None | str = int(DEFAULT_BUDGET_GB * GB)
@@ -116,6 +124,7 @@ class EngineOptions:
     trace: Path | None = None
     cache_policy: str = "lru"
     fast: bool = False
+    activations: str = "float"
     host_cache: int | None | str = None
     batched_experts: bool | None = None
     fused_experts: bool | None = None
@@ -141,7 +150,8 @@ class EngineOptions:
         whole("prefix_cache", 0)
         if self.context_tokens is not None:
             whole("context_tokens", 1)
-        for name, allowed in (("dtype", DTYPES), ("cache_policy", POLICIES), ("ep_combine", EP_COMBINES),
+        for name, allowed in (("dtype", DTYPES), ("activations", ACTIVATIONS), ("cache_policy", POLICIES),
+                              ("ep_combine", EP_COMBINES),
                               ("ep_placement", EP_PLACEMENTS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{flag(name)} {getattr(self, name)!r}: expected one of "
@@ -203,6 +213,7 @@ class EngineOptions:
             cache_policy=get("cache_policy", "lru"), dist_timeout=get("dist_timeout", DEFAULT_DIST_TIMEOUT_S),
             ep_combine=get("ep_combine", "allgather"), ep_placement=get("ep_placement", "auto"),
             cuda_graphs=not get("no_cuda_graphs", False), dtype=get("dtype", "auto"),
+            activations=get("activations", "float"),
         )
 
     def replace(self, **changes) -> "EngineOptions":

@@ -17,7 +17,7 @@ LAYERS = [
     ("expert layout", "layout"),
     ("expert store", "store direct_io"),
     ("expert cache", "cache tiered_cache prefetch io_setup"),
-    ("expert pipeline and its GPU kernels", "pipeline fused_moe attention_kernel"),
+    ("expert pipeline and its GPU kernels", "pipeline fused_moe attention_kernel dense_kernel"),
     ("models", "models models.*"),
     ("quantized models, synthetic checkpoints", "quant.model quant.expert quant.resident quant.convert synth synth_*"),
     ("engine", "engine decode_graph usage cachesim traces prefix_cache"),

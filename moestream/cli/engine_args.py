@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..options import DEFAULT_DIST_TIMEOUT_S, DTYPES, EP_COMBINES, EP_PLACEMENTS
+from ..options import ACTIVATIONS, DEFAULT_DIST_TIMEOUT_S, DTYPES, EP_COMBINES, EP_PLACEMENTS
 from ..policies import POLICIES
 
 
@@ -61,6 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype: auto (default: the checkpoint's embedding dtype; bf16 for a GGUF file unless "
                    "every tensor is F32), bf16, fp16 or fp32 (float32, llama.cpp's activations: more memory for "
                    "the KV cache); another dtype than auto's changes the output")
+    p.add_argument("--activations", default="float", choices=ACTIVATIONS,
+                   help="GGUF files: float (default: float32 inputs to the quantized linears) or q8 (llama.cpp's "
+                   "numerics: inputs rounded to 8 bits per block, integer dot products; Q4_K, Q5_K, Q6_K, Q8_0, "
+                   "Q4_0, Q5_0, IQ4_NL weights, other types stay float); q8 changes the output, towards llama.cpp's")
     add_cache_policy_args(p)
     add_parallel_args(p)  # --dist-timeout, --ep-placement, --ep-combine (under torchrun)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..pipeline import ExpertFn
@@ -187,4 +186,4 @@ class Float32Router(nn.Linear):
             y = native.float_linear(x, self.weight, out_dtype=torch.float32)
             if y is not None:
                 return y
-        return F.linear(x.float(), self.weight.float())
+        return ops.linear(x.float(), self.weight.float())

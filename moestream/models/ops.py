@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import attention_kernel
+from .. import attention_kernel, dense_kernel
 from ..quant import native
 
 
@@ -31,9 +31,14 @@ def _cpu(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: ``x`` [..., in] times ``weight`` [out, in] (+ ``bias`` [out]) -> [..., out]
     in x's dtype, float32 accumulation and one rounding (the compiled kernels on the CPU). ``spec``: the
-    weight's kernel view made before (:func:`moestream.quant.native.float_spec`; a resident weight's)."""
+    weight's kernel view made before (:func:`moestream.quant.native.float_spec`; a resident weight's). On CUDA
+    :func:`moestream.dense_kernel.linear` (a row's bits independent of the rows beside it)."""
     if _cpu(x):
         y = native.float_linear(x, weight, bias, spec=spec)
+        if y is not None:
+            return y
+    elif x.is_cuda:
+        y = dense_kernel.linear(x, weight, bias)  # cuBLAS's bits depend on the rows of the call
         if y is not None:
             return y
     return F.linear(x, weight, bias)
@@ -105,7 +110,7 @@ def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
         y = native.float_expert(x, gate, up, down, specs=specs)
         if y is not None:
             return y
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:

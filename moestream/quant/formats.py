@@ -23,7 +23,7 @@ quantized tensor the config does not declare -- is a :class:`QuantError` naming 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatch
 
 from ..errors import CheckpointError
@@ -44,7 +44,9 @@ class Scheme:
     scale along the input dimension (affine group, fp8 block width, mxfp4 32, a ggml block);
     ``block``: fp8 (rows, cols). ``scale``: the name of the scale tensor beside the weight when
     it is not the method's own (``weight_scale`` in compressed-tensors checkpoints,
-    :mod:`.compressed`). ``ggml``: the ggml block type of a gguf weight (``"Q4_K"``).
+    :mod:`.compressed`). ``ggml``: the ggml block type of a gguf weight (``"Q4_K"``). ``act``: how a gguf
+    weight's input is multiplied: ``"float"`` (float32, the default) or ``"q8"`` (llama.cpp's 8-bit activation
+    blocks and integer dot products, ``--activations q8``: :func:`with_activations`).
     """
 
     method: str
@@ -53,6 +55,7 @@ class Scheme:
     block: tuple[int, int] | None = None
     scale: str | None = None
     ggml: str | None = None
+    act: str = "float"
 
     @property
     def scale_param(self) -> str:
@@ -72,7 +75,7 @@ class Scheme:
                 return "fp8 e4m3, per-tensor scale"
             return f"fp8 e4m3, blocks {self.block[0]}x{self.block[1]}"
         if self.method == "gguf":
-            return f"gguf {self.ggml}"
+            return f"gguf {self.ggml}" + (", q8 activations" if self.act == "q8" else "")
         return "mxfp4"
 
 
@@ -356,3 +359,35 @@ def is_quant_param(role: str) -> bool:
 
 
 __all__ = ["QuantError", "Scheme", "QuantConfig", "LinearFormat", "ExpertFormat", "expert_format", "ggml_scheme"]
+
+
+# The ggml types the q8 activation mode computes on (moestream/quant/csrc/q8.h): what Q4_K_M, Q5_K_M, Q6_K,
+# Q8_0, Q4_0, Q5_0 and IQ4_NL files hold for their experts and linears. A tensor of another type keeps float
+# activations.
+Q8_ACTIVATION_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL")
+
+
+def with_activations(lf: LinearFormat | None, activations: str, fallback: list | None = None,
+                     name: str = "") -> LinearFormat | None:
+    """``lf`` with its input multiplied in ``activations`` mode (``"float"`` or ``"q8"``). In q8 mode a gguf
+    weight of a type in :data:`Q8_ACTIVATION_TYPES` becomes ``act="q8"``; a gguf weight of another type stays
+    float and ``(name, type)`` is appended to ``fallback``; anything else (float, other methods) is returned as
+    it is."""
+    s = None if lf is None else lf.scheme
+    if activations != "q8" or s is None or s.method != "gguf":
+        return lf
+    if s.ggml not in Q8_ACTIVATION_TYPES:
+        if fallback is not None:
+            fallback.append((name or lf.role, s.ggml))
+        return lf
+    return replace(lf, scheme=replace(s, act="q8"))
+
+
+def expert_with_activations(fmt: ExpertFormat | None, activations: str, fallback: list | None = None,
+                            name: str = "") -> ExpertFormat | None:
+    """``fmt`` with each linear's input in ``activations`` mode (:func:`with_activations`); ``name`` prefixes
+    the roles reported in ``fallback``."""
+    if fmt is None or activations != "q8" or not isinstance(fmt, ExpertFormat):
+        return fmt
+    lin = {r: with_activations(lf, activations, fallback, f"{name}{r}") for r, lf in fmt.linears.items()}
+    return replace(fmt, linears=lin)

@@ -20,19 +20,29 @@ from . import turboquant
 from .compressed import module_pattern
 from .convert import padding_tensors  # noqa: F401  (the engine skips convert's padding tensors)
 from .expert import QuantizedSwiGLU, expert_fn_for
-from .formats import ExpertFormat, QuantConfig, QuantError, expert_format
+from .formats import (
+    Q8_ACTIVATION_TYPES,
+    ExpertFormat,
+    QuantConfig,
+    QuantError,
+    expert_format,
+    expert_with_activations,
+)
 from .resident import QuantEmbedding, QuantLinear, quantize_resident
 from .turboquant import TQExpertFormat, TQExperts, TQLinear
 from .turboquant import describe as tq_describe
 from .turboquant import quantize_resident as tq_resident
 
-__all__ = ["attach", "describe", "expert_formats", "expert_functions", "float_dtype", "padding_tensors",
-           "quantize_model", "summary"]
+__all__ = ["Q8_ACTIVATION_TYPES", "attach", "describe", "expert_formats", "expert_functions", "float_dtype",
+           "padding_tensors", "quantize_model", "summary"]
 
 
-def expert_formats(ckpt, layout, shape: tuple[int, int], where) -> dict[int, ExpertFormat]:
+def expert_formats(ckpt, layout, shape: tuple[int, int], where, activations: str = "float",
+                   fallback: list | None = None) -> dict[int, ExpertFormat]:
     """layer -> :class:`ExpertFormat` for every MoE layer whose experts are quantized.
 
+    ``activations``: ``"q8"`` marks the gguf linears q8 mode covers (:func:`.formats.with_activations`);
+    ``(tensor, type)`` of the others are appended to ``fallback``.
     Raises QuantError (naming the tensor) when pieces and config disagree.
     """
     qcfg = QuantConfig.from_config(ckpt.config, str(where))
@@ -45,17 +55,18 @@ def expert_formats(ckpt, layout, shape: tuple[int, int], where) -> dict[int, Exp
             continue
         fmt = expert_format(lay, qcfg, shape, where)
         if fmt is not None:
-            out[i] = fmt
+            out[i] = expert_with_activations(fmt, activations, fallback, f"layer {i} experts' ")
     return out
 
 
-def quantize_model(net, ckpt, where) -> list[str]:
-    """Swap the resident modules ``ckpt`` stores quantized (see :func:`.resident.quantize_resident`)."""
+def quantize_model(net, ckpt, where, activations: str = "float", fallback: list | None = None) -> list[str]:
+    """Swap the resident modules ``ckpt`` stores quantized (see :func:`.resident.quantize_resident`; ``activations``
+    and ``fallback`` as :func:`expert_formats`)."""
     qcfg = QuantConfig.from_config(ckpt.config, str(where))
     swapped = []
     if qcfg is not None and qcfg.method == "turboquant":  # codebook linears first; affine extras below
         swapped = tq_resident(net, ckpt.tensors, qcfg, where)
-    return swapped + quantize_resident(net, ckpt.tensors, qcfg, where)
+    return swapped + quantize_resident(net, ckpt.tensors, qcfg, where, activations, fallback)
 
 
 def summary(ckpt, where) -> str:

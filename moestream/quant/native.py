@@ -7,7 +7,8 @@ block, per-channel or per-tensor scales, MXFP4 (gpt-oss and compressed-tensors b
 turboquant codebooks, ggml blocks of GGUF files (Q4_0-Q8_0, Q2_K-Q6_K, IQ1_S-IQ4_XS, MXFP4, TQ1_0,
 TQ2_0) and float32/bf16/fp16 weights (also stored input-major, ``x @ W``) -- straight from the tensors the
 expert store read: nothing is repacked per read. Each weight is dequantized in a float32 register and
-multiplied into float32 accumulators (FMA); activations are never quantized.
+multiplied into float32 accumulators (FMA); activations are never quantized, except in the opt-in q8 mode of
+GGUF weights (``--activations q8``, ``csrc/q8.h``): llama.cpp's 8-bit activation blocks and integer dot products.
 
 **One reduction.** Every output (row, token) is one 16-lane accumulator fed vector by vector in order and
 summed by one fixed tree (``kernels.h``), on every compiled path (AVX-512, AVX2 as two 8-lane halves, the
@@ -66,7 +67,7 @@ CSRC = Path(__file__).parent / "csrc"
 # points and the ops; the slowest first, so a build with few cores ends sooner. name -> (source, defines).
 _UNITS = {f"{p}_{g}": ("unit.cpp", [f"-DMS_PATH={pi}", f"-DMS_GROUP={gi}"])
           for p, pi in (("portable", 0), ("avx512", 2), ("avx2", 1)) for g, gi in (("g", 1), ("q", 0), ("x", 2))}
-_UNITS.update({"capi": ("capi.cpp", []), "ops": ("ops.cpp", [])})
+_UNITS.update({"capi": ("capi.cpp", []), "ops": ("ops.cpp", []), "q8": ("q8.cpp", [])})
 SOURCES = tuple(_UNITS)
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off"]
 LIBRARY = "libmoestream_cpu.so"
@@ -78,6 +79,12 @@ GGML_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, 
               "IQ3_XXS": 16, "IQ3_S": 17, "IQ1_S": 18, "IQ1_M": 19, "TQ1_0": 20, "TQ2_0": 21}
 GGML_GROUP = {"Q2_K": 16, "Q3_K": 16, "Q6_K": 16, "IQ2_XS": 16, "IQ2_S": 16, "IQ1_M": 16}  # the others: 32
 SPEC, PTRS = 16, 8
+# q8 activation mode (csrc/q8.h): the ggml types it computes on, and the activation block each takes (ggml's
+# vec_dot_type: Q8_K for the K-quants, Q8_0 for Q8_0, Q4_0, Q5_0 and IQ4_NL)
+ACT_FLOAT, ACT_Q8 = 0, 1
+Q8_TYPES = {"Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q5_0": "Q8_0",
+            "IQ4_NL": "Q8_0"}
+_Q8_CODE = {"Q8_K": 1, "Q8_0": 2}
 STREAM, TEN3, TRITS = 0, 1, 2  # codebook packings
 TRIT, LEVEL_BITS = 3, {2: 1, 4: 2, 8: 3, 16: 4}  # turboquant codebook length -> code bits (3: ternary)
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -238,6 +245,8 @@ def _load() -> ctypes.CDLL:
     dll.ms_delta_rule.restype = ctypes.c_int
     dll.ms_attn_block.restype = ctypes.c_int
     dll.ms_attn_block.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    dll.ms_q8_quantize.restype = ctypes.c_int64
+    dll.ms_q8_quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     dll.ms_moe.restype = ctypes.c_int
     dll.ms_moe.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -478,7 +487,8 @@ def _ggml_spec(lf, w: torch.Tensor, role: str, rows: tuple[int, int], out: int) 
     want = ggml.row_bytes(kind, inn)
     _check(row_bytes == want, f"{role}: weight {list(w.shape)} has {row_bytes} bytes per row; [{out}, {inn}] as "
            f"{lf.scheme.tag} needs {want}")
-    fields = [GGML, GGML_TYPES[kind], GGML_GROUP.get(kind, 32), 1, out, inn, rows[0], rows[1], 0, row_bytes]
+    act = ACT_Q8 if lf.scheme.act == "q8" and kind in Q8_TYPES else ACT_FLOAT  # spec[8]: the activation mode
+    fields = [GGML, GGML_TYPES[kind], GGML_GROUP.get(kind, 32), 1, out, inn, rows[0], rows[1], act, row_bytes]
     fields += [0] * (SPEC - len(fields))
     return Spec(fields, [_contig(w), _grid_table(kind) if kind in ggml.GRID_TYPES else None])
 
@@ -1022,6 +1032,43 @@ def activation(name: str, x: torch.Tensor, threshold: float = 20.0, out_dtype: t
 
 
 ACTIVATIONS = ("silu", "situ", "clamped")
+
+
+def q8_quantize(x: torch.Tensor, block: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q8 mode's activation quantization of ``x`` [n, in] (float32, CPU), as the kernels do it (``csrc/q8.h``).
+
+    Args:
+        block: ``"Q8_K"`` (blocks of 256: ggml's ``quantize_row_q8_K_ref``, float32 scale ``max / -127``) or
+            ``"Q8_0"`` (blocks of 32: ggml's x86 ``quantize_row_q8_0``, fp16 scale ``amax / 127``); ``in`` a
+            multiple of the block.
+
+    Returns:
+        (codes int8 [n, in], scales float32 [n, in / block], sums): int16 [n, in / 16] (Q8_K: each 16 codes'
+        sum) or int32 [n, in / 32] (Q8_0: each block's). The values are ``codes * scale``.
+
+    Raises:
+        ValueError: another block name, or ``in`` not whole blocks. RuntimeError: no compiled kernels.
+    """
+    if block not in _Q8_CODE:
+        raise ValueError(f"q8_quantize: block {block!r} is not Q8_K or Q8_0")
+    lib = library()
+    if lib is None:
+        raise RuntimeError("moestream kernels: not built")
+    xf = _contig(x.detach().to(torch.float32).reshape(-1, x.shape[-1]))
+    n, inn = xf.shape
+    size = 256 if block == "Q8_K" else 32
+    stride = lib.ms_q8_quantize(_Q8_CODE[block], None, n, inn, None)
+    _check(stride > 0, f"q8_quantize: {inn} values are not whole {block} blocks of {size}")
+    buf = torch.empty(n, stride, dtype=torch.uint8)
+    lib.ms_q8_quantize(_Q8_CODE[block], xf.data_ptr(), n, inn, buf.data_ptr())
+    nb = inn // size
+    codes = buf[:, :inn].view(torch.int8)
+    scales = buf[:, inn:inn + 4 * nb].contiguous().view(torch.float32)
+    if block == "Q8_K":
+        sums = buf[:, inn + 4 * nb:inn + 4 * nb + 2 * (inn // 16)].contiguous().view(torch.int16)
+    else:
+        sums = buf[:, inn + 4 * nb:inn + 8 * nb].contiguous().view(torch.int32)
+    return codes.contiguous(), scales, sums
 
 
 def expert(x: torch.Tensor, t: dict[str, torch.Tensor], fmt, act: str = "silu", beta: float = 1.0,

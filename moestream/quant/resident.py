@@ -15,7 +15,16 @@ from torch import nn
 from ..checkpoint import torch_dtype
 from . import affine, ggml, native
 from .compressed import linear_format
-from .formats import LinearFormat, QuantConfig, QuantError, check_affine, check_fp8, check_ggml, ggml_scheme
+from .formats import (
+    LinearFormat,
+    QuantConfig,
+    QuantError,
+    check_affine,
+    check_fp8,
+    check_ggml,
+    ggml_scheme,
+    with_activations,
+)
 from .kernels import dequantize_linear, qlinear
 
 _SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",), "gguf": ()}
@@ -129,10 +138,13 @@ def _format(path: str, tensors: dict, qcfg: QuantConfig | None, shape: tuple[int
     return LinearFormat("weight", scheme, shape[0], shape[1]), shapes
 
 
-def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None, where) -> list[str]:
+def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None, where, activations: str = "float",
+                      fallback: list | None = None) -> list[str]:
     """Swap the model's linears and embeddings that ``tensors`` (a checkpoint index) stores quantized.
 
-    Run on the meta-device model before loading. Returns the module paths swapped.
+    Run on the meta-device model before loading. Returns the module paths swapped. ``activations``: the
+    linears' input mode (``"q8"``: :func:`.formats.with_activations`, the tensors it does not cover appended to
+    ``fallback`` as (name, type)); embeddings are looked up, never multiplied, so they have none.
 
     Raises:
         QuantError: a quantized tensor the config does not declare, metadata that disagrees
@@ -160,7 +172,8 @@ def quantize_resident(model: nn.Module, tensors: dict, qcfg: QuantConfig | None,
                 raise QuantError(f"{where}: tensor {stored(path)}.weight is quantized, but this linear also holds "
                                  f"{', '.join(extra)} and is read in float only (mlx-lm keeps such routers float)")
             if got is not None:
-                model.set_submodule(path, QuantLinear(*got, bias=mod.bias is not None))
+                lf = with_activations(got[0], activations, fallback, f"{stored(path)}.weight")
+                model.set_submodule(path, QuantLinear(lf, got[1], bias=mod.bias is not None))
                 swapped.append(path)
         elif isinstance(mod, nn.Embedding):
             got = _format(path, tensors, qcfg, (mod.num_embeddings, mod.embedding_dim), where)

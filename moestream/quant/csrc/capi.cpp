@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "q8.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -14,7 +15,8 @@
 
 namespace ms {
 
-// spec: kind, bits, group, bn, out, in, row0, row_step, pack, row_bytes, s_row, s_dt, b_dt,
+// spec: kind, bits, group, bn, out, in, row0, row_step, pack (ggml: the activation mode, q8.h), row_bytes,
+//       s_row, s_dt, b_dt,
 //       rot_b, rot_m, (rot_scale float32 bits) | rot_half << 32
 // ptrs: weight, scales, biases (affine), value table (16 float32), signs (float32 [in]),
 //       H_m (float32 [m, m]), output bias (float32 [out]), unused
@@ -30,7 +32,10 @@ static Lin make_lin(const int64_t* spec, const void* const* ptrs) {
   L.in = spec[5];
   L.row0 = spec[6];
   L.row_step = spec[7];
-  L.pack = int(spec[8]);
+  if (L.kind == GGML)
+    L.act = int(spec[8]);
+  else
+    L.pack = int(spec[8]);
   L.row_bytes = spec[9];
   L.s_row = spec[10];
   L.s_dt = int(spec[11]);
@@ -104,9 +109,10 @@ static RowsFn rows_fn(int path, const Lin& L) {
   return table[path][grp];
 }
 
-// y [n, ldy] columns 0..L.out-1 for x [n, ldx]: blocks of output rows (columns for FLOAT_T) split over
-// threads in contiguous chunks.
-static void run_linear(RowsFn fn, const Lin& L, const float* x, int64_t ldx, int64_t n, float* y, int64_t ldy) {
+// Output rows (columns for FLOAT_T) of L for n tokens split over threads in contiguous chunks of whole
+// units: f(r0, r1) computes rows [r0, r1).
+template <class F>
+static void split_rows(const Lin& L, int64_t n, F&& f) {
   const int64_t unit = L.kind == FLOAT_T ? 32 : RB;
   const int64_t blocks = (L.out + unit - 1) / unit;
   // at least ~64K weight-token products per thread, so small linears stay on one
@@ -117,7 +123,7 @@ static void run_linear(RowsFn fn, const Lin& L, const float* x, int64_t ldx, int
   if (!omp_in_parallel()) threads = int(std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, blocks / grain)));
 #endif
   if (threads <= 1) {
-    fn(L, x, ldx, n, 0, L.out, y, ldy);
+    f(int64_t(0), L.out);
     return;
   }
 #ifdef _OPENMP
@@ -125,14 +131,39 @@ static void run_linear(RowsFn fn, const Lin& L, const float* x, int64_t ldx, int
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t per = (blocks + nt - 1) / nt, b0 = t * per, b1 = std::min(blocks, b0 + per);
-    if (b0 < b1) fn(L, x, ldx, n, b0 * unit, std::min(L.out, b1 * unit), y, ldy);
+    if (b0 < b1) f(b0 * unit, std::min(L.out, b1 * unit));
   }
 #endif
 }
 
+// y [n, ldy] columns 0..L.out-1 for x [n, ldx]
+static void run_linear(RowsFn fn, const Lin& L, const float* x, int64_t ldx, int64_t n, float* y, int64_t ldy) {
+  split_rows(L, n, [&](int64_t r0, int64_t r1) { fn(L, x, ldx, n, r0, r1, y, ldy); });
+}
+
+// y [xa.n, ldy] = W x for activations quantized to L's q8 type (q8.h)
+static void run_q8(int path, const Lin& L, const Q8Rows& xa, float* y, int64_t ldy) {
+  split_rows(L, xa.n, [&](int64_t r0, int64_t r1) { q8_rows(path, L, xa, r0, r1, y, ldy); });
+}
+
 // The whole linear: rotation of the input (turboquant), the zero-padded copy of an input whose width is
 // not a multiple of 16, the product, the output bias.
-static void run_full(RowsFn fn, const Lin& L, const float* x, int64_t n, float* y, int64_t ldy) {
+// In q8 mode (q8_type_of(L)) the input is quantized here, or taken already quantized from `xq` (the same
+// rows: a layer's experts share one quantization of their input).
+static void run_full(int path, RowsFn fn, const Lin& L, const float* x, int64_t n, float* y, int64_t ldy,
+                     const Q8Rows* xq = nullptr) {
+  if (const int qt = q8_type_of(L); qt != Q8_NONE) {
+    Q8Rows own;
+    if (xq == nullptr || xq->type != qt) {
+      q8_quantize(qt, x, L.in, n, L.in, own);
+      xq = &own;
+    }
+    run_q8(path, L, *xq, y, ldy);
+    if (L.out_bias != nullptr)
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t o = 0; o < L.out; ++o) y[t * ldy + o] = y[t * ldy + o] + L.out_bias[o];
+    return;
+  }
   std::vector<float> xr;
   int64_t ldx = L.in;
   if (L.rot_b > 0) {
@@ -180,15 +211,21 @@ static void activate(int act, const float* params, float* g, const float* u, int
 // One gated expert on n rows x [n, in] (float32) into y [n, out] (float32): run_full of gate and up, the
 // activation, run_full of down. g and u are scratch of n * I floats.
 static void expert_rows(int path, const int64_t* specs, const void* const* ptrs, const float* x, int64_t n, float* y,
-                        int act, const float* params, std::vector<float>& g, std::vector<float>& u) {
+                        int act, const float* params, std::vector<float>& g, std::vector<float>& u,
+                        const Q8Rows* xq = nullptr) {
   Lin G = make_lin(specs, ptrs), U = make_lin(specs + SPEC, ptrs + PTRS), D = make_lin(specs + 2 * SPEC, ptrs + 2 * PTRS);
   const int64_t I = G.out;
   if (g.size() < size_t(n * I)) g.resize(size_t(n * I));
   if (u.size() < size_t(n * I)) u.resize(size_t(n * I));
-  run_full(rows_fn(path, G), G, x, n, g.data(), I);
-  run_full(rows_fn(path, U), U, x, n, u.data(), I);
+  Q8Rows own;  // gate and up share their input's quantization
+  if (xq == nullptr && q8_type_of(G) != Q8_NONE && q8_type_of(G) == q8_type_of(U)) {
+    q8_quantize(q8_type_of(G), x, G.in, n, G.in, own);
+    xq = &own;
+  }
+  run_full(path, rows_fn(path, G), G, x, n, g.data(), I, xq);
+  run_full(path, rows_fn(path, U), U, x, n, u.data(), I, xq);
   activate(act, params, g.data(), u.data(), n * I);
-  run_full(rows_fn(path, D), D, g.data(), n, y, D.out);
+  run_full(path, rows_fn(path, D), D, g.data(), n, y, D.out);
 }
 
 // value v rounded to dtype dt (the cast a torch .to(dt) makes), as float32
@@ -218,6 +255,19 @@ int ms_attention(const int64_t* a, const void* const* p);
 
 extern "C" {
 
+// q8 mode's activation quantizer (q8.h): x [n, in] float32 as blocks of `type` (1 Q8_K, 2 Q8_0) into out
+// [n, stride] bytes (row t: int8 codes [in], float32 scales, then int16 16-sums or int32 block sums); the
+// stride, or -1 for a bad type or width. out nullptr: the stride only.
+int64_t ms_q8_quantize(int type, const float* x, int64_t n, int64_t in, void* out) {
+  if ((type != ms::Q8_KB && type != ms::Q8_0B) || n < 0 || in <= 0 || in % (type == ms::Q8_KB ? 256 : 32)) return -1;
+  const int64_t stride = ms::q8_stride(type, in);
+  if (out == nullptr) return stride;
+  ms::Q8Rows q;
+  ms::q8_quantize(type, x, in, n, in, q);
+  if (n > 0) std::memcpy(out, q.data.data(), size_t(n * stride));
+  return stride;
+}
+
 // Bit mask of the compiled paths: 1 portable, 2 AVX2, 4 AVX-512.
 int ms_paths(void) { return 1 | (MS_AVX2 ? 2 : 0) | (MS_AVX512 ? 4 : 0); }
 
@@ -226,7 +276,7 @@ int ms_linear(int path, const int64_t* spec, const void* const* ptrs, const floa
   ms::Lin L = ms::make_lin(spec, ptrs);
   ms::RowsFn fn = ms::rows_fn(path, L);
   if (fn == nullptr) return -1;
-  ms::run_full(fn, L, x, n, y, L.out);
+  ms::run_full(path, fn, L, x, n, y, L.out);
   return 0;
 }
 
@@ -264,7 +314,8 @@ int ms_expert(int path, const int64_t* specs, const void* const* ptrs, const flo
 // out[s] = round_o(round_p(round_x(y) * w[s])) with round_x to x_dt (the expert's output dtype), round_p to
 // prod_dt (the product's promoted dtype) and round_o to out_dt; out [T * K, H_out] in out_dt. x [T, H_in] and
 // w [T * K] float32. Experts run on threads (whole experts when there are several per thread, else each
-// expert's rows split): an output's bits are the same as ms_expert's on that expert and row alone.
+// expert's rows split): an output's bits are the same as ms_expert's on that expert and row alone. In q8 mode
+// (q8.h) x is quantized once for the layer and each expert's gate and up read their tokens' rows of it.
 // 0, or -1 when a path is not compiled or an argument is bad.
 int ms_moe(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs, const int64_t* rows,
            const int64_t* starts, const float* x, int64_t K, int64_t h_in, int64_t h_out, const float* w, int act,
@@ -276,15 +327,47 @@ int ms_moe(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs,
       if (ms::rows_fn(path, L) == nullptr) return -1;
     }
   uint8_t* o = static_cast<uint8_t*>(out);
+  // q8 mode: the layer's input quantized once (token-major) for every expert whose gate and up take that type
+  int qt = ms::Q8_NONE;
+  for (int64_t e = 0; e < n_e && qt == ms::Q8_NONE; ++e) {
+    const ms::Lin G = ms::make_lin(specs + 3 * e * ms::SPEC, ptrs + 3 * e * ms::PTRS);
+    const ms::Lin U = ms::make_lin(specs + (3 * e + 1) * ms::SPEC, ptrs + (3 * e + 1) * ms::PTRS);
+    if (ms::q8_type_of(G) == ms::q8_type_of(U)) qt = ms::q8_type_of(G);
+  }
+  ms::Q8Rows xq_all;  // the call's tokens only (a read expert's call: its own), in order of first use
+  std::vector<int64_t> at;  // token -> its row of xq_all
+  if (qt != ms::Q8_NONE) {
+    int64_t T = 0;
+    for (int64_t i = 0; i < starts[n_e]; ++i) T = std::max(T, rows[i] / K + 1);
+    at.assign(size_t(T), -1);
+    std::vector<float> used;
+    int64_t m = 0;
+    for (int64_t i = 0; i < starts[n_e]; ++i) {
+      const int64_t t = rows[i] / K;
+      if (at[size_t(t)] >= 0) continue;
+      at[size_t(t)] = m++;
+      used.insert(used.end(), x + t * h_in, x + (t + 1) * h_in);
+    }
+    ms::q8_quantize(qt, used.data(), h_in, m, h_in, xq_all);
+  }
   auto one = [&](int64_t e, std::vector<float>& xe, std::vector<float>& ye, std::vector<float>& g,
-                 std::vector<float>& u) {
+                 std::vector<float>& u, ms::Q8Rows& xq) {
     const int64_t a = starts[e], n = starts[e + 1] - a;
     if (n <= 0) return;
     if (xe.size() < size_t(n * h_in)) xe.resize(size_t(n * h_in));
     if (ye.size() < size_t(n * h_out)) ye.resize(size_t(n * h_out));
     for (int64_t i = 0; i < n; ++i) std::memcpy(xe.data() + i * h_in, x + (rows[a + i] / K) * h_in, size_t(h_in) * 4);
+    const ms::Lin G = ms::make_lin(specs + 3 * e * ms::SPEC, ptrs + 3 * e * ms::PTRS);
+    const ms::Lin U = ms::make_lin(specs + (3 * e + 1) * ms::SPEC, ptrs + (3 * e + 1) * ms::PTRS);
+    const bool shared = qt != ms::Q8_NONE && ms::q8_type_of(G) == qt && ms::q8_type_of(U) == qt;
+    if (shared) {  // this expert's tokens' rows of the layer's quantization
+      xq.type = qt, xq.in = h_in, xq.n = n, xq.stride = xq_all.stride;
+      if (xq.data.size() < size_t(n * xq.stride)) xq.data.resize(size_t(n * xq.stride));
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(xq.row(i), xq_all.row(at[size_t(rows[a + i] / K)]), size_t(xq.stride));
+    }
     ms::expert_rows(path, specs + 3 * e * ms::SPEC, ptrs + 3 * e * ms::PTRS, xe.data(), n, ye.data(), act, params,
-                    g, u);
+                    g, u, shared ? &xq : nullptr);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t s = rows[a + i];
       const float ws = w[s];
@@ -303,13 +386,15 @@ int ms_moe(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs,
 #pragma omp parallel num_threads(threads)
     {
       std::vector<float> xe, ye, g, u;
+      ms::Q8Rows xq;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t e = 0; e < n_e; ++e) one(e, xe, ye, g, u);
+      for (int64_t e = 0; e < n_e; ++e) one(e, xe, ye, g, u, xq);
     }
 #endif
   } else {
     std::vector<float> xe, ye, g, u;
-    for (int64_t e = 0; e < n_e; ++e) one(e, xe, ye, g, u);
+    ms::Q8Rows xq;
+    for (int64_t e = 0; e < n_e; ++e) one(e, xe, ye, g, u, xq);
   }
   return 0;
 }
@@ -354,9 +439,9 @@ int ms_attn_block(int path, const int64_t* a, const int64_t* specs, const void* 
   uint8_t* out = static_cast<uint8_t*>(const_cast<void*>(p[7]));
   std::vector<float> xf(size_t(T * H)), q(size_t(T * Hq * D)), k(size_t(T * Hkv * D)), v(size_t(T * Hkv * D));
   for (int64_t i = 0; i < T * H; ++i) xf[size_t(i)] = ms::ld_dt(x, dt, i);
-  ms::run_full(fq, Lq, xf.data(), T, q.data(), Hq * D);
-  ms::run_full(fk, Lk, xf.data(), T, k.data(), Hkv * D);
-  ms::run_full(fv, Lv, xf.data(), T, v.data(), Hkv * D);
+  ms::run_full(path, fq, Lq, xf.data(), T, q.data(), Hq * D);
+  ms::run_full(path, fk, Lk, xf.data(), T, k.data(), Hkv * D);
+  ms::run_full(path, fv, Lv, xf.data(), T, v.data(), Hkv * D);
   for (auto* buf : {&q, &k, &v})
     for (float& f : *buf) f = ms::round_to(f, dt);
   const int64_t half = rot / 2;
@@ -393,7 +478,7 @@ int ms_attn_block(int path, const int64_t* a, const int64_t* specs, const void* 
   if (ms_attention(aa, ap)) return -1;
   for (float& f : att) f = ms::round_to(f, dt);
   std::vector<float> o(size_t(T * H));
-  ms::run_full(fo, Lo, att.data(), T, o.data(), H);
+  ms::run_full(path, fo, Lo, att.data(), T, o.data(), H);
   for (int64_t i = 0; i < T * H; ++i) ms::st_dt(out, dt, i, o[size_t(i)]);
   return 0;
 }

@@ -10,7 +10,8 @@
 //   avx512:   AVX-512 F/BW/VL/VBMI, 16 lanes (arch_avx512.h);
 // groups q: affine, fp8, mxfp4, codebooks and float weights; g: ggml's legacy and k-quant blocks; x: ggml's
 // MXFP4, IQ1-IQ3 and TQ blocks. capi.cpp holds the C entry points (ctypes) and splits output rows over
-// OpenMP threads.
+// OpenMP threads. q8.cpp (q8.h): the opt-in q8 activation mode of ggml weights (llama.cpp's 8-bit activation
+// blocks and integer dot products), all three paths in one unit, with a fixed reduction of its own.
 //
 // One reduction, every path (so every path and every machine gives the same bits):
 //   - each weight is dequantized in float32 by fixed operations (affine: fma(q, scale, bias); fp8,
@@ -57,6 +58,7 @@ struct Lin {
   float lut[16] = {0};  // codebook values (codebook kind), e2m1 values (mxfp4)
   int64_t row0 = 0, row_step = 1;  // row r is stored row row0 + r * row_step (FLOAT_T: column)
   int pack = 0;         // codebook packing (Pack)
+  int act = 0;          // ggml: the activation mode (q8.h ActMode: float, or llama.cpp's 8-bit blocks)
   // input rotation (turboquant): x -> H_B(signs * x), MLX's blockwise Hadamard; rot_b 0: none
   int64_t rot_b = 0, rot_m = 1;
   float rot_scale = 1.0f;
