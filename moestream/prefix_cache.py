@@ -13,8 +13,9 @@ Exactness: on the CPU every op of the token path gives a row bits that depend on
 the same bits whichever request computed them, in whatever chunk, so logits after a reused prefix are
 ``torch.equal`` to a fresh prefill. The cache therefore serves only models whose state is a plain
 :class:`~moestream.models.layers.KVCache` of attention layers (:attr:`CausalLM.batchable`) on the CPU:
-a hybrid or linear-attention family's recurrent state cannot be sliced at a block end, and on CUDA the
-dense projections are cuBLAS's, whose bits depend on the rows of a call (:func:`prefix_cache_for`).
+a hybrid or linear-attention family's recurrent state cannot be sliced at a block end; on CUDA (whose kernels
+are row-invariant too: ``docs/reliability.md``, "Invariance on the GPU") it is off until a GPU test holds it,
+and the KV storage there is the decode graphs' kept pool (:func:`prefix_cache_for`).
 Each stored block's token ids are kept and compared on a hit, so a hash collision can never hand out
 another prefix's keys.
 """
@@ -158,8 +159,8 @@ class PrefixCache:
 def prefix_cache_supported(model, device: torch.device) -> str | None:
     """None when the prefix cache can serve ``model`` on ``device``, else why not (a sentence)."""
     if device.type != "cpu":
-        return ("the prefix cache runs on the CPU only: on CUDA the dense projections are cuBLAS's, whose bits "
-                "depend on the rows of a call, so a reused prefix would not be bit-identical to a fresh prefill")
+        return ("the prefix cache runs on the CPU only for now: on CUDA no test yet holds a reused prefix to the "
+                "bits of a fresh prefill")
     if not getattr(model, "batchable", False):
         return ("this model's decode state is not a plain KV cache of attention layers (linear attention, MLA): "
                 "its state cannot be sliced at block ends, so it has no prefix cache")

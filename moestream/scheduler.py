@@ -17,8 +17,9 @@ reads each routed expert once for all of them. Why it is exact: on the CPU every
 gives a row bits that depend only on that row (attention: on the sequence's own keys), so a sequence's
 logits in a batch, after a prefill cut into other chunks, or after a prefix from the
 :class:`~moestream.prefix_cache.PrefixCache`, are ``torch.equal`` to its solo run
-(``docs/reliability.md``, "Batches and the prefix cache"). On CUDA the dense projections are cuBLAS's,
-whose bits depend on the rows of a call: batching there gives correct answers, not the solo run's bits.
+(``docs/reliability.md``, "Batches and the prefix cache"). On CUDA a batch runs eager ``forward_batch``
+(no CUDA graphs per batch size yet; a lone sequence keeps the decode graphs); the GPU's kernels are
+row-invariant too (``moestream/dense_kernel.py``), which ``tests/test_scheduler.py``'s GPU test checks.
 
 A failed forward pass (an expert read that fails) ends every sequence of that step with the error (their
 KV caches are half written); the others go on. Cancelling one sequence never touches another's state.

@@ -394,20 +394,18 @@ def test_at_real_widths_a_batch_and_a_cached_prefix_give_the_solo_bits(wide):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_a_lone_sequence_is_generates_bits_and_a_batch_is_close(ckpt):
-    """On CUDA the scheduler's single sequence goes through the model's own path (decode graphs): the bits of
-    generate(); a batch runs eager forward_batch, whose dense projections are cuBLAS's (bits depend on the rows
-    of a call): its first logits are close to the solo ones, and every sequence runs to its end."""
-    with load(ckpt, cache_budget_gb="all", device="cuda", dtype="fp32", prefix_cache_gb=0.01) as eng:
-        assert eng.prefix_cache is None  # off on CUDA
+def test_on_cuda_a_batch_gives_the_solo_bits(ckpt):
+    """On CUDA a lone sequence goes through the model's own path (its decode graphs) and a batch through eager
+    forward_batch; the GPU's attention, fused experts and dense projections are row-invariant
+    (docs/reliability.md, "Invariance on the GPU"), so both give generate()'s bits alone; the prefix cache is off."""
+    with load(ckpt, cache_budget_gb="all", device="cuda", prefix_cache_gb=0.01) as eng:
+        assert eng.prefix_cache is None
         reqs = _requests(eng, 4)
         solo = [_solo(eng, r) for r in reqs]
-        alone = _collect(Scheduler(eng, 1), reqs[:1])[0]
-        _same(solo[0], alone, "one sequence on CUDA")
+        _same(solo[0], _collect(Scheduler(eng, 1), reqs[:1])[0], "one sequence on CUDA")
         got = _collect(Scheduler(eng, 4), reqs)
         for i in range(4):
-            assert torch.allclose(got[i][0].logits, solo[i][0].logits, rtol=1e-4, atol=1e-4), i
-            assert got[i][-1].finish_reason is not None
+            _same(solo[i], got[i], f"request {i} on CUDA")
 
 
 def test_a_hybrid_family_runs_its_batch_one_by_one_and_has_no_prefix_cache(tmp_path):
