@@ -423,3 +423,30 @@ def test_a_hybrid_family_runs_its_batch_one_by_one_and_has_no_prefix_cache(tmp_p
         got = _collect(Scheduler(eng, 3, step_tokens=16), reqs)
         for i in range(3):
             _same(solo[i], got[i], f"request {i}")
+
+
+def test_batch_generate_gives_each_prompt_its_solo_run(streamed, resident):
+    """moestream.batch_generate: text, chat messages and token ids, each with its own sampling, length and stop
+    strings, batched: each prompt's tokens, text and log-probabilities are stream_generate's of it alone."""
+    import moestream
+
+    tok = streamed.tokenizer
+    prompts = ["hello there", [{"role": "user", "content": "Name three rivers."}], tok.encode("The cache is")]
+    samplings = [None, SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.0, top_k=20, seed=2)]
+    lengths, stops = [8, 12, 6], [[], ["zz"], []]
+    got: dict[int, list] = {0: [], 1: [], 2: []}
+    for s in moestream.batch_generate(streamed, prompts, max_tokens=lengths, sampling=samplings, logprobs=2,
+                                      stop=stops):
+        got[s.index].append(s)
+        assert s.stats.prompt_tokens > 0
+    for i in range(3):
+        want = list(moestream.stream_generate(resident, prompts[i], lengths[i], sampling=samplings[i], logprobs=2,
+                                              stop=stops[i]))
+        assert [s.token for s in got[i]] == [r.token for r in want], i
+        assert [s.text for s in got[i]] == [r.text for r in want], i
+        assert [s.logprob for s in got[i]] == [r.logprob for r in want], i
+        assert got[i][-1].finish_reason == want[-1].finish_reason
+    with pytest.raises(InputError, match="max_tokens: 2 values for 3 prompts"):
+        list(moestream.batch_generate(streamed, prompts, max_tokens=[1, 2]))
+    with pytest.raises(InputError, match="no prompts"):
+        list(moestream.batch_generate(streamed, []))
