@@ -14,7 +14,7 @@ The Python API mirrors the CLI (see :mod:`moestream.api`)::
     for r in moestream.stream_generate(engine, "Why is the sky blue?"):
         print(r.text, end="")
 
-``moestream.load``, ``moestream.generate``, ``moestream.stream_generate`` and the other
+``moestream.load``, ``moestream.generate``, ``moestream.stream_generate``, ``moestream.batch_generate`` and the other
 names in ``__all__`` are imported on first use, so that the command line starts without
 importing PyTorch until it needs it. (``python -m moestream.stream_generate`` is the CLI
 under its reference-system name; the attribute ``moestream.stream_generate`` is the function.)
@@ -32,11 +32,12 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from .errors import MoestreamError  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "GenerationResponse", "GenerationStats", "MoestreamError", "SamplingParams", "generate",
-           "load", "stream_generate", "__version__"]
+__all__ = ["BatchStep", "Engine", "GenerationResponse", "GenerationStats", "MoestreamError", "SamplingParams",
+           "batch_generate", "generate", "load", "stream_generate", "__version__"]
 
 _LAZY = {"Engine": "engine", "load": "engine", "generate": "api", "stream_generate": "api",
-         "GenerationResponse": "api", "GenerationStats": "generation", "SamplingParams": "generation"}
+         "GenerationResponse": "api", "GenerationStats": "generation", "SamplingParams": "generation",
+         "batch_generate": "api", "BatchStep": "api"}
 
 
 def __getattr__(name: str):

@@ -15,6 +15,13 @@ raises :class:`~moestream.errors.EngineClosedError` when used.
 Keyword names follow the CLI flags (``--rep-penalty`` is ``rep_penalty``); sampling
 defaults come from the checkpoint's ``generation_config.json`` as in the CLI. For a
 server, :func:`moestream.generation.generate` is the token-level entry point underneath.
+
+Several prompts together, each with its own options, one forward pass per step for all of them
+(:mod:`moestream.scheduler`; each answer the bits of its solo run on the CPU)::
+
+    for s in moestream.batch_generate(engine, ["Hi!", "Name three rivers."], max_tokens=[32, 64],
+                                      sampling=[None, SamplingParams(temperature=0.7, seed=1)]):
+        print(s.index, repr(s.text))
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from .engine import GB, Engine
 from .errors import InputError
@@ -35,6 +44,7 @@ from .generation import (
 )
 from .generation import generate as generate_tokens
 from .memory import peak_rss_bytes
+from .scheduler import DEFAULT_STEP_TOKENS, Request, Scheduler
 from .textstream import ReasoningSplitter
 from .tokenizer import chat_ids, encode_prompt, prompt_opens_thinking, think_token_ids
 
@@ -198,3 +208,100 @@ def generate(
     stats = GenerationStats()
     text = "".join(r.text for r in stream_generate(engine, prompt, max_tokens, stats=stats, **options))
     return (text, stats) if return_stats else text
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """One generated token of one prompt of :func:`batch_generate`.
+
+    Attributes:
+        index: which prompt (its place in ``prompts``).
+        token: the token id. text: the text that became final with it (may be empty; a stop string's
+            and an EOS token's text is never given).
+        logprob: a :class:`~moestream.generation.TokenLogprob` when that prompt asked for ``logprobs``.
+        logits: with ``keep_logits``, the model's float32 logits [vocab] it came from.
+        finish_reason: None until the prompt's last token, then ``"stop"`` or ``"length"``.
+        stats: that prompt's :class:`~moestream.generation.GenerationStats` so far (prompt, cached and
+            generated tokens, token ids, the logits' digest, times).
+    """
+
+    index: int
+    token: int
+    text: str
+    logprob: TokenLogprob | None
+    logits: torch.Tensor | None
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+def _each(name: str, value, n: int) -> list:
+    """``value`` for each of ``n`` prompts: a list of n values as given, anything else repeated."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise InputError(f"{name}: {len(value)} values for {n} prompts")
+        return value
+    return [value] * n
+
+
+def batch_generate(
+    engine: Engine,
+    prompts: Sequence[str | Sequence[int] | Sequence[dict]],
+    max_tokens: int | list[int] = 256,
+    *,
+    sampling: SamplingParams | None | list[SamplingParams | None] = None,
+    stop: Sequence[str] | list[Sequence[str]] = (),
+    logprobs: int | None | list[int | None] = None,
+    min_tokens: int | list[int] = 0,
+    ignore_eos: bool | list[bool] = False,
+    keep_logits: bool = False,
+    max_batch: int | None = None,
+    system: str | None = None,
+    chat_template: bool = True,
+    no_think: bool = False,
+) -> Iterator[BatchStep]:
+    """Generate from several prompts together, yielding a :class:`BatchStep` per token as each is made.
+
+    Each prompt (text through the chat template, chat messages, or token ids, as :func:`stream_generate`'s)
+    is a sequence of the engine's :class:`~moestream.scheduler.Scheduler`: every step computes one token of
+    every decoding sequence and prefill chunks of the others in one forward pass, so a layer's experts are
+    read once for all of them. On the CPU each prompt's tokens, logits and log-probabilities are exactly
+    those of generating it alone (:func:`stream_generate`, or ``moestream generate``), seeded sampling
+    included (each prompt samples from its own generator). With the engine's prefix cache
+    (``prefix_cache_gb``) a prompt sharing a cached prefix skips prefilling it (``stats.prompt_cached_tokens``).
+
+    Args:
+        prompts: one entry per sequence.
+        max_tokens, sampling, stop, logprobs, min_tokens, ignore_eos: one value for every prompt, or a list
+            of one per prompt. ``sampling`` None: the checkpoint's ``generation_config.json`` defaults
+            (greedy without one). ``min_tokens``: tokens before an end-of-sequence token may be picked;
+            ``ignore_eos``: an end-of-sequence token does not end that prompt.
+        keep_logits: each step carries the model's float32 logits [vocab].
+        max_batch: sequences running at once (default: every prompt); the others wait. Each running
+            sequence holds a KV cache: load with ``max_batch=N`` to have the budget plan count N of them.
+
+    Steps of different prompts interleave; within a prompt they come in order. Closing the iterator
+    early cancels the prompts not finished.
+
+    Raises:
+        InputError: a bad prompt or option (an empty prompt, ids outside the vocabulary, a list of the
+            wrong length, ``min_tokens`` above ``max_tokens``), before anything runs.
+        ReadError: an expert read failed (after the other prompts finished).
+        EngineClosedError: the engine was closed.
+    """
+    engine.check_open()
+    n = len(prompts)
+    if n == 0:
+        raise InputError("batch_generate: no prompts")
+    defaults = generation_defaults(engine.checkpoint.path)
+    samplings = [s if s is not None else resolve_sampling(defaults) for s in _each("sampling", sampling, n)]
+    stops = _each("stop", stop if isinstance(stop, list) and stop and not isinstance(stop[0], str) else
+                  [stop] * n, n)
+    requests = [
+        Request(prompt_ids(engine, p, system, chat_template, no_think), m, sp, tuple(st), lp, mt, ie, keep_logits)
+        for p, m, sp, st, lp, mt, ie in zip(prompts, _each("max_tokens", max_tokens, n), samplings, stops,
+                                            _each("logprobs", logprobs, n), _each("min_tokens", min_tokens, n),
+                                            _each("ignore_eos", ignore_eos, n))
+    ]
+    scheduler = Scheduler(engine, max_batch or n, step_tokens=max(DEFAULT_STEP_TOKENS, max_batch or n))
+    for i, seq, step in scheduler.run(requests):
+        yield BatchStep(i, step.token, step.text, step.logprob, step.logits, step.finish_reason, seq.stats)

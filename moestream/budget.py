@@ -164,7 +164,11 @@ class BudgetPlan:
         auto: how ``auto`` was sized (None for a given budget).
         reserve: bytes set aside for the runtime, reads in flight, read-ahead staging and buffers.
         host: bytes of the pinned host tier behind a VRAM cache (0: none).
-        kv_cache: bytes set aside for the KV cache (twice the context's: it grows by doubling).
+        kv_cache: bytes set aside for the KV caches (twice the context's per sequence: each grows by
+            doubling; ``sequences`` of them for a server running that many at once).
+        prefix_cache: bytes of the prefix cache's KV blocks (``--prefix-cache-gb``).
+        sequences: sequences that run at once (``--max-batch``).
+        context_tokens: tokens of context each sequence's KV cache was counted for.
     """
 
     budget: int | None
@@ -172,6 +176,9 @@ class BudgetPlan:
     reserve: int = 0
     host: int = 0
     kv_cache: int = 0
+    prefix_cache: int = 0
+    sequences: int = 1
+    context_tokens: int = 0
 
 
 def context_tokens_for(net, context_tokens: int | None) -> int:
@@ -225,7 +232,7 @@ def read_reserve(net, one: int, workers: int, page_cache: bool, prefetch_ahead: 
 def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, workers: int,
                     page_cache: bool, prefetch_ahead: int, context_tokens: int | None, share: int = 1,
                     buffers: ReadBuffers = ReadBuffers(), wire_memory: bool = False,
-                    chunk_window: int = 0) -> BudgetPlan:
+                    chunk_window: int = 0, sequences: int = 1, prefix_cache: int = 0) -> BudgetPlan:
     """The CPU expert cache budget, checked against the memory available (before any weight is read).
 
     Args:
@@ -239,11 +246,14 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
         buffers: the store's buffer sizes (:class:`ReadBuffers`: its largest read, arena, alignment slack).
         wire_memory: whether resident weights and cached experts will be locked (``--wire-memory``).
         chunk_window: experts read ahead for the next layer during a prefill chunk.
+        sequences: sequences running at once (``--max-batch``), each with a KV cache for the context;
+        prefix_cache: bytes the prefix cache keeps (``--prefix-cache-gb``).
 
-    The reserve: the PyTorch runtime, the KV cache (twice its size for the context: it grows
-    by doubling) and what the reads need outside the budget (:func:`read_reserve`). ``auto``
-    takes what is left of the memory available after the resident weights and the reserve,
-    capped at every expert; a given budget (or ``all``) is refused when it does not fit.
+    The reserve: the PyTorch runtime, the KV caches (twice their size for the context: each grows
+    by doubling, one per running sequence), the prefix cache and what the reads need outside the
+    budget (:func:`read_reserve`). ``auto`` takes what is left of the memory available after the
+    resident weights and the reserve, capped at every expert; a given budget (or ``all``)
+    is refused when it does not fit.
 
     Raises:
         BudgetError: when resident weights, the cached experts and the reserve exceed the
@@ -252,7 +262,7 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
     """
     resident = resident_bytes(net, dtype)
     ctx = context_tokens_for(net, context_tokens)
-    kv = 2 * ctx * kv_bytes_per_token(net, dtype)
+    kv = sequences * 2 * ctx * kv_bytes_per_token(net, dtype) + prefix_cache
     streaming = budget is not None
     guess = experts if budget is None or budget == AUTO else min(budget, experts)
 
@@ -271,23 +281,30 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
     if resident + cached + kv + reserve > avail:
         raise BudgetError(
             f"resident weights ({resident / GB:.2f} GB) plus {_what(budget)} ({cached / GB:.2f} GB) plus the KV cache "
-            f"({kv / GB:.2f} GB for {ctx} tokens) plus the runtime and read buffers ({reserve / GB:.2f} GB) need "
+            f"({kv / GB:.2f} GB for {ctx} tokens" + (f" x {sequences} sequences (--max-batch)" if sequences > 1 else "")
+            + (f", the prefix cache's {prefix_cache / GB:.2f} GB included (--prefix-cache-gb)" if prefix_cache else "")
+            + f") plus the runtime and read buffers ({reserve / GB:.2f} GB) need "
             f"{(resident + cached + kv + reserve) / GB:.2f} GB, but only {avail / GB:.2f} GB of memory is available "
             "to this process (cgroup limit included" + (f"; this rank's share of {share} on this machine"
                                                         if share > 1 else "")
-            + "); give a smaller --cache-budget-gb, or auto"
+            + "); give a smaller --cache-budget-gb, or auto" + (", or fewer --max-batch sequences or a smaller "
+                                                                "--prefix-cache-gb" if sequences > 1 or prefix_cache
+                                                                else "")
         )
     if wire_memory:
         memory.check_memlock(resident + cached + 2 * workers * one)
-    return BudgetPlan(budget, auto, reserve, kv_cache=kv)
+    return BudgetPlan(budget, auto, reserve, kv_cache=kv - prefix_cache, prefix_cache=prefix_cache,
+                      sequences=sequences, context_tokens=ctx)
 
 
 def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, free: int,
-                       device, context_tokens: int | None, extra_resident: int = 0) -> BudgetPlan:
+                       device, context_tokens: int | None, extra_resident: int = 0, sequences: int = 1,
+                       prefix_cache: int = 0) -> BudgetPlan:
     """The VRAM expert budget on a CUDA device with ``free`` bytes free.
 
     ``extra_resident``: bytes the resident weights take beyond their parameters' (quantized resident
-    linears dequantized at load on the GPU).
+    linears dequantized at load on the GPU). ``sequences``: KV caches running at once (``--max-batch``);
+    ``prefix_cache``: the prefix cache's bytes (0 on CUDA, where it is off).
 
     ``budget`` as given (refused, before any weight is read, when resident weights plus it
     exceed the free device memory), or for ``auto`` the free memory less resident weights,
@@ -299,7 +316,8 @@ def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, expert
     """
     resident = resident_bytes(net, dtype) + extra_resident
     ctx = context_tokens_for(net, context_tokens)
-    reserve = int(1e9) + 4 * net.top_k * one + 2 * ctx * kv_bytes_per_token(net, dtype)
+    kv = sequences * 2 * ctx * kv_bytes_per_token(net, dtype)
+    reserve = int(1e9) + 4 * net.top_k * one + kv + prefix_cache
     if budget == AUTO:
         left = free - resident - reserve
         if left <= 0:
@@ -307,7 +325,8 @@ def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, expert
                 f"--cache-budget-gb auto: {device} has {free / GB:.2f} GB free; resident weights ({resident / GB:.2f} "
                 f"GB) and a {reserve / GB:.2f} GB reserve leave nothing for experts"
             )
-        return BudgetPlan(min(left, experts), None, reserve)
+        return BudgetPlan(min(left, experts), None, reserve, kv_cache=kv, prefix_cache=prefix_cache,
+                          sequences=sequences, context_tokens=ctx)
     cached = experts if budget is None else min(budget, experts)
     if resident + cached > free:
         raise BudgetError(
@@ -315,7 +334,8 @@ def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, expert
             f"{(resident + cached) / GB:.2f} GB, but {device} has {free / GB:.2f} GB free; "
             "give a smaller --cache-budget-gb"
         )
-    return BudgetPlan(budget, None, reserve)
+    return BudgetPlan(budget, None, reserve, kv_cache=kv, prefix_cache=prefix_cache, sequences=sequences,
+                      context_tokens=ctx)
 
 
 def plan_host_budget(host: int | None | str, experts: int, one: int, workers: int, share: int = 1) -> int:

@@ -45,6 +45,7 @@ from .models.rope import RotaryEmbedding
 from .options import DEFAULT_BUDGET_GB, EngineOptions
 from .pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline, FusedSwiGLUKernel, NativeMoEKernel
 from .policies import make_policy
+from .prefix_cache import PrefixCache, prefix_cache_for, prefix_cache_supported
 from .quant import model as quant
 from .quant import native
 from .quant.expert import QuantizedGLU, QuantizedSwiGLU
@@ -149,6 +150,7 @@ class Engine:
     options: EngineOptions | None = None  # the options it was loaded with
     budget: BudgetPlan | None = None  # the cache budget as sized (auto's numbers, the reserve, the host tier)
     closed: bool = False  # close() was called: generating raises EngineClosedError
+    prefix_cache: PrefixCache | None = None  # KV blocks of computed prefixes (--prefix-cache-gb; CPU, plain KV)
 
     def __enter__(self) -> "Engine":
         """``with moestream.load(...) as engine:`` closes the engine when the block ends."""
@@ -362,11 +364,14 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         _attach_decode_runner(net, pipeline, cache, kernels, options, dev, io, usage_state.trace, lookahead)
         if fused:  # the norms in one launch each, as the fused experts (fewer kernels per decode step)
             _fuse_norms(net)
+        if options.prefix_cache and (why := prefix_cache_supported(net, dev)) is not None:
+            print(f"moestream: note: --prefix-cache-gb is off: {why}", file=sys.stderr)
         return Engine(
             checkpoint=ckpt, layout=opened.layout, store=store, cache=cache, model=net, family=opened.family,
             dtype=opened.dtype, device=dev, resident_bytes=resident_bytes(net),
             load_seconds=time.perf_counter() - t0, tokenizer=tok, unused_tensors=unused, io=io, usage=usage_state,
             parallel=parallel, pipeline=pipeline, options=options, budget=plan, threads=torch.get_num_threads(),
+            prefix_cache=None if parallel is not None else prefix_cache_for(net, dev, options.prefix_cache),
         )
     except BaseException:
         if store is not None:
@@ -473,11 +478,13 @@ def _plan_budget(net: CausalLM, store: ExpertStore, keys: list, dtype: torch.dty
     share = 1 if parallel is None else parallel.local_world
     if dev.type == "cuda":  # quantized resident linears are dequantized at load there (_load_resident)
         plan = plan_device_budget(net, options.cache_budget, dtype, experts, one, device_free_bytes(dev), dev,
-                                  options.context_tokens, extra_resident=dense_extra_bytes(net, dtype))
+                                  options.context_tokens, extra_resident=dense_extra_bytes(net, dtype),
+                                  sequences=options.max_batch)
     else:
         plan = plan_cpu_budget(net, options.cache_budget, dtype, experts, one, options.workers, io.use_page_cache,
                                options.prefetch_ahead, options.context_tokens, share, store.read_buffers(keys),
-                               options.wire_memory, chunk_window=io.chunk_window)
+                               options.wire_memory, chunk_window=io.chunk_window, sequences=options.max_batch,
+                               prefix_cache=options.prefix_cache if prefix_cache_supported(net, dev) is None else 0)
     if tiered:
         plan.host = plan_host_budget(options.host_cache, experts, one, options.workers, share)
     return plan

@@ -526,7 +526,10 @@ def generate(
             (the prompt after its last EOS token, and the generated tokens). By default
             its logit is masked (-inf) from then on: a reasoning model closes its
             thinking once. Only where ``</think>`` is one token of the tokenizer.
-        session: a :class:`Session` whose KV cache is reused and updated.
+        session: a :class:`Session` whose KV cache is reused and updated. Without one, the engine's
+            prefix cache (``prefix_cache_gb``, :mod:`moestream.prefix_cache`), when it has one, gives the
+            longest cached prefix (``stats.prompt_cached_tokens``; the logits are a fresh prefill's bits) and
+            keeps this run's blocks.
 
     Under expert parallelism (``engine.parallel``) every rank must call this together:
     rank 0's prompt, ``max_tokens``, sampling (a seed drawn by rank 0 when none is given),
@@ -565,21 +568,29 @@ def generate(
         think_end = think_token_ids(engine.tokenizer)[1]
         think_closed = think_end is not None and think_end in current_turn(prompt_ids, eos)
     kv, reuse = _kv_cache(model, session, prompt_ids, max_tokens)
+    # the engine's prefix cache (--prefix-cache-gb), shared with the server's scheduler: a session keeps its own KV
+    pcache = getattr(engine, "prefix_cache", None) if session is None and par is None else None
+    if pcache is not None:
+        reuse, blocks = pcache.lookup(prompt_ids, len(prompt_ids) - 1)
+        pcache.fill(kv, reuse, blocks)
     ids = torch.tensor(prompt_ids, dtype=torch.int64, device=engine.device)
     stats.prompt_tokens = len(prompt_ids)
     stats.prompt_cached_tokens = reuse
     counters = _Counters(engine)
     logits = None
     stats.finish_reason = "length"
+    generated: list[int] = []
+    failed = False  # a forward pass failed part-way: the KV cache is not fit for the prefix cache
     try:  # the stats are filled in however it ends: done, failed or interrupted (Ctrl-C) in prefill or decode
         for s in range(reuse, len(prompt_ids), prefill_chunk):
             logits = _forward(engine, ids[s : s + prefill_chunk], s, kv, session)
             if session is not None:
                 session.ids.extend(prompt_ids[s : s + prefill_chunk])
+        if pcache is not None:
+            pcache.store(prompt_ids, kv)
         counters.decode_starts(stats, len(prompt_ids) - reuse)
         pos = len(prompt_ids)
         context = list(prompt_ids) if sampling.penalized else []
-        generated: list[int] = []
         digest = hashlib.sha256()
 
         def account(n: int, token: int) -> tuple[str, str | None]:
@@ -657,8 +668,13 @@ def generate(
             if session is not None:
                 session.ids.append(token)
             pos += 1
+    except BaseException as e:
+        failed = not isinstance(e, GeneratorExit)  # a closed generator leaves its cache whole
+        raise
     finally:
         counters.fill(stats)
+        if pcache is not None and not failed:
+            pcache.store(prompt_ids + generated, kv)
 
 
 

@@ -99,6 +99,10 @@ class EngineOptions:
             (:mod:`moestream.decode_graph`); False runs the same static steps eagerly (same bits).
         dist_timeout, ep_combine, ep_placement: expert parallelism under torchrun
             (:mod:`moestream.parallel`).
+        max_batch: sequences that run at once in the scheduler (``--max-batch``,
+            :mod:`moestream.scheduler`); the budget plan keeps a KV cache of the context for each.
+        prefix_cache: bytes of KV blocks the prefix cache keeps (``--prefix-cache-gb``; 0: off;
+            :mod:`moestream.prefix_cache`); counted in the budget plan.
 
     None of these but ``max_active_experts``, ``fast``, ``dtype`` and ``activations`` changes the output.
     """
@@ -128,6 +132,8 @@ class EngineOptions:
     dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
     ep_combine: str = "allgather"
     ep_placement: str = "auto"
+    max_batch: int = 1
+    prefix_cache: int = 0
 
     def __post_init__(self):
         def whole(name, low):
@@ -140,6 +146,8 @@ class EngineOptions:
         whole("workers", 1)
         whole("prefetch_ahead", 0)
         whole("max_active_experts", 0)
+        whole("max_batch", 1)
+        whole("prefix_cache", 0)
         if self.context_tokens is not None:
             whole("context_tokens", 1)
         for name, allowed in (("dtype", DTYPES), ("activations", ACTIVATIONS), ("cache_policy", POLICIES),
@@ -164,19 +172,23 @@ class EngineOptions:
 
     @classmethod
     def make(cls, cache_budget_gb: str | float | None = DEFAULT_BUDGET_GB, host_cache_gb: str | float | None = None,
-             **options) -> "EngineOptions":
-        """Options from ``moestream.load``'s keywords: budgets in GB (10^9 bytes) or ``all`` / ``auto``,
-        the other fields by name.
+             prefix_cache_gb: float = 0, **options) -> "EngineOptions":
+        """Options from ``moestream.load``'s keywords: budgets in GB (10^9 bytes) or ``all`` / ``auto``
+        (``prefix_cache_gb``: a number of GB, 0 off), the other fields by name.
 
         Raises:
             TypeError: for a keyword that is no option. ConfigError, BudgetError: for a bad value.
         """
-        names = {f.name for f in fields(cls)} - {"cache_budget", "host_cache"}
+        names = {f.name for f in fields(cls)} - {"cache_budget", "host_cache", "prefix_cache"}
         unknown = sorted(set(options) - names)
         if unknown:
             raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; known: cache_budget_gb, "
-                            f"host_cache_gb, {', '.join(sorted(names))}")
-        return cls(cache_budget=parse_budget(cache_budget_gb), host_cache=parse_host_budget(host_cache_gb), **options)
+                            f"host_cache_gb, prefix_cache_gb, {', '.join(sorted(names))}")
+        pc = prefix_cache_gb
+        if isinstance(pc, bool) or not isinstance(pc, (int, float)) or not 0 <= pc < math.inf:
+            raise ConfigError(f"--prefix-cache-gb {pc!r}: give a number of GB >= 0 (0: off)")
+        return cls(cache_budget=parse_budget(cache_budget_gb), host_cache=parse_host_budget(host_cache_gb),
+                   prefix_cache=int(pc * GB), **options)
 
     @classmethod
     def from_args(cls, args, context_tokens: int | None = None) -> "EngineOptions":
@@ -189,7 +201,8 @@ class EngineOptions:
             return getattr(args, name, default)
 
         return cls.make(
-            get("cache_budget_gb", DEFAULT_BUDGET_GB), get("host_cache_gb", None), workers=get("prefetch_workers", 8),
+            get("cache_budget_gb", DEFAULT_BUDGET_GB), get("host_cache_gb", None), get("prefix_cache_gb", 0),
+            max_batch=get("max_batch", 1), workers=get("prefetch_workers", 8),
             device=get("device", "auto"),
             use_page_cache=get("use_page_cache", None), prefetch_ahead=get("prefetch_ahead", 0),
             wire_memory=get("wire_memory", False), context_tokens=context_tokens, fast=get("fast", False),

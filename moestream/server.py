@@ -4,12 +4,15 @@ Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/complet
 (streamed as server-sent events or not), ``GET /health``, ``GET /metrics`` (Prometheus
 text format), ``GET /stats`` (JSON for the chat page) and ``GET /`` (a small chat page).
 
-One model runs one generation at a time. Requests wait in a FIFO of at most
-``max_queue`` entries; one more gets 429 with ``Retry-After``. A generation runs on its
-own thread and hands its tokens to the event loop; a client that disconnects (streamed
-or not) sets a flag the thread checks at the next token, and the queue moves on only once
-that thread has stopped, so two generations never share the model. A request whose client
-disconnects while it waits leaves the queue.
+Up to ``max_batch`` generations run together (:class:`BatchRunner`: the engine's
+:class:`~moestream.scheduler.Scheduler` on a thread of its own steps every running sequence in one
+forward pass, each answer the bits of its solo run); more wait in a FIFO of at most ``max_queue``
+entries; one more gets 429 with ``Retry-After``. Each step's tokens go to their requests on the event
+loop; a client that disconnects (streamed or not) cancels its sequence, which leaves at the next step
+without touching the others; one that disconnects while it waits leaves the queue. With the engine's
+prefix cache (``--prefix-cache-gb``) a prompt reuses the keys and values of its longest cached prefix,
+reported as ``usage.prompt_tokens_details.cached_tokens``. Under expert parallelism (torchrun) one
+generation runs at a time (:class:`Runner`), as its ranks follow rank 0's generations one by one.
 
 Request and response shapes follow OpenAI's chat and completions APIs (as llama.cpp's
 and vLLM's servers implement them); the text between ``<think>`` and ``</think>`` is
@@ -40,7 +43,7 @@ from typing import Any, Literal, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -48,6 +51,8 @@ from starlette.routing import Match
 
 from .errors import InputError, MoestreamError, PromptTooLongError, TemplateVariableError
 from .generation import GenerationStats, SamplingParams, Step, eos_ids, generate, generation_defaults
+from .scheduler import Request as SequenceRequest
+from .scheduler import Scheduler
 from .serverguard import (
     DEFAULT_MAX_BODY_BYTES,
     TRIM_AFTER_BYTES,
@@ -130,6 +135,9 @@ class _Sampling(_Strict):
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extensions, which aiperf and other load testers send to fix the output length
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
 
 
 class ChatRequest(_Sampling):
@@ -160,6 +168,9 @@ class Job:
     stop: list[str]
     logprobs: int | None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (set when it is admitted)
 
 
 _END = object()
@@ -213,7 +224,7 @@ class Runner:
         def work():
             try:
                 for step in generate(self.engine, job.ids, job.max_tokens, job.sampling, job.stats,
-                                     stop=job.stop, logprobs=job.logprobs):
+                                     stop_at_eos=not job.ignore_eos, stop=job.stop, logprobs=job.logprobs):
                     run.loop.call_soon_threadsafe(run.queue.put_nowait, step)
                     self.metrics.tokens.inc()
                     self.metrics.tokens_generated += 1
@@ -228,6 +239,83 @@ class Runner:
 
         threading.Thread(target=work, name="moestream-generate", daemon=True).start()
         return run
+
+
+class BatchRunner:
+    """Runs :class:`Job`\\ s together: up to ``max_batch`` in the engine's
+    :class:`~moestream.scheduler.Scheduler` (its own thread, ``moestream-generate``), at most
+    ``max_queue`` more waiting (FIFO), more get 429.
+
+    :meth:`submit` hands a job to the scheduler and returns its :class:`Run` at once (a job that waits
+    is queued inside the scheduler); setting the run's ``cancelled`` (a disconnect, the answer done)
+    cancels that sequence only.
+    """
+
+    def __init__(self, engine, max_batch: int, max_queue: int, metrics: Metrics):
+        self.engine, self.max_batch, self.max_queue, self.metrics = engine, max_batch, max_queue, metrics
+        plan = getattr(engine, "budget", None)  # the KV caches the budget plan counted: the running ones' bound
+        kv_tokens = plan.context_tokens * plan.sequences if plan is not None and plan.context_tokens else None
+        self.scheduler = Scheduler(engine, max_batch, kv_tokens=kv_tokens)
+        self.scheduler.observer = metrics.observe_step
+        # a burst of sequences freed KV caches, logits and activations in the scheduler thread's arena: give
+        # them back to the system once it idles (glibc keeps them otherwise; 175 MB after 200 requests at once)
+        self.scheduler.on_idle = release_freed_memory
+        metrics.queue_depth.set_function(lambda: sum(self.scheduler.counts))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def waiting(self) -> int:
+        return self.scheduler.counts[1]
+
+    @property
+    def running(self) -> int:
+        return self.scheduler.counts[0]
+
+    @property
+    def busy(self) -> bool:
+        return self.running > 0
+
+    def submit(self, job: Job) -> Run:
+        """Queue ``job`` in the scheduler (on the event loop's thread). Raises a 429 :class:`APIError` when
+        ``max_batch`` run and ``max_queue`` wait already, a 400 for a request the engine refuses."""
+        running, waiting = self.scheduler.counts
+        if running + waiting >= self.max_batch + self.max_queue:
+            raise APIError(
+                429, f"the server is busy: {running} requests are running (--max-batch {self.max_batch}) and "
+                f"{waiting} waiting (--max-queue {self.max_queue})",
+                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
+            )
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.scheduler.serve_forever, name="moestream-generate",
+                                            daemon=True)
+            self._thread.start()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        metrics = self.metrics
+
+        def on_step(step: Step) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, step)
+            metrics.tokens.inc()
+            metrics.tokens_generated += 1
+
+        def on_end(error: BaseException | None) -> None:
+            metrics.last_decode_tok_s = job.stats.decode_tok_s or metrics.last_decode_tok_s
+            if error is not None:
+                loop.call_soon_threadsafe(queue.put_nowait, error)
+            loop.call_soon_threadsafe(queue.put_nowait, _END)
+
+        request = SequenceRequest(job.ids, job.max_tokens, job.sampling, tuple(job.stop), job.logprobs,
+                                  job.min_tokens, job.ignore_eos)
+        try:
+            seq = self.scheduler.submit(request, on_step, on_end)
+        except InputError as e:
+            raise APIError(400, str(e)) from None
+        job.stats = seq.stats
+        return Run(loop, queue, seq.cancelled)
+
+    def close(self) -> None:
+        """End every sequence and the scheduler's thread."""
+        self.scheduler.close()
 
 
 @dataclass
@@ -261,6 +349,11 @@ class Metrics:
         self.requests = Counter("moestream_requests", "HTTP requests answered", ["endpoint", "status"],
                                 registry=self.registry)
         self.queue_depth = Gauge("moestream_queue_depth", "Requests waiting or running", registry=self.registry)
+        self.batch_size = Histogram("moestream_batch_size", "Sequences in each forward pass of the scheduler",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=self.registry)
+        self.step_tokens = Histogram("moestream_step_tokens", "Tokens in each forward pass of the scheduler",
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=self.registry)
+        self.runner = None  # the Runner or BatchRunner, set by the Service: running and waiting sequences
         self.last_decode_tok_s = 0.0
         self.tokens_generated = 0
         self.engine = engine
@@ -276,6 +369,24 @@ class Metrics:
         yield CounterMetricFamily("moestream_experts_read", "Experts read from disk", value=store.experts_read)
         yield GaugeMetricFamily("moestream_decode_tokens_per_second", "Decode speed of the last generation",
                                 value=self.last_decode_tok_s)
+        runner = self.runner
+        if runner is not None:
+            yield GaugeMetricFamily("moestream_running_sequences", "Sequences generating now",
+                                    value=getattr(runner, "running", int(runner.busy)))
+            yield GaugeMetricFamily("moestream_waiting_sequences", "Sequences waiting to start", value=runner.waiting)
+        pc = getattr(self.engine, "prefix_cache", None)
+        if pc is not None:
+            yield CounterMetricFamily("moestream_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix "
+                                      "cache instead of prefilled", value=pc.stats.hit_tokens)
+            yield CounterMetricFamily("moestream_prefix_cache_lookup_tokens", "Prompt tokens looked up in the "
+                                      "prefix cache", value=pc.stats.lookup_tokens)
+            yield GaugeMetricFamily("moestream_prefix_cache_bytes", "Bytes of KV blocks the prefix cache holds",
+                                    value=pc.used_bytes)
+
+    def observe_step(self, sequences: int, tokens: int) -> None:
+        """One scheduler step of ``sequences`` sequences and ``tokens`` tokens (called on its thread)."""
+        self.batch_size.observe(sequences)
+        self.step_tokens.observe(tokens)
 
     def snapshot(self, runner: Runner) -> dict:
         cache, store = self.engine.cache.stats, self.engine.store.stats
@@ -365,6 +476,9 @@ class ServerOptions:
     max_context: int
     max_queue: int = 16
     api_key: str | None = None
+    # generations running together (--max-batch; None: the engine's EngineOptions.max_batch, which the budget
+    # plan counted KV caches for)
+    max_batch: int | None = None
     # hostile-client bounds (moestream.serverguard): request body bytes (--max-body-mb) and
     # prompt tokens (--max-prompt-tokens; None: the context less one token to generate)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -471,7 +585,12 @@ class Service:
     def __init__(self, engine, options: ServerOptions):
         self.engine, self.options = engine, options
         self.metrics = Metrics(engine)
-        self.runner = Runner(engine, options.max_queue, self.metrics)
+        if getattr(engine, "parallel", None) is not None:  # the ranks follow one generation at a time
+            self.runner = Runner(engine, options.max_queue, self.metrics)
+        else:
+            batch = options.max_batch or getattr(getattr(engine, "options", None), "max_batch", 1) or 1
+            self.runner = BatchRunner(engine, batch, options.max_queue, self.metrics)
+        self.metrics.runner = self.runner
         self.tok = engine.tokenizer
         self.defaults = generation_defaults(engine.checkpoint.path)
         self.think_ids = think_token_ids(self.tok)
@@ -490,6 +609,8 @@ class Service:
     async def lifespan(self, app):
         yield
         self.pool.shutdown(wait=False)
+        if isinstance(self.runner, BatchRunner):
+            self.runner.close()
 
     async def encode(self, param: str, text: object, fn: Callable[..., list[int]], *args) -> list[int]:
         """``fn(*args)`` (rendering and tokenizing ``text``, a prompt of up to --max-body-mb) on the
@@ -555,9 +676,32 @@ class Service:
             raise APIError(400, f"stop: at most 16 stop strings, got {len(s)}", param="stop")
         return [x for x in s if x]
 
+    def job(self, req: _Sampling, ids: list[int], requested: int | None, logprobs: int | None) -> Job:
+        """The :class:`Job` of a request: its token budget, sampling, stops, ``min_tokens`` and ``ignore_eos``
+        checked (400s naming the field)."""
+        max_tokens = self.budget(req, len(ids), requested)
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens {req.min_tokens} exceeds the {max_tokens} tokens this request may "
+                           "generate (max_tokens, or what the context leaves)", param="min_tokens",
+                           code="invalid_value")
+        if req.min_tokens and isinstance(self.runner, Runner):
+            raise APIError(400, "min_tokens is not supported under expert parallelism", param="min_tokens")
+        return Job(ids, max_tokens, self.sampling(req), self.stops(req), logprobs, min_tokens=req.min_tokens,
+                   ignore_eos=req.ignore_eos)
+
     async def answer(self, request: Request, job: Job, stream: bool, respond: Callable[[Run], Any]):
         """Queue ``job``, run it, and answer with ``respond(run)``: the events of a stream, or a
         coroutine giving the whole answer. A client that leaves, queued or running, ends the job."""
+        if isinstance(self.runner, BatchRunner):
+            run = self.runner.submit(job)  # 429 at once when full: no await between the count and the queueing
+            if stream:
+                return _RunStream(run, respond(run))
+            try:
+                return await unless_gone(request, respond(run))
+            except ClientGone:
+                return _gone()
+            finally:
+                run.cancelled.set()  # answered, failed or gone: the sequence leaves at the next step
         if stream:
             try:
                 await unless_gone(request, self.runner.enter())
@@ -584,8 +728,7 @@ class Service:
         ids = await self.encode("messages", [messages, req.tools, req.chat_template_kwargs], chat_ids, self.tok,
                                 messages, req.tools, req.chat_template_kwargs, self.limit)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = Job(ids, self.budget(req, len(ids), requested), self.sampling(req), self.stops(req),
-                  (req.top_logprobs or 0) if req.logprobs else None)
+        job = self.job(req, ids, requested, (req.top_logprobs or 0) if req.logprobs else None)
         thinking = prompt_opens_thinking(ids, self.think_ids, self.end_of_turn)
         split, tools = self.think_ids[1] is not None, bool(req.tools)
         meta = _Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.options.model_name)
@@ -613,7 +756,7 @@ class Service:
         bad = [t for t in ids if not 0 <= t < self.engine.model.vocab_size]
         if bad:
             raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
-        job = Job(ids, self.budget(req, len(ids), req.max_tokens), self.sampling(req), self.stops(req), req.logprobs)
+        job = self.job(req, ids, req.max_tokens, req.logprobs)
         meta = _Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.options.model_name)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -675,7 +818,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "busy": runner.busy, "waiting": runner.waiting}
+        return {"status": "ok", "model": name, "busy": runner.busy, "waiting": runner.waiting,
+                "running": getattr(runner, "running", int(runner.busy))}
 
     @app.get("/metrics")
     async def prometheus():
@@ -761,7 +905,8 @@ def _error_event(e: Exception) -> dict:
 
 
 def _usage(job: Job, completion: int) -> dict:
-    return {"prompt_tokens": len(job.ids), "completion_tokens": completion, "total_tokens": len(job.ids) + completion}
+    return {"prompt_tokens": len(job.ids), "completion_tokens": completion, "total_tokens": len(job.ids) + completion,
+            "prompt_tokens_details": {"cached_tokens": job.stats.prompt_cached_tokens}}
 
 
 def _sse(obj: dict) -> str:

@@ -393,9 +393,13 @@ def test_long_prompts_tokenized_and_refused_leave_no_memory_behind(tiny_root):
                 assert err["code"] == "context_length_exceeded" and "(--max-context)" in err["message"], err
                 assert "bytes" not in err["message"]  # counted, not refused by length
         idle(url)
+        # 48 MB: the size before is taken after the scheduler gave the first answer's freed memory back (it trims
+        # when it idles); before it did, that 35 MB sat in the size before and the final trim took it off the
+        # growth. The process ends the same size either way (595 MB against 590 MB measured); without the
+        # tokenizer's trim it grew 226 MB.
         deadline = time.time() + 10
-        while (grown := rss(proc.pid) - rss0) >= 32 * MB and time.time() < deadline:
+        while (grown := rss(proc.pid) - rss0) >= 48 * MB and time.time() < deadline:
             time.sleep(0.2)
-        assert grown < 32 * MB, f"RSS is {grown / MB:.1f} MB above its size before six refused 1 MB prompts"
+        assert grown < 48 * MB, f"RSS is {grown / MB:.1f} MB above its size before six refused 1 MB prompts"
     finally:
         stop_server(proc)

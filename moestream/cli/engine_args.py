@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "under torchrun, per rank (auto: this rank's share)",
     )
     p.add_argument("--prefetch-workers", type=int, default=8, help="parallel expert reads (default 8)")
+    p.add_argument("--prefix-cache-gb", type=float, default=0.0,
+                   help="keep the KV blocks of computed prompts (LRU, in GB) and reuse a request's longest cached "
+                   "prefix instead of prefilling it again (same bits; CPU, attention-only families; default 0: off)")
     # -- I/O (the "Cache and I/O" issue's read half) --
     pc = p.add_mutually_exclusive_group()
     pc.add_argument(

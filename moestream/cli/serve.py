@@ -15,8 +15,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens per request, prompt plus generated (default: the model's context length)")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="requests generating together, one forward pass per step for all of them (each answer the "
+                   "bits of its solo run); the budget plan keeps a KV cache of --max-context for each (default 1)")
     p.add_argument("--max-queue", type=int, default=16,
-                   help="requests that may wait while one generates; one more gets 429 (default 16)")
+                   help="requests that may wait while --max-batch generate; one more gets 429 (default 16)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
     p.add_argument("--model-name", default=None, help="the model id /v1/models reports (default: the folder name)")
     p.add_argument("--max-body-mb", type=float, default=4.0,
@@ -33,6 +36,8 @@ def run_serve(args: argparse.Namespace) -> None:
     options = engine_options(args, context=args.max_context)
     if not 0 <= args.port < 65536:
         raise MoestreamError(f"--port {args.port}: expected 0-65535")
+    if args.max_batch < 1:
+        raise MoestreamError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.max_queue < 0:
         raise MoestreamError(f"--max-queue must be at least 0, got {args.max_queue}")
     if args.max_context is not None and args.max_context < 2:
@@ -65,7 +70,7 @@ def run_serve(args: argparse.Namespace) -> None:
         if args.max_context is not None and args.max_context > model_max:
             raise MoestreamError(f"--max-context {args.max_context} exceeds the model's context of {model_max}")
         name = args.model_name or engine.checkpoint.path.name
-        options = ServerOptions(name, args.max_context or model_max, args.max_queue, args.api_key,
+        options = ServerOptions(name, args.max_context or model_max, args.max_queue, args.api_key, args.max_batch,
                                 max_body_bytes=int(args.max_body_mb * 1e6), max_prompt_tokens=args.max_prompt_tokens)
         serve(engine, options, args.host, args.port, sock=sock)
     finally:
