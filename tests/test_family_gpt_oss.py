@@ -13,6 +13,7 @@ from .family_helpers import (  # noqa: F401 (collected here)
     test_streaming_bit_identical,
     test_streaming_exact_wherever_the_pieces_lie,
 )
+from .shared_data import CONFIGS
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
@@ -56,7 +57,7 @@ def test_checkpoint_layout_and_clamp(model):
 
 
 def test_synth_real_config_generates(tmp_path):
-    cfg = json.load(open("/work/shared/models/configs/gpt-oss-20b.json"))
+    cfg = json.load(open(CONFIGS / "gpt-oss-20b.json"))
     cfg.update(hidden_size=32, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     written = fh.synth_and_generate(tmp_path, cfg)
     assert "quantization_config" not in written and len(written["layer_types"]) == 2

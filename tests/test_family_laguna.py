@@ -12,6 +12,7 @@ from .family_helpers import (  # noqa: F401 (collected here)
     test_streaming_bit_identical,
     test_streaming_exact_wherever_the_pieces_lie,
 )
+from .shared_data import CONFIGS
 
 ROPE = {
     "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "beta_fast": 32.0,
@@ -61,7 +62,7 @@ def test_per_element_gate_softcap_variant(tmp_path):
 
 @pytest.mark.parametrize("name", ["Laguna-XS.2-FP8", "Laguna-S-2.1-FP8"])
 def test_synth_real_config_generates(tmp_path, name):
-    cfg = json.load(open(f"/work/shared/models/configs/{name}.json"))
+    cfg = json.load(open(CONFIGS / f"{name}.json"))
     cfg.update(hidden_size=32, intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16,
                head_dim=8, num_key_value_heads=2, num_attention_heads=4,
                num_attention_heads_per_layer=[4 if h == 48 else 6 for h in cfg["num_attention_heads_per_layer"]])

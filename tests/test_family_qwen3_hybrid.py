@@ -14,8 +14,8 @@ from moestream.layout import discover_experts
 
 from . import family_helpers as fh
 from .helpers import read_all, to_layout, write_checkpoint
+from .shared_data import CONFIGS
 
-CONFIGS = Path("/work/shared/models/configs")
 # shapes shared by both tiny models: 2 DeltaNet layers, 2 gated attention layers, 8 experts top-2, shared expert
 TINY = dict(
     vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

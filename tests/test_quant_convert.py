@@ -18,6 +18,7 @@ from moestream.quant.resident import QuantLinear
 
 from .helpers import make_qwen3_moe, read_all, write_checkpoint
 from .quant_helpers import mlx_dequantize
+from .shared_data import CONFIGS
 
 SHAPE = dict(moe_intermediate_size=64, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)
 # RMS of (quantized - float logits) over RMS of the float logits, on this tiny random model
@@ -384,7 +385,7 @@ def test_gpt_oss_converts_with_gate_and_up_de_interleaved(tmp_path):
     interleaved columns, and biases) converts: was a KeyError 'gate'. Each expert is written as separate gate,
     up and down linears with their biases (as mlx-lm and llama.cpp write it), one 4 KiB-aligned range; the float
     build's logits equal the source's, the 8-bit build's stay as close as any model's, and it streams exactly."""
-    cfg = json.load(open("/work/shared/models/configs/gpt-oss-20b.json"))
+    cfg = json.load(open(CONFIGS / "gpt-oss-20b.json"))
     cfg.update(hidden_size=128, intermediate_size=128, num_local_experts=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, vocab_size=1000)
     (tmp_path / "config.json").write_text(json.dumps(cfg))

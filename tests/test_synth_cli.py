@@ -14,6 +14,7 @@ from moestream.errors import ConfigError, MoestreamError
 from moestream.synth import synth
 
 from .helpers import read_all, write_tiny_synth_config
+from .shared_data import CONFIGS
 
 SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=3)
 
@@ -153,8 +154,8 @@ def test_synth_writes_no_mtp_layer_and_says_so_in_the_config():
     and loader would look for them)."""
     from moestream.synth import plan_synth
 
-    plan = plan_synth("/work/shared/models/configs/Qwen3.5-35B-A3B.json", layers=2)
+    plan = plan_synth(CONFIGS / "Qwen3.5-35B-A3B.json", layers=2)
     assert plan.config["text_config"]["mtp_num_hidden_layers"] == 0
     assert not any(t.name.startswith("mtp.") for t in plan.tensors)
-    plan = plan_synth("/work/shared/models/configs/Qwen3-Next-80B-A3B.json", layers=2)
+    plan = plan_synth(CONFIGS / "Qwen3-Next-80B-A3B.json", layers=2)
     assert plan.config.get("mtp_num_hidden_layers", 0) == 0

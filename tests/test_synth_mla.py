@@ -2,7 +2,6 @@
 gives checkpoints that transformers reads as the same model and ``moestream generate`` runs."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +10,8 @@ from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 from moestream.synth import synth
 
-CONFIGS = Path("/work/shared/models/configs")
+from .shared_data import CONFIGS
+
 SMALL_MLA = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
                  num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
                  v_head_dim=10)

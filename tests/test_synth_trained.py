@@ -15,9 +15,8 @@ from moestream.synth import synth
 from moestream.traces import load_trace
 
 from .helpers import read_all, write_tiny_synth_config
+from .shared_data import CONFIGS, SHARED
 
-SHARED = Path("/work/shared")
-CONFIGS = SHARED / "models/configs"
 BENCH_TEXT = Path(__file__).resolve().parents[1] / "benchmarks/bench_text.py"
 
 

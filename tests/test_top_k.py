@@ -3,7 +3,6 @@ config spells it, and the engine uses that value (the budget's read-ahead reserv
 ``--max-active-experts`` warning) instead of a guess."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 from moestream.budget import plan_cpu_budget
 from moestream.models import family_for
 
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "models" / "configs"
+from .shared_data import CONFIGS
 
 
 def _hf(cls_name: str, **kw) -> dict:
