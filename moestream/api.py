@@ -292,6 +292,15 @@ def batch_generate(
     n = len(prompts)
     if n == 0:
         raise InputError("batch_generate: no prompts")
+    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+        raise InputError(f"batch_generate: max_batch must be a whole number of at least 1 or None, got {max_batch!r}")
+    for name, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens)):
+        for v in _each(name, value, n):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InputError(f"batch_generate: {name} must be a whole number, got {v!r}")
+    for v in _each("ignore_eos", ignore_eos, n):
+        if not isinstance(v, bool):
+            raise InputError(f"batch_generate: ignore_eos must be True or False, got {v!r}")
     defaults = generation_defaults(engine.checkpoint.path)
     samplings = [s if s is not None else resolve_sampling(defaults) for s in _each("sampling", sampling, n)]
     stops = _each("stop", stop if isinstance(stop, list) and stop and not isinstance(stop[0], str) else

@@ -754,8 +754,12 @@ def _check_request(engine: Engine, prompt_ids, max_tokens: int, logprobs: int | 
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
         raise InputError("the prompt is empty")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise InputError(f"max_tokens must be a whole number, got {max_tokens!r}")
     if max_tokens < 1:
         raise InputError(f"max_tokens must be at least 1, got {max_tokens}")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+        raise InputError(f"logprobs must be a whole number or None, got {logprobs!r}")
     if logprobs is not None and logprobs < 0:
         raise InputError(f"logprobs must be >= 0, got {logprobs}")
     stops = [s for s in stop if s]

@@ -450,3 +450,23 @@ def test_batch_generate_gives_each_prompt_its_solo_run(streamed, resident):
         list(moestream.batch_generate(streamed, prompts, max_tokens=[1, 2]))
     with pytest.raises(InputError, match="no prompts"):
         list(moestream.batch_generate(streamed, []))
+
+
+@pytest.mark.parametrize("kw,field", [({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": [5, 2.5]}, "max_tokens"),
+                                      ({"min_tokens": "1"}, "min_tokens"), ({"max_batch": 0}, "max_batch"),
+                                      ({"max_batch": "2"}, "max_batch"), ({"max_batch": 1.5}, "max_batch"),
+                                      ({"ignore_eos": "yes"}, "ignore_eos")])
+def test_batch_generate_refuses_wrong_types_by_name(streamed, kw, field):
+    """A wrong type is an InputError naming the argument, before anything runs (not a TypeError from inside)."""
+    import moestream
+
+    with pytest.raises(InputError, match=field):
+        list(moestream.batch_generate(streamed, [[5, 6, 7], [8, 9]], **kw))
+
+
+def test_generate_refuses_a_max_tokens_that_is_not_a_whole_number(streamed):
+    import moestream
+
+    for bad in ("5", 2.5, True):
+        with pytest.raises(InputError, match="max_tokens must be a whole number"):
+            list(moestream.stream_generate(streamed, [5, 6, 7], max_tokens=bad))
