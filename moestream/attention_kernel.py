@@ -108,7 +108,7 @@ if triton is not None:
         hg = (pid_h % NHT) * HPT + g
         hq = kvh * G + hg
         if DEVICE_POS:
-            start = tl.load(pos_ptr).to(tl.int32)
+            start = tl.load(pos_ptr + tl.program_id(2)).to(tl.int32)  # axis 2: the sequence (batched decode)
         t = qt * QPT + tq
         valid = (tq < QPT) & (hg < G) & (t < T)
         qpos = start + t
@@ -140,16 +140,27 @@ if triton is not None:
                  o.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (dv[None, :] < DV))
 
     @triton.jit
-    def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, sink_ptr, pos_ptr, pm_ptr, pacc_ptr,
-                  start, T, sq0, sq1, sk0, sk1, sv0, sv1, so0, so1, qk_scale, window,
+    def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, sink_ptr, pos_ptr, pm_ptr, pacc_ptr, set_ptr,
+                  start, T, sq0, sq1, sk0, sk1, sv0, sv1, so0, so1, sqb, skb, svb, sob, qk_scale, window,
                   G: tl.constexpr, HPT: tl.constexpr, QPT: tl.constexpr, NHT: tl.constexpr, D: tl.constexpr,
                   DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DEVICE_POS: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BATCHED: tl.constexpr):
         # one program: a tile of rows (axis 1: key head and head chunk); axis 0: the tile of queries (one
-        # pass), or the block of keys whose partial state it writes (SPLIT: one tile of queries)
+        # pass), or the block of keys whose partial state it writes (SPLIT: one tile of queries); axis 2:
+        # the sequence of a batched decode step (its query, position and KV set), else 0
         pid0 = tl.program_id(0)
         pid_h = tl.program_id(1)
+        if BATCHED:
+            seq = tl.program_id(2)
+            kset = tl.load(set_ptr + seq).to(tl.int64)
+            q_ptr += seq.to(tl.int64) * sqb
+            o_ptr += seq.to(tl.int64) * sob
+            k_ptr += kset * skb
+            v_ptr += kset * svb
+            part = seq.to(tl.int64) * tl.num_programs(0) * tl.num_programs(1) * BM
+            pm_ptr += part * 2
+            pacc_ptr += part * BDV
         qt = 0 if SPLIT else pid0
         kvh, hq, t, valid, qpos, kv_len, lo, hi = _rows(pid_h, pos_ptr, start, T, qt, G, HPT, QPT, NHT, BM, BN,
                                                         window, HAS_WINDOW, DEVICE_POS)
@@ -178,12 +189,19 @@ if triton is not None:
             _finish(o_ptr, hq, t, valid, den, acc, so0, so1, DV, BDV)
 
     @triton.jit
-    def _attn_combine(o_ptr, sink_ptr, pos_ptr, pm_ptr, pacc_ptr, start, T, so0, so1, window,
+    def _attn_combine(o_ptr, sink_ptr, pos_ptr, pm_ptr, pacc_ptr, start, T, so0, so1, sob, nb, window,
                       G: tl.constexpr, HPT: tl.constexpr, QPT: tl.constexpr, NHT: tl.constexpr, DV: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BDV: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      HAS_SINKS: tl.constexpr, DEVICE_POS: tl.constexpr):
+                      HAS_SINKS: tl.constexpr, DEVICE_POS: tl.constexpr, BATCHED: tl.constexpr):
         # one program: a tile of rows; the split partial states merged in block order, as the one pass does
+        # (axis 2: the sequence of a batched decode step)
         pid_h = tl.program_id(0)
+        if BATCHED:
+            seq = tl.program_id(2).to(tl.int64)
+            o_ptr += seq * sob
+            part = seq * nb * tl.num_programs(0) * BM
+            pm_ptr += part * 2
+            pacc_ptr += part * BDV
         kvh, hq, t, valid, qpos, kv_len, lo, hi = _rows(pid_h, pos_ptr, start, T, 0, G, HPT, QPT, NHT, BM, BN,
                                                         window, HAS_WINDOW, DEVICE_POS)
         m, den, acc = _initial(sink_ptr, hq, valid, BM, BDV, HAS_SINKS)
@@ -298,53 +316,105 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
         RuntimeError: when Triton is missing.
         ValueError: shapes that do not fit.
     """
+    _check(q, keys, values)
+    hq, t, d = q.shape
+    if pos is not None and t != 1:
+        raise ValueError(f"attention: q {list(q.shape)} (a device position takes one query)")
+    out = torch.empty(t, hq, values.shape[2], dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out.transpose(0, 1)
+    qpt = tiling(hq, keys.shape[0])[2]
+    if split is None:
+        split = t <= qpt
+    if split and t > qpt:
+        raise ValueError(f"attention: split takes one tile of queries (at most {qpt}), not {t}")
+    nb = triton.cdiv(keys.shape[1] if pos is not None else min(keys.shape[1], start + t), BLOCK_N)
+    _launch(q, keys, values, out, start, t, scale, window, sinks, pos, None, split, nb, 1)
+    return out.transpose(0, 1)
+
+
+def attention_batch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sets: torch.Tensor,
+                    pos: torch.Tensor, scale: float, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of ``B`` sequences in one launch: sequence ``b``'s query attends over KV set ``sets[b]``
+    up to position ``pos[b]`` (its own key already written there). Each sequence's rows are the tile, the key
+    blocks and the merge of :func:`attention` with a device position over one set's ``[Hkv, S, D]`` tensors, so
+    its bits are those of that sequence decoded alone over the same capacity ``S``.
+
+    Args:
+        q: [Hq, B, D] (one query per sequence; any strides, the last dimension contiguous).
+        keys: [N, Hkv, S, D], values [N, Hkv, S, Dv]: ``N`` KV sets of ``S`` positions (a pool's stacked
+            storage); positions past a sequence's own are never read.
+        sets: int64 [B] on the device, each sequence's set; pos: int64 [B] on the device, its position.
+        scale, window, sinks: as :func:`attention`.
+
+    Returns:
+        [Hq, B, Dv] in q's dtype (a view of a [B, Hq, Dv] tensor).
+
+    Raises:
+        RuntimeError: when Triton is missing.
+        ValueError: shapes that do not fit.
+    """
+    if keys.dim() != 4 or values.dim() != 4 or sets.shape != pos.shape or sets.shape != (q.shape[1],):
+        raise ValueError(f"attention_batch: q {list(q.shape)}, keys {list(keys.shape)}, values "
+                         f"{list(values.shape)}, sets {list(sets.shape)}, pos {list(pos.shape)}")
+    _check(q, keys[0], values[0])
+    hq, b, _ = q.shape
+    out = torch.empty(b, hq, values.shape[3], dtype=q.dtype, device=q.device)
+    if b:
+        _launch(q, keys, values, out, 0, 1, scale, window, sinks, pos, sets, True,
+                triton.cdiv(keys.shape[2], BLOCK_N), b)
+    return out.transpose(0, 1)
+
+
+def _check(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
     if triton is None:
         raise RuntimeError("the attention kernel needs Triton, which this PyTorch lacks")
-    hq, t, d = q.shape
-    hkv, s, d2 = keys.shape
-    dv = values.shape[2]
-    if d2 != d or values.shape[:2] != keys.shape[:2] or hq % hkv or (pos is not None and t != 1):
-        raise ValueError(f"attention: q {list(q.shape)}, keys {list(keys.shape)}, values {list(values.shape)}"
-                         + (" (a device position takes one query)" if pos is not None else ""))
+    hq, _, d = q.shape
+    if keys.shape[2] != d or values.shape[:2] != keys.shape[:2] or hq % keys.shape[0]:
+        raise ValueError(f"attention: q {list(q.shape)}, keys {list(keys.shape)}, values {list(values.shape)}")
     for x in (q, keys, values):
         if x.stride(-1) != 1:
             raise ValueError("attention: the last dimension of q, keys and values must be contiguous")
+
+
+def _launch(q, keys, values, out, start, t, scale, window, sinks, pos, sets, split, nb, batch) -> None:
+    """The kernels of :func:`attention` (``batch`` 1, ``keys`` [Hkv, S, D]) and :func:`attention_batch`
+    (``keys`` [N, Hkv, S, D], ``sets``): ``nb`` key blocks when split."""
+    hq, d, dv = q.shape[0], q.shape[2], values.shape[-1]
+    batched = sets is not None
+    hkv = keys.shape[-3]
     g, hpt, qpt, nht = tiling(hq, hkv)
-    out = torch.empty(t, hq, dv, dtype=q.dtype, device=q.device)
-    if t == 0:
-        return out.transpose(0, 1)
     bd, bdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
     warps = 4 if max(bd, bdv) <= 128 else 8
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     upcast = interpreted() and q.dtype != torch.float32
     nh = hkv * nht
-    if split is None:
-        split = t <= qpt
-    if split and t > qpt:
-        raise ValueError(f"attention: split takes one tile of queries (at most {qpt}), not {t}")
     dev_pos = pos is not None
     pos_arg = pos if dev_pos else out  # never read without DEVICE_POS
     sink_arg = sinks if sinks is not None else out
+    set_arg = sets if batched else out
     has_window = window is not None
     common = dict(G=g, HPT=hpt, QPT=qpt, NHT=nht, BM=BLOCK_M, BN=BLOCK_N, BDV=bdv, HAS_WINDOW=has_window,
-                  HAS_SINKS=sinks is not None, DEVICE_POS=dev_pos)
+                  HAS_SINKS=sinks is not None, DEVICE_POS=dev_pos, BATCHED=batched)
     win = int(window) if has_window else 0
     qk_scale = float(scale) * LOG2E
     args = (q, keys, values, out, sink_arg, pos_arg)
-    strides = (start if not dev_pos else 0, t, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
-               values.stride(0), values.stride(1), out.stride(1), out.stride(0), qk_scale, win)
+    ks, vs = keys.stride(), values.stride()
+    strides = (start if not dev_pos else 0, t, q.stride(0), q.stride(1), ks[-3], ks[-2], vs[-3], vs[-2],
+               out.stride(1), out.stride(0), q.stride(1), ks[0] if batched else 0, vs[0] if batched else 0,
+               out.stride(0), qk_scale, win)
     if not split:
-        _attn_fwd[(triton.cdiv(t, qpt), nh)](*args, out, out, *strides, D=d, DV=dv, BD=bd, SPLIT=False, PREC=prec,
-                                             UPCAST=upcast, **common, num_warps=warps, num_stages=2)
-        return out.transpose(0, 1)
-    nb = triton.cdiv(s if dev_pos else min(s, start + t), BLOCK_N)
-    pm = torch.empty(nb, nh, BLOCK_M, 2, dtype=torch.float32, device=q.device)
-    pacc = torch.empty(nb, nh, BLOCK_M, bdv, dtype=torch.float32, device=q.device)
-    _attn_fwd[(nb, nh)](*args, pm, pacc, *strides, D=d, DV=dv, BD=bd, SPLIT=True, PREC=prec, UPCAST=upcast,
-                        **common, num_warps=warps, num_stages=2)
-    _attn_combine[(nh,)](out, sink_arg, pos_arg, pm, pacc, strides[0], t, out.stride(1), out.stride(0), win,
-                         DV=dv, **common, num_warps=warps)
-    return out.transpose(0, 1)
+        _attn_fwd[(triton.cdiv(t, qpt), nh, batch)](*args, out, out, set_arg, *strides, D=d, DV=dv, BD=bd,
+                                                    SPLIT=False, PREC=prec, UPCAST=upcast, **common,
+                                                    num_warps=warps, num_stages=2)
+        return
+    pm = torch.empty(batch, nb, nh, BLOCK_M, 2, dtype=torch.float32, device=q.device)
+    pacc = torch.empty(batch, nb, nh, BLOCK_M, bdv, dtype=torch.float32, device=q.device)
+    _attn_fwd[(nb, nh, batch)](*args, pm, pacc, set_arg, *strides, D=d, DV=dv, BD=bd, SPLIT=True, PREC=prec,
+                               UPCAST=upcast, **common, num_warps=warps, num_stages=2)
+    _attn_combine[(nh, 1, batch)](out, sink_arg, pos_arg, pm, pacc, strides[0], t, out.stride(1), out.stride(0),
+                                  out.stride(0), nb, win, DV=dv, **common, num_warps=warps)
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,

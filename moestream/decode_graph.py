@@ -49,7 +49,7 @@ from .models.linear import Linear
 from .models.moe import StreamedMoE
 from .models.rope import RotaryEmbedding
 
-MAX_GRAPHS = 4  # captured steps kept (KV tensors x residency), least recently used dropped first
+MAX_GRAPHS = 12  # captured steps kept (KV tensors x residency, batch sizes), least recently used dropped first
 ROUTING_RING = 4  # pinned buffers the all-resident step's routings rotate through
 
 
@@ -114,15 +114,53 @@ class StaticDecodeKV:
         return ops.attend(q, keys, values, int(self.pos[0]), scale, window, sinks)
 
 
+class StaticBatchKV:
+    """One decode step of several sequences over a :class:`~moestream.models.layers.KVPool`'s stacked storage:
+    sequence ``b`` (row ``b`` of the step) writes its key and value at ``pos[b]`` of set ``sets[b]`` and attends
+    over that set (:func:`moestream.attention_kernel.attention_batch`: the bits of its solo step).
+
+    Args:
+        pool: the pool whose stacks hold every sequence's cache.
+        sets, pos: int64 [B] on the device: each row's set and position.
+    """
+
+    def __init__(self, pool, sets: torch.Tensor, pos: torch.Tensor):
+        self.pool, self.sets, self.pos = pool, sets, pos
+
+    def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``q`` [heads, B, d], ``k``/``v`` [kv_heads, B, d] (one row per sequence; ``start`` unused): [heads, B, d]."""
+        keys, values = self.pool.stacked(layer)
+        keys[self.sets, :, self.pos] = k.transpose(0, 1)
+        values[self.sets, :, self.pos] = v.transpose(0, 1)
+        if keys.is_cuda and attention_kernel.available(keys.device):
+            return attention_kernel.attention_batch(q, keys, values, self.sets, self.pos, scale, window, sinks)
+        outs = []  # elsewhere each sequence through ops.attend at its position (StaticDecodeKV's bits)
+        for b, (st, p) in enumerate(zip(self.sets.tolist(), self.pos.tolist())):
+            outs.append(ops.attend(q[:, b : b + 1], keys[st], values[st], p, scale, window, sinks))
+        return torch.cat(outs, dim=1)
+
+
+@dataclass
+class _BatchBuffers:
+    ids: torch.Tensor  # int64 [B] on the device: each row's token
+    pos: torch.Tensor  # int64 [B]: its position
+    sets: torch.Tensor  # int64 [B]: its KV set
+
+
 @dataclass
 class RunnerStats:
     """Decode steps by path: ``replays`` (graph replays), ``eager`` (static path, no graph), ``captures``
-    (graphs captured), ``declined`` (steps left to the model's plain path: no KV cache yet)."""
+    (graphs captured), ``declined`` (steps left to the model's plain path: no KV cache yet); the same for
+    batched steps of several sequences (``batch_*``; declined ones run ``forward_batch``)."""
 
     replays: int = 0
     eager: int = 0
     captures: int = 0
     declined: int = 0
+    batch_replays: int = 0  # batched steps (several sequences) replayed, run eagerly, declined
+    batch_eager: int = 0
+    batch_declined: int = 0
     disabled: str = ""  # why graphs were switched off, if they were
 
     def as_dict(self) -> dict:
@@ -191,6 +229,7 @@ class DecodeRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._ring: list[torch.Tensor] = []  # pinned: where each replay's routings go (budget all)
         self._ring_at = 0
+        self._batch: dict[int, _BatchBuffers] = {}  # the batched steps' buffers by batch size
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, ids: torch.Tensor, start: int, kv: KVCache) -> torch.Tensor | None:
@@ -200,6 +239,9 @@ class DecodeRunner:
         if key is None or start >= key[1]:
             self.stats.declined += 1
             return None
+        got = self.step_batch([(ids, start, kv)])  # a cache of the pool's sets: one graph for every set
+        if got is not None:
+            return got[0]
         if hasattr(self.cache, "settle"):
             self.cache.settle(keep=ROUTING_RING - 1)  # the oldest routing buffer may be written again
         self.ids.copy_(ids.reshape(1), non_blocking=True)
@@ -212,20 +254,102 @@ class DecodeRunner:
         if got is None:
             out = self._eager(kv)  # this step, eagerly (which also warms up what the capture needs)
             self.stats.eager += 1
-            try:
-                while len(self._captured) >= MAX_GRAPHS:
-                    self._captured.popitem(last=False)
-                self._captured[key] = self._capture(kv)
-                self.stats.captures += 1
-            except Exception as e:  # noqa: BLE001 -- a capture that fails leaves the eager path, same bits
-                self.graphs = False
-                self.stats.disabled = f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly"
-                print(f"moestream: warning: {self.stats.disabled}", file=sys.stderr)
-                torch.cuda.synchronize(self.device)
+            self._capture_or_disable(key, lambda: self._capture(kv))
             return out
         self._captured.move_to_end(key)
         self.stats.replays += 1
         return self._replay(got)
+
+    def step_batch(self, parts: list[tuple[torch.Tensor, int, KVCache]]) -> list[torch.Tensor] | None:
+        """Logits [1, vocab] per part of one decode step of one or several sequences, ``parts``
+        ``[(ids [1], start, kv)]``, through the static batched path: one CUDA graph per batch size for the engine's
+        life (the rows' tokens, positions and KV sets are written into its buffers), every row the bits of its
+        solo step. None (the caller takes the per-cache path, or
+        :meth:`~moestream.models.base.CausalLM.forward_batch` for several) unless every cache holds a set of the
+        engine's :class:`~moestream.models.layers.KVPool` with room for its position and every expert is
+        resident (a partial budget's segments fetch per token: those steps stay on the per-cache path)."""
+        pool = getattr(self.model, "kv_pool", None)
+        sets = [pool.set_of(kv) for _, _, kv in parts] if pool is not None else [None]
+        b = len(parts)
+        if None in sets or any(start >= pool.capacity for _, start, _ in parts) or not self._all_resident():
+            self.stats.batch_declined += b > 1
+            return None
+        buf = self._batch_buffers(b)
+        if hasattr(self.cache, "settle"):
+            self.cache.settle(keep=ROUTING_RING - 1)
+        buf.ids.copy_(torch.cat([ids.reshape(1) for ids, _, _ in parts]), non_blocking=True)
+        # from pageable memory: staged before the call returns, so the next step may build its own
+        buf.pos.copy_(torch.tensor([start for _, start, _ in parts]), non_blocking=True)
+        buf.sets.copy_(torch.tensor(sets), non_blocking=True)
+        key = ("batch", b, pool.version, True)
+        got = self._captured.get(key) if self.graphs else None
+        if got is None:
+            out = self._eager_batch(buf)
+            self._count(b, "eager")
+            if self.graphs:
+                self._capture_or_disable(key, lambda: self._capture_batch(buf))
+        else:
+            self._captured.move_to_end(key)
+            self._count(b, "replays")
+            out = self._replay(got)
+        for _, start, kv in parts:
+            kv.length = start + 1
+        return [out[j : j + 1] for j in range(b)]
+
+    def _count(self, b: int, what: str) -> None:
+        name = what if b == 1 else f"batch_{what}"
+        setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def _batch_buffers(self, b: int) -> _BatchBuffers:
+        got = self._batch.get(b)
+        if got is None:
+            dev = self.device
+            got = self._batch[b] = _BatchBuffers(*(torch.zeros(b, dtype=torch.int64, device=dev) for _ in range(3)))
+        return got
+
+    def _forward_batch(self, buf: _BatchBuffers) -> torch.Tensor:
+        """The static batched step: [B, vocab] logits for the tokens in ``buf``."""
+        model = self.model
+        decoder = model.decoder
+        h = decoder.embed_tokens(buf.ids)
+        cos, sin = model.rotary(buf.pos, h.dtype)
+        skv = StaticBatchKV(model.kv_pool, buf.sets, buf.pos)
+        for i, layer in enumerate(decoder.layers):
+            h = layer(h, cos, sin, skv, i, 0)
+        return model.head(decoder.norm(h))
+
+    def _eager_batch(self, buf: _BatchBuffers) -> torch.Tensor:
+        out = self._forward_batch(buf)
+        self._routing_to_host(*self._logged())
+        return out
+
+    def _capture_batch(self, buf: _BatchBuffers) -> _Captured:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                out = self._forward_batch(buf)
+                sizes, flat = self._logged()
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return _Captured([g], out, routing=flat, sizes=sizes)
+
+    def _capture_or_disable(self, key: tuple, capture) -> None:
+        """Capture a graph for ``key`` (the least recently used dropped beyond :data:`MAX_GRAPHS`); a capture that
+        fails turns graphs off with a warning (the eager path gives the same bits)."""
+        try:
+            while len(self._captured) >= MAX_GRAPHS:
+                self._captured.popitem(last=False)
+            self._captured[key] = capture()
+            self.stats.captures += 1
+        except Exception as e:  # noqa: BLE001 -- a capture that fails leaves the eager path, same bits
+            self.graphs = False
+            self.stats.disabled = f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly"
+            print(f"moestream: warning: {self.stats.disabled}", file=sys.stderr)
+            torch.cuda.synchronize(self.device)
 
     @staticmethod
     def _key(kv: KVCache) -> tuple | None:

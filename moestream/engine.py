@@ -647,7 +647,9 @@ def _attach_decode_runner(net: CausalLM, pipeline: ExpertPipeline, cache, kernel
     graphs = options.cuda_graphs and dev.type == "cuda" and io.prefetcher is None and trace is None
     net.decode_runner = DecodeRunner(net, pipeline, cache, graphs)
     if net.decode_runner.graphs:  # every request's KV cache on the same kept tensors: graphs captured once
-        net.kv_pool = KVPool(context_tokens_for(net, options.context_tokens))
+        # a set per sequence the scheduler may run (the budget plan counts them), two at least (a request's
+        # cache may outlive it while the next one starts)
+        net.kv_pool = KVPool(context_tokens_for(net, options.context_tokens), sets=max(2, options.max_batch))
 
 
 def _drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:

@@ -78,8 +78,38 @@ def _interpreter_loops_to_runtime_bounds() -> None:
     interp._patch_lang_tensor = patched
 
 
+def _interpreter_dot_in_float64() -> None:
+    """Triton's interpreter computes ``tl.dot`` with ``np.matmul`` in the accumulator's dtype, that is
+    OpenBLAS's sgemm, whose bits for one row depend on the row's place in the tile on some CPUs (its
+    Haswell and Zen kernels; not SkylakeX's): a row's bits would then depend on the rows beside it, which
+    the GPU's tensor cores never do. Multiply in float64 instead (a product of two float32 is exact there,
+    and the sums' rounding lies far below float32's), then round to the accumulator's dtype: the same bits
+    whatever the CPU, the BLAS kernel or the row's place. Only the interpreter changes."""
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover - another Triton
+        return
+    builder = getattr(interp, "InterpreterBuilder", None)
+    dot = getattr(builder, "create_dot", None)
+    if dot is None or getattr(dot, "_moestream", False):
+        return
+    import numpy as np
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = d.data.dtype
+        floats = a.dtype.is_floating() and b.dtype.is_floating() and np.issubdtype(out, np.floating)
+        if not floats or a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        prod = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        return interp.TensorHandle(prod.astype(out) + d.data, d.dtype.scalar)
+
+    create_dot._moestream = True
+    builder.create_dot = create_dot
+
+
 if triton is not None and interpreted():
     _interpreter_loops_to_runtime_bounds()
+    _interpreter_dot_in_float64()
 
 
 def available(device: torch.device | str) -> bool:

@@ -63,6 +63,30 @@ def test_a_query_has_the_same_bits_whatever_it_does_not_see(window, sinks):
                     assert torch.equal(ak.attention(q[:, a:b], kk, vv, a, 0.25, window, s, split=False), got)
 
 
+@pytest.mark.parametrize("window,sinks", [(None, False), (40, True)])
+def test_a_batched_decode_step_gives_each_sequence_its_solo_bits(window, sinks):
+    """attention_batch: four sequences at different positions over sets of one stacked store (in any order,
+    one set unused, NaN past every written position) give each the bits of its own decode step alone
+    (:func:`attention` with a device position over its set), and agree with float64."""
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, d, cap, n = 8, 2, 16, 160, 5
+    keys = torch.full((n, hkv, cap, d), float("nan"), dtype=torch.bfloat16)
+    values = keys.clone()
+    sets, positions = [3, 0, 4, 1], [0, 63, 64, 150]
+    q = torch.randn(hq, len(sets), d, generator=g).to(torch.bfloat16)
+    for st, p in zip(sets, positions):
+        keys[st, :, : p + 1] = torch.randn(hkv, p + 1, d, generator=g).to(torch.bfloat16)
+        values[st, :, : p + 1] = torch.randn(hkv, p + 1, d, generator=g).to(torch.bfloat16)
+    s = torch.randn(hq, generator=g) if sinks else None
+    got = ak.attention_batch(q, keys, values, torch.tensor(sets), torch.tensor(positions), 0.25, window, s)
+    assert got.shape == (hq, len(sets), d)
+    for b, (st, p) in enumerate(zip(sets, positions)):
+        solo = ak.attention(q[:, b : b + 1], keys[st], values[st], 0, 0.25, window, s, pos=torch.tensor([p]))
+        assert torch.equal(got[:, b : b + 1], solo), b
+        ref = ak.reference(q[:, b : b + 1], keys[st], values[st], p, 0.25, window, s)
+        assert float((got[:, b : b + 1].double() - ref).norm() / ref.norm()) < 1e-2, b
+
+
 def test_reads_the_cache_in_place_with_its_strides():
     """q as the model hands it (a transposed view), keys and values as views of a larger cache; the result is
     a [Hq, T, D] view of [T, Hq, D] memory."""

@@ -517,3 +517,34 @@ def test_fused_router_is_softmax_topk(renorm):
     wb, ib = fm.softmax_topk(logits.to(torch.bfloat16), 8, renorm)
     assert wb.dtype == torch.bfloat16 and ib.shape == (9, 8)
     assert torch.equal(fm.softmax_topk(logits[4:5], 8, renorm)[0], w[4:5])
+
+
+@interpreted
+def test_a_batched_decode_step_gives_each_sequence_its_solo_bits(tiny):
+    """The scheduler's decode steps of several sequences on the static batched path (DecodeRunner.step_batch:
+    the pool's stacked KV sets, the batched attention kernel, the fused experts over every row; on the GPU one
+    graph per batch size) give each sequence generate()'s tokens and logits alone, sequences joining and
+    leaving the batch; a cache outside the pool's sets sends the step to forward_batch, with the same bits."""
+    from moestream.generation import SamplingParams, generate
+    from moestream.scheduler import Request, Scheduler
+
+    engine = load(tiny, tokenizer=False, device="cpu", hotlist=False, learn_experts=False, fused_experts=True,
+                  cache_budget_gb="all")
+    try:
+        runner = engine.model.decode_runner
+        engine.model.kv_pool = KVPool(96, sets=3)
+        g = torch.Generator().manual_seed(8)
+        reqs = [Request(torch.randint(0, 300, (n,), generator=g).tolist(), m, s, keep_logits=True)
+                for n, m, s in ((5, 6, SamplingParams()), (30, 9, SamplingParams(temperature=1.0, seed=4)),
+                                (12, 4, SamplingParams()), (3, 2, SamplingParams(temperature=0.8, seed=2)))]
+        solo = [list(generate(engine, r.ids, r.max_tokens, r.sampling, keep_logits=True, stop_at_eos=False))
+                for r in reqs]
+        got: dict[int, list] = {i: [] for i in range(len(reqs))}
+        for i, _, step in Scheduler(engine, 4, step_tokens=16).run(reqs):  # 4 running, 3 sets: one cache of its own
+            got[i].append(step)
+        assert runner.stats.batch_eager > 0 and runner.stats.batch_declined > 0, runner.stats
+        for i in range(len(reqs)):
+            assert [s.token for s in got[i]] == [s.token for s in solo[i]], i
+            assert all(torch.equal(a.logits, b.logits) for a, b in zip(solo[i], got[i])), i
+    finally:
+        engine.close()

@@ -469,6 +469,10 @@ class CausalLM(nn.Module):
         """
         if len(parts) == 1 or not self.batchable:
             return [self(ids, start, kv, all_logits) for ids, start, kv in parts]
+        if self.decode_runner is not None and all(ids.shape[0] == 1 for ids, _, _ in parts):
+            out = self.decode_runner.step_batch(parts)  # a decode step: one graph per batch size on the GPU
+            if out is not None:
+                return out
         batch = BatchKV([(kv, start, ids.shape[0]) for ids, start, kv in parts])
         decoder = self.decoder
         ids = torch.cat([p[0] for p in parts])

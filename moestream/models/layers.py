@@ -130,25 +130,20 @@ class KVCache:
 
 
 class KVStorage:
-    """One set of KV tensors of :attr:`KVPool.capacity` positions per layer, leased to one
-    :class:`KVCache` at a time (:meth:`KVPool.new_cache`); a layer's tensors are made at its first use."""
+    """One set of a :class:`KVPool`'s KV tensors, leased to one :class:`KVCache` at a time
+    (:meth:`KVPool.new_cache`): set :attr:`index` of the pool's stacked tensors, layer by layer."""
 
-    def __init__(self, pool: KVPool):
-        self.pool = pool
-        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, pool: KVPool, index: int):
+        self.pool, self.index = pool, index
 
     def tensors(self, layer: int, kv_heads: int, dk: int, dv: int, like: torch.Tensor, end: int):
         """The layer's (keys [kv_heads, capacity, dk], values [kv_heads, capacity, dv]) in ``like``'s dtype and
-        device, or None when ``end`` positions do not fit (the cache then allocates its own, as without a pool)."""
-        cap = self.pool.capacity
-        if end > cap:
+        device (views of the pool's stacks), or None when ``end`` positions do not fit (the cache then allocates
+        its own, as without a pool)."""
+        if end > self.pool.capacity:
             return None
-        got = self._layers.get(layer)
-        want = ((kv_heads, cap, dk), (kv_heads, cap, dv), like.dtype, like.device)
-        if got is None or (got[0].shape, got[1].shape, got[0].dtype, got[0].device) != want:
-            got = (like.new_empty(kv_heads, cap, dk), like.new_empty(kv_heads, cap, dv))
-            self._layers[layer] = got
-        return got
+        keys, values = self.pool.stack(layer, kv_heads, dk, dv, like)
+        return keys[self.index], values[self.index]
 
 
 class KVPool:
@@ -156,16 +151,20 @@ class KVPool:
     captured as a CUDA graph over one cache's tensors replays for the next request's cache
     (:class:`moestream.decode_graph.DecodeRunner` keys its graphs by the tensors).
 
-    ``capacity``: positions per set (the engine's context tokens); at most ``sets`` sets exist (caches
-    alive at once beyond that allocate their own tensors, as without a pool). A set is leased by
+    ``capacity``: positions per set (the engine's context tokens); ``sets``: sets at most (caches alive at once
+    beyond that allocate their own tensors, as without a pool). A layer's sets are one stacked tensor pair
+    [sets, kv_heads, capacity, d], made at the layer's first use, so that one batched decode step reads every
+    running sequence's keys from one tensor (its set by index: :meth:`set_of`). A set is leased by
     :meth:`new_cache` and comes back when that cache is garbage.
     """
 
     def __init__(self, capacity: int, sets: int = 2):
         self.capacity, self.max_sets = capacity, sets
         self._free: list[KVStorage] = []
-        self.made = 0  # storage sets made so far
+        self._stacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.made = 0  # storage sets leased out so far (at most ``sets``)
         self.leases = 0  # caches that got a set
+        self.version = 0  # counts new stacked tensors (a batched step's graphs are per tensors)
 
     def new_cache(self, num_layers: int, capacity: int, cls: type | None = None) -> KVCache:
         """A :class:`KVCache` (or ``cls``) whose layers take a free storage set's tensors (when one is free or
@@ -174,7 +173,7 @@ class KVPool:
         if self._free:
             storage = self._free.pop()
         elif self.made < self.max_sets:
-            storage = KVStorage(self)
+            storage = KVStorage(self, self.made)
             self.made += 1
         kv = (cls or KVCache)(num_layers, capacity)
         if storage is not None:
@@ -182,6 +181,39 @@ class KVPool:
             self.leases += 1
             weakref.finalize(kv, self._free.append, storage)
         return kv
+
+    def stack(self, layer: int, kv_heads: int, dk: int, dv: int, like: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s stacked (keys [sets, kv_heads, capacity, dk], values [.., dv]) in ``like``'s dtype and
+        device, made at its first use (and again, as new tensors, if asked for other shapes)."""
+        got = self._stacks.get(layer)
+        want = ((self.max_sets, kv_heads, self.capacity, dk), (self.max_sets, kv_heads, self.capacity, dv),
+                like.dtype, like.device)
+        if got is None or (got[0].shape, got[1].shape, got[0].dtype, got[0].device) != want:
+            got = (like.new_empty(want[0]), like.new_empty(want[1]))
+            self._stacks[layer] = got
+            self.version += 1
+        return got
+
+    def stacked(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s stacked tensors as :meth:`stack` made them.
+
+        Raises:
+            KeyError: the layer has none yet."""
+        return self._stacks[layer]
+
+    def set_of(self, kv: KVCache) -> int | None:
+        """The set whose tensors every attention layer of ``kv`` uses (the pool's stacks, as leased), or None
+        (a cache of its own, one grown past the capacity, or a layer not yet written)."""
+        storage = getattr(kv, "storage", None)
+        if type(kv) is not KVCache or storage is None or storage.pool is not self or not kv.layers:
+            return None
+        for layer, entry in enumerate(kv.layers):
+            got = self._stacks.get(layer)
+            if entry is None or got is None or entry[0].data_ptr() != got[0][storage.index].data_ptr() \
+                    or entry[0].shape[1] != self.capacity:
+                return None
+        return storage.index
 
 
 class AttentionProjections(nn.Module):
