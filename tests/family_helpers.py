@@ -10,6 +10,8 @@ import torch
 from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 
+from .helpers import NORMS, ends, redraw_
+
 
 def save_tiny(family: str, cfg: dict, path: Path, seed: int, extra=None):
     """:func:`save_reference` of transformers' ``<family>ForCausalLM`` on ``<family>Config(**cfg)``."""
@@ -28,19 +30,10 @@ def save_reference(model_cls, cfg, path: Path, seed: int, extra=None):
     """
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith(("mlp.gate.weight", "router.weight", "block_sparse_moe.gate.weight")):
-                p.normal_(0.0, 0.5)
-            elif name.endswith(("bias", "sinks")):
-                p.normal_(0.0, 0.3)
-            if extra is not None:
-                extra(name, p)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # a buffer in MiniMax-M2
-                b.normal_(0.0, 0.3)
+    redraw_(model.named_parameters(), NORMS,
+            (ends("mlp.gate.weight", "router.weight", "block_sparse_moe.gate.weight"), 0.0, 0.5),
+            (ends("bias", "sinks"), 0.0, 0.3), extra=extra)
+    redraw_(model.named_buffers(), (ends("e_score_correction_bias"), 0.0, 0.3))  # a buffer in MiniMax-M2
     model.save_pretrained(path)
     return model
 

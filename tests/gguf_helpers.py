@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from gguf.quants import dequantize, quantize
 
+from .helpers import NORMS, ROUTERS, ends, has, random_family_model, redraw_
+
 # bytes of each block that hold float16 scales (ggml-common.h), set to finite values in random blocks
 _F16_FIELDS = {"Q2_K": (80, 84), "Q3_K": (108, 110), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210),
                "IQ4_NL": (0, 2), "IQ4_XS": (0, 2), "IQ2_XXS": (0, 2), "IQ2_XS": (0, 2), "IQ2_S": (0, 2),
@@ -53,12 +55,7 @@ def make_model(seed: int = 0, family: str = "qwen3_moe", **overrides):
         model = OlmoeForCausalLM(OlmoeConfig(**args)).eval()
     else:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
+    redraw_(model.named_parameters(), NORMS, ROUTERS)
     return model
 
 
@@ -254,23 +251,7 @@ FAMILY_MODELS = {
 def make_family_model(family: str, seed: int = 0, **overrides):
     """A random float32 transformers DeepseekV3/DeepseekV2/Glm4Moe ForCausalLM of :data:`FAMILY_MODELS`; norms,
     routers, biases and the correction bias randomized (init leaves them 1 or 0, which would hide their misuse)."""
-    import transformers
-
-    prefix, kwargs = FAMILY_MODELS[family]
-    cfg = getattr(transformers, prefix + "Config")(**{**kwargs, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "norm" in name and p.dim() == 1:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("e_score_correction_bias"):
-                p.normal_(0.0, 0.3)
-            elif "bias" in name:
-                p.normal_(0.0, 0.1)
-    return model
+    return random_family_model(FAMILY_MODELS, family, seed, **overrides)
 
 
 def _write_family_metadata(w: gguf.GGUFWriter, cfg, mtp_layers: int, gating: bool) -> None:
@@ -429,18 +410,11 @@ def make_hybrid(family: str, seed: int = 0, **overrides):
     else:
         rope = dict(rope, mrope_section=[1, 1, 0], mrope_interleaved=True)
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**args, rope_parameters=rope)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.normal_(1.0, 0.2)  # the gated norm scales by weight
-            elif "norm" in name:
-                p.normal_(0.0, 0.2)  # zero-centred norms scale by 1 + weight
-            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("dt_bias"):
-                p.normal_(1.0, 0.3)
-            elif name.endswith("A_log"):
-                p.normal_(0.0, 0.5)
+    redraw_(model.named_parameters(),
+            (ends("linear_attn.norm.weight"), 1.0, 0.2),  # the gated norm scales by weight
+            (has("norm"), 0.0, 0.2),  # zero-centred norms scale by 1 + weight
+            (ends("mlp.gate.weight", "shared_expert_gate.weight"), 0.0, 0.5),
+            (ends("dt_bias"), 1.0, 0.3), (ends("A_log"), 0.0, 0.5))
     return model
 
 
@@ -451,18 +425,9 @@ def make_gpt_oss(seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0.0, 1.0)
-            elif name.endswith(("gate_up_proj", "down_proj")):
-                p.normal_(0.0, 1.0)
-            elif name.endswith(("_bias", ".bias", "sinks")):
-                p.normal_(0.0, 0.3)
-            elif name.endswith("router.weight"):
-                p.normal_(0.0, 0.5)
+    redraw_(model.named_parameters(), NORMS, (ends("embed_tokens.weight"), 0.0, 1.0),
+            (ends("gate_up_proj", "down_proj"), 0.0, 1.0), (ends("_bias", ".bias", "sinks"), 0.0, 0.3),
+            (ends("router.weight"), 0.0, 0.5))
     return model
 
 

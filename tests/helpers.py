@@ -28,6 +28,52 @@ TINY = dict(
 )
 
 
+def has(*words):
+    """A :func:`redraw_` rule's test: the tensor's name holds one of ``words``."""
+    return lambda name, p: any(w in name for w in words)
+
+
+def ends(*suffixes):
+    """A :func:`redraw_` rule's test: the tensor's name ends with one of ``suffixes``."""
+    return lambda name, p: name.endswith(suffixes)
+
+
+NORMS = (has("norm"), 1.0, 0.2)  # init 1: a norm applied wrongly would hide
+ROUTERS = (ends("mlp.gate.weight"), 0.0, 0.5)  # routers that actually discriminate between experts
+# DeepSeek-style families: 1-D norms, routers, the correction bias (big enough to change which experts are
+# chosen) and every other bias, of the parameters and buffers
+MLA_RULES = ((lambda name, p: "norm" in name and p.dim() == 1, 1.0, 0.2), ROUTERS,
+             (ends("e_score_correction_bias"), 0.0, 0.3), (has("bias"), 0.0, 0.1))
+
+
+def redraw_(named, *rules, extra=None):
+    """Redraw in place, without grad, each tensor of ``named`` ((name, tensor) pairs, in order) that a rule
+    ``(test, mean, std)`` matches (``test(name, tensor)``; the first that does) from N(mean, std); then
+    ``extra(name, tensor)`` of every one when given. Transformers' init leaves norms at 1 and routers and
+    biases small or 0, which would hide their misuse."""
+    with torch.no_grad():
+        for name, p in named:
+            for test, mean, std in rules:
+                if test(name, p):
+                    p.normal_(mean, std)
+                    break
+            if extra is not None:
+                extra(name, p)
+
+
+def random_family_model(families: dict, family: str, seed: int = 0, **overrides):
+    """A random float32 transformers ``<prefix>ForCausalLM`` of ``families[family]`` (``(prefix, config
+    kwargs)``, the kwargs changed by ``overrides``), redrawn by :data:`MLA_RULES`."""
+    import transformers
+
+    prefix, kwargs = families[family]
+    cfg = getattr(transformers, prefix + "Config")(**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
+    redraw_(list(model.named_parameters()) + list(model.named_buffers()), *MLA_RULES)
+    return model
+
+
 def make_qwen3_moe(path: Path, seed: int = 0, **overrides):
     """Save a random float32 transformers ``Qwen3MoeForCausalLM`` to ``path``; return the model.
 
@@ -39,12 +85,7 @@ def make_qwen3_moe(path: Path, seed: int = 0, **overrides):
     cfg = Qwen3MoeConfig(**{**TINY, **overrides})
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)  # routers that actually discriminate between experts
+    redraw_(model.named_parameters(), NORMS, ROUTERS)
     model.save_pretrained(path)
     return model
 

@@ -13,7 +13,7 @@ from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 
 from . import family_helpers as fh
-from .helpers import read_all, to_layout, write_checkpoint
+from .helpers import ends, read_all, redraw_, to_layout, write_checkpoint
 from .shared_data import CONFIGS
 
 # shapes shared by both tiny models: 2 DeltaNet layers, 2 gated attention layers, 8 experts top-2, shared expert
@@ -30,16 +30,10 @@ PROMPT = 80  # longer than the DeltaNet chunk (64)
 def _randomize(model, seed):
     """Norms, routers, shared-expert gates and DeltaNet time steps away from their init, so nothing hides."""
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.normal_(1.0, 0.2)  # the gated norm scales by weight
-            elif "norm" in name and "visual" not in name:
-                p.normal_(0.0, 0.2)  # zero-centred norms scale by 1 + weight
-            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("dt_bias"):
-                p.normal_(1.0, 0.3)
+    redraw_(model.named_parameters(),
+            (ends("linear_attn.norm.weight"), 1.0, 0.2),  # the gated norm scales by weight
+            (lambda name, p: "norm" in name and "visual" not in name, 0.0, 0.2),  # zero-centred: 1 + weight
+            (ends("mlp.gate.weight", "shared_expert_gate.weight"), 0.0, 0.5), (ends("dt_bias"), 1.0, 0.3))
 
 
 def make_qwen3_next(path: Path, seed: int = 0):
