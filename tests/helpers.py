@@ -3,8 +3,12 @@ same weights rewritten in other expert layouts or shardings."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -26,6 +30,38 @@ TINY = dict(
     max_position_embeddings=512,
     rope_theta=10000.0,
 )
+
+
+@contextlib.contextmanager
+def background(kind: str, size: int = 96):
+    """CPU load for the length of a run: ``thread`` (a busy thread of this process running torch
+    matmuls of ``size`` x ``size`` and plain Python: it competes for the cores, OpenMP and the GIL),
+    ``process`` (a busy process), or ``none``."""
+    if kind == "process":
+        p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            yield
+        finally:
+            p.kill()
+            p.wait()
+    elif kind == "thread":
+        stop = threading.Event()
+
+        def busy():
+            a = torch.randn(size, size)
+            while not stop.is_set():
+                a = torch.tanh(a @ a * 0.01)
+                sum(range(2000))
+
+        t = threading.Thread(target=busy, daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
+    else:
+        yield
 
 
 def has(*words):
