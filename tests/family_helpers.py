@@ -237,8 +237,11 @@ def synth_and_generate(tmp_path: Path, cfg: dict, layers: int = 2) -> dict:
     return json.loads((out / "config.json").read_text())
 
 
-# The three checks of a family test module whose ``model`` fixture gives (checkpoint folder, transformers
-# reference): the module imports them and pytest collects them there.
+# The checks of a family test module whose ``model`` fixture gives (checkpoint folder, transformers
+# reference): the module star-imports them (``__all__``) and pytest collects them there.
+__all__ = ["test_logits_match_transformers", "test_greedy_tokens_match_transformers", "test_streaming_bit_identical",
+           "test_invariant_to_chunks_capacity_threads_and_batch", "test_streaming_exact_wherever_the_pieces_lie"]
+
 
 def test_logits_match_transformers(model):
     assert_logits_match(*model)  # 40 tokens, whole and in chunks (through any sliding window of the tiny model)

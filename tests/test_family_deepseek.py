@@ -184,10 +184,8 @@ def test_mtp_layers_are_left_unread(family, tmp_path):
 
 
 def test_invariant_to_chunks_capacity_threads_and_batch(family):
-    path = family[2]
-    fh.assert_invariant(path)
+    fh.assert_invariant(family[2])
 
 
 def test_streaming_exact_wherever_the_pieces_lie(family, tmp_path):
-    path = family[2]
-    fh.assert_streaming_exact_at_offsets(path, tmp_path)
+    fh.assert_streaming_exact_at_offsets(family[2], tmp_path)
