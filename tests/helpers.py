@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -30,6 +31,34 @@ TINY = dict(
     max_position_embeddings=512,
     rope_theta=10000.0,
 )
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """``n`` intra-op threads for the block; the count before restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread for the module that imports this fixture (autouse there): tiny models run no slower,
+    and far faster on a loaded 2-core machine (no OpenMP spin-waits); restored afterwards."""
+    with threads(1):
+        yield
+
+
+def at_threads(fn, *counts: int) -> list:
+    """``fn()`` at each intra-op thread count of ``counts``, in turn; the count before restored after."""
+    out = []
+    for n in counts:
+        with threads(n):
+            out.append(fn())
+    return out
 
 
 @contextlib.contextmanager

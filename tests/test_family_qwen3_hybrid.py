@@ -13,7 +13,7 @@ from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 
 from . import family_helpers as fh
-from .helpers import ends, read_all, redraw_, to_layout, write_checkpoint
+from .helpers import ends, one_thread, read_all, redraw_, to_layout, write_checkpoint  # noqa: F401 (autouse)
 from .shared_data import CONFIGS
 
 # shapes shared by both tiny models: 2 DeltaNet layers, 2 gated attention layers, 8 experts top-2, shared expert
@@ -85,15 +85,6 @@ def make_qwen3_5_moe_text(path: Path, seed: int = 0):
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_5_moe_text" and "text_config" not in cfg
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these tiny models run no slower, and far faster on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"])
