@@ -155,6 +155,28 @@ def make_qwen3_moe(path: Path, seed: int = 0, **overrides):
     return model
 
 
+def qwen3_moe_fixture(name: str, seed: int, **overrides):
+    """A module-scoped fixture: the folder of :func:`make_qwen3_moe` (``seed``, ``overrides``) in a temporary
+    folder named ``name``. Assign it to the fixture's name in the test module."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory):
+        path = tmp_path_factory.mktemp(name)
+        make_qwen3_moe(path, seed=seed, **overrides)
+        return path
+
+    return fixture
+
+
+def expert_bytes(path: Path) -> int:
+    """Bytes of expert 0 of layer 0 of the checkpoint ``path``."""
+    from moestream.checkpoint import Checkpoint
+    from moestream.layout import discover_experts
+
+    with Checkpoint(path) as c:
+        return discover_experts(c.tensors).expert_nbytes(0, 0)
+
+
 def read_all(path: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(Path(path).glob("*.safetensors")):
@@ -223,3 +245,27 @@ def write_tiny_synth_config(path: Path, **overrides) -> Path:
     cfg.update(overrides)
     path.write_text(json.dumps(cfg))
     return path
+
+
+def cli_synth_tiny(root: Path, **overrides) -> Path:
+    """``moestream synth`` (the CLI, which must exit 0) of :func:`write_tiny_synth_config` (``overrides``) at
+    ``root/config.json``, into ``root/tiny``; that folder."""
+    from moestream.cli import main
+
+    cfg = write_tiny_synth_config(root / "config.json", **overrides)
+    assert main(["synth", "--config", str(cfg), "--out", str(root / "tiny")]) == 0
+    return root / "tiny"
+
+
+class Wrapped(torch.nn.Module):
+    """A module around the real model ``inner``, standing in for it: what it lacks is the inner model's."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)

@@ -337,31 +337,11 @@ def test_mixtral_as_llama_with_permuted_q_and_k(qtype, tmp_path):
 
 # -- tokenizer ------------------------------------------------------------------------------------------
 def test_tokenizer_is_built_from_the_gguf_metadata(small, tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from .gguf_vocab import tiny_bpe_metadata
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog, and the cat sat on the mat"] * 20, trainer)
-    vocab = bpe.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    import json
-
-    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(bpe.to_str())["model"]["merges"]]
-
+    bpe, extra = tiny_bpe_metadata("the quick brown fox jumps over the lazy dog, and the cat sat on the mat",
+                                   "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     path = tmp_path / "m.gguf"
-
-    def extra(w):
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
-        w.add_token_list(tokens)
-        w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
-        w.add_token_merges(merges)
-        w.add_eos_token_id(vocab["<|endoftext|>"])
-        w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-
     write_gguf(small, path, "F32", extra=extra)
     engine = load(path, cache_budget_gb="0", workers=1)
     try:
