@@ -74,6 +74,22 @@ def hbm_rate(dev) -> float:
     return 2 * (2 << 30) / sorted(times[2:])[5] / 1e9
 
 
+def prefill_seconds(net, prompt, runs: int) -> list[float]:
+    """Seconds of ``runs`` prefills of ``prompt`` on the GPU, each on a fresh KV cache, synchronized."""
+    import torch
+
+    out = []
+    for _ in range(runs):
+        kv = net.new_kv_cache(len(prompt) + 8)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        net(prompt, 0, kv)
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+        del kv
+    return out
+
+
 def gpu_run(a, dev, config: Path) -> tuple[dict, object]:
     """The start of a GPU script's run: its record (command, device, torch and Triton versions, layers) and
     the function that writes it to ``a.out``; the checkpoint ``a.model`` written first when it does not

@@ -35,7 +35,7 @@ import torch
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
-from _common import T0, add_decode_args, gpu_run, hbm_rate, log  # noqa: E402
+from _common import T0, add_decode_args, gpu_run, hbm_rate, log, prefill_seconds  # noqa: E402
 
 from moestream.engine import load  # noqa: E402
 
@@ -179,14 +179,7 @@ def all_resident(a, res, dev, tokens, warm, prompt, save):
             ref_logits = glog
             save()
             # prefill: one untimed, one timed, each on a fresh KV cache
-            for _ in range(2):
-                kv2 = net.new_kv_cache(a.prefill + 8)
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                net(prompt, 0, kv2)
-                torch.cuda.synchronize()
-                dt = time.perf_counter() - t
-                del kv2
+            dt = prefill_seconds(net, prompt, 2)[-1]
             res["prefill"] = {"tokens": a.prefill, "seconds": dt, "tok_s": a.prefill / dt}
             log("prefill:", res["prefill"])
             save()

@@ -39,7 +39,7 @@ import torch
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
-from _common import gpu_run, hbm_rate, log  # noqa: E402
+from _common import gpu_run, hbm_rate, log, prefill_seconds  # noqa: E402
 
 from moestream.engine import load  # noqa: E402
 from moestream.generation import GenerationStats, generate  # noqa: E402
@@ -215,16 +215,8 @@ def bare_steps(a, res, engine, dev, top):
 def prefill(a, res, engine, dev, top):
     net = engine.model
     prompt = torch.tensor(ids(5, a.prompt, top), device=dev)
-    out = []
     with torch.inference_mode():
-        for _ in range(3):
-            kv = net.new_kv_cache(a.prompt + 8)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            net(prompt, 0, kv)
-            torch.cuda.synchronize()
-            out.append(time.perf_counter() - t)
-            del kv
+        out = prefill_seconds(net, prompt, 3)
     dt = min(out[1:])
     res["prefill"] = {"tokens": a.prompt, "seconds": dt, "tok_s": a.prompt / dt, "all_s": out}
     log("prefill:", res["prefill"])

@@ -257,6 +257,21 @@ def cli_synth_tiny(root: Path, **overrides) -> Path:
     return root / "tiny"
 
 
+def tiny_synth_fixture(name: str):
+    """A module-scoped fixture: ``moestream.synth.synth`` of :func:`write_tiny_synth_config` (the real Qwen3
+    tokenizer and vocabulary, so a text prompt runs) in a temporary folder named ``name``; the checkpoint
+    folder. Assign it to the fixture's name in the test module."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory):
+        from moestream.synth import synth
+
+        d = tmp_path_factory.mktemp(name)
+        return synth(write_tiny_synth_config(d / "c.json"), d / "m")
+
+    return fixture
+
+
 class Wrapped(torch.nn.Module):
     """A module around the real model ``inner``, standing in for it: what it lacks is the inner model's."""
 
