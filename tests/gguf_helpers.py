@@ -31,6 +31,14 @@ K_SHAPE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256
                num_key_value_heads=2, head_dim=64)
 
 
+def _finish(w: gguf.GGUFWriter) -> None:
+    """Write the header, the metadata and the tensors of ``w`` to its file, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def make_model(seed: int = 0, family: str = "qwen3_moe", **overrides):
     """A random float32 transformers Qwen3MoeForCausalLM (or MixtralForCausalLM; norms and routers randomized too)."""
     from transformers import (
@@ -205,10 +213,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
             held[hf] = next(iter(got.values()))
     if tie:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return held
 
 
@@ -371,10 +376,7 @@ def write_gguf_family(model, path: Path, qtype: str = "F32", *, types: dict | No
             got = put(g, t)
         if not mtp:
             held[hf] = got
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return held
 
 
@@ -584,10 +586,7 @@ def write_hybrid_gguf(model, path: Path, qtype: str = "F32", *, legacy: bool = F
         data, qt = encode(t.numpy(), want, rng)
         w.add_tensor(g, data, raw_dtype=qt)
         got[name] = (decode(data, qt).reshape(t.shape).double(), src)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     # back in transformers' form, from the values the file holds
     held: dict[str, torch.Tensor] = {}
     for hf, ref in model.state_dict().items():
@@ -680,10 +679,7 @@ def write_gpt_oss_gguf(model, path: Path, qtype: str = "F32", *, seed: int = 0) 
             data, qt = encode(v.numpy(), want, rng)
             w.add_tensor(g, data, raw_dtype=qt)
             got[n] = decode(data, qt).reshape(v.shape)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     held: dict[str, torch.Tensor] = {}
     for hf, ref in model.state_dict().items():
         if hf.endswith("sinks"):
