@@ -31,6 +31,16 @@ K_SHAPE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256
                num_key_value_heads=2, head_dim=64)
 
 
+def _add_shape(w: gguf.GGUFWriter, cfg) -> None:
+    """The metadata of the transformers config ``cfg``'s shape: blocks, context, widths, heads."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+
+
 def _finish(w: gguf.GGUFWriter) -> None:
     """Write the header, the metadata and the tensors of ``w`` to its file, and close it."""
     w.write_header_to_file()
@@ -151,12 +161,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
     model_arch = gguf.MODEL_ARCH.LLAMA if mixtral else gguf.MODEL_ARCH.OLMOE if olmoe else gguf.MODEL_ARCH.QWEN3MOE
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(path, arch or gguf.MODEL_ARCH_NAMES[model_arch], split_max_tensors=split_max_tensors)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    _add_shape(w, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -633,12 +638,7 @@ def write_gpt_oss_gguf(model, path: Path, qtype: str = "F32", *, seed: int = 0) 
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    _add_shape(w, cfg)
     rope = cfg.rope_parameters
     assert rope["rope_type"] == "yarn"
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
