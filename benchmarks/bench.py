@@ -70,14 +70,6 @@ DEFAULT_CONFIG = ROOT.parent / "shared/models/configs/Qwen3-30B-A3B.json"  # the
 # LRU, not the layer-cycle policy: on routing like trained models' `layer` loses 7-17 points of decode hit rate to
 # LRU (docs/benchmarks.md, "Routing like trained models"); on `spread` they are within a point with read-ahead
 BEST_OPTIONS = {"use_page_cache": False, "prefetch_ahead": 1, "cache_policy": "lru"}
-TINY_CONFIG = {  # the tests' tiny qwen3_moe (tests/helpers.py), vocabulary of the bundled tokenizer
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
-    "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 8,
-    "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "tie_word_embeddings": False, "eos_token_id": 151645, "max_position_embeddings": 4096,
-    "decoder_sparse_step": 1, "mlp_only_layers": [],
-}
 # --smoke --quantized: widths that moestream's group 64 and llama.cpp's Q4_K blocks (256) both divide, so every
 # matrix is quantized as at real shapes (and llama.cpp's repack has Q4_K tensors to take)
 TINY_Q = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256, "head_dim": 64}
@@ -760,7 +752,9 @@ def main() -> int:
         global DROP_CACHES
         DROP_CACHES = False
         a.config = a.work / ("tiny-q-config.json" if a.quantized else "tiny-config.json")
-        a.config.write_text(json.dumps({**TINY_CONFIG, **(TINY_Q if a.quantized else {})}))
+        from tests.helpers import write_tiny_synth_config  # the tests' tiny qwen3_moe, the tokenizer's vocabulary
+
+        write_tiny_synth_config(a.config, **(TINY_Q if a.quantized else {}))
         a.layers, a.prompt_tokens, a.tokens, a.disk_gb = None, 64, 8, 0.01
         # about 6 of the tiny model's 16 experts (bf16 3 kB each; 256 wide: 393 kB, 111 kB in q4)
         a.budgets = a.best_budgets = a.trained_budget = "0.0024" if a.quantized else "0.00002"

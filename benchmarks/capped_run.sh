@@ -18,12 +18,8 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
-bin=$here/.venv/bin
-[ -x "$bin/moestream" ] || make -C "$here" setup
-if [ ! -d "$model" ]; then
-  mkdir -p "$(dirname "$model")"
-  "$bin/moestream" synth --config "$config" --out "$model" ${layers:+--layers $layers}
-fi
+. "$here/benchmarks/_common.sh"
+ensure_checkpoint "$config" "$model" "$layers"
 name=moestream-bench-$$
 if [ -d /sys/fs/cgroup/memory ]; then  # cgroup v1
   cg=/sys/fs/cgroup/memory/$name; mkdir "$cg"; echo "$cap" > "$cg/memory.limit_in_bytes"

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from functools import partial
 
 import torch
+from _common import median_ms
 
 from moestream.models.kimi_linear import situ_expert
 from moestream.models.moe import swiglu_expert
@@ -30,18 +30,6 @@ from moestream.quant.expert import expert_fn_for
 from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
 
 DISK_GBPS = 3.0
-
-
-def median_ms(fn, runs: int, clock) -> float:
-    """Median milliseconds of ``fn()`` over ``runs`` calls by ``clock`` (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times) * 1e3
 
 
 def fp8_expert(inter: int, hidden: int):

@@ -10,22 +10,11 @@ one process, and prints a Markdown table for ``docs/benchmarks.md``.
 from __future__ import annotations  # noqa: I001 -- moestream is imported before torch, on purpose
 
 import argparse
-import statistics
-import time
 
+from _common import median_ms
 from moestream.models import linear as lin  # first: moestream sets its OpenMP wait policy
 import torch
 import torch.nn.functional as F
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -42,8 +31,8 @@ def main() -> None:
     lin.UPCAST = True
     for t in (1, 2, 4, 8, 16, 32, 128, 512):
         x = torch.randn(t, a.hidden).bfloat16()
-        bf = median_ms(lambda x=x: F.linear(x, w), a.repeats)
-        up = median_ms(lambda x=x: lin._upcast_linear(x, w, None), a.repeats)
+        bf = median_ms(lambda x=x: F.linear(x, w), a.repeats, warmup=1)
+        up = median_ms(lambda x=x: lin._upcast_linear(x, w, None), a.repeats, warmup=1)
         use = "float32" if t >= lin.UPCAST_ROWS and not lin.native_bf16() else "bf16"
         print(f"| {t} | {bf:.2f} | {up:.2f} | {bf / up:.2f}x | {use} |")
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from _common import timed_steps
 
 import moestream  # noqa: F401  (before torch: the OpenMP wait policy)
 from moestream.engine import load
@@ -36,18 +36,12 @@ def run(model: str, budget: str, tokens: int, workers: int) -> dict:
     engine = load(model, budget, workers=workers, hotlist=False, learn_experts=False, progress=False)
     try:
         prompt, cont = fed_tokens(engine.tokenizer, tokens)
-        net, cpu, wall = engine.model, [], []
+        net = engine.model
         with torch.inference_mode():
             kv = net.new_kv_cache(len(prompt) + len(cont) + 1)
             net(torch.tensor(prompt), 0, kv)
-            pos = len(prompt)
             h0, l0 = engine.cache.stats.hits, engine.cache.stats.lookups
-            for tok in cont:
-                c0, w0 = time.process_time(), time.perf_counter()
-                net(torch.tensor([tok]), pos, kv)
-                cpu.append(time.process_time() - c0)
-                wall.append(time.perf_counter() - w0)
-                pos += 1
+            cpu, wall = timed_steps(net, cont, len(prompt), kv)
         s = engine.cache.stats
         used = {layer: int((u > 0).sum()) for layer, u in engine.cache.usage.items()}
         return {"budget": budget, "tokens": len(cpu), "cpu_s_per_token": statistics.median(cpu),

@@ -25,13 +25,11 @@ call is repeated (``--reps``; run it beside other load) or its operands lie else
 from __future__ import annotations  # noqa: I001 -- moestream is imported before torch, below
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,6 +39,9 @@ import torch
 from moestream import cache as cache_mod
 from moestream.engine import load
 from moestream.generation import SamplingParams, generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: the tests' background load
+from tests.helpers import background  # noqa: E402
 
 
 def build(path: Path, layers: int = 4, vocab: int = 2048) -> None:
@@ -59,38 +60,6 @@ def build(path: Path, layers: int = 4, vocab: int = 2048) -> None:
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model.save_pretrained(path)
-
-
-@contextlib.contextmanager
-def background(kind: str):
-    """CPU load while a run goes on: a busy thread of this process (torch matmuls and plain Python),
-    a busy process, or none."""
-    if kind == "process":
-        p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            yield
-        finally:
-            p.kill()
-            p.wait()
-        return
-    if kind == "thread":
-        stop = threading.Event()
-
-        def busy():
-            a = torch.randn(128, 128)
-            while not stop.is_set():
-                a = torch.tanh(a @ a * 0.01)
-                sum(range(2000))
-
-        t = threading.Thread(target=busy, daemon=True)
-        t.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            t.join()
-        return
-    yield
 
 
 class FetchCheck:
@@ -227,7 +196,7 @@ def main() -> None:
                        "learned": dict(usage_file=usage)}[pin])
         load_kind = rng.choice(["none", "thread", "process"]) if args.load == "mixed" else args.load
         errors_before = len(check.errors)
-        with background(load_kind):
+        with background(load_kind, 128):
             got, stats = run(**kw)
         same = torch.equal(got, ref)
         record = {

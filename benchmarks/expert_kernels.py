@@ -36,13 +36,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
+from _common import median_ms
 from torch import nn
 
 from moestream.models.kimi_linear import situ_expert
@@ -62,18 +62,6 @@ from moestream.quant.turboquant import TRIT, TQExpertFormat, TQExperts, TQScheme
 DISK_GBPS = 3.0
 
 
-def cpu_ms(fn, runs: int) -> float:
-    """Median process CPU milliseconds of ``fn()`` over ``runs`` calls (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return statistics.median(times) * 1e3
-
-
 def copy_gbps() -> float:
     """Single-thread memory-copy rate: bytes copied per second by a 256 MiB ``copy_`` (median of 7)."""
     threads = torch.get_num_threads()
@@ -81,7 +69,7 @@ def copy_gbps() -> float:
     try:
         src = torch.ones(64 << 20)
         dst = torch.empty_like(src)
-        ms = cpu_ms(lambda: dst.copy_(src), 7)
+        ms = median_ms(lambda: dst.copy_(src), 7, time.process_time)
     finally:
         torch.set_num_threads(threads)
     return src.numel() * 4 / (ms * 1e-3) / 1e9
@@ -266,7 +254,7 @@ def main() -> None:
         for n in (1, 8):
             x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).bfloat16()
             with native.use(args.path):
-                ms = cpu_ms(Cycle(copies, x), runs)
+                ms = median_ms(Cycle(copies, x), runs, time.process_time)
             gbps = nbytes / (ms * 1e-3) / 1e9
             target = read_ms * (1 if n == 1 else 2)
             row = dict(model=model, format=fmt, bits=bits, shape=[inter, hidden], rows=n, compute_ms=round(ms, 4),

@@ -41,6 +41,8 @@ import torch
 MAKE = r'''
 import sys, torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+sys.path.insert(0, sys.argv[2])  # the checkout: the tests' weight redraw
+from tests.helpers import NORMS, ROUTERS, redraw_
 cfg = Qwen3MoeConfig(vocab_size=151936, hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
                      num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096, rope_theta=1e6,
@@ -48,14 +50,7 @@ cfg = Qwen3MoeConfig(vocab_size=151936, hidden_size=256, intermediate_size=256, 
                      bos_token_id=151643, eos_token_id=151645)
 torch.manual_seed(0)
 m = Qwen3MoeForCausalLM(cfg).eval()
-with torch.no_grad():
-    for n, p in m.named_parameters():
-        if "norm" in n:
-            p.normal_(1.0, 0.2)
-        elif n.endswith("mlp.gate.weight"):
-            p.normal_(0.0, 0.5)
-        else:
-            p.normal_(0.0, 0.05)
+redraw_(m.named_parameters(), NORMS, ROUTERS, (lambda n, p: True, 0.0, 0.05))
 m.save_pretrained(sys.argv[1], safe_serialization=True)
 '''
 
@@ -258,7 +253,7 @@ def main() -> int:
     if synth and not (hf / "config.json").exists():
         write_synth_source(hf, args.synth_config, args.layers, args.init, args.synth_dtype)
     elif not (hf / "config.json").exists():
-        run([args.convert_python, "-c", MAKE, str(hf)])
+        run([args.convert_python, "-c", MAKE, str(hf), str(Path(__file__).resolve().parents[1])])
         from moestream.tokenizer import BUNDLED_QWEN3
 
         for f in BUNDLED_QWEN3.iterdir():

@@ -35,31 +35,12 @@ import torch
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
+from _common import T0, add_decode_args, gpu_run, hbm_rate, log, prefill_seconds  # noqa: E402
+
 from moestream.engine import load  # noqa: E402
 
 CONFIG = HERE / "benchmarks/configs/Qwen3-30B-A3B.json"
-T0 = time.perf_counter()
 KV_ROOM = 256  # decode positions the KV cache holds past the warm-up
-
-
-def log(*a):
-    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
-
-
-def hbm_rate(dev) -> float:
-    """GB/s of a 2 GB device-to-device copy, counting bytes read and written (median of 10)."""
-    a = torch.empty(2 << 30, dtype=torch.uint8, device=dev).random_(0, 255)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * (2 << 30) / sorted(times[2:])[5] / 1e9
 
 
 def pinned_rate(dev, piece: int, count: int = 32) -> float:
@@ -106,6 +87,15 @@ def _kv(net, a):
     return net.new_kv_cache(max(a.warm, a.tiered_warm) + a.warm_decode + KV_ROOM)
 
 
+def warm_up(net, kv, warm, tokens, warm_decode, dev) -> int:
+    """Prefill ``warm``, then ``warm_decode`` decode steps fed ``tokens`` in turn: the next position."""
+    net(torch.tensor(warm, device=dev), 0, kv)
+    pos = len(warm)
+    for n in range(warm_decode):
+        net(torch.tensor([tokens[n % len(tokens)]], device=dev), pos + n, kv)
+    return pos + warm_decode
+
+
 def floor_bytes(engine) -> int:
     """Bytes one decode token reads: resident weights but the embedding table (one row), plus top-k experts
     per MoE layer."""
@@ -119,10 +109,7 @@ def floor_bytes(engine) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--tokens", type=int, default=48, help="timed decode steps (at most KV_ROOM, 256)")
-    p.add_argument("--warm", type=int, default=256, help="warm-up prefill tokens")
-    p.add_argument("--warm-decode", type=int, default=4)
+    add_decode_args(p, layers=48, tokens=48, warm_decode=4, tokens_help="timed decode steps (at most KV_ROOM, 256)")
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--tiered", default="", help="comma list of fraction:host[:prefetch-ahead] (host: auto, none or GB)")
     p.add_argument("--tiered-warm", type=int, default=16, help="warm-up prefill tokens of the tiered runs")
@@ -134,25 +121,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("gpu_decode.json"))
     a = p.parse_args()
     dev = torch.device("cuda")
-    res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-           "layers": a.layers}
-    try:
-        import triton
-
-        res["triton"] = triton.__version__
-    except ImportError:
-        pass
-
-    def save():
-        a.out.write_text(json.dumps(res, indent=1))
-
-    if not a.model.exists():
-        from moestream.synth import plan_synth, write_synth
-
-        t = time.perf_counter()
-        write_synth(plan_synth(CONFIG, a.layers, "bf16", 0, None, "spread", 5.0), a.model, device="cuda")
-        res["synth_seconds"] = time.perf_counter() - t
-        log(f"synth {a.layers} layers: {res['synth_seconds']:.1f} s")
+    res, save = gpu_run(a, dev, CONFIG)
     res["checkpoint_gb"] = sum(f.stat().st_size for f in a.model.glob("*.safetensors")) / 1e9
     res["hbm_gb_s"] = hbm_rate(dev)
     log(f"HBM {res['hbm_gb_s']:.0f} GB/s")
@@ -195,11 +164,7 @@ def all_resident(a, res, dev, tokens, warm, prompt, save):
         res["floor_ms"] = res["floor_bytes"] / (res["hbm_gb_s"] * 1e9) * 1e3
         kv = _kv(net, a)
         with torch.inference_mode():
-            net(torch.tensor(warm[: a.warm], device=dev), 0, kv)
-            pos = a.warm
-            for n in range(a.warm_decode):
-                net(torch.tensor([tokens[n % len(tokens)]], device=dev), pos + n, kv)
-            pos += a.warm_decode
+            pos = warm_up(net, kv, warm[: a.warm], tokens, a.warm_decode, dev)
             gt, glog = step_times(net, kv, tokens, pos, dev)
             res["all_graphs"] = summary(gt) | {"runner": runner.stats.as_dict() if runner else None}
             log("budget all, graphs:", res["all_graphs"])
@@ -214,14 +179,7 @@ def all_resident(a, res, dev, tokens, warm, prompt, save):
             ref_logits = glog
             save()
             # prefill: one untimed, one timed, each on a fresh KV cache
-            for _ in range(2):
-                kv2 = net.new_kv_cache(a.prefill + 8)
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                net(prompt, 0, kv2)
-                torch.cuda.synchronize()
-                dt = time.perf_counter() - t
-                del kv2
+            dt = prefill_seconds(net, prompt, 2)[-1]
             res["prefill"] = {"tokens": a.prefill, "seconds": dt, "tok_s": a.prefill / dt}
             log("prefill:", res["prefill"])
             save()
@@ -261,11 +219,7 @@ def tiered(a, res, dev, tokens, warm, ref_logits, save):
             ts, st = c.tier_stats, engine.store.stats
             kv = _kv(net, a)
             with torch.inference_mode():
-                net(torch.tensor(warm[: a.tiered_warm], device=dev), 0, kv)
-                pos = a.tiered_warm
-                for n in range(a.warm_decode):
-                    net(torch.tensor([tokens[n % len(tokens)]], device=dev), pos + n, kv)
-                pos += a.warm_decode
+                pos = warm_up(net, kv, warm[: a.tiered_warm], tokens, a.warm_decode, dev)
                 s0 = (c.stats.lookups, c.stats.hits, ts.host_hits, ts.h2d_bytes, st.bytes_read)
                 tt, tlog = step_times(net, kv, tokens, pos, dev)
                 s1 = (c.stats.lookups, c.stats.hits, ts.host_hits, ts.h2d_bytes, st.bytes_read)

@@ -39,30 +39,12 @@ import torch
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
+from _common import gpu_run, hbm_rate, log, prefill_seconds  # noqa: E402
+
 from moestream.engine import load  # noqa: E402
 from moestream.generation import GenerationStats, generate  # noqa: E402
 
 CONFIG = HERE / "benchmarks/configs/Qwen3-30B-A3B.json"
-T0 = time.perf_counter()
-
-
-def log(*a):
-    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
-
-
-def hbm_rate(dev) -> float:
-    a = torch.empty(2 << 30, dtype=torch.uint8, device=dev).random_(0, 255)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * (2 << 30) / sorted(times[2:])[5] / 1e9
 
 
 def graph_us(fn, calls: int = 20, reps: int = 5) -> float:
@@ -233,16 +215,8 @@ def bare_steps(a, res, engine, dev, top):
 def prefill(a, res, engine, dev, top):
     net = engine.model
     prompt = torch.tensor(ids(5, a.prompt, top), device=dev)
-    out = []
     with torch.inference_mode():
-        for _ in range(3):
-            kv = net.new_kv_cache(a.prompt + 8)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            net(prompt, 0, kv)
-            torch.cuda.synchronize()
-            out.append(time.perf_counter() - t)
-            del kv
+        out = prefill_seconds(net, prompt, 3)
     dt = min(out[1:])
     res["prefill"] = {"tokens": a.prompt, "seconds": dt, "tok_s": a.prompt / dt, "all_s": out}
     log("prefill:", res["prefill"])
@@ -312,25 +286,7 @@ def main() -> None:
     a = p.parse_args()
     skip = set(a.skip.split(","))
     dev = torch.device("cuda")
-    res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-           "layers": a.layers}
-    try:
-        import triton
-
-        res["triton"] = triton.__version__
-    except ImportError:
-        pass
-
-    def save():
-        a.out.write_text(json.dumps(res, indent=1))
-
-    if not a.model.exists():
-        from moestream.synth import plan_synth, write_synth
-
-        t = time.perf_counter()
-        write_synth(plan_synth(CONFIG, a.layers, "bf16", 0, None, "spread", 5.0), a.model, device="cuda")
-        res["synth_seconds"] = time.perf_counter() - t
-        log(f"synth {a.layers} layers: {res['synth_seconds']:.1f} s")
+    res, save = gpu_run(a, dev, CONFIG)
     res["hbm_gb_s"] = hbm_rate(dev)
     log(f"HBM {res['hbm_gb_s']:.0f} GB/s")
     if "kernels" not in skip:

@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from _common import add_decode_args  # noqa: E402
 from gpu_tiers import CONFIG, disk_rate, run_config  # noqa: E402
 
 TARGETS = {"all": 1.0, "25% + host": 2.5, "25% + disk": 3.0}
@@ -164,10 +165,7 @@ def expert_bytes(path: Path) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", type=Path, required=True, help="folder for the bf16 and q4 checkpoints")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--tokens", type=int, default=24, help="timed decode steps")
-    p.add_argument("--warm", type=int, default=256, help="warm-up prefill tokens")
-    p.add_argument("--warm-decode", type=int, default=8)
+    add_decode_args(p, layers=24, tokens=24, warm_decode=8)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--only", default="", help="comma-separated tiers to run (all, 25%% + host, 25%% + disk)")
     p.add_argument("--out", type=Path, default=Path("gpu_quant.json"))

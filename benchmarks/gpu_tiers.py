@@ -40,6 +40,8 @@ import torch
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
+from _common import add_decode_args  # noqa: E402
+
 from moestream.direct_io import HugePageBuffer  # noqa: E402
 from moestream.engine import load  # noqa: E402
 
@@ -233,10 +235,7 @@ def run_config(model: Path, budget, host, tokens: list[int], warm: list[int], wa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--tokens", type=int, default=24, help="timed decode steps")
-    p.add_argument("--warm", type=int, default=256, help="warm-up prefill tokens")
-    p.add_argument("--warm-decode", type=int, default=8)
+    add_decode_args(p, layers=12, tokens=24, warm_decode=8)
     p.add_argument("--fractions", default="0.1,0.25,0.5,1.0")
     p.add_argument("--host", default="none,auto", help="host tier settings to try (none, auto or GB)")
     p.add_argument("--device", default="cuda")

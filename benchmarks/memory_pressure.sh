@@ -24,12 +24,8 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
-bin=$here/.venv/bin
-[ -x "$bin/moestream" ] || make -C "$here" setup
-if [ ! -d "$model" ]; then
-  mkdir -p "$(dirname "$model")"
-  "$bin/moestream" synth --config "$config" --out "$model" --layers "$layers"
-fi
+. "$here/benchmarks/_common.sh"
+ensure_checkpoint "$config" "$model" "$layers"
 [ -d /sys/fs/cgroup/memory ] || { echo "needs cgroup v1 memory (see benchmarks/capped_run.sh for v2)" >&2; exit 2; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

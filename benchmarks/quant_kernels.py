@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
+from _common import median_ms
 
 from moestream.quant import affine, native
 from moestream.quant.expert import QuantizedSwiGLU
@@ -31,18 +31,6 @@ from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
 
 H, INTER = 2048, 768
 DISK_GBPS = 3.0
-
-
-def median_ms(fn, runs: int, clock=time.perf_counter) -> float:
-    """Median milliseconds of ``fn()`` over ``runs`` calls by ``clock`` (wall, or CPU time)."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times) * 1e3
 
 
 def expert(bits: int, group: int):
@@ -75,7 +63,7 @@ def main() -> None:
         read_ms = nbytes / (DISK_GBPS * 1e9) * 1e3
         fn = QuantizedSwiGLU(fmt)
         clock = time.perf_counter if args.clock == "wall" else time.process_time
-        compute = median_ms(lambda fn=fn, p=pieces: fn(x, p), args.runs, clock)
+        compute = median_ms(lambda fn=fn, p=pieces: fn(x, p), args.runs, clock, warmup=5)
         path = native.selected()
         rows.append(dict(clock=args.clock, threads=args.threads, bits=bits, group=args.group_size, path=path,
                          expert_mb=nbytes / 1e6, read_ms=read_ms, compute_ms=compute, hit=compute <= read_ms))

@@ -29,6 +29,8 @@ import torch
 import moestream
 from moestream.engine import load
 model, budget, n_prompt, n_tokens, shared = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+sys.path.insert(0, sys.argv[6])  # this checkout's benchmarks/, whichever tree is measured
+from _common import timed_steps
 engine = load(model, budget, workers=2, hotlist=False, learn_experts=False, progress=False)
 tok = engine.tokenizer
 text = open(shared + "/bench/prompt.txt").read() + open(shared + "/bench/continuation.txt").read()
@@ -43,13 +45,7 @@ with torch.inference_mode():
     for s in range(0, len(prompt), 512):
         net(torch.tensor(prompt[s : s + 512]), s, kv)
     out["prefill_wall_s"], out["prefill_cpu_s"] = time.perf_counter() - w0, time.process_time() - c0
-    cpu, wall, pos = [], [], len(prompt)
-    for t in cont:
-        c0, w0 = time.process_time(), time.perf_counter()
-        net(torch.tensor([t]), pos, kv)
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-        pos += 1
+    cpu, wall = timed_steps(net, cont, len(prompt), kv)
 out["decode_wall_s"], out["decode_cpu_s"] = statistics.median(wall), statistics.median(cpu)
 out["threads"] = torch.get_num_threads()
 engine.close()
@@ -72,7 +68,8 @@ def cpu_info() -> str:
 def one_run(tree: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
     got = subprocess.run([sys.executable, "-c", WORKER, args.model, args.budget, str(args.prompt), str(args.tokens),
-                          str(SHARED)], env=env, capture_output=True, text=True, timeout=3600)
+                          str(SHARED), str(Path(__file__).resolve().parent)],
+                         env=env, capture_output=True, text=True, timeout=3600)
     if got.returncode:
         raise SystemExit(f"{tree}: {got.stderr[-2000:]}")
     return json.loads(got.stdout.strip().splitlines()[-1])

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
+from _common import median_ms
 from torch import nn
 
 from moestream.quant import turboquant as tq
@@ -28,16 +28,6 @@ from moestream.quant.formats import LinearFormat
 
 DISK_GBPS = 3.0
 BUILDS = {"Qwen3.6-35B-A3B tq3-g32": (2048, 512, 8, 32), "Qwen3-235B-A22B tq3a-tq2e": (4096, 1536, 4, 64)}
-
-
-def median_ms(fn, runs: int, clock) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t = clock()
-        fn()
-        times.append((clock() - t) * 1e3)
-    return statistics.median(times)
 
 
 def expert(hidden: int, inter: int, levels: int, group: int):
@@ -71,7 +61,7 @@ def main() -> None:
         for name, (hidden, inter, levels, group) in BUILDS.items():
             fn, w, nbytes = expert(hidden, inter, levels, group)
             x = torch.randn(1, hidden, dtype=torch.bfloat16)
-            ms = median_ms(lambda fn=fn, x=x, w=w: fn(x, w), a.runs, clock)
+            ms = median_ms(lambda fn=fn, x=x, w=w: fn(x, w), a.runs, clock, warmup=1)
             rows.append({"what": f"{name}: one expert", "MB": nbytes / 1e6, "read_ms": nbytes / DISK_GBPS / 1e6,
                          "compute_ms": ms})
         hidden = 2048
@@ -79,7 +69,8 @@ def main() -> None:
         scales = torch.rand(8192, hidden // 32).half()
         cb, signs = torch.linspace(-2, 2, 8).half(), torch.ones(hidden).half()
         x = torch.randn(1, hidden)
-        ms = median_ms(lambda: tq.rotated_matmul(tq.rotate(x, signs, True), packed, scales, cb), a.runs, clock)
+        ms = median_ms(lambda: tq.rotated_matmul(tq.rotate(x, signs, True), packed, scales, cb), a.runs, clock,
+                       warmup=1)
         rows.append({"what": "LM head, 3-bit g32, 8192 rows x 2048", "MB": 0.0, "read_ms": 0.0, "compute_ms": ms})
     for r in rows:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))

@@ -10,6 +10,8 @@ import torch
 from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 
+from .helpers import NORMS, ends, redraw_
+
 
 def save_tiny(family: str, cfg: dict, path: Path, seed: int, extra=None):
     """:func:`save_reference` of transformers' ``<family>ForCausalLM`` on ``<family>Config(**cfg)``."""
@@ -28,19 +30,10 @@ def save_reference(model_cls, cfg, path: Path, seed: int, extra=None):
     """
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith(("mlp.gate.weight", "router.weight", "block_sparse_moe.gate.weight")):
-                p.normal_(0.0, 0.5)
-            elif name.endswith(("bias", "sinks")):
-                p.normal_(0.0, 0.3)
-            if extra is not None:
-                extra(name, p)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # a buffer in MiniMax-M2
-                b.normal_(0.0, 0.3)
+    redraw_(model.named_parameters(), NORMS,
+            (ends("mlp.gate.weight", "router.weight", "block_sparse_moe.gate.weight"), 0.0, 0.5),
+            (ends("bias", "sinks"), 0.0, 0.3), extra=extra)
+    redraw_(model.named_buffers(), (ends("e_score_correction_bias"), 0.0, 0.3))  # a buffer in MiniMax-M2
     model.save_pretrained(path)
     return model
 
@@ -244,8 +237,11 @@ def synth_and_generate(tmp_path: Path, cfg: dict, layers: int = 2) -> dict:
     return json.loads((out / "config.json").read_text())
 
 
-# The three checks of a family test module whose ``model`` fixture gives (checkpoint folder, transformers
-# reference): the module imports them and pytest collects them there.
+# The checks of a family test module whose ``model`` fixture gives (checkpoint folder, transformers
+# reference): the module star-imports them (``__all__``) and pytest collects them there.
+__all__ = ["test_logits_match_transformers", "test_greedy_tokens_match_transformers", "test_streaming_bit_identical",
+           "test_invariant_to_chunks_capacity_threads_and_batch", "test_streaming_exact_wherever_the_pieces_lie"]
+
 
 def test_logits_match_transformers(model):
     assert_logits_match(*model)  # 40 tokens, whole and in chunks (through any sliding window of the tiny model)

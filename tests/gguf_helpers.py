@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from gguf.quants import dequantize, quantize
 
+from .helpers import NORMS, ROUTERS, ends, has, random_family_model, redraw_
+
 # bytes of each block that hold float16 scales (ggml-common.h), set to finite values in random blocks
 _F16_FIELDS = {"Q2_K": (80, 84), "Q3_K": (108, 110), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210),
                "IQ4_NL": (0, 2), "IQ4_XS": (0, 2), "IQ2_XXS": (0, 2), "IQ2_XS": (0, 2), "IQ2_S": (0, 2),
@@ -27,6 +29,24 @@ K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS"
 # a shape whose every linear takes a multiple of 256 inputs (the K-quants' block)
 K_SHAPE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, num_attention_heads=4,
                num_key_value_heads=2, head_dim=64)
+
+
+def _add_shape(w: gguf.GGUFWriter, cfg) -> None:
+    """The metadata of the transformers config ``cfg``'s shape: blocks, context, widths, heads."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+
+
+def _finish(w: gguf.GGUFWriter) -> None:
+    """Write the header, the metadata and the tensors of ``w`` to its file, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def make_model(seed: int = 0, family: str = "qwen3_moe", **overrides):
@@ -53,12 +73,7 @@ def make_model(seed: int = 0, family: str = "qwen3_moe", **overrides):
         model = OlmoeForCausalLM(OlmoeConfig(**args)).eval()
     else:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
+    redraw_(model.named_parameters(), NORMS, ROUTERS)
     return model
 
 
@@ -146,12 +161,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
     model_arch = gguf.MODEL_ARCH.LLAMA if mixtral else gguf.MODEL_ARCH.OLMOE if olmoe else gguf.MODEL_ARCH.QWEN3MOE
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(path, arch or gguf.MODEL_ARCH_NAMES[model_arch], split_max_tensors=split_max_tensors)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    _add_shape(w, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -208,10 +218,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, types: dict | None = No
             held[hf] = next(iter(got.values()))
     if tie:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return held
 
 
@@ -254,23 +261,7 @@ FAMILY_MODELS = {
 def make_family_model(family: str, seed: int = 0, **overrides):
     """A random float32 transformers DeepseekV3/DeepseekV2/Glm4Moe ForCausalLM of :data:`FAMILY_MODELS`; norms,
     routers, biases and the correction bias randomized (init leaves them 1 or 0, which would hide their misuse)."""
-    import transformers
-
-    prefix, kwargs = FAMILY_MODELS[family]
-    cfg = getattr(transformers, prefix + "Config")(**{**kwargs, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "norm" in name and p.dim() == 1:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("e_score_correction_bias"):
-                p.normal_(0.0, 0.3)
-            elif "bias" in name:
-                p.normal_(0.0, 0.1)
-    return model
+    return random_family_model(FAMILY_MODELS, family, seed, **overrides)
 
 
 def _write_family_metadata(w: gguf.GGUFWriter, cfg, mtp_layers: int, gating: bool) -> None:
@@ -390,10 +381,7 @@ def write_gguf_family(model, path: Path, qtype: str = "F32", *, types: dict | No
             got = put(g, t)
         if not mtp:
             held[hf] = got
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return held
 
 
@@ -429,18 +417,11 @@ def make_hybrid(family: str, seed: int = 0, **overrides):
     else:
         rope = dict(rope, mrope_section=[1, 1, 0], mrope_interleaved=True)
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**args, rope_parameters=rope)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.normal_(1.0, 0.2)  # the gated norm scales by weight
-            elif "norm" in name:
-                p.normal_(0.0, 0.2)  # zero-centred norms scale by 1 + weight
-            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("dt_bias"):
-                p.normal_(1.0, 0.3)
-            elif name.endswith("A_log"):
-                p.normal_(0.0, 0.5)
+    redraw_(model.named_parameters(),
+            (ends("linear_attn.norm.weight"), 1.0, 0.2),  # the gated norm scales by weight
+            (has("norm"), 0.0, 0.2),  # zero-centred norms scale by 1 + weight
+            (ends("mlp.gate.weight", "shared_expert_gate.weight"), 0.0, 0.5),
+            (ends("dt_bias"), 1.0, 0.3), (ends("A_log"), 0.0, 0.5))
     return model
 
 
@@ -451,18 +432,9 @@ def make_gpt_oss(seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0.0, 1.0)
-            elif name.endswith(("gate_up_proj", "down_proj")):
-                p.normal_(0.0, 1.0)
-            elif name.endswith(("_bias", ".bias", "sinks")):
-                p.normal_(0.0, 0.3)
-            elif name.endswith("router.weight"):
-                p.normal_(0.0, 0.5)
+    redraw_(model.named_parameters(), NORMS, (ends("embed_tokens.weight"), 0.0, 1.0),
+            (ends("gate_up_proj", "down_proj"), 0.0, 1.0), (ends("_bias", ".bias", "sinks"), 0.0, 0.3),
+            (ends("router.weight"), 0.0, 0.5))
     return model
 
 
@@ -619,10 +591,7 @@ def write_hybrid_gguf(model, path: Path, qtype: str = "F32", *, legacy: bool = F
         data, qt = encode(t.numpy(), want, rng)
         w.add_tensor(g, data, raw_dtype=qt)
         got[name] = (decode(data, qt).reshape(t.shape).double(), src)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     # back in transformers' form, from the values the file holds
     held: dict[str, torch.Tensor] = {}
     for hf, ref in model.state_dict().items():
@@ -669,12 +638,7 @@ def write_gpt_oss_gguf(model, path: Path, qtype: str = "F32", *, seed: int = 0) 
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    _add_shape(w, cfg)
     rope = cfg.rope_parameters
     assert rope["rope_type"] == "yarn"
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -715,10 +679,7 @@ def write_gpt_oss_gguf(model, path: Path, qtype: str = "F32", *, seed: int = 0) 
             data, qt = encode(v.numpy(), want, rng)
             w.add_tensor(g, data, raw_dtype=qt)
             got[n] = decode(data, qt).reshape(v.shape)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     held: dict[str, torch.Tensor] = {}
     for hf, ref in model.state_dict().items():
         if hf.endswith("sinks"):

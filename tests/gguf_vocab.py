@@ -52,3 +52,32 @@ def qwen3_tokenizer_metadata(folder: Path = QWEN3_TOKENIZER, vocab_size: int = Q
         special.add_to_gguf(w, quiet=True)
 
     return extra
+
+
+def tiny_bpe_metadata(text: str, template: str):
+    """A 290-token byte-level BPE tokenizer trained on ``text`` (20 times), and an ``extra(writer)`` for
+    ``tests.gguf_helpers.write_gguf`` writing it and the chat ``template`` as GGUF metadata: (tokenizer, extra)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([text] * 20, trainer)
+    vocab = bpe.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(bpe.to_str())["model"]["merges"]]
+
+    def extra(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
+        w.add_token_merges(merges)
+        w.add_eos_token_id(vocab["<|endoftext|>"])
+        w.add_chat_template(template)
+
+    return bpe, extra

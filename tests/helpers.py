@@ -3,10 +3,15 @@ same weights rewritten in other expert layouts or shardings."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -28,6 +33,112 @@ TINY = dict(
 )
 
 
+@contextlib.contextmanager
+def threads(n: int):
+    """``n`` intra-op threads for the block; the count before restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread for the module that imports this fixture (autouse there): tiny models run no slower,
+    and far faster on a loaded 2-core machine (no OpenMP spin-waits); restored afterwards."""
+    with threads(1):
+        yield
+
+
+def at_threads(fn, *counts: int) -> list:
+    """``fn()`` at each intra-op thread count of ``counts``, in turn; the count before restored after."""
+    out = []
+    for n in counts:
+        with threads(n):
+            out.append(fn())
+    return out
+
+
+@contextlib.contextmanager
+def background(kind: str, size: int = 96):
+    """CPU load for the length of a run: ``thread`` (a busy thread of this process running torch
+    matmuls of ``size`` x ``size`` and plain Python: it competes for the cores, OpenMP and the GIL),
+    ``process`` (a busy process), or ``none``."""
+    if kind == "process":
+        p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            yield
+        finally:
+            p.kill()
+            p.wait()
+    elif kind == "thread":
+        stop = threading.Event()
+
+        def busy():
+            a = torch.randn(size, size)
+            while not stop.is_set():
+                a = torch.tanh(a @ a * 0.01)
+                sum(range(2000))
+
+        t = threading.Thread(target=busy, daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
+    else:
+        yield
+
+
+def has(*words):
+    """A :func:`redraw_` rule's test: the tensor's name holds one of ``words``."""
+    return lambda name, p: any(w in name for w in words)
+
+
+def ends(*suffixes):
+    """A :func:`redraw_` rule's test: the tensor's name ends with one of ``suffixes``."""
+    return lambda name, p: name.endswith(suffixes)
+
+
+NORMS = (has("norm"), 1.0, 0.2)  # init 1: a norm applied wrongly would hide
+ROUTERS = (ends("mlp.gate.weight"), 0.0, 0.5)  # routers that actually discriminate between experts
+# DeepSeek-style families: 1-D norms, routers, the correction bias (big enough to change which experts are
+# chosen) and every other bias, of the parameters and buffers
+MLA_RULES = ((lambda name, p: "norm" in name and p.dim() == 1, 1.0, 0.2), ROUTERS,
+             (ends("e_score_correction_bias"), 0.0, 0.3), (has("bias"), 0.0, 0.1))
+
+
+def redraw_(named, *rules, extra=None):
+    """Redraw in place, without grad, each tensor of ``named`` ((name, tensor) pairs, in order) that a rule
+    ``(test, mean, std)`` matches (``test(name, tensor)``; the first that does) from N(mean, std); then
+    ``extra(name, tensor)`` of every one when given. Transformers' init leaves norms at 1 and routers and
+    biases small or 0, which would hide their misuse."""
+    with torch.no_grad():
+        for name, p in named:
+            for test, mean, std in rules:
+                if test(name, p):
+                    p.normal_(mean, std)
+                    break
+            if extra is not None:
+                extra(name, p)
+
+
+def random_family_model(families: dict, family: str, seed: int = 0, **overrides):
+    """A random float32 transformers ``<prefix>ForCausalLM`` of ``families[family]`` (``(prefix, config
+    kwargs)``, the kwargs changed by ``overrides``), redrawn by :data:`MLA_RULES`."""
+    import transformers
+
+    prefix, kwargs = families[family]
+    cfg = getattr(transformers, prefix + "Config")(**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
+    redraw_(list(model.named_parameters()) + list(model.named_buffers()), *MLA_RULES)
+    return model
+
+
 def make_qwen3_moe(path: Path, seed: int = 0, **overrides):
     """Save a random float32 transformers ``Qwen3MoeForCausalLM`` to ``path``; return the model.
 
@@ -39,14 +150,31 @@ def make_qwen3_moe(path: Path, seed: int = 0, **overrides):
     cfg = Qwen3MoeConfig(**{**TINY, **overrides})
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)  # routers that actually discriminate between experts
+    redraw_(model.named_parameters(), NORMS, ROUTERS)
     model.save_pretrained(path)
     return model
+
+
+def qwen3_moe_fixture(name: str, seed: int, **overrides):
+    """A module-scoped fixture: the folder of :func:`make_qwen3_moe` (``seed``, ``overrides``) in a temporary
+    folder named ``name``. Assign it to the fixture's name in the test module."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory):
+        path = tmp_path_factory.mktemp(name)
+        make_qwen3_moe(path, seed=seed, **overrides)
+        return path
+
+    return fixture
+
+
+def expert_bytes(path: Path) -> int:
+    """Bytes of expert 0 of layer 0 of the checkpoint ``path``."""
+    from moestream.checkpoint import Checkpoint
+    from moestream.layout import discover_experts
+
+    with Checkpoint(path) as c:
+        return discover_experts(c.tensors).expert_nbytes(0, 0)
 
 
 def read_all(path: Path) -> dict[str, torch.Tensor]:
@@ -117,3 +245,42 @@ def write_tiny_synth_config(path: Path, **overrides) -> Path:
     cfg.update(overrides)
     path.write_text(json.dumps(cfg))
     return path
+
+
+def cli_synth_tiny(root: Path, **overrides) -> Path:
+    """``moestream synth`` (the CLI, which must exit 0) of :func:`write_tiny_synth_config` (``overrides``) at
+    ``root/config.json``, into ``root/tiny``; that folder."""
+    from moestream.cli import main
+
+    cfg = write_tiny_synth_config(root / "config.json", **overrides)
+    assert main(["synth", "--config", str(cfg), "--out", str(root / "tiny")]) == 0
+    return root / "tiny"
+
+
+def tiny_synth_fixture(name: str):
+    """A module-scoped fixture: ``moestream.synth.synth`` of :func:`write_tiny_synth_config` (the real Qwen3
+    tokenizer and vocabulary, so a text prompt runs) in a temporary folder named ``name``; the checkpoint
+    folder. Assign it to the fixture's name in the test module."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory):
+        from moestream.synth import synth
+
+        d = tmp_path_factory.mktemp(name)
+        return synth(write_tiny_synth_config(d / "c.json"), d / "m")
+
+    return fixture
+
+
+class Wrapped(torch.nn.Module):
+    """A module around the real model ``inner``, standing in for it: what it lacks is the inner model's."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)

@@ -22,9 +22,22 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
+from moestream.engine import load
+from moestream.errors import MoestreamError
+
 from .helpers import read_all, write_checkpoint
+
+
+def assert_refused(path, *words):
+    """Loading ``path`` raises a MoestreamError whose message holds every one of ``words``."""
+    with pytest.raises(MoestreamError) as e:
+        load(path, cache_budget_gb="0", tokenizer=False)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
 
 EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 

@@ -23,6 +23,7 @@ from moestream.quant.expert import QuantizedSwiGLU
 from moestream.quant.formats import ExpertFormat, LinearFormat, ggml_scheme, with_activations
 
 from .gguf_helpers import K_SHAPE, _random_blocks, make_model, write_gguf
+from .test_gguf import logits
 from .test_quant_native import PATHS, on
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL")
@@ -219,12 +220,7 @@ IDS = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(1))
 
 
 def _logits(path, budget, dtype="float32", **kw):
-    engine = load(path, cache_budget_gb=budget, tokenizer=False, workers=2, dtype=dtype, **kw)
-    try:
-        with torch.inference_mode():
-            return engine.model(IDS, 0, engine.model.new_kv_cache(), all_logits=True), engine
-    finally:
-        engine.close()
+    return logits(path, budget, IDS, dtype, **kw)
 
 
 @pytest.mark.parametrize("which", [0, 1])

@@ -14,23 +14,10 @@ import torch
 from moestream.engine import load
 from moestream.generation import SamplingParams, Session, generate
 
-from .helpers import make_qwen3_moe, write_tiny_synth_config
+from .helpers import qwen3_moe_fixture, tiny_synth_fixture, write_tiny_synth_config
 
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory):
-    """A tiny model with the real Qwen3 tokenizer and vocabulary (so a text prompt runs)."""
-    from moestream.synth import synth
-
-    d = tmp_path_factory.mktemp("text")
-    return synth(write_tiny_synth_config(d / "c.json"), d / "m")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    make_qwen3_moe(d, seed=5, num_hidden_layers=3)
-    return d
+text_model = tiny_synth_fixture("text")  # a tiny model with the real Qwen3 tokenizer and vocabulary
+tiny = qwen3_moe_fixture("tiny", 5, num_hidden_layers=3)
 
 
 def _default_sigint():

@@ -7,12 +7,9 @@ a read handed over before its bytes landed; and generation keeps the intra-op th
 ``load`` found, since float32 kernels give other bits with another one.
 """
 
-import contextlib
 import json
 import random
 import shutil
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -21,6 +18,8 @@ import torch
 from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 from moestream.store import ExpertStore
+
+from .helpers import background
 
 PROMPT = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(7)).tolist()
 TOKENS = 40
@@ -69,38 +68,6 @@ def first_difference(got: list[torch.Tensor], ref: list[torch.Tensor]) -> str | 
         if not torch.equal(a, b):
             return f"step {i} differs (max |diff| {float((a - b).abs().max()):.3g})"
     return None
-
-
-@contextlib.contextmanager
-def background(kind: str):
-    """CPU load for the length of a run: ``thread`` (a busy thread of this process running torch
-    matmuls and plain Python: it competes for the cores, OpenMP and the GIL), ``process`` (a busy
-    process), or ``none``."""
-    if kind == "process":
-        p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            yield
-        finally:
-            p.kill()
-            p.wait()
-    elif kind == "thread":
-        stop = threading.Event()
-
-        def busy():
-            a = torch.randn(96, 96)
-            while not stop.is_set():
-                a = torch.tanh(a @ a * 0.01)
-                sum(range(2000))
-
-        t = threading.Thread(target=busy, daemon=True)
-        t.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            t.join()
-    else:
-        yield
 
 
 def schedule(n: int, seed: int, one: int) -> list[dict]:

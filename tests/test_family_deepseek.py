@@ -11,7 +11,7 @@ from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 
 from . import family_helpers as fh
-from .helpers import read_all, write_checkpoint
+from .helpers import random_family_model, read_all, write_checkpoint
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 64}
@@ -53,22 +53,7 @@ def make_model(path, family, seed=0, **overrides):
     Norms, routers and the correction bias are randomized (transformers initializes them
     to 1, small values and 0), so a wrong norm, router or bias use cannot hide.
     """
-    import transformers
-
-    prefix, kwargs = FAMILIES[family]
-    cfg = getattr(transformers, prefix + "Config")(**{**kwargs, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "norm" in name and p.dim() == 1:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)  # routers that actually discriminate between experts
-            elif name.endswith("e_score_correction_bias"):
-                p.normal_(0.0, 0.3)  # big enough to change which experts are chosen
-            elif "bias" in name:
-                p.normal_(0.0, 0.1)
+    model = random_family_model(FAMILIES, family, seed, **overrides)
     model.save_pretrained(path)
     if family == "kimi_k2":
         cfg_path = path / "config.json"
@@ -199,10 +184,8 @@ def test_mtp_layers_are_left_unread(family, tmp_path):
 
 
 def test_invariant_to_chunks_capacity_threads_and_batch(family):
-    path = family[2]
-    fh.assert_invariant(path)
+    fh.assert_invariant(family[2])
 
 
 def test_streaming_exact_wherever_the_pieces_lie(family, tmp_path):
-    path = family[2]
-    fh.assert_streaming_exact_at_offsets(path, tmp_path)
+    fh.assert_streaming_exact_at_offsets(family[2], tmp_path)

@@ -3,13 +3,7 @@
 import pytest
 
 from . import family_helpers as fh
-from .family_helpers import (  # noqa: F401 (collected here)
-    test_greedy_tokens_match_transformers,
-    test_invariant_to_chunks_capacity_threads_and_batch,
-    test_logits_match_transformers,
-    test_streaming_bit_identical,
-    test_streaming_exact_wherever_the_pieces_lie,
-)
+from .family_helpers import *  # noqa: F403 -- the five shared family tests (its __all__), collected here
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_experts=8, moe_topk=2, max_position_embeddings=512,

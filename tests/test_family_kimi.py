@@ -17,6 +17,7 @@ from moestream.models.kimi_linear import synth_tensors
 from moestream.synth import synth
 
 from . import family_helpers as fh
+from .helpers import NORMS, ends, redraw_
 
 PROMPT = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(0))  # longer than a KDA chunk (64)
 
@@ -39,17 +40,9 @@ def make_kimi_linear(path, seed=0):
 
     torch.manual_seed(seed)
     model = KimiLinearForCausalLM(KimiLinearConfig(**KIMI_LINEAR)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("gate.weight"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith(("e_score_correction_bias", "dt_bias", "A_log")):
-                p.normal_(0.0, 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.3)
+    redraw_(model.named_parameters(), NORMS, (ends("gate.weight"), 0.0, 0.5),
+            (ends("e_score_correction_bias", "dt_bias", "A_log"), 0.0, 0.5))
+    redraw_(model.named_buffers(), (ends("e_score_correction_bias"), 0.0, 0.3))
     model.save_pretrained(path)
     return model
 

@@ -13,7 +13,7 @@ from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 
 from . import family_helpers as fh
-from .helpers import read_all, to_layout, write_checkpoint
+from .helpers import ends, one_thread, read_all, redraw_, to_layout, write_checkpoint  # noqa: F401 (autouse)
 from .shared_data import CONFIGS
 
 # shapes shared by both tiny models: 2 DeltaNet layers, 2 gated attention layers, 8 experts top-2, shared expert
@@ -30,16 +30,10 @@ PROMPT = 80  # longer than the DeltaNet chunk (64)
 def _randomize(model, seed):
     """Norms, routers, shared-expert gates and DeltaNet time steps away from their init, so nothing hides."""
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.normal_(1.0, 0.2)  # the gated norm scales by weight
-            elif "norm" in name and "visual" not in name:
-                p.normal_(0.0, 0.2)  # zero-centred norms scale by 1 + weight
-            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("dt_bias"):
-                p.normal_(1.0, 0.3)
+    redraw_(model.named_parameters(),
+            (ends("linear_attn.norm.weight"), 1.0, 0.2),  # the gated norm scales by weight
+            (lambda name, p: "norm" in name and "visual" not in name, 0.0, 0.2),  # zero-centred: 1 + weight
+            (ends("mlp.gate.weight", "shared_expert_gate.weight"), 0.0, 0.5), (ends("dt_bias"), 1.0, 0.3))
 
 
 def make_qwen3_next(path: Path, seed: int = 0):
@@ -91,15 +85,6 @@ def make_qwen3_5_moe_text(path: Path, seed: int = 0):
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_5_moe_text" and "text_config" not in cfg
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these tiny models run no slower, and far faster on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"])
@@ -256,10 +241,8 @@ def test_depthwise_causal_conv_is_conv1d(dtype, t):
 
 
 def test_invariant_to_chunks_capacity_threads_and_batch(family):
-    path = family[2]
-    fh.assert_invariant(path)
+    fh.assert_invariant(family[2])
 
 
 def test_streaming_exact_wherever_the_pieces_lie(family, tmp_path):
-    path = family[2]
-    fh.assert_streaming_exact_at_offsets(path, tmp_path)
+    fh.assert_streaming_exact_at_offsets(family[2], tmp_path)

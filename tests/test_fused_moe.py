@@ -15,7 +15,7 @@ from moestream.models.layers import KVCache, KVPool
 from moestream.store import ExpertStore
 from moestream.tiered_cache import CopyEngine, SlotLayout, SlotPool, TieredExpertCache, expert_slot_layout
 
-from .helpers import make_qwen3_moe
+from .helpers import expert_bytes, qwen3_moe_fixture
 
 interpreted = pytest.mark.skipif(fm.triton is None or not fm.interpreted(),
                                  reason="needs Triton's interpreter (pip install triton; TRITON_INTERPRET=1)")
@@ -154,12 +154,8 @@ def test_fused_rms_norm_is_the_norm(dtype):
 # -- the slot pool -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny float32 model: 2 layers x 8 experts, top-2."""
-    path = tmp_path_factory.mktemp("fused-tiny")
-    make_qwen3_moe(path, seed=7, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
-    return path
+# a tiny float32 model: 2 layers x 8 experts, top-2
+tiny = qwen3_moe_fixture("fused-tiny", 7, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
 
 
 def open_store(path):
@@ -487,8 +483,6 @@ def test_fused_pipeline_all_resident_needs_no_host_routing(tiny, fused_ref):
 def test_fused_pipeline_same_bits_for_every_budget(tiny, fused_ref, vram, host, ahead):
     """VRAM slots below a layer's needs, the host tier, the disk and the lookahead copies: the bits of
     budget all, and the counters add up."""
-    from .test_gpu_tier import expert_bytes
-
     one = expert_bytes(tiny)
     out, cache, _ = fused_run(tiny, cache_budget_gb=str(vram * one / 1e9), host_cache_gb=str(host * one / 1e9),
                               prefetch_ahead=ahead)

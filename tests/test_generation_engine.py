@@ -23,16 +23,11 @@ from moestream.generation import (
     generate,
     whole_model_hint,
 )
-from moestream.synth import synth
 from moestream.tokenizer import chat_ids, next_turn_ids, think_token_ids
 
-from .helpers import write_tiny_synth_config
+from .helpers import tiny_synth_fixture
 
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gen")
-    return synth(write_tiny_synth_config(d / "c.json"), d / "m")
+ckpt = tiny_synth_fixture("gen")
 
 
 @pytest.fixture(scope="module")

@@ -312,6 +312,19 @@ def test_other_architectures_are_refused_by_name(small, tmp_path):
         open_gguf(path)
 
 
+def _assert_family_gguf(model, path, qtype: str, family: str):
+    """``model`` written to ``path`` as ``qtype``: read as moestream's ``family``, within 1e-5 (relative to the
+    largest) of transformers on the file's values at budget all, and the same bits at budget 0; (got, want)."""
+    held = write_gguf(model, path, qtype)
+    want = want_logits(model, held)
+    got, engine = logits(path, "all")
+    assert engine.family.__name__ == f"moestream.models.{family}"
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
+    tiny, _ = logits(path, "0")
+    assert torch.equal(tiny, got)
+    return got, want
+
+
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K", "Q6_K"])
 def test_mixtral_as_llama_with_permuted_q_and_k(qtype, tmp_path):
     """Mixtral is llama.cpp's ``llama`` architecture with experts, q and k rows permuted by the converter."""
@@ -319,13 +332,7 @@ def test_mixtral_as_llama_with_permuted_q_and_k(qtype, tmp_path):
     shape.pop("moe_intermediate_size", None)
     model = make_model(seed=8, family="mixtral", **shape)
     path = tmp_path / f"mixtral-{qtype}.gguf"
-    held = write_gguf(model, path, qtype)
-    want = want_logits(model, held)
-    got, engine = logits(path, "all")
-    assert engine.family.__name__ == "moestream.models.mixtral"
-    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
-    tiny, _ = logits(path, "0")
-    assert torch.equal(tiny, got)
+    got, want = _assert_family_gguf(model, path, qtype, "mixtral")
     _check_bf16_default(path, want, qtype)
     if qtype == "Q8_0":  # an early-2024 conversion: one tensor per expert, the same model
         old = tmp_path / "mixtral-per-expert.gguf"
@@ -337,31 +344,11 @@ def test_mixtral_as_llama_with_permuted_q_and_k(qtype, tmp_path):
 
 # -- tokenizer ------------------------------------------------------------------------------------------
 def test_tokenizer_is_built_from_the_gguf_metadata(small, tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from .gguf_vocab import tiny_bpe_metadata
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog, and the cat sat on the mat"] * 20, trainer)
-    vocab = bpe.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    import json
-
-    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(bpe.to_str())["model"]["merges"]]
-
+    bpe, extra = tiny_bpe_metadata("the quick brown fox jumps over the lazy dog, and the cat sat on the mat",
+                                   "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     path = tmp_path / "m.gguf"
-
-    def extra(w):
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
-        w.add_token_list(tokens)
-        w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
-        w.add_token_merges(merges)
-        w.add_eos_token_id(vocab["<|endoftext|>"])
-        w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-
     write_gguf(small, path, "F32", extra=extra)
     engine = load(path, cache_budget_gb="0", workers=1)
     try:
@@ -384,14 +371,7 @@ def test_olmoe(qtype, tmp_path):
     shape = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4) \
         if qtype.endswith("_K") else {}
     model = make_model(seed=9, family="olmoe", **shape)
-    path = tmp_path / f"olmoe-{qtype}.gguf"
-    held = write_gguf(model, path, qtype)
-    want = want_logits(model, held)
-    got, engine = logits(path, "all")
-    assert engine.family.__name__ == "moestream.models.olmoe"
-    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
-    tiny, _ = logits(path, "0")
-    assert torch.equal(tiny, got)
+    _assert_family_gguf(model, tmp_path / f"olmoe-{qtype}.gguf", qtype, "olmoe")
 
 
 # -- the names, derived from the gguf package's map ------------------------------------------------------------

@@ -15,16 +15,8 @@ from moestream.gguf_format import NAMES, hf_config, hf_name, open_gguf
 from moestream.inspect import inspect
 
 from .gguf_helpers import make_gpt_oss, make_hybrid, reference, write_gpt_oss_gguf, write_hybrid_gguf
+from .helpers import one_thread  # noqa: F401 (autouse: one intra-op thread)
 from .test_gguf import logits, want_logits
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these tiny models run no slower, and far faster on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _check(model, held, path, family):

@@ -18,6 +18,7 @@ from moestream.quant.expert import QuantizedSwiGLU
 from moestream.quant.formats import ExpertFormat, LinearFormat, ggml_scheme
 
 from .gguf_helpers import _random_blocks
+from .helpers import at_threads
 from .test_quant_native import BOUND, PATHS, on, rel_err
 
 NEW = ("MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
@@ -150,14 +151,7 @@ def test_kernels_at_the_30b_expert_width(path, qtype):
                 err = rel_err(native.linear(x, pieces, lf), x.double() @ deq[role].t())
                 assert err <= BOUND, f"{qtype} {role} n={n}: {err:.2e}"
         x = torch.randn(64, 2048, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            one = native.expert(x, pieces, fmt, out_dtype=torch.float32)
-            torch.set_num_threads(2)
-            two = native.expert(x, pieces, fmt, out_dtype=torch.float32)
-        finally:
-            torch.set_num_threads(threads)
+        one, two = at_threads(lambda: native.expert(x, pieces, fmt, out_dtype=torch.float32), 1, 2)
         assert torch.equal(one, two)
         assert rel_err(one, _swiglu64(x, deq)) <= BOUND
         for a, b in ((0, 1), (0, 2), (3, 10), (63, 64)):

@@ -23,7 +23,7 @@ from moestream.tiered_cache import (
     resolve_device,
 )
 
-from .helpers import make_qwen3_moe
+from .helpers import expert_bytes, qwen3_moe_fixture
 
 CUDA = torch.cuda.is_available()
 
@@ -34,20 +34,8 @@ def needs_cuda(test):
     return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")(test))
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny float32 model: 4 layers x 16 experts, top-4."""
-    path = tmp_path_factory.mktemp("tiny")
-    make_qwen3_moe(path, seed=5, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4)
-    return path
-
-
-def expert_bytes(path):
-    from moestream.checkpoint import Checkpoint
-    from moestream.layout import discover_experts
-
-    with Checkpoint(path) as c:
-        return discover_experts(c.tensors).expert_nbytes(0, 0)
+# a tiny float32 model: 4 layers x 16 experts, top-4
+tiny = qwen3_moe_fixture("tiny", 5, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4)
 
 
 PROMPT = torch.randint(0, 300, (23,), generator=torch.Generator().manual_seed(11))

@@ -145,28 +145,9 @@ def test_head_counts_and_sizes_are_checked(tmp_path):
 
 def _tiny_bpe_metadata(template: str):
     """A 290-token byte-level BPE tokenizer and ``template`` as GGUF metadata (``extra`` of write_gguf)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from .gguf_vocab import tiny_bpe_metadata
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    vocab = bpe.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(bpe.to_str())["model"]["merges"]]
-
-    def extra(w):
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
-        w.add_token_list(tokens)
-        w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
-        w.add_token_merges(merges)
-        w.add_eos_token_id(vocab["<|endoftext|>"])
-        w.add_chat_template(template)
-
-    return extra
+    return tiny_bpe_metadata("the quick brown fox jumps over the lazy dog", template)[1]
 
 
 @pytest.fixture(scope="module")

@@ -30,21 +30,13 @@ from moestream.engine import load
 from moestream.errors import CheckpointError, MoestreamError
 
 from . import family_helpers as fh
-from .helpers import make_qwen3_moe, read_all
+from .helpers import make_qwen3_moe, one_thread, read_all  # noqa: F401 (one_thread: autouse)
 from .quant_helpers import mlx_quantize
 
 BITS, GROUP = 4, 32
 ROUTER_Q = {"group_size": 64, "bits": 8}
 PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- the HF-named originals: the family tests' tiny models ------------------------------------------

@@ -218,6 +218,17 @@ def test_prefetch_ahead_on_a_quantized_router_at_real_width(real_width_q4):
     assert all(torch.equal(a, b) for a, b in zip(got["all"], got["0.004"]))
 
 
+def _assert_near_and_streamed_exact(ref, out):
+    """The build ``out``'s logits of 24 ids within 5 % RMS of the float model ``ref``'s, and the same bits at
+    budget 0 as at the default."""
+    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    got = logits(out, ids)
+    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 0.05
+    assert torch.equal(logits(out, ids, budget="0"), got)
+
+
 def test_deepseek_converts_with_its_router_and_kv_b_proj_float(tmp_path):
     """DeepSeek-V3 (MLA, biased sigmoid router): the 8-bit build loads and stays near the float model; the router
     and MLA's kv_b_proj (used as a matrix, not a linear) stay float, every other linear is quantized."""
@@ -230,12 +241,7 @@ def test_deepseek_converts_with_its_router_and_kv_b_proj_float(tmp_path):
     assert t["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float32
     assert t["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     assert t["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.uint32
-    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        want = ref(ids[None]).logits[0]
-    got = logits(out, ids)
-    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 0.05
-    assert torch.equal(logits(out, ids, budget="0"), got)
+    _assert_near_and_streamed_exact(ref, out)
 
 
 def test_a_biased_float32_router_stays_float(tmp_path):
@@ -250,12 +256,7 @@ def test_a_biased_float32_router_stays_float(tmp_path):
     q = json.loads((out / "config.json").read_text())["quantization"]
     assert q["model.layers.1.mlp.gate"] is False and q["bits"] == 8
     assert t["model.layers.1.mlp.shared_experts.up_proj.weight"].dtype == torch.uint32  # the rest is quantized
-    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        want = ref(ids[None]).logits[0]
-    got = logits(out, ids)
-    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 0.05
-    assert torch.equal(logits(out, ids, budget="0"), got)
+    _assert_near_and_streamed_exact(ref, out)
     # a build that quantizes such a router anyway is refused by name at load, not a traceback mid-forward
     from .quant_helpers import write_mlx
 

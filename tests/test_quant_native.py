@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from moestream.quant import affine, fp8, mxfp4, native
 from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
 
+from .helpers import at_threads
 from .quant_helpers import fp8_quantize, mlx_quantize, mxfp4_quantize
 
 BOUND = 1e-5
@@ -123,6 +124,17 @@ FP8_CASES = [((128, 128), torch.float32), ((128, 128), torch.bfloat16), ((32, 32
              ((1, 0), torch.float32), ((0, 0), torch.bfloat16)]
 
 
+def _assert_linear_near(t, lf, ref, what: str) -> None:
+    """``native.linear`` of float32 and bf16 inputs of 1, 2, 7 and 64 rows within BOUND of the float64 product
+    with ``ref`` (the dequantized weight)."""
+    for n in (1, 2, 7, 64):
+        x = torch.randn(n, lf.in_features, generator=torch.Generator().manual_seed(n))
+        for xd in (torch.float32, torch.bfloat16):
+            xi = x.to(xd)
+            err = rel_err(native.linear(xi, t, lf, out_dtype=torch.float32), xi.double() @ ref.t())
+            assert err <= BOUND, f"{what} n={n} {xd}: {err:.2e}"
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("block,sdt", FP8_CASES, ids=["b128-f32", "b128-bf16", "b32-f16", "channel", "tensor"])
 def test_fp8_odd_shapes(path, block, sdt):
@@ -130,12 +142,7 @@ def test_fp8_odd_shapes(path, block, sdt):
     with on(path):
         for out_f, in_f in ((37, 128), (200, 352)):
             t, lf, ref = fp8_linear(out_f, in_f, block, sdt, seed=out_f)
-            for n in (1, 2, 7, 64):
-                x = torch.randn(n, in_f, generator=torch.Generator().manual_seed(n))
-                for xd in (torch.float32, torch.bfloat16):
-                    xi = x.to(xd)
-                    err = rel_err(native.linear(xi, t, lf, out_dtype=torch.float32), xi.double() @ ref.t())
-                    assert err <= BOUND, f"{path} fp8 {block} [{out_f}, {in_f}] n={n} {xd}: {err:.2e}"
+            _assert_linear_near(t, lf, ref, f"{path} fp8 {block} [{out_f}, {in_f}]")
 
 
 def mxfp4_linear(out_f, in_f, packed=False, seed=0):
@@ -152,12 +159,7 @@ def test_mxfp4_odd_shapes(path, packed):
     with on(path):
         for out_f, in_f in ((37, 32), (100, 96)):
             t, lf, ref = mxfp4_linear(out_f, in_f, packed, seed=out_f)
-            for n in (1, 2, 7, 64):
-                x = torch.randn(n, in_f, generator=torch.Generator().manual_seed(n))
-                for xd in (torch.float32, torch.bfloat16):
-                    xi = x.to(xd)
-                    err = rel_err(native.linear(xi, t, lf, out_dtype=torch.float32), xi.double() @ ref.t())
-                    assert err <= BOUND, f"{path} mxfp4 [{out_f}, {in_f}] n={n} {xd}: {err:.2e}"
+            _assert_linear_near(t, lf, ref, f"{path} mxfp4 [{out_f}, {in_f}]")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -231,14 +233,7 @@ def test_same_bits_any_run_threads_and_batch(path):
     with on(path):
         pieces, fmt, _ = swiglu_expert(3, 64, seed=3)
         x = torch.randn(64, 2048, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            one = native.swiglu(x, pieces, fmt, out_dtype=torch.float32)
-            torch.set_num_threads(2)
-            two = native.swiglu(x, pieces, fmt, out_dtype=torch.float32)
-        finally:
-            torch.set_num_threads(threads)
+        one, two = at_threads(lambda: native.swiglu(x, pieces, fmt, out_dtype=torch.float32), 1, 2)
         again = native.swiglu(x, pieces, fmt, out_dtype=torch.float32)
         assert torch.equal(one, two) and torch.equal(one, again)
         for i in (0, 5, 63):

@@ -18,7 +18,7 @@ from moestream.errors import ReadError
 from moestream.generation import SamplingParams, generate
 from moestream.server import ServerOptions, create_app
 
-from .helpers import make_qwen3_moe, read_all, write_checkpoint
+from .helpers import make_qwen3_moe, one_thread, read_all, write_checkpoint  # noqa: F401 (one_thread: autouse)
 
 TOKENS = 6
 PROMPT = list(range(3, 40, 2))  # 19 tokens: prefill routes to most experts of every layer
@@ -73,16 +73,6 @@ class FaultyDisk:
 
     def heal(self) -> None:
         self.ranges.clear()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls on a loaded 2-core machine: one thread avoids OpenMP spin-waits (4 s -> 0.05 s
-    per request here); restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from moestream.models.layers import KVCache
 from moestream.prefix_cache import PrefixCache, block_keys, prefix_cache_for, prefix_cache_supported
 from moestream.scheduler import Request, Scheduler
 
-from .helpers import write_tiny_synth_config
+from .helpers import Wrapped, cli_synth_tiny, write_tiny_synth_config
 
 TEXTS = ["hello there", "Tell me about streaming experts and their caches, please. " * 4, "x", "The cache is",
          "Why is the sky blue? Answer in one line.", "1 2 3 4 5 6 7 8 9 10 11 12"]
@@ -29,10 +29,7 @@ SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sched")
-    cfg = write_tiny_synth_config(root / "config.json")
-    assert main(["synth", "--config", str(cfg), "--out", str(root / "tiny")]) == 0
-    return root / "tiny"
+    return cli_synth_tiny(tmp_path_factory.mktemp("sched"))
 
 
 @pytest.fixture(scope="module")
@@ -163,18 +160,12 @@ def test_the_kv_bound_holds_sequences_back_never_refuses_them(streamed, resident
     assert plan.sequences == 1 and plan.context_tokens == 4096
 
 
-class EosAfter(torch.nn.Module):
+class EosAfter(Wrapped):
     """The real model with the end-of-sequence token made certain from its ``after``-th call on."""
 
     def __init__(self, model, eos: int, after: int = 2):
-        super().__init__()
-        self.inner, self.eos, self.after, self.calls = model, eos, after, 0
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.inner, name)
+        super().__init__(model)
+        self.eos, self.after, self.calls = eos, after, 0
 
     def forward(self, ids, start, kv, all_logits=False):
         logits = self.inner(ids, start, kv, all_logits)

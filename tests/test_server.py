@@ -15,14 +15,13 @@ import httpx
 import openai
 import pytest
 import torch
-from torch import nn
 
 from moestream.cli import _add_generate_args, main, run_generate
 from moestream.engine import load
 from moestream.server import ServerOptions, create_app
 from moestream.tokenizer import chat_ids
 
-from .helpers import write_tiny_synth_config
+from .helpers import Wrapped, write_tiny_synth_config
 
 PROMPT = "Tell me about streaming experts."
 
@@ -149,20 +148,13 @@ def test_logprobs_are_the_models(server, engine):
     assert content[0].logprob == pytest.approx(float(first.max()), abs=1e-4)
 
 
-class Scripted(nn.Module):
+class Scripted(Wrapped):
     """The real model, with the next token of ``script`` made certain at each call (to test text handling)."""
 
     def __init__(self, model, tokenizer, script: str):
-        super().__init__()
-        self.inner = model
+        super().__init__(model)
         self.ids = tokenizer.encode(script, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
         self.calls = 0
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.inner, name)
 
     def forward(self, ids, start, kv, all_logits=False):
         logits = self.inner(ids, start, kv, all_logits)

@@ -15,11 +15,10 @@ import httpx
 import openai
 import pytest
 
-from moestream.cli import main
 from moestream.engine import load
 from moestream.server import ServerOptions, create_app
 
-from .helpers import write_tiny_synth_config
+from .helpers import cli_synth_tiny
 from .test_server import Server
 
 PROMPTS = ["Tell me about streaming experts.", "hi", "Name three rivers and say why they matter to people.",
@@ -28,10 +27,7 @@ PROMPTS = ["Tell me about streaming experts.", "hi", "Name three rivers and say 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-batch")
-    cfg = write_tiny_synth_config(root / "config.json")
-    assert main(["synth", "--config", str(cfg), "--out", str(root / "tiny")]) == 0
-    return root / "tiny"
+    return cli_synth_tiny(tmp_path_factory.mktemp("serve-batch"))
 
 
 @pytest.fixture(scope="module")

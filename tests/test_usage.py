@@ -16,25 +16,13 @@ from moestream.generation import SamplingParams, generate
 from moestream.traces import load_trace
 from moestream.usage import DECAY, default_profile_path, read_trace
 
-from .helpers import make_qwen3_moe, write_tiny_synth_config
+from .helpers import expert_bytes, qwen3_moe_fixture, write_tiny_synth_config
 
 PROMPT = torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A tiny model: 3 layers x 16 experts, top-4, renormalized."""
-    path = tmp_path_factory.mktemp("model")
-    make_qwen3_moe(path, seed=9, num_hidden_layers=3, num_experts=16, num_experts_per_tok=4)
-    return path
-
-
-def one_expert(path):
-    from moestream.checkpoint import Checkpoint
-    from moestream.layout import discover_experts
-
-    with Checkpoint(path) as c:
-        return discover_experts(c.tensors).expert_nbytes(0, 0)
+# a tiny model: 3 layers x 16 experts, top-4, renormalized
+model = qwen3_moe_fixture("model", 9, num_hidden_layers=3, num_experts=16, num_experts_per_tok=4)
 
 
 def run(path, budget, tokens=10, **kw):
@@ -56,7 +44,7 @@ def same(a, b):
 
 
 def test_every_option_is_exact(model, tmp_path, capsys):
-    one = one_expert(model)
+    one = expert_bytes(model)
     ref = run(model, "all", learn_experts=False)
     hot = model / "hot_experts.json"
     hot.write_text(json.dumps({"pin": [[0, 3], [1, 5], [2, 0], [0, 7], [1, 1], [2, 9]]}))
@@ -93,7 +81,7 @@ def test_usage_profile_is_learned_and_merged(model, tmp_path, capsys):
     first = run(model, "0.0001", tokens=3, usage_file=prof)[3].usage
     data = json.loads(prof.read_text())
     assert data["counts"] == {str(k): v.tolist() for k, v in first.items()}
-    _, _, _, cache = run(model, str(one_expert(model) * 8 / 1e9), tokens=3, usage_file=prof, hot_fraction=0.5)
+    _, _, _, cache = run(model, str(expert_bytes(model) * 8 / 1e9), tokens=3, usage_file=prof, hot_fraction=0.5)
     assert len(cache.pinned_keys) == 4  # half of the budget, the hottest first
     hottest = sorted(((c, (int(layer), e)) for layer, row in data["counts"].items() for e, c in enumerate(row)),
                      key=lambda t: (-t[0], t[1]))
@@ -116,7 +104,7 @@ def test_hot_lists_and_profiles_pin_nothing_unless_asked(model, tmp_path, capsys
     hot = model / "hot_experts.json"
     hot.write_text(json.dumps({"pin": [[0, 3], [1, 5], [2, 0], [0, 7]]}))
     try:
-        budget = str(one_expert(model) * 8 / 1e9)
+        budget = str(expert_bytes(model) * 8 / 1e9)
         capsys.readouterr()
         _, _, _, cache = run(model, budget, tokens=2, usage_file=prof)
         err = capsys.readouterr().err
@@ -144,7 +132,7 @@ BAD = {
 
 @pytest.mark.parametrize("kind", ["hotlist", "pin_file", "profile"])
 def test_bad_files_are_ignored_and_left_intact(model, tmp_path, capsys, kind):
-    budget = str(one_expert(model) * 6 / 1e9)
+    budget = str(expert_bytes(model) * 6 / 1e9)
     for what, text in BAD.items():
         path = model / "hot_experts.json" if kind == "hotlist" else tmp_path / "f.json"
         if kind == "profile":
@@ -208,7 +196,7 @@ def test_max_active_experts(model, capsys):
 def test_trace_replays_to_the_cache_hits(model, tmp_path):
     budget_experts = 16  # more than any layer request of the 13-token prefill
     trace = tmp_path / "t.jsonl"
-    _, _, _, cache = run(model, str(one_expert(model) * budget_experts / 1e9), tokens=6, trace=trace,
+    _, _, _, cache = run(model, str(expert_bytes(model) * budget_experts / 1e9), tokens=6, trace=trace,
                          learn_experts=False, workers=3)
     header, records = read_trace(trace)
     assert header["top_k"] == 4 and header["num_experts"] == {"0": 16, "1": 16, "2": 16}
@@ -216,7 +204,7 @@ def test_trace_replays_to_the_cache_hits(model, tmp_path):
     assert [r[0] for r in records[::3]] == [0, 13, 26, 27, 28, 29, 30]
     assert [len(r[2]) for r in records[::3]] == [13, 13, 1, 1, 1, 1, 1]
     reqs, decode = requests_of(records)
-    size = one_expert(model)
+    size = expert_bytes(model)
     sim = simulate_policy("lru", reqs, lambda k: size, budget_experts * size, decode)
     # a replay has no read-ahead: the experts prefill read ahead (hits of the cache) are its misses, read early
     assert cache.stats.prefetch_hits > 0
@@ -235,7 +223,7 @@ def test_trace_replays_prefetch_and_pins_to_the_cache_hits(model, tmp_path, ahea
     """The trace records what the prefetcher predicts (decode's next layers' guesses, prefill chunks' read-ahead
     order and window); replaying it reads ahead, claims and wastes as the engine did, so the simulated hits,
     prefetch hits and pinned hits are the cache's, and its chunk counts the prefetcher's."""
-    budget_experts, size = 16, one_expert(model)
+    budget_experts, size = 16, expert_bytes(model)
     pins = [[0, 3], [2, 5], [1, 0]]
     pin_file = tmp_path / "pins.json"
     pin_file.write_text(json.dumps({"pin": pins}))
