@@ -526,8 +526,8 @@ FLOAT, AFFINE, FP8, MXFP4 = 0, 1, 2, 3  # the kernels' weight formats (their FMT
 # decode block sizes for quantized experts (rows per program, columns per step of gate/up and of down):
 # more, smaller programs than for float experts, whose loads are wider (measured on an H200, docs/gpu.md)
 QUANT_ROWS = {"bn1": 8, "bk1": 512, "bn2": 16, "bk2": 256}
-# what the kernels dequantize in registers (Scheme.method -> bits they take)
-GPU_FORMATS = {"affine": (2, 3, 4, 5, 6, 8), "fp8": (8,), "mxfp4": (4,)}
+# what the kernels dequantize in registers: a stored format's registry entry (Scheme.format) names the bits
+# (gpu_bits), _PROJ its projection
 
 
 @dataclass(frozen=True)
@@ -599,8 +599,8 @@ def gpu_format(scheme) -> str | None:
     or None when they can (float, MLX affine 2-8 bits, fp8 e4m3 with block/channel/tensor scales, MXFP4)."""
     if scheme is None:
         return None
-    bits = GPU_FORMATS.get(scheme.method)
-    if bits is None or scheme.bits not in bits:
+    fmt = scheme.format
+    if fmt is None or fmt.name not in _PROJ or fmt.gpu_reason(scheme.bits) is not None:
         return f"{scheme.tag} weights have no GPU kernel (float, MLX affine 2-8 bit, fp8 e4m3 and MXFP4 do)"
     return None
 
@@ -622,19 +622,31 @@ def quant_proj(views: dict[str, torch.Tensor], lf) -> Proj:
         return Proj.float(w)
     nslots = w.shape[0]
     q = w.view(torch.uint8).view(nslots, out_f, -1)  # the slot pool's views: contiguous within a slot
-    sc = views[role + "." + sch.scale_param]
-    if sch.method == "affine":
-        if q.shape[-1] * 8 != in_f * sch.bits:
-            raise ValueError(f"{role}: {q.shape[-1]} bytes per row do not hold {in_f} {sch.bits}-bit codes")
-        bi = views[role + ".biases"]
-        return Proj(q, sc.view(nslots, out_f, -1), bi.view(nslots, out_f, -1), AFFINE, sch.bits,
-                    sch.group_size, 1, out_f, in_f)
-    if sch.method == "fp8":
-        br, bc = sch.block[0] or out_f, sch.block[1] or in_f
-        sc = sc.reshape(nslots, -(-out_f // br), -(-in_f // bc))  # a per-tensor [] or [1] too
-        return Proj(q, sc, sc, FP8, 8, bc, br, out_f, in_f)
-    sc = sc.view(nslots, out_f, in_f // 32)  # MXFP4: blocks [out, in/32, 16] or packed [out, in/2]
+    return _PROJ[sch.format.name](views, role, sch, q, views[role + "." + sch.scale_param], out_f, in_f)
+
+
+def _affine_proj(views, role, sch, q, sc, out_f, in_f) -> Proj:
+    nslots = q.shape[0]
+    if q.shape[-1] * 8 != in_f * sch.bits:
+        raise ValueError(f"{role}: {q.shape[-1]} bytes per row do not hold {in_f} {sch.bits}-bit codes")
+    bi = views[role + ".biases"]
+    return Proj(q, sc.view(nslots, out_f, -1), bi.view(nslots, out_f, -1), AFFINE, sch.bits, sch.group_size, 1,
+                out_f, in_f)
+
+
+def _fp8_proj(views, role, sch, q, sc, out_f, in_f) -> Proj:
+    br, bc = sch.block[0] or out_f, sch.block[1] or in_f
+    sc = sc.reshape(q.shape[0], -(-out_f // br), -(-in_f // bc))  # a per-tensor [] or [1] too
+    return Proj(q, sc, sc, FP8, 8, bc, br, out_f, in_f)
+
+
+def _mxfp4_proj(views, role, sch, q, sc, out_f, in_f) -> Proj:
+    sc = sc.view(q.shape[0], out_f, in_f // 32)  # MXFP4: blocks [out, in/32, 16] or packed [out, in/2]
     return Proj(q, sc, sc, MXFP4, 4, 32, 1, out_f, in_f)
+
+
+# the GPU projection of each stored format the kernels read (registry name -> Proj of its slot views)
+_PROJ = {"affine": _affine_proj, "fp8": _fp8_proj, "mxfp4": _mxfp4_proj}
 
 
 def expert_projections(views: dict[str, torch.Tensor], fmt=None) -> tuple[Proj, Proj, Proj]:

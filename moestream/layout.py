@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .checkpoint import BLOCK_DTYPE_PREFIX, TensorInfo, dtype_size
 from .errors import LayoutError
+from .quant import registry
 
 LAYER_PREFIXES = ("model.layers", "model.language_model.layers", "language_model.model.layers")
 _PRE = "(?P<prefix>" + "|".join(re.escape(p) for p in LAYER_PREFIXES) + r")\.(?P<layer>\d+)\.(?P<block>[\w.]+?)"
@@ -59,7 +60,7 @@ ROLES = ("gate", "up", "down")
 FUSED_IO_ROLES = ("gate_up", "down")
 # piece dtypes and parameter names that mark quantized experts (moestream.quant checks them against the config)
 QUANT_DTYPES = ("U32", "F8_E4M3")
-QUANT_PARAMS = ("scales", "biases", "weight_scale_inv", "weight_scale")
+QUANT_PARAMS = registry.quant_params()  # the roles the stored formats declare (moestream.quant.registry)
 # a weight stored under another parameter name: compressed-tensors' packed 4-bit ``weight_packed``
 WEIGHT_PARAMS = ("weight", "weight_packed")
 

@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "moestream"
 LAYERS = [
     ("helpers any layer may use", "errors memory nnutil policies budget options textstream tokenizer"),
     ("checkpoint", "checkpoint"),
-    ("formats: the stored forms and their math", "mlx_format gguf_format quant quant.affine quant.fp8 quant.mxfp4 "
-     "quant.ggml quant.formats "
+    ("formats: the stored forms and their math", "mlx_format gguf_format quant quant.registry quant.affine "
+     "quant.fp8 quant.mxfp4 quant.ggml quant.formats "
      "quant.compressed quant.turboquant quant.hadamard quant.native quant.kernels"),
     ("expert layout", "layout"),
     ("expert store", "store direct_io"),

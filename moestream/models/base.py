@@ -27,6 +27,7 @@ from torch import nn
 from ..checkpoint import Checkpoint, torch_dtype
 from ..errors import CheckpointError, ConfigError
 from ..nnutil import set_submodule
+from ..quant import registry
 from .layers import Attention, AttentionProjections, BatchKV, KVCache, RMSNorm
 from .moe import StreamedMoE
 from .rope import make_rope, rope_scaling_type, rope_theta
@@ -656,7 +657,7 @@ def load_resident(
         t = checkpoint.read_tensor(source[name])
         want = torch.float32 if keep_fp32 and name.endswith(keep_fp32) else dtype
         # fp8 codes and quantization parameters (scales, biases) keep their stored dtype (moestream.quant)
-        keep = t.element_size() == 1 or name.endswith((".scales", ".biases", ".weight_scale_inv", ".weight_scale"))
+        keep = t.element_size() == 1 or name.endswith(tuple("." + r for r in registry.quant_params()))
         keep = keep or name in getattr(model, "stored_dtype_parameters", ())  # turboquant codebooks, signs
         if t.is_floating_point() and t.dtype != want and not keep:
             t = t.to(want)

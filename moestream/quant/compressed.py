@@ -40,8 +40,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from . import registry
 from .formats import ExpertFormat, LinearFormat, QuantConfig, QuantError, Scheme
 from .fp8 import block_scales_shape
+from .registry import StoredFormat
 
 FLOAT_QUANTIZED = "float-quantized"
 MXFP4_PACKED = "mxfp4-pack-quantized"
@@ -336,4 +338,13 @@ def module_pattern(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", name.rsplit(".", 1)[0])
 
 
-QuantConfig.METHODS["compressed-tensors"] = CompressedConfig.from_quantization_config
+registry.register(StoredFormat(
+    name="compressed-tensors", method="compressed-tensors",
+    summary="compressed-tensors checkpoints: fp8 (float-quantized) and MXFP4 (mxfp4-pack-quantized) groups",
+    selected_by="quantization_config.quant_method compressed-tensors (config groups, targets, ignore)",
+    weight=("F8_E4M3", "U8"), params=(("weight_scale", ("BF16", "F16", "F32", "U8")),), scale="weight_scale",
+    parse=CompressedConfig.from_quantization_config, check=_check,
+    dequantize=lambda t, lf, r0, r1: registry.of(lf.scheme).dequantize(t, lf, r0, r1),
+    no_cpu="its linears are fp8 or mxfp4 schemes (scale weight_scale): those formats' kernels compute them",
+    no_gpu="its linears are fp8 or mxfp4 schemes: those formats' GPU projections read them",
+    quant_method="compressed-tensors"))

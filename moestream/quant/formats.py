@@ -26,9 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from fnmatch import fnmatch
 
+import torch
+
 from ..errors import CheckpointError
-from . import affine, ggml
+from . import affine, fp8, ggml, mxfp4, registry
 from .fp8 import block_scales_shape
+from .registry import CpuKernel, GgmlFormat, StoredFormat
 
 
 class QuantError(CheckpointError):
@@ -58,25 +61,23 @@ class Scheme:
     act: str = "float"
 
     @property
+    def format(self) -> StoredFormat | None:
+        """Its entry in the stored-format registry (:mod:`.registry`), or None for a method it does not know."""
+        return registry.FORMATS.get(self.ggml or self.method)
+
+    @property
     def scale_param(self) -> str:
-        """The scale tensor's parameter name: ``weight_scale_inv`` (fp8), ``scales`` (mxfp4, affine) by default."""
+        """The scale tensor's parameter name: the format's (``weight_scale_inv`` fp8, ``scales`` mxfp4 and
+        affine) unless the checkpoint names its own (:attr:`scale`)."""
         if self.scale is not None:
             return self.scale
-        return "weight_scale_inv" if self.method == "fp8" else "scales"
+        fmt = self.format
+        return fmt.scale if fmt is not None and fmt.scale else "scales"
 
     @property
     def tag(self) -> str:
-        if self.method == "affine":
-            return f"affine {self.bits}-bit, group {self.group_size}"
-        if self.method == "fp8":
-            if self.block == (1, 0):
-                return "fp8 e4m3, per-channel scales"
-            if self.block == (0, 0):
-                return "fp8 e4m3, per-tensor scale"
-            return f"fp8 e4m3, blocks {self.block[0]}x{self.block[1]}"
-        if self.method == "gguf":
-            return f"gguf {self.ggml}" + (", q8 activations" if self.act == "q8" else "")
-        return "mxfp4"
+        fmt = self.format
+        return fmt.tag(self) if fmt is not None and fmt.tag else f"{self.method} {self.bits}-bit"
 
 
 def ggml_scheme(dtype: str) -> Scheme | None:
@@ -120,14 +121,12 @@ def _affine_scheme(entry: dict, where: str) -> Scheme:
 class QuantConfig:
     """The quantization a config.json declares, looked up per module path.
 
-    Build with :meth:`from_config`; None when the config declares none. A format with config rules
-    of its own registers its parser here when its module is imported (the package imports them all):
-    :data:`METHODS` for a ``quantization_config.quant_method`` (compressed-tensors), :data:`MODES` for
-    an mlx ``quantization.mode`` (turboquant).
+    Build with :meth:`from_config`; None when the config declares none. Which format a config selects is
+    the stored-format registry's (:mod:`.registry`): the entry whose ``quant_method`` is the
+    ``quantization_config.quant_method`` (fp8, mxfp4, compressed-tensors) or whose ``mode`` is the mlx
+    ``quantization.mode`` (affine, turboquant) parses it.
     """
 
-    METHODS: dict = {}  # quant_method -> parser(quantization_config, where) -> QuantConfig
-    MODES: dict = {}  # quantization.mode -> class(quantization, where)
     # a subclass whose experts follow rules of their own sets this and defines layer_format(lay, shape, where)
     own_layer_rules = False
 
@@ -151,22 +150,11 @@ class QuantConfig:
         if q is None and isinstance(cfg.get("quantization_config"), dict):
             qc = cfg["quantization_config"]
             method = qc.get("quant_method")
-            if method == "fp8":
-                blk = qc.get("weight_block_size")
-                if not (isinstance(blk, list) and len(blk) == 2 and all(isinstance(b, int) and b > 0 for b in blk)):
-                    raise QuantError(f"{where}: quantization_config.weight_block_size {blk!r} is not [rows, cols]")
-                fmt = qc.get("fmt", "e4m3")
-                if fmt != "e4m3":
-                    raise QuantError(f"{where}: quantization_config.fmt {fmt!r}: only e4m3 is supported")
-                skip = tuple(qc.get("modules_to_not_convert") or ())
-                return cls("fp8", Scheme("fp8", 8, blk[1], (blk[0], blk[1])), {}, skip)
-            if method == "mxfp4":
-                skip = tuple(qc.get("modules_to_not_convert") or ())
-                return cls("mxfp4", Scheme("mxfp4", 4, 32), {}, skip)
+            fmt = registry.by_quant_method(method)
             if method is None and "bits" in qc:
                 q = qc  # mlx-lm writes the same dict under both names
-            elif method in QuantConfig.METHODS:
-                return QuantConfig.METHODS[method](qc, where)
+            elif fmt is not None:  # fp8, mxfp4, compressed-tensors: the format's own parse
+                return fmt.parse(qc, where)
             elif method is not None:
                 # another method (compressed-tensors, ...): harmless while the tensors are float
                 # (as `moestream synth` writes them); a quantized tensor is refused when met
@@ -175,16 +163,10 @@ class QuantConfig:
             return None
         if not isinstance(q, dict):
             raise QuantError(f"{where}: quantization is not an object")
-        if q.get("mode") in QuantConfig.MODES:  # turboquant-mlx tq* builds (moestream.quant.turboquant)
-            return QuantConfig.MODES[q["mode"]](q, where)
-        default = _affine_scheme(q, f"{where}: quantization")
-        overrides: dict[str, Scheme | None] = {}
-        for k, v in q.items():
-            if isinstance(v, dict):
-                overrides[k] = _affine_scheme(v, f"{where}: quantization[{k!r}]")
-            elif v is False:
-                overrides[k] = None
-        return cls("affine", default, overrides)
+        fmt = registry.by_mode(q.get("mode", "affine"))  # affine, or turboquant-mlx tq* builds (.turboquant)
+        if fmt is None:
+            _affine_scheme(q, f"{where}: quantization")  # refuses the mode, naming it
+        return fmt.parse(q, where)
 
     def scheme(self, module: str, *aliases: str) -> Scheme | None:
         """The scheme of the linear at ``module`` (or the first of ``aliases`` with an override)."""
@@ -272,6 +254,107 @@ def check_mxfp4(name: str, shape: tuple[int, ...], scales: tuple[int, ...] | Non
     return shape[-3], shape[-2] * 32
 
 
+# -- the stored formats this module owns (registry entries: :mod:`.registry`) ----------------------------
+
+def _parse_affine(q: dict, where: str) -> QuantConfig:
+    default = _affine_scheme(q, f"{where}: quantization")
+    overrides: dict[str, Scheme | None] = {}
+    for k, v in q.items():
+        if isinstance(v, dict):
+            overrides[k] = _affine_scheme(v, f"{where}: quantization[{k!r}]")
+        elif v is False:
+            overrides[k] = None
+    return QuantConfig("affine", default, overrides)
+
+
+def _parse_fp8(qc: dict, where: str) -> QuantConfig:
+    blk = qc.get("weight_block_size")
+    if not (isinstance(blk, list) and len(blk) == 2 and all(isinstance(b, int) and b > 0 for b in blk)):
+        raise QuantError(f"{where}: quantization_config.weight_block_size {blk!r} is not [rows, cols]")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise QuantError(f"{where}: quantization_config.fmt {fmt!r}: only e4m3 is supported")
+    skip = tuple(qc.get("modules_to_not_convert") or ())
+    return QuantConfig("fp8", Scheme("fp8", 8, blk[1], (blk[0], blk[1])), {}, skip)
+
+
+def _parse_mxfp4(qc: dict, where: str) -> QuantConfig:
+    return QuantConfig("mxfp4", Scheme("mxfp4", 4, 32), {}, tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def _dequantize_affine(t: dict, lf, r0: int, r1: int) -> torch.Tensor:
+    s, role = lf.scheme, lf.role
+    return affine.dequantize(t[role][r0:r1], t[role + ".scales"][r0:r1], t[role + ".biases"][r0:r1],
+                             s.bits, s.group_size, torch.float32)
+
+
+def _dequantize_fp8(t: dict, lf, r0: int, r1: int) -> torch.Tensor:
+    s, role = lf.scheme, lf.role
+    return fp8.dequantize_rows(t[role], t[role + "." + s.scale_param], s.block, r0, r1, torch.float32)
+
+
+def _dequantize_mxfp4(t: dict, lf, r0: int, r1: int) -> torch.Tensor:
+    # gpt-oss blocks [out, in/32, 16] or compressed-tensors' packed [out, in/2]: the same bytes
+    blocks = t[lf.role][r0:r1]
+    return mxfp4.dequantize(blocks.reshape(blocks.shape[0], -1, 16), t[lf.role + "." + lf.scheme.scale_param][r0:r1],
+                            torch.float32)
+
+
+def _dequantize_ggml(t: dict, lf, r0: int, r1: int) -> torch.Tensor:
+    return ggml.dequantize(t[lf.role][r0:r1], lf.scheme.ggml, lf.in_features)  # rows of blocks [out, row bytes]
+
+
+def _fp8_tag(s: Scheme) -> str:
+    if s.block == (1, 0):
+        return "fp8 e4m3, per-channel scales"
+    if s.block == (0, 0):
+        return "fp8 e4m3, per-tensor scale"
+    return f"fp8 e4m3, blocks {s.block[0]}x{s.block[1]}"
+
+
+_SCALE_DTYPES = ("BF16", "F16", "F32")
+registry.register(StoredFormat(
+    name="affine", method="affine", summary="MLX affine, 2-8 bits (w = scale * q + bias per group)",
+    selected_by="config.json quantization: {group_size, bits} (mode affine), per-module overrides",
+    weight=("U32",), params=(("scales", _SCALE_DTYPES), ("biases", _SCALE_DTYPES)), scale="scales",
+    parse=_parse_affine, check=check_affine, dequantize=_dequantize_affine,
+    tag=lambda s: f"affine {s.bits}-bit, group {s.group_size}", cpu=CpuKernel("affine"),
+    gpu_bits=affine.BITS, mode="affine"))
+registry.register(StoredFormat(
+    name="fp8", method="fp8", summary="FP8 e4m3 with block, per-channel or per-tensor scales",
+    selected_by="quantization_config.quant_method fp8 with weight_block_size",
+    weight=("F8_E4M3",), params=(("weight_scale_inv", _SCALE_DTYPES),), scale="weight_scale_inv",
+    parse=_parse_fp8, check=check_fp8, dequantize=_dequantize_fp8, tag=_fp8_tag, cpu=CpuKernel("fp8"),
+    gpu_bits=(8,), quant_method="fp8"))
+registry.register(StoredFormat(
+    name="mxfp4", method="mxfp4", summary="MXFP4: 32 e2m1 values with an e8m0 scale (gpt-oss experts)",
+    selected_by="quantization_config.quant_method mxfp4; tensors <name>_blocks and <name>_scales",
+    weight=("U8",), params=(("scales", ("U8",)),), scale="scales", parse=_parse_mxfp4, check=check_mxfp4,
+    dequantize=_dequantize_mxfp4, tag=lambda s: "mxfp4", cpu=CpuKernel("mxfp4"), gpu_bits=(4,),
+    quant_method="mxfp4"))
+
+# each ggml type as the compiled kernels read it (csrc/traits.h has the same rows; native.py checks them at
+# load): type code, weights per decoded sub-block, the q8 mode's activation block (None: float activations)
+_GGML_CPU = {
+    "Q4_0": (0, 32, "Q8_0"), "Q4_1": (1, 32, None), "Q5_0": (2, 32, "Q8_0"), "Q5_1": (3, 32, None),
+    "Q8_0": (4, 32, "Q8_0"), "Q2_K": (5, 16, None), "Q3_K": (6, 16, None), "Q4_K": (7, 32, "Q8_K"),
+    "Q5_K": (8, 32, "Q8_K"), "Q6_K": (9, 16, "Q8_K"), "IQ4_NL": (10, 32, "Q8_0"), "IQ4_XS": (11, 32, None),
+    "MXFP4": (12, 32, None), "IQ2_XXS": (13, 32, None), "IQ2_XS": (14, 16, None), "IQ2_S": (15, 16, None),
+    "IQ3_XXS": (16, 32, None), "IQ3_S": (17, 32, None), "IQ1_S": (18, 32, None), "IQ1_M": (19, 16, None),
+    "TQ1_0": (20, 32, None), "TQ2_0": (21, 32, None),
+}
+for _t, (_block, _size, _bits) in ggml.TYPES.items():
+    _code, _group, _q8 = _GGML_CPU[_t]
+    registry.register(GgmlFormat(
+        name=_t, method="gguf", summary=f"ggml {_t}: {_block} weights in {_size} bytes",
+        selected_by=f"a GGUF tensor of type {_t} (dtype {ggml.dtype_name(_t)}); no config entry",
+        weight=(ggml.dtype_name(_t),), check=check_ggml, dequantize=_dequantize_ggml,
+        tag=lambda s: f"gguf {s.ggml}" + (", q8 activations" if s.act == "q8" else ""),
+        cpu=CpuKernel("ggml", _code, _group, _q8),
+        no_gpu="ggml blocks compute on the CPU (the fused GPU kernel reads MLX affine, fp8 and MXFP4)",
+        block=_block, type_size=_size, bits=_bits))
+
+
 def expert_format(lay, qcfg: QuantConfig | None, shape: tuple[int, int], where) -> ExpertFormat | None:
     """The :class:`ExpertFormat` of one MoE layer's experts, or None when they are plain float.
 
@@ -354,17 +437,19 @@ def expert_nbytes_per_param(bits: int, group_size: int, scale_bytes: int = 2) ->
 
 
 def is_quant_param(role: str) -> bool:
-    """Whether an expert piece ``role`` holds quantization parameters kept in their stored dtype."""
-    return "." in role and role.split(".", 1)[1] in ("scales", "biases", "weight_scale_inv", "weight_scale")
+    """Whether an expert piece ``role`` holds quantization parameters kept in their stored dtype (a role
+    some registered format declares: :func:`.registry.quant_params`)."""
+    return "." in role and role.split(".", 1)[1] in registry.quant_params()
 
 
 __all__ = ["QuantError", "Scheme", "QuantConfig", "LinearFormat", "ExpertFormat", "expert_format", "ggml_scheme"]
 
 
-# The ggml types the q8 activation mode computes on (moestream/quant/csrc/q8.h): what Q4_K_M, Q5_K_M, Q6_K,
-# Q8_0, Q4_0, Q5_0 and IQ4_NL files hold for their experts and linears. A tensor of another type keeps float
-# activations.
-Q8_ACTIVATION_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL")
+# The ggml types the q8 activation mode computes on (moestream/quant/csrc/q8.h; their entries' CpuKernel.q8):
+# what Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, Q5_0 and IQ4_NL files hold for their experts and linears, those taking
+# Q8_K activations first. A tensor of another type keeps float activations.
+Q8_ACTIVATION_TYPES = tuple(sorted((t for t, f in registry.ggml_formats().items() if f.cpu.q8),
+                                   key=lambda t: registry.get(t).cpu.q8 != "Q8_K"))
 
 
 def with_activations(lf: LinearFormat | None, activations: str, fallback: list | None = None,
@@ -374,9 +459,9 @@ def with_activations(lf: LinearFormat | None, activations: str, fallback: list |
     float and ``(name, type)`` is appended to ``fallback``; anything else (float, other methods) is returned as
     it is."""
     s = None if lf is None else lf.scheme
-    if activations != "q8" or s is None or s.method != "gguf":
+    if activations != "q8" or s is None or not isinstance(s.format, GgmlFormat):
         return lf
-    if s.ggml not in Q8_ACTIVATION_TYPES:
+    if s.format.cpu.q8 is None:
         if fallback is not None:
             fallback.append((name or lf.role, s.ggml))
         return lf

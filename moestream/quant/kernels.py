@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import affine, fp8, ggml, mxfp4, native
+from . import fp8, native, registry
 from .formats import LinearFormat
 
 # float32 elements dequantized per chunk (256 KiB: stays in L2 while it is multiplied)
@@ -35,21 +35,11 @@ def _rows(lf: LinearFormat) -> int:
 
 
 def dequantize_rows(t: dict[str, torch.Tensor], lf: LinearFormat, r0: int, r1: int) -> torch.Tensor:
-    """Rows ``r0:r1`` of the float32 weight of linear ``lf`` from its pieces ``t``."""
-    role, s = lf.role, lf.scheme
-    if s is None:
-        return t[role][r0:r1].float()
-    if s.method == "affine":
-        return affine.dequantize(t[role][r0:r1], t[role + ".scales"][r0:r1], t[role + ".biases"][r0:r1],
-                                 s.bits, s.group_size, torch.float32)
-    if s.method == "fp8":
-        return fp8.dequantize_rows(t[role], t[role + "." + s.scale_param], s.block, r0, r1, torch.float32)
-    if s.method == "gguf":  # rows of ggml blocks [out, row bytes]
-        return ggml.dequantize(t[role][r0:r1], s.ggml, lf.in_features)
-    # gpt-oss blocks [out, in/32, 16] or compressed-tensors' packed [out, in/2]: the same bytes
-    blocks = t[role][r0:r1]
-    return mxfp4.dequantize(blocks.reshape(blocks.shape[0], -1, 16), t[role + "." + s.scale_param][r0:r1],
-                            torch.float32)
+    """Rows ``r0:r1`` of the float32 weight of linear ``lf`` from its pieces ``t``: its stored format's
+    reference dequantizer (:mod:`.registry`)."""
+    if lf.scheme is None:
+        return t[lf.role][r0:r1].float()
+    return registry.of(lf.scheme).dequantize(t, lf, r0, r1)
 
 
 def dequantize_linear(t: dict[str, torch.Tensor], lf: LinearFormat, dtype: torch.dtype) -> torch.Tensor:

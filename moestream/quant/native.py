@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from . import fp8, ggml, mxfp4
+from . import formats, fp8, ggml, mxfp4, registry  # noqa: F401  (formats: registers the formats read here)
 from .hadamard import block_size, sloane_matrix
 
 ENV = "MOESTREAM_CPU_KERNELS"
@@ -71,20 +71,19 @@ _UNITS.update({"capi": ("capi.cpp", []), "ops": ("ops.cpp", []), "q8": ("q8.cpp"
 SOURCES = tuple(_UNITS)
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off"]
 LIBRARY = "libmoestream_cpu.so"
-# kinds and the spec layout of csrc/capi.cpp (make_lin)
-AFFINE, FP8, MXFP4, CODEBOOK, GGML, FLOAT, FLOAT_T = 0, 1, 2, 3, 4, 5, 6
-# ggml block types (csrc/kernels.h GgmlType) and the weights sharing one scale the kernels decode at a time
-GGML_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, "Q3_K": 6, "Q4_K": 7, "Q5_K": 8,
-              "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "MXFP4": 12, "IQ2_XXS": 13, "IQ2_XS": 14, "IQ2_S": 15,
-              "IQ3_XXS": 16, "IQ3_S": 17, "IQ1_S": 18, "IQ1_M": 19, "TQ1_0": 20, "TQ2_0": 21}
-GGML_GROUP = {"Q2_K": 16, "Q3_K": 16, "Q6_K": 16, "IQ2_XS": 16, "IQ2_S": 16, "IQ1_M": 16}  # the others: 32
+# kinds (csrc/kernels.h Kind, as the registry declares them) and the spec layout of csrc/capi.cpp (make_lin)
+AFFINE, FP8, MXFP4, CODEBOOK, GGML, FLOAT, FLOAT_T = (registry.KINDS[k] for k in (
+    "affine", "fp8", "mxfp4", "codebook", "ggml", "float", "float_t"))
+# ggml block types: each registry entry's type code (csrc/kernels.h GgmlType, a row of csrc/traits.h) and the
+# weights sharing one scale the kernels decode at a time; _load checks them against the library's table
+GGML_TYPES = {t: f.cpu.type_code for t, f in registry.ggml_formats().items()}
+GGML_GROUP = {t: f.cpu.group for t, f in registry.ggml_formats().items()}
 SPEC, PTRS = 16, 8
 # q8 activation mode (csrc/q8.h): the ggml types it computes on, and the activation block each takes (ggml's
-# vec_dot_type: Q8_K for the K-quants, Q8_0 for Q8_0, Q4_0, Q5_0 and IQ4_NL)
+# vec_dot_type: Q8_K for the K-quants, Q8_0 for Q8_0, Q4_0, Q5_0 and IQ4_NL): the entries' CpuKernel.q8
 ACT_FLOAT, ACT_Q8 = 0, 1
-Q8_TYPES = {"Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q5_0": "Q8_0",
-            "IQ4_NL": "Q8_0"}
-_Q8_CODE = {"Q8_K": 1, "Q8_0": 2}
+Q8_TYPES = {t: f.cpu.q8 for t, f in registry.ggml_formats().items() if f.cpu.q8}
+_Q8_CODE = {"Q8_K": 1, "Q8_0": 2}  # csrc/q8.h Q8Type
 STREAM, TEN3, TRITS = 0, 1, 2  # codebook packings
 TRIT, LEVEL_BITS = 3, {2: 1, 4: 2, 8: 3, 16: 4}  # turboquant codebook length -> code bits (3: ternary)
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -235,6 +234,7 @@ def _load() -> ctypes.CDLL:
                 raise first from None
         print(f"moestream: CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     dll = ctypes.CDLL(str(lib))
+    _check_traits(dll)
     dll.ms_paths.restype = ctypes.c_int
     args = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     dll.ms_linear.restype = dll.ms_expert.restype = dll.ms_rotate.restype = ctypes.c_int
@@ -257,6 +257,33 @@ def _load() -> ctypes.CDLL:
     dll.ms_act.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                            ctypes.c_float]
     return _Metered(dll)
+
+
+def library_ggml_traits(dll) -> dict[str, tuple[int, int, int, int, str | None, str]]:
+    """The library's ggml type-traits table (``csrc/traits.h``, through ``ms_ggml_traits``): name -> (type
+    code, weights per block, bytes per block, weights per decoded sub-block, q8 activation block or None,
+    decoder group ``g`` or ``x``)."""
+    fn = dll.ms_ggml_traits
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p)]
+    out, name = (ctypes.c_int64 * 6)(), ctypes.c_char_p()
+    got = {}
+    for i in range(fn(-1, None, None)):
+        fn(i, out, ctypes.byref(name))
+        q8 = {1: "Q8_K", 2: "Q8_0"}.get(out[4])
+        got[name.value.decode()] = (out[0], out[1], out[2], out[3], q8, "gx"[out[5] - 1])
+    return got
+
+
+def _check_traits(dll) -> None:
+    """RuntimeError naming the first ggml type whose registry entry disagrees with the library's table."""
+    have = library_ggml_traits(dll)
+    want = {t: (f.cpu.type_code, f.block, f.type_size, f.cpu.group, f.cpu.q8)
+            for t, f in registry.ggml_formats().items()}
+    for t in sorted(set(have) | set(want)):
+        if have.get(t, (None,) * 5)[:5] != want.get(t):
+            raise RuntimeError(f"ggml type {t}: the kernels' traits {have.get(t)} disagree with the format registry's "
+                               f"{want.get(t)} (csrc/traits.h against moestream/quant/formats.py)")
 
 
 _kernel_cpu = [0.0]  # CPU seconds (the process's, all threads) spent inside the compiled kernels' calls
@@ -427,10 +454,12 @@ def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: t
     role = role or lf.role
     out = out or lf.out_features
     inn = lf.in_features
-    if s is None or s.method not in ("affine", "fp8", "mxfp4", "gguf") or inn % 32:
+    fmt = None if s is None else s.format
+    kind = None if fmt is None or fmt.cpu is None else fmt.cpu.kind
+    if kind not in _SPEC_PARTS or inn % 32:  # the codebook kind has its own: codebook_spec
         return None
     w = t[role]
-    if s.method == "gguf":
+    if kind == "ggml":
         return _ggml_spec(lf, w, role, rows, out)
     sc = t.get(role + "." + s.scale_param)
     if sc is None or w.device.type != "cpu" or w.dim() < 2:
@@ -439,35 +468,10 @@ def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: t
     stored = w.shape[0]
     _check(stored >= need, f"{role}: weight {list(w.shape)} holds fewer than {need} rows")
     row_bytes = w.numel() * w.element_size() // stored
-    bias, table = None, None
-    if s.method == "affine":
-        bias = t.get(role + ".biases")
-        if s.bits not in AFFINE_BITS or s.group_size % 32 or bias is None or sc.dtype not in _DT \
-                or bias.dtype not in _DT:
-            return None
-        want, groups = inn * s.bits // 8, inn // s.group_size
-        _check(sc.shape[-1] == groups and sc.numel() == stored * groups and bias.shape == sc.shape,
-               f"{role}: scales {list(sc.shape)} and biases {list(bias.shape)} are not [{stored}, {groups}]")
-        head = [AFFINE, s.bits, s.group_size, 1]
-        tail = [groups, _DT[sc.dtype], _DT[bias.dtype]]
-    elif s.method == "fp8":
-        bn, bk = fp8.resolve_block(s.block, (stored, inn))
-        if bk % 16 or sc.dtype not in _DT or w.element_size() != 1:
-            return None
-        want = inn
-        brows, bcols = -(-stored // bn), -(-inn // bk)
-        _check(sc.numel() == brows * bcols, f"{role}: scales {list(sc.shape)} are not the {brows} x {bcols} blocks "
-               f"of {bn} x {bk} a [{stored}, {inn}] weight has")
-        head = [FP8, 8, bk, bn]
-        tail = [bcols, _DT[sc.dtype], 0]
-    else:
-        if w.element_size() != 1 or sc.element_size() != 1:
-            return None
-        want = inn // 2
-        _check(sc.numel() == stored * (inn // 32), f"{role}: scales {list(sc.shape)} are not [{stored}, {inn // 32}]")
-        head = [MXFP4, 4, 32, 1]
-        tail = [inn // 32, 0, 0]
-        table = _FP4
+    parts = _SPEC_PARTS[kind](s, t, role, w, sc, stored, inn)
+    if parts is None:
+        return None
+    want, head, tail, bias, table = parts
     _check(row_bytes == want, f"{role}: weight {list(w.shape)} ({w.dtype}) has {row_bytes} bytes per row; "
            f"[{out}, {inn}] as {s.tag} needs {want}")
     fields = head + [out, inn, rows[0], rows[1], 0, row_bytes] + tail
@@ -475,10 +479,43 @@ def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: t
     return Spec(fields, [_contig(w), _contig(sc), None if bias is None else _contig(bias), table])
 
 
+def _affine_parts(s, t, role, w, sc, stored, inn):
+    bias = t.get(role + ".biases")
+    if s.bits not in AFFINE_BITS or s.group_size % 32 or bias is None or sc.dtype not in _DT or bias.dtype not in _DT:
+        return None
+    groups = inn // s.group_size
+    _check(sc.shape[-1] == groups and sc.numel() == stored * groups and bias.shape == sc.shape,
+           f"{role}: scales {list(sc.shape)} and biases {list(bias.shape)} are not [{stored}, {groups}]")
+    return inn * s.bits // 8, [AFFINE, s.bits, s.group_size, 1], [groups, _DT[sc.dtype], _DT[bias.dtype]], bias, None
+
+
+def _fp8_parts(s, t, role, w, sc, stored, inn):
+    bn, bk = fp8.resolve_block(s.block, (stored, inn))
+    if bk % 16 or sc.dtype not in _DT or w.element_size() != 1:
+        return None
+    brows, bcols = -(-stored // bn), -(-inn // bk)
+    _check(sc.numel() == brows * bcols, f"{role}: scales {list(sc.shape)} are not the {brows} x {bcols} blocks "
+           f"of {bn} x {bk} a [{stored}, {inn}] weight has")
+    return inn, [FP8, 8, bk, bn], [bcols, _DT[sc.dtype], 0], None, None
+
+
+def _mxfp4_parts(s, t, role, w, sc, stored, inn):
+    if w.element_size() != 1 or sc.element_size() != 1:
+        return None
+    _check(sc.numel() == stored * (inn // 32), f"{role}: scales {list(sc.shape)} are not [{stored}, {inn // 32}]")
+    return inn // 2, [MXFP4, 4, 32, 1], [inn // 32, 0, 0], None, _FP4
+
+
+# a stored format's CpuKernel.kind -> (row bytes, spec head, spec tail, biases, value table) of its linear, or
+# None when the kernels do not cover its pieces; ggml: _ggml_spec
+_SPEC_PARTS = {"affine": _affine_parts, "fp8": _fp8_parts, "mxfp4": _mxfp4_parts, "ggml": None}
+
+
 def _ggml_spec(lf, w: torch.Tensor, role: str, rows: tuple[int, int], out: int) -> Spec | None:
     """The kernel's view of a linear stored as ggml blocks [rows, row bytes] (:mod:`.ggml`)."""
     kind = lf.scheme.ggml
-    if kind not in GGML_TYPES or w.device.type != "cpu" or w.dim() < 2 or w.element_size() != 1:
+    cpu = lf.scheme.format.cpu
+    if w.device.type != "cpu" or w.dim() < 2 or w.element_size() != 1:
         return None
     inn, stored = lf.in_features, w.shape[0]
     need = rows[0] + (out - 1) * rows[1] + 1
@@ -487,8 +524,8 @@ def _ggml_spec(lf, w: torch.Tensor, role: str, rows: tuple[int, int], out: int) 
     want = ggml.row_bytes(kind, inn)
     _check(row_bytes == want, f"{role}: weight {list(w.shape)} has {row_bytes} bytes per row; [{out}, {inn}] as "
            f"{lf.scheme.tag} needs {want}")
-    act = ACT_Q8 if lf.scheme.act == "q8" and kind in Q8_TYPES else ACT_FLOAT  # spec[8]: the activation mode
-    fields = [GGML, GGML_TYPES[kind], GGML_GROUP.get(kind, 32), 1, out, inn, rows[0], rows[1], act, row_bytes]
+    act = ACT_Q8 if lf.scheme.act == "q8" and cpu.q8 else ACT_FLOAT  # spec[8]: the activation mode
+    fields = [GGML, cpu.type_code, cpu.group, 1, out, inn, rows[0], rows[1], act, row_bytes]
     fields += [0] * (SPEC - len(fields))
     return Spec(fields, [_contig(w), _grid_table(kind) if kind in ggml.GRID_TYPES else None])
 

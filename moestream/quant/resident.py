@@ -27,8 +27,6 @@ from .formats import (
 )
 from .kernels import dequantize_linear, qlinear
 
-_SUFFIXES = {"affine": ("scales", "biases"), "fp8": ("weight_scale_inv",), "gguf": ()}
-
 
 def _param(shape, st_dtype: str) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=torch_dtype(st_dtype)), requires_grad=False)
@@ -132,7 +130,7 @@ def _format(path: str, tensors: dict, qcfg: QuantConfig | None, shape: tuple[int
     else:
         return None
     shapes = {"weight": (w.shape, w.dtype)}
-    for suffix in _SUFFIXES[scheme.method]:
+    for suffix in scheme.format.roles:  # the pieces its stored format keeps beside the weight
         info = tensors[f"{path}.{suffix}"]
         shapes[suffix] = (info.shape, info.dtype)
     return LinearFormat("weight", scheme, shape[0], shape[1]), shapes

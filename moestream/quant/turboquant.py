@@ -46,9 +46,10 @@ from torch import nn
 
 from ..checkpoint import torch_dtype
 from ..nnutil import set_submodule
-from . import native
+from . import native, registry
 from .formats import ExpertFormat, LinearFormat, QuantConfig, QuantError, Scheme, _affine_scheme
 from .hadamard import block_size, blockwise_hadamard, sloane_matrix  # noqa: F401  (turboquant's rotation)
+from .registry import CpuKernel, StoredFormat
 
 # codebook length -> bits per code (3: ternary, one base-3 digit)
 LEVEL_BITS = {2: 1, 4: 2, 8: 3, 16: 4}
@@ -642,4 +643,17 @@ def describe(tensors: dict, cfg: TurboQuantConfig) -> str:
     return text
 
 
-QuantConfig.MODES["turboquant"] = TurboQuantConfig
+def _dequantize(t: dict, lf: LinearFormat, r0: int, r1: int) -> torch.Tensor:
+    """Rows r0:r1 of a turboquant linear's rotated-domain weight from its pieces ``<role>``, ``<role>.scales``
+    and its module's shared ``<role>.codebook`` (the input's rotation H_B(signs * x) is not in it)."""
+    role = lf.role
+    return dequantize_rows(t[role][r0:r1], t[role + ".scales"][r0:r1], t[role + ".codebook"], lf.in_features)
+
+
+registry.register(StoredFormat(
+    name="turboquant", method="turboquant",
+    summary="turboquant-mlx tq* builds: codebook codes (1-4 bits, ternary) per group scale, Hadamard-rotated input",
+    selected_by="config.json quantization.mode turboquant; tensors <module>.{weight,scales,codebook,signs}",
+    weight=("U32",), params=(("scales", ("F16", "BF16", "F32")),), scale="scales", parse=TurboQuantConfig,
+    check=linear_scheme, dequantize=_dequantize, tag=TQScheme.tag.fget, cpu=CpuKernel("codebook"),
+    no_gpu="codebook lookups and the input's Hadamard rotation have no fused GPU kernel", mode="turboquant"))

@@ -42,8 +42,7 @@ static Lin make_lin(const int64_t* spec, const void* const* ptrs) {
   L.b_dt = int(spec[12]);
   L.rot_b = spec[13];
   L.rot_m = spec[14];
-  const uint32_t scale_bits = uint32_t(uint64_t(spec[15]) & 0xffffffffu);
-  std::memcpy(&L.rot_scale, &scale_bits, 4);
+  L.rot_scale = f32_bits(spec[15]);
   L.rot_half = (uint64_t(spec[15]) >> 32) != 0;
   L.w = static_cast<const uint8_t*>(ptrs[0]);
   L.s = static_cast<const uint8_t*>(ptrs[1]);
@@ -96,17 +95,15 @@ static void rotate(const Lin& L, const float* x, int64_t n, float* out) {
 
 
 // The function computing L's rows on `path`, or nullptr when that path is not compiled.
+// A ggml linear takes its type's decoder (traits.h); every other kind the q group's.
 static RowsFn rows_fn(int path, const Lin& L) {
-  const int grp = L.kind != GGML ? 0 : (L.bits >= G_MXFP4 ? 2 : 1);
-  static const RowsFn table[3][3] = {
-      {rows_portable_q, rows_portable_g, rows_portable_x},
-      {rows_avx2_q, rows_avx2_g, rows_avx2_x},
-      {rows_avx512_q, rows_avx512_g, rows_avx512_x},
-  };
+  static const RowsFn q[3] = {rows_portable_q, rows_avx2_q, rows_avx512_q};
   if (path < 0 || path > 2) return nullptr;
   if (path == AVX512 && !MS_AVX512) return nullptr;
   if (path == AVX2 && !MS_AVX2) return nullptr;
-  return table[path][grp];
+  if (L.kind != GGML) return q[path];
+  const GgmlTraits* t = ggml_traits(L.bits);
+  return t == nullptr ? nullptr : t->rows.fn[path];
 }
 
 // Output rows (columns for FLOAT_T) of L for n tokens split over threads in contiguous chunks of whole
@@ -271,6 +268,22 @@ int64_t ms_q8_quantize(int type, const float* x, int64_t n, int64_t in, void* ou
 // Bit mask of the compiled paths: 1 portable, 2 AVX2, 4 AVX-512.
 int ms_paths(void) { return 1 | (MS_AVX2 ? 2 : 0) | (MS_AVX512 ? 4 : 0); }
 
+// Row i of the ggml type-traits table (traits.h): out [6] = type code, weights per block, bytes per block,
+// weights per decoded sub-block, q8 mode's activation block (0 none, 1 Q8_K, 2 Q8_0), the decoder's format
+// group (1 g, 2 x); *name its name. Returns the number of rows, or -1 for an i that names none (out and name
+// may be nullptr: the count only).
+int ms_ggml_traits(int i, int64_t* out, const char** name) {
+  const ms::GgmlTraits* t = ms::ggml_traits(i);
+  if (t == nullptr) return out == nullptr && name == nullptr ? int(ms::G_COUNT) : -1;
+  if (out != nullptr) {
+    const int64_t fields[6] = {t->type, t->block, t->type_size, t->group, t->q8,
+                               t->rows.fn[0] == ms::ROWS_X.fn[0] ? 2 : 1};
+    std::memcpy(out, fields, sizeof(fields));
+  }
+  if (name != nullptr) *name = t->name;
+  return int(ms::G_COUNT);
+}
+
 // y [n, out] (float32) = rot(x) [n, in] (float32) W^T + bias. 0, or -1 when `path` is not compiled.
 int ms_linear(int path, const int64_t* spec, const void* const* ptrs, const float* x, int64_t n, float* y) {
   ms::Lin L = ms::make_lin(spec, ptrs);
@@ -425,10 +438,7 @@ int ms_attn_block(int path, const int64_t* a, const int64_t* specs, const void* 
       Lq.in != Lk.in || Lq.in != Lv.in || Lo.out != Lq.in)
     return -1;
   const int64_t H = Lq.in;
-  float scale, eps;
-  const uint32_t sb = uint32_t(uint64_t(a[10]) & 0xffffffffu), eb = uint32_t(uint64_t(a[11]) & 0xffffffffu);
-  std::memcpy(&scale, &sb, 4);
-  std::memcpy(&eps, &eb, 4);
+  const float scale = ms::f32_bits(a[10]), eps = ms::f32_bits(a[11]);
   const uint8_t* x = static_cast<const uint8_t*>(p[0]);
   const uint8_t* qw = static_cast<const uint8_t*>(p[1]);
   const uint8_t* kw = static_cast<const uint8_t*>(p[2]);

@@ -15,6 +15,7 @@
 #endif
 
 #include "kernels.h"
+#include "traits.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MS_AVX2 1
@@ -256,6 +257,18 @@ static MS_INLINE float ggml_f16(const uint8_t* p) {
 // the IQ4 types' code values (ggml-common.h kvalues_iq4nl)
 static constexpr float IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+// Q4_K / Q5_K sub-block s (of 8): its 6-bit scale and min from the block's 12 scale bytes `sc` (ggml's
+// get_scale_min_k4)
+static MS_INLINE void k4_scale_min(const uint8_t* sc, int s, int& scale, int& mn) {
+  if (s < 4) {
+    scale = sc[s] & 63;
+    mn = sc[s + 4] & 63;
+  } else {
+    scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+    mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+  }
+}
+
 // sub-block g (of `group` weights) of a ggml row, dequantized into out[group]
 template <int T>
 static MS_INLINE void ggml_group(const uint8_t* row, int64_t g, float* out) {
@@ -263,11 +276,11 @@ static MS_INLINE void ggml_group(const uint8_t* row, int64_t g, float* out) {
     const uint8_t* qs;
     float dl;
     if constexpr (T == G_IQ4_NL) {
-      const uint8_t* b = row + g * 18;
+      const uint8_t* b = row + g * block_bytes<G_IQ4_NL>();
       dl = ggml_f16(b);
       qs = b + 2;
     } else {  // 8 sub-blocks of 32: 4 low scale bits in scales_l, 2 high ones in the uint16 scales_h
-      const uint8_t* b = row + (g / 8) * 136;
+      const uint8_t* b = row + (g / 8) * block_bytes<G_IQ4_XS>();
       const int ib = int(g % 8);
       uint16_t sh;
       std::memcpy(&sh, b + 2, 2);
@@ -280,7 +293,7 @@ static MS_INLINE void ggml_group(const uint8_t* row, int64_t g, float* out) {
       out[j + 16] = dl * IQ4_VALUES[qs[j] >> 4];
     }
   } else if constexpr (T == G_Q4_0 || T == G_Q4_1 || T == G_Q5_0 || T == G_Q5_1 || T == G_Q8_0) {
-    constexpr int64_t size = T == G_Q4_0 ? 18 : T == G_Q4_1 ? 20 : T == G_Q5_0 ? 22 : T == G_Q5_1 ? 24 : 34;
+    constexpr int64_t size = block_bytes<T>();
     const uint8_t* b = row + g * size;
     const float d = ggml_f16(b);
     if constexpr (T == G_Q8_0) {
@@ -314,7 +327,7 @@ static MS_INLINE void ggml_group(const uint8_t* row, int64_t g, float* out) {
       }
     }
   } else if constexpr (T == G_Q2_K || T == G_Q3_K || T == G_Q6_K) {  // 16 sub-blocks of 16
-    constexpr int64_t size = T == G_Q2_K ? 84 : T == G_Q3_K ? 110 : 210;
+    constexpr int64_t size = block_bytes<T>();
     const uint8_t* b = row + (g / 16) * size;
     const int s = int(g % 16);
     if constexpr (T == G_Q6_K) {
@@ -344,18 +357,11 @@ static MS_INLINE void ggml_group(const uint8_t* row, int64_t g, float* out) {
       }
     }
   } else {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
-    constexpr int64_t size = T == G_Q4_K ? 144 : 176;
+    constexpr int64_t size = block_bytes<T>();
     const uint8_t* b = row + (g / 8) * size;
     const int s = int(g % 8);
-    const uint8_t* sc = b + 4;
     int scale, mn;
-    if (s < 4) {
-      scale = sc[s] & 63;
-      mn = sc[s + 4] & 63;
-    } else {
-      scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
-      mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
-    }
+    k4_scale_min(b + 4, s, scale, mn);
     const float dl = ggml_f16(b) * float(scale), ml = ggml_f16(b + 2) * float(mn);
     const uint8_t* qs = b + (T == G_Q4_K ? 16 : 48) + (s / 2) * 32;
     for (int l = 0; l < 32; ++l) {
@@ -469,7 +475,7 @@ static MS_INLINE void trits8(const uint8_t* p, uint32_t pow, float d, float* out
 template <int T, bool SIMD>
 static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t* grid, float* out) {
   if constexpr (T == G_MXFP4) {
-    const uint8_t* b = row + g * 17;
+    const uint8_t* b = row + g * block_bytes<G_MXFP4>();
     const float d = e8m0_half(b[0]);
 #if MS_AVX2
     if constexpr (SIMD) {  // the 16 code values as int8 through a byte shuffle
@@ -489,7 +495,7 @@ static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t*
       out[j + 16] = d * MXFP4_VALUES[b[1 + j] >> 4];
     }
   } else if constexpr (T == G_IQ2_XXS) {
-    const uint8_t* b = row + (g / 8) * 66;
+    const uint8_t* b = row + (g / 8) * block_bytes<G_IQ2_XXS>();
     const int ib = int(g % 8);
     const uint32_t aux0 = ld32(b + 2 + 8 * ib), aux1 = ld32(b + 6 + 8 * ib);
     const float db = ggml_f16(b) * (0.5f + float(aux1 >> 28)) * 0.25f;
@@ -498,7 +504,7 @@ static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t*
       grid8<SIMD>(gr, gr + 4, db, ksign((aux1 >> (7 * l)) & 127), out + 8 * l);
     }
   } else if constexpr (T == G_IQ2_XS || T == G_IQ2_S) {  // 16 sub-blocks of 16
-    constexpr int64_t size = T == G_IQ2_XS ? 74 : 82;
+    constexpr int64_t size = block_bytes<T>();
     const uint8_t* b = row + (g / 16) * size;
     const int s = int(g % 16);
     const float db = ggml_f16(b) * (0.5f + float((b[size - 8 + s / 2] >> (4 * (s % 2))) & 15)) * 0.25f;
@@ -514,7 +520,7 @@ static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t*
       }
     }
   } else if constexpr (T == G_IQ3_XXS) {
-    const uint8_t* b = row + (g / 8) * 98;
+    const uint8_t* b = row + (g / 8) * block_bytes<G_IQ3_XXS>();
     const int ib = int(g % 8);
     const uint32_t aux = ld32(b + 66 + 4 * ib);
     const float db = ggml_f16(b) * (0.5f + float(aux >> 28)) * 0.5f;
@@ -522,7 +528,7 @@ static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t*
     for (int l = 0; l < 4; ++l)
       grid8<SIMD>(grid + 4 * qs[2 * l], grid + 4 * qs[2 * l + 1], db, ksign((aux >> (7 * l)) & 127), out + 8 * l);
   } else if constexpr (T == G_IQ3_S) {
-    const uint8_t* b = row + (g / 8) * 110;
+    const uint8_t* b = row + (g / 8) * block_bytes<G_IQ3_S>();
     const int ib = int(g % 8);
     const float db = ggml_f16(b) * float(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 15));
     const uint32_t qh = b[66 + ib];
@@ -533,7 +539,7 @@ static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t*
     }
   } else if constexpr (T == G_IQ1_S) {
     const int8_t* gr = reinterpret_cast<const int8_t*>(grid);
-    const uint8_t* b = row + (g / 8) * 50;
+    const uint8_t* b = row + (g / 8) * block_bytes<G_IQ1_S>();
     const int ib = int(g % 8);
     const uint32_t qh = ld16(b + 34 + 2 * ib);
     const float dl = ggml_f16(b) * float(2 * ((qh >> 12) & 7) + 1), delta = iq1_delta((qh & 0x8000u) << 16);
@@ -541,7 +547,7 @@ static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t*
       grid8_delta<SIMD>(gr + 8 * (b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7u) << 8)), dl, delta, out + 8 * l);
   } else if constexpr (T == G_IQ1_M) {  // 16 sub-blocks of 16; d is the top nibbles of the 4 scale words
     const int8_t* gr = reinterpret_cast<const int8_t*>(grid);
-    const uint8_t* b = row + (g / 16) * 56;
+    const uint8_t* b = row + (g / 16) * block_bytes<G_IQ1_M>();
     const int s = int(g % 16);
     uint64_t sc;  // the 4 scale words; word i's top nibble is bits 4 i of d
     std::memcpy(&sc, b + 48, 8);
@@ -554,7 +560,7 @@ static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t*
     }
   } else if constexpr (T == G_TQ1_0) {
     static constexpr uint32_t POW3[5] = {1, 3, 9, 27, 81};
-    const uint8_t* b = row + (g / 8) * 54;
+    const uint8_t* b = row + (g / 8) * block_bytes<G_TQ1_0>();
     const int gg = int(g % 8);
     const float d = ggml_f16(b + 52);
     if (gg < 5) {  // weights 32 k + m: digit k of qs[m], m < 32
@@ -570,7 +576,7 @@ static MS_INLINE void ggml_group_x(const uint8_t* row, int64_t g, const uint8_t*
       }
     }
   } else {  // TQ2_0: 2-bit codes as Q2_K's
-    const uint8_t* b = row + (g / 8) * 66;
+    const uint8_t* b = row + (g / 8) * block_bytes<G_TQ2_0>();
     const int gg = int(g % 8), shift = 2 * (gg % 4);
     const uint8_t* q = b + 32 * (gg / 4);
     const float d = ggml_f16(b + 64);
@@ -594,7 +600,7 @@ template <int T, bool SIMD>
 static MS_INLINE void ggml_group_s(const uint8_t* row, int64_t g, float* out) {
 #if MS_AVX2
   if constexpr (SIMD && (T == G_Q4_0 || T == G_Q4_1 || T == G_Q8_0 || T == G_Q5_0 || T == G_Q5_1)) {
-    constexpr int64_t size = T == G_Q4_0 ? 18 : T == G_Q4_1 ? 20 : T == G_Q5_0 ? 22 : T == G_Q5_1 ? 24 : 34;
+    constexpr int64_t size = block_bytes<T>();
     const uint8_t* b = row + g * size;
     const __m256 d = _mm256_set1_ps(ggml_f16(b));
     if constexpr (T == G_Q8_0) {
@@ -630,18 +636,11 @@ static MS_INLINE void ggml_group_s(const uint8_t* row, int64_t g, float* out) {
     }
   }
   if constexpr (SIMD && (T == G_Q4_K || T == G_Q5_K)) {
-    constexpr int64_t size = T == G_Q4_K ? 144 : 176;
+    constexpr int64_t size = block_bytes<T>();
     const uint8_t* b = row + (g / 8) * size;
     const int s = int(g % 8);
-    const uint8_t* sc = b + 4;
     int scale, mn;
-    if (s < 4) {
-      scale = sc[s] & 63;
-      mn = sc[s + 4] & 63;
-    } else {
-      scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
-      mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
-    }
+    k4_scale_min(b + 4, s, scale, mn);
     const __m256 dl = _mm256_set1_ps(ggml_f16(b) * float(scale)), ml = _mm256_set1_ps(ggml_f16(b + 2) * float(mn));
     const uint8_t* qs = b + (T == G_Q4_K ? 16 : 48) + (s / 2) * 32;
     const __m256i m15 = _mm256_set1_epi32(15);
@@ -657,7 +656,7 @@ static MS_INLINE void ggml_group_s(const uint8_t* row, int64_t g, float* out) {
     return;
   }
   if constexpr (SIMD && (T == G_Q6_K || T == G_Q2_K || T == G_Q3_K)) {
-    constexpr int64_t size = T == G_Q2_K ? 84 : T == G_Q3_K ? 110 : 210;
+    constexpr int64_t size = block_bytes<T>();
     const uint8_t* b = row + (g / 16) * size;
     const int s = int(g % 16);
     const __m256i m3 = _mm256_set1_epi32(3);
@@ -740,23 +739,16 @@ struct DecG {
   MS_INLINE void group(Row& r, int64_t g) const {
     r.g0 = g * (L.group / A::W);
     if constexpr (DIRECT && T == G_Q4_K) {
-      const uint8_t* b = r.p + (g / 8) * 144;
+      const uint8_t* b = r.p + (g / 8) * block_bytes<G_Q4_K>();
       const int s = int(g % 8);
-      const uint8_t* sc = b + 4;
       int scale, mn;
-      if (s < 4) {
-        scale = sc[s] & 63;
-        mn = sc[s + 4] & 63;
-      } else {
-        scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
-        mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
-      }
+      k4_scale_min(b + 4, s, scale, mn);
       r.dl = ggml_f16(b) * float(scale);
       r.ml = ggml_f16(b + 2) * float(mn);
       r.q = b + 16 + (s / 2) * 32;
       r.sel = s % 2;
     } else if constexpr (DIRECT && T == G_Q6_K) {
-      const uint8_t* b = r.p + (g / 16) * 210;
+      const uint8_t* b = r.p + (g / 16) * block_bytes<G_Q6_K>();
       const int s = int(g % 16);
       r.dl = ggml_f16(b + 208) * float(int8_t(b[192 + s]));
       const int n = s / 8, k = (s % 8) / 2, l0 = (s % 2) * 16;
@@ -764,7 +756,7 @@ struct DecG {
       r.qh = b + 128 + n * 32 + l0;
       r.sel = k;
     } else if constexpr (DIRECT && T == G_Q8_0) {
-      const uint8_t* b = r.p + g * 34;
+      const uint8_t* b = r.p + g * block_bytes<G_Q8_0>();
       r.dl = ggml_f16(b);
       r.q = b + 2;
     } else if constexpr (T >= G_MXFP4) {
@@ -845,6 +837,14 @@ static MS_INLINE uint16_t to_f16(float f) {
   if (a >= 0x38800000u) return uint16_t(sign | (((a >> 23) - 112) << 10) | ((a >> 13) & 0x3ffu));
   return uint16_t(sign | uint32_t(std::fabs(r) * 16777216.0f));  // subnormal: multiples of 2^-24
 #endif
+}
+
+// the float32 whose bits are the low 32 bits of an argument field (the C API passes floats so)
+static MS_INLINE float f32_bits(int64_t field) {
+  const uint32_t u = uint32_t(uint64_t(field) & 0xffffffffu);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 // value v (float32) stored as dtype dt at p[i]

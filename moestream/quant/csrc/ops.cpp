@@ -102,9 +102,7 @@ int ms_attention(const int64_t* a, const void* const* p) {
   const int64_t nk = a[9];
   const int dt = int(a[6]);
   if (T < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D1 < 0 || D2 < 0 || Dv < 1 || nk < 0 || dt < 0 || dt > 2) return -1;
-  float scale;
-  const uint32_t sb = uint32_t(uint64_t(a[16]) & 0xffffffffu);
-  std::memcpy(&scale, &sb, 4);
+  const float scale = ms::f32_bits(a[16]);
   const float* q = static_cast<const float*>(p[0]);
   const uint8_t* k1 = static_cast<const uint8_t*>(p[1]);
   const uint8_t* k2 = static_cast<const uint8_t*>(p[2]);
@@ -173,9 +171,7 @@ int ms_rmsnorm(const int64_t* a, const void* const* p) {
   const int64_t n = a[0], d = a[1], xs = a[6], os = a[7];
   const int xdt = int(a[2]), wdt = int(a[3]), odt = int(a[4]), mode = int(a[5]);
   if (n < 0 || d < 1 || mode < 0 || mode > 4 || xdt < 0 || xdt > 2 || odt < 0 || odt > 2) return -1;
-  float eps;
-  const uint32_t eb = uint32_t(uint64_t(a[8]) & 0xffffffffu);
-  std::memcpy(&eps, &eb, 4);
+  const float eps = ms::f32_bits(a[8]);
   const uint8_t* x = static_cast<const uint8_t*>(p[0]);
   const uint8_t* w = static_cast<const uint8_t*>(p[1]);
   uint8_t* out = static_cast<uint8_t*>(const_cast<void*>(p[2]));

@@ -14,10 +14,9 @@
 namespace ms {
 
 int q8_type_of(const Lin& L) {
-  if (L.kind != GGML || L.act != ACT_Q8) return Q8_NONE;
-  if (L.bits == G_Q4_K || L.bits == G_Q5_K || L.bits == G_Q6_K) return L.in % 256 ? Q8_NONE : Q8_KB;
-  if (L.bits == G_Q8_0 || L.bits == G_Q4_0 || L.bits == G_Q5_0 || L.bits == G_IQ4_NL) return L.in % 32 ? Q8_NONE : Q8_0B;
-  return Q8_NONE;
+  const GgmlTraits* t = L.kind == GGML && L.act == ACT_Q8 ? ggml_traits(L.bits) : nullptr;
+  if (t == nullptr || t->q8 == Q8_NONE) return Q8_NONE;
+  return L.in % (t->q8 == Q8_KB ? 256 : 32) ? Q8_NONE : t->q8;
 }
 
 int64_t q8_stride(int type, int64_t in) {
@@ -85,22 +84,11 @@ void q8_quantize(int type, const float* x, int64_t ldx, int64_t n, int64_t in, Q
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Weight blocks: ggml-common.h layouts (moestream/quant/ggml.py), the scale decoding of ggml_group (engine.h).
+// Weight blocks: ggml-common.h layouts (moestream/quant/ggml.py), the scale decoding of ggml_group (engine.h),
+// the block sizes of traits.h.
 
-constexpr int64_t Q4K_BYTES = 144, Q5K_BYTES = 176, Q6K_BYTES = 210;
 // how far ahead the SIMD paths prefetch the next rows' bytes (the rows are read one after another)
 constexpr int64_t Q8_AHEAD_ROWS = 2;
-
-// Q4_K / Q5_K sub-block s: 6-bit scale and min
-static MS_INLINE void k4_scale_min(const uint8_t* sc, int s, int& scale, int& mn) {
-  if (s < 4) {
-    scale = sc[s] & 63;
-    mn = sc[s + 4] & 63;
-  } else {
-    scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
-    mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
-  }
-}
 
 // The unsigned codes of chunk j (values 64j..64j+63) of a K-quant block, and the scale of each 4-value
 // group g (lane g % 16 of chunk g / 16); for the portable path (the SIMD paths decode the same in registers).
@@ -165,8 +153,6 @@ static MS_INLINE void kblock_d(const uint8_t* b, float& d, float& dm) {
   }
 }
 
-template <int T>
-constexpr int64_t kbytes() { return T == G_Q4_K ? Q4K_BYTES : T == G_Q5_K ? Q5K_BYTES : Q6K_BYTES; }
 
 static inline float tree16(float* a) {
   for (int h = 8; h >= 1; h /= 2)
@@ -195,7 +181,7 @@ static void krows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r
       const int16_t* bs = reinterpret_cast<const int16_t*>(xr + in + 4 * nb);
       float acc[16] = {0}, m[8] = {0};
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * kbytes<T>();
+        const uint8_t* blk = row + b * block_bytes<T>();
         kblock_codes<T>(blk, w, s4);
         const int8_t* xq = reinterpret_cast<const int8_t*>(xr) + 256 * b;
         int32_t isum[16] = {0};
@@ -219,8 +205,6 @@ static void krows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r
 
 // The 32-value types against Q8_0 activations (Q8_0, Q4_0, Q5_0, IQ4_NL): a block is a float16 scale d (first)
 // and 32 signed codes, weight = d * code (ggml_group's operations)
-template <int T>
-constexpr int64_t sbytes() { return T == G_Q8_0 ? 34 : T == G_Q5_0 ? 22 : 18; }
 
 template <int T>
 static MS_INLINE void sblock_codes(const uint8_t* b, int8_t* q) {
@@ -258,10 +242,10 @@ static void srows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r
           int32_t p = 0;
           float dd = 0.0f;  // a missing second block: fma(0, 0, acc), as the SIMD paths' zero lanes
           if (b < nb) {
-            sblock_codes<T>(row + b * sbytes<T>(), wq);
+            sblock_codes<T>(row + b * block_bytes<T>(), wq);
             const int8_t* xq = reinterpret_cast<const int8_t*>(xr) + 32 * b;
             for (int i = 0; i < 4; ++i) p += int32_t(wq[4 * (l % 8) + i]) * xq[4 * (l % 8) + i];
-            dd = ggml_f16(row + b * sbytes<T>()) * dx[b];
+            dd = ggml_f16(row + b * block_bytes<T>()) * dx[b];
           }
           acc[l] = std::fma(float(p), dd, acc[l]);
         }
@@ -353,8 +337,8 @@ static MS_NOINLINE void krow_avx2(const uint8_t* row, int64_t nb, const Q8Rows& 
   __m256 acc_lo[R], acc_hi[R], m[R];
   for (int t = 0; t < R; ++t) acc_lo[t] = acc_hi[t] = m[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kbytes<T>();
-    prefetch_block(blk + ahead, kbytes<T>());
+    const uint8_t* blk = row + b * block_bytes<T>();
+    prefetch_block(blk + ahead, block_bytes<T>());
     const KScales<T> ks(blk);
     __m256i is_lo[R], is_hi[R];
     for (int t = 0; t < R; ++t) is_lo[t] = is_hi[t] = _mm256_setzero_si256();
@@ -425,7 +409,7 @@ static MS_NOINLINE void q80_row_avx2(const uint8_t* row, int64_t nb, const Q8Row
   for (int64_t c = 0; c < (nb + 1) / 2; ++c) {
     const int64_t b0 = 2 * c;
     const bool two = b0 + 1 < nb;
-    constexpr int64_t SB = sbytes<T>();
+    constexpr int64_t SB = block_bytes<T>();
     prefetch_block(row + b0 * SB + ahead, 2 * SB);
     const __m256i w0 = sblock256<T>(row + b0 * SB);
     const __m256i w1 = two ? sblock256<T>(row + (b0 + 1) * SB) : _mm256_setzero_si256();
@@ -457,8 +441,8 @@ static MS_NOINLINE void krow_avx512(const uint8_t* row, int64_t nb, const Q8Rows
   __m256 m[R];
   for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps(), m[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kbytes<T>();
-    prefetch_block(blk + ahead, kbytes<T>());
+    const uint8_t* blk = row + b * block_bytes<T>();
+    prefetch_block(blk + ahead, block_bytes<T>());
     const KScales<T> ks(blk);
     __m512i is[R];
     for (int t = 0; t < R; ++t) is[t] = _mm512_setzero_si512();
@@ -504,7 +488,7 @@ static MS_NOINLINE void q80_row_avx512(const uint8_t* row, int64_t nb, const Q8R
   for (int64_t c = 0; c < (nb + 1) / 2; ++c) {
     const int64_t b0 = 2 * c;
     const bool two = b0 + 1 < nb;
-    constexpr int64_t SB = sbytes<T>();
+    constexpr int64_t SB = block_bytes<T>();
     prefetch_block(row + b0 * SB + ahead, 2 * SB);
     const __m512i w = join(sblock256<T>(row + b0 * SB), two ? sblock256<T>(row + (b0 + 1) * SB) : _mm256_setzero_si256());
     const __m512i aw = _mm512_abs_epi8(w);
