@@ -806,7 +806,7 @@ def main() -> int:
     if not a.gguf_only:
         synth(a.config, model, a.layers)
     from moestream.layout import discover_experts
-    from moestream.mlx_format import open_checkpoint
+    from moestream.sources import open_checkpoint
 
     with open_checkpoint(a.gguf_only or model) as c:
         ck, shards = c.config, sorted(c.shards)

@@ -43,7 +43,7 @@ def log(*a):
 
 def prepare(root: Path, layers: int) -> dict:
     """The bf16 synth and its 4-bit conversion under ``root`` (written when missing); seconds each took."""
-    from moestream.quant.convert import ConvertSpec, convert
+    from moestream.convert import ConvertSpec, convert
     from moestream.synth import plan_synth, write_synth
 
     took = {}

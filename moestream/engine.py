@@ -33,7 +33,6 @@ from .gguf_format import GGUFFormat
 from .io_setup import IOSettings, plan_io
 from .layout import ExpertLayout, discover_experts
 from .memory import reset_peak_rss
-from .mlx_format import open_checkpoint
 from .models import family_for
 from .models.base import CausalLM, check_layer_count, checkpoint_dtype, load_resident
 from .models.gpt_oss import clamped_swiglu_linear_expert
@@ -51,6 +50,7 @@ from .quant import native
 from .quant.expert import QuantizedGLU, QuantizedSwiGLU
 from .quant.resident import dense_extra_bytes, dequantize_resident
 from .quant.turboquant import set_fast
+from .sources import open_checkpoint
 from .store import ExpertStore
 from .tiered_cache import PinnedBufferPool, TieredExpertCache, device_free_bytes, resolve_device
 from .tokenizer import load_tokenizer

@@ -20,12 +20,12 @@ from .decode_graph import graph_unsupported
 from .errors import ConfigError, LayoutError, MoestreamError
 from .gguf_format import UNSUPPORTED, is_gguf, open_gguf
 from .layout import ExpertLayout, discover_experts
-from .mlx_format import open_checkpoint
 from .models import family_for, supported_model_types
 from .models.base import check_layer_count
 from .models.moe import swiglu_expert
 from .quant import model as quant
 from .quant.resident import QuantEmbedding, QuantLinear
+from .sources import open_checkpoint
 from .synth import DTYPES, plan_synth
 
 GB = 1e9

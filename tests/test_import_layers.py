@@ -19,7 +19,9 @@ LAYERS = [
     ("expert cache", "cache tiered_cache prefetch io_setup"),
     ("expert pipeline and its GPU kernels", "pipeline fused_moe attention_kernel dense_kernel"),
     ("models", "models models.*"),
-    ("quantized models, synthetic checkpoints", "quant.model quant.expert quant.resident quant.convert synth synth_*"),
+    ("a checkpoint of any source opened", "sources"),
+    ("quantized models, convert, synthetic checkpoints", "quant.model quant.expert quant.resident convert synth "
+     "synth_*"),
     ("engine", "engine decode_graph usage cachesim traces prefix_cache"),
     ("generation", "generation parallel scheduler"),
     ("API, server, inspect", "api server serverguard inspect"),
