@@ -18,6 +18,7 @@ import torch
 
 from . import attention_kernel, fused_moe
 from .budget import (
+    GB,
     BudgetPlan,
     context_tokens_for,
     plan_cpu_budget,
@@ -56,7 +57,6 @@ from .tiered_cache import PinnedBufferPool, TieredExpertCache, device_free_bytes
 from .tokenizer import load_tokenizer
 from .usage import setup_cache_policy
 
-GB = 1e9
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
 

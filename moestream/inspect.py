@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .budget import GB
 from .checkpoint import Checkpoint, TensorInfo, resolve_model, safetensors_dtype
 from .decode_graph import graph_unsupported
 from .errors import ConfigError, LayoutError, MoestreamError
@@ -28,7 +29,6 @@ from .quant.resident import QuantEmbedding, QuantLinear
 from .sources import open_checkpoint
 from .synth import DTYPES, plan_synth
 
-GB = 1e9
 MB = 1e6
 
 # Architectures that route tokens to experts but gain nothing from streaming them.
