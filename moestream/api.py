@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import GB, Engine
+from .budget import GB
+from .engine import Engine
 from .errors import InputError
 from .generation import (
     GenerationStats,

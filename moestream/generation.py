@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .engine import GB, Engine
+from .budget import GB
+from .engine import Engine
 from .errors import ConfigError, InputError
 from .memory import available_bytes, peak_rss_bytes
 from .models.layers import KVCache
