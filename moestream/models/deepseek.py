@@ -119,7 +119,7 @@ class ModelArgs(DecoderArgs):
         return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
     def router(self):
-        """The routing function for :class:`SharedExpertMoE` (see the module docstring)."""
+        """The routing function for :class:`SummedSharedExpertsMoE` (see the module docstring)."""
         if self.scoring_func == "softmax":
             return partial(softmax_group_topk, top_k=self.num_experts_per_tok, n_group=self.n_group,
                            topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)
@@ -128,9 +128,10 @@ class ModelArgs(DecoderArgs):
                        routed_scaling_factor=self.routed_scaling_factor)
 
 
-class SharedExpertMoE(StreamedMoE):
+class SummedSharedExpertsMoE(StreamedMoE):
     """A streamed MoE block with a float32 router, an optional ``e_score_correction_bias``
-    and resident shared experts: ``routed(x) + shared_experts(x)``, x [T, H] -> [T, H].
+    and resident shared experts summed ungated: ``routed(x) + shared_experts(x)``, x [T, H] -> [T, H]
+    (Qwen-Next's one shared expert behind a sigmoid gate is :class:`moestream.models.hybrid.GatedSharedExpertMoE`).
 
     As transformers' ``DeepseekV3MoE`` / ``Glm4MoeMoE``. ``route`` is a routing function
     taking ``(logits [T, E] float32, bias=...)`` when ``correction_bias``, else ``logits`` alone.
@@ -177,7 +178,7 @@ class Model(CausalLM):
             rope="interleaved" if a.rope_interleave else "half",
         )
         if a.is_moe_layer(i):
-            mlp = SharedExpertMoE(
+            mlp = SummedSharedExpertsMoE(
                 a.hidden_size, a.n_routed_experts, i, a.router(), a.moe_intermediate_size * a.n_shared_experts,
                 correction_bias=a.scoring_func == "sigmoid", renormalize=a.norm_topk_prob,
             )

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .base import CausalLM, DecoderArgs, config_field, derived, synth_tensors_of
-from .deepseek import SharedExpertMoE, synth_config  # noqa: F401 (the same cut: no MTP layers, no quantization)
+from .deepseek import SummedSharedExpertsMoE, synth_config  # noqa: F401 (the same cut: no MTP layers, no quantization)
 from .layers import MLP, Attention, DecoderLayer
 from .moe import sigmoid_group_topk
 from .rope import RotaryEmbedding, make_rope, rope_parameters
@@ -114,7 +114,7 @@ class Model(CausalLM):
         attn = GlmAttention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                             a.attention_bias, a.rms_norm_eps if a.use_qk_norm else None)
         if a.is_moe_layer(i):
-            mlp = SharedExpertMoE(a.hidden_size, a.n_routed_experts, i, _router(a),
+            mlp = SummedSharedExpertsMoE(a.hidden_size, a.n_routed_experts, i, _router(a),
                                   a.moe_intermediate_size * a.n_shared_experts, correction_bias=True,
                                   renormalize=a.norm_topk_prob)
         else:

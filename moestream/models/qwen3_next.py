@@ -27,8 +27,8 @@ from .base import CausalLM, DecoderArgs, check_top_k, config_field, derived, syn
 from .hybrid import (
     GatedAttention,
     GatedDeltaNet,
+    GatedSharedExpertMoE,
     HybridCache,
-    SharedExpertMoE,
     ZeroCenteredRMSNorm,
     layer_types,
     rotary_fraction,
@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
             )
         if a.is_moe_layer(i):
             router = partial(softmax_topk, top_k=a.num_experts_per_tok, norm_topk_prob=a.norm_topk_prob)
-            self.mlp = SharedExpertMoE(a.hidden_size, a.num_experts, i, router, a.shared_expert_intermediate_size,
+            self.mlp = GatedSharedExpertMoE(a.hidden_size, a.num_experts, i, router, a.shared_expert_intermediate_size,
                                        renormalize=a.norm_topk_prob)
         else:
             self.mlp = MLP(a.hidden_size, a.intermediate_size)
