@@ -68,7 +68,7 @@ def kernel_bench(dev, reps: int = 50, h: int = 2048, i: int = 768, s: int = 128,
     bytes of the routed experts per us."""
     from moestream import fused_moe as fm
     from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
-    from moestream.tiered_cache import SlotLayout
+    from moestream.slot_pool import SlotLayout
 
     k = 8
     kinds = {

@@ -31,6 +31,7 @@ from .checkpoint import Checkpoint, resolve_model
 from .decode_graph import DecodeRunner, graph_unsupported
 from .errors import ConfigError, EngineClosedError, LayoutError, MoestreamError
 from .gguf_format import GGUFFormat
+from .host_tier import PinnedBufferPool
 from .io_setup import IOSettings, plan_io
 from .layout import ExpertLayout, discover_experts
 from .memory import reset_peak_rss
@@ -53,7 +54,7 @@ from .quant.resident import dense_extra_bytes, dequantize_resident
 from .quant.turboquant import set_fast
 from .sources import open_checkpoint
 from .store import ExpertStore
-from .tiered_cache import PinnedBufferPool, TieredExpertCache, device_free_bytes, resolve_device
+from .tiered_cache import TieredExpertCache, device_free_bytes, resolve_device
 from .tokenizer import load_tokenizer
 from .usage import setup_cache_policy
 

@@ -10,7 +10,7 @@ import torch
 from moestream import fused_moe as fm
 from moestream.quant import affine
 from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
-from moestream.tiered_cache import SlotLayout
+from moestream.slot_pool import SlotLayout
 
 from .quant_helpers import fp8_quantize, mlx_quantize, mxfp4_quantize
 

@@ -16,7 +16,7 @@ LAYERS = [
      "quant.compressed quant.turboquant quant.hadamard quant.native quant.kernels"),
     ("expert layout", "layout"),
     ("expert store", "store direct_io"),
-    ("expert cache", "cache tiered_cache prefetch io_setup"),
+    ("expert cache", "cache tiered_cache host_tier copy_engine slot_pool prefetch io_setup"),
     ("expert pipeline and its GPU kernels", "pipeline fused_moe attention_kernel dense_kernel"),
     ("models", "models models.*"),
     ("a checkpoint of any source opened", "sources"),
