@@ -35,16 +35,11 @@ import torch
 from .budget import GB
 from .engine import Engine
 from .errors import InputError
-from .generation import (
-    GenerationStats,
-    SamplingParams,
-    TokenLogprob,
-    eos_ids,
-    generation_defaults,
-    resolve_sampling,
-)
+from .generation import TokenLogprob, eos_ids
 from .generation import generate as generate_tokens
+from .generation_stats import GenerationStats
 from .memory import peak_rss_bytes
+from .sampling import SamplingParams, generation_defaults, resolve_sampling
 from .scheduler import DEFAULT_STEP_TOKENS, Request, Scheduler
 from .textstream import ReasoningSplitter
 from .tokenizer import chat_ids, encode_prompt, prompt_opens_thinking, think_token_ids

@@ -45,10 +45,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import MoestreamError
-from .generation import SamplingParams, generate
+from .generation import generate
 from .models.moe import StreamedMoE
 from .options import EP_COMBINES as COMBINES
 from .options import EP_PLACEMENTS as PLACEMENTS
+from .sampling import SamplingParams
 from .tiered_cache import resolve_device
 from .usage import default_profile_path, model_identity, read_profile
 

@@ -40,17 +40,9 @@ import torch
 
 from .engine import Engine
 from .errors import InputError
-from .generation import (
-    GenerationStats,
-    Sampler,
-    SamplingParams,
-    Step,
-    _check_request,
-    _logprob,
-    _step_text,
-    apply_penalties,
-    eos_ids,
-)
+from .generation import Step, _check_request, _logprob, _step_text, eos_ids
+from .generation_stats import GenerationStats
+from .sampling import Sampler, SamplingParams, apply_penalties
 from .textstream import StopStrings
 from .tokenizer import StreamDecoder, current_turn, think_token_ids
 

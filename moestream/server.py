@@ -50,7 +50,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from .errors import InputError, MoestreamError, PromptTooLongError, TemplateVariableError
-from .generation import GenerationStats, SamplingParams, Step, eos_ids, generate, generation_defaults
+from .generation import Step, eos_ids, generate
+from .generation_stats import GenerationStats
+from .sampling import SamplingParams, generation_defaults
 from .scheduler import Request as SequenceRequest
 from .scheduler import Scheduler
 from .serverguard import (
