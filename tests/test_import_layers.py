@@ -23,7 +23,8 @@ LAYERS = [
     ("quantized models, convert, synthetic checkpoints", "quant.model quant.expert quant.resident convert synth "
      "synth_*"),
     ("engine", "engine decode_graph usage cachesim traces prefix_cache"),
-    ("generation", "sampling generation_stats generation parallel scheduler"),
+    ("generation", "sampling generation_stats generation ep_group ep_placement ep_exchange ep_requests parallel "
+     "scheduler"),
     ("API, server, inspect", "api server serverguard inspect"),
     ("command line", "cli cli.* stream_generate __main__ __init__"),
 ]
