@@ -145,11 +145,11 @@ def stream_generate(
 
     Options as ``moestream generate``'s flags: ``temp``, ``top_p``, ``top_k``, ``min_p``
     and ``rep_penalty`` default to the checkpoint's ``generation_config.json`` values,
-    else off (greedy); ``sampling`` (a :class:`~moestream.generation.SamplingParams`)
+    else off (greedy); ``sampling`` (a :class:`~moestream.sampling.SamplingParams`)
     replaces all of them. ``stats``, when given, is filled in as in the CLI.
 
     Raises:
-        InputError: bad options or prompt (see :class:`~moestream.generation.SamplingParams`
+        InputError: bad options or prompt (see :class:`~moestream.sampling.SamplingParams`
             and :func:`moestream.generation.generate`).
         ReadError: when an expert read fails.
         EngineClosedError: the engine was closed.
@@ -217,7 +217,7 @@ class BatchStep:
         logprob: a :class:`~moestream.generation.TokenLogprob` when that prompt asked for ``logprobs``.
         logits: with ``keep_logits``, the model's float32 logits [vocab] it came from.
         finish_reason: None until the prompt's last token, then ``"stop"`` or ``"length"``.
-        stats: that prompt's :class:`~moestream.generation.GenerationStats` so far (prompt, cached and
+        stats: that prompt's :class:`~moestream.generation_stats.GenerationStats` so far (prompt, cached and
             generated tokens, token ids, the logits' digest, times).
     """
 

@@ -195,18 +195,13 @@ def simulate(
                 policy.record(k)
         # the prefetcher's retire: claimed reads are hits, the rest read for this layer are wasted
         waste = [k for k in staged if k[0] == layer and k not in claimed]
-        for k in claimed:
-            if k in chunk_staged:
-                res.chunk_hits += 1
-            else:
-                saved += expert_bytes(k)
-                decided += 1
-        for k in waste:
-            if k in chunk_staged:
-                res.chunk_wasted += 1
-            else:
-                wasted_bytes += expert_bytes(k)
-                decided += 1
+        decode_claimed = [k for k in claimed if k not in chunk_staged]  # chunks' reads ahead are counted apart
+        decode_waste = [k for k in waste if k not in chunk_staged]
+        res.chunk_hits += len(claimed) - len(decode_claimed)
+        res.chunk_wasted += len(waste) - len(decode_waste)
+        saved += sum(map(expert_bytes, decode_claimed))
+        wasted_bytes += sum(map(expert_bytes, decode_waste))
+        decided += len(decode_claimed) + len(decode_waste)
         res.wasted += len(waste)
         gone = set(claimed) | set(waste)
         staged = [k for k in staged if k not in gone]

@@ -61,7 +61,7 @@ class Request:
     Attributes:
         ids: the prompt's token ids (int, within the vocabulary; not empty).
         max_tokens: tokens to generate at most (>= 1; capped by the model's context).
-        sampling: :class:`~moestream.generation.SamplingParams` (its ``seed`` seeds this sequence's own generator).
+        sampling: :class:`~moestream.sampling.SamplingParams` (its ``seed`` seeds this sequence's own generator).
         stop: stop strings (need the tokenizer); the text of one is never given.
         logprobs: None, or the top alternatives each step's :class:`~moestream.generation.TokenLogprob` lists.
         min_tokens: tokens generated before an end-of-sequence token may be picked (its logits are -inf
@@ -94,7 +94,7 @@ class Sequence:
     Attributes:
         id: a number unique in this process. request: its :class:`Request` (``max_tokens`` capped).
         state: ``waiting``, ``prefill``, ``decode`` or ``done``.
-        stats: a :class:`~moestream.generation.GenerationStats` (prompt, cached and generated tokens,
+        stats: a :class:`~moestream.generation_stats.GenerationStats` (prompt, cached and generated tokens,
             their ids, the logits' digest, times, finish reason; the engine-wide counters are not
             split between sequences).
         cached_tokens: prompt tokens whose keys and values came from the prefix cache.

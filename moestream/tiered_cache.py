@@ -160,8 +160,7 @@ class TieredExpertCache(ExpertCache):
     # -- counters of all-resident layers (counted from the device routing, lazily) -----------
     @property
     def stats(self):
-        if self._log or self._host_log or self._pending:
-            self._fold()
+        self._fold_pending()
         return self._stats
 
     @stats.setter
@@ -170,13 +169,17 @@ class TieredExpertCache(ExpertCache):
 
     @property
     def usage(self):
-        if self._log or self._host_log or self._pending:
-            self._fold()
+        self._fold_pending()
         return self._usage
 
     @usage.setter
     def usage(self, value) -> None:
         self._usage = value
+
+    def _fold_pending(self) -> None:
+        """Count the routings of all-resident layers not yet counted, before the counters are read."""
+        if self._log or self._host_log or self._pending:
+            self._fold()
 
     @property
     def all_resident(self) -> bool:
