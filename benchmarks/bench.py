@@ -57,6 +57,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -666,7 +667,7 @@ def machine() -> str:
             f"Linux {platform.release()}")
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a real config.json to synth")
     p.add_argument("--layers", type=int, default=12,
@@ -718,6 +719,347 @@ def main() -> int:
                    help="only the --gguf runs and llama.cpp's Q4_K_M runs, on this file (tokens: --model's "
                         "tokenizer when given, else the file's); keeps every file")
     p.add_argument("--smoke", action="store_true", help="a tiny model, seconds; peers only when installed")
+    return p
+
+
+def _report_from(a) -> int:
+    """--report-from: report.md and the plots rewritten from a results.json (no runs)."""
+    res = json.loads(a.report_from.read_text())
+    if a.compute_from:
+        other = json.loads(a.compute_from.read_text())
+        res["compute_runs"] = other["compute_runs"]
+        res["compute_from"] = str(a.compute_from)
+        res["disk_best_gb_s"] = max(x for x in (res.get("disk_best_gb_s"), other.get("disk_best_gb_s")) if x)
+    for f in a.runs_from:
+        other = json.loads(f.read_text())
+        res["runs"] = other["runs"] + res["runs"]
+        res["load_start"] = min(res["load_start"], other["load_start"])
+        res["started"] = min(res["started"], other["started"])
+    compute_estimate(res)
+    (a.out / "results.json").write_text(json.dumps(res, indent=1))
+    print(report(res, a.out).read_text())
+    if not res.get("gguf_only"):
+        plots(res, a.out)
+    return 0
+
+
+def _smoke(a) -> None:
+    """--smoke: a tiny model, seconds; peers only when installed."""
+    global DROP_CACHES
+    DROP_CACHES = False
+    a.config = a.work / ("tiny-q-config.json" if a.quantized else "tiny-config.json")
+    from tests.helpers import write_tiny_synth_config  # the tests' tiny qwen3_moe, the tokenizer's vocabulary
+
+    write_tiny_synth_config(a.config, **(TINY_Q if a.quantized else {}))
+    a.layers, a.prompt_tokens, a.tokens, a.disk_gb = None, 64, 8, 0.01
+    # about 6 of the tiny model's 16 experts (bf16 3 kB each; 256 wide: 393 kB, 111 kB in q4)
+    a.budgets = a.best_budgets = a.trained_budget = "0.0024" if a.quantized else "0.00002"
+    a.quantized_budgets = "0.0007,1"
+    a.greedy_budget = ""
+    a.no_setup = True
+    a.limit = a.peer_limit = 120
+
+
+def _budgets(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+@dataclass
+class _Bench:
+    """What main's steps share: the arguments, the results, the engines to run, the checkpoint and its files."""
+
+    a: argparse.Namespace
+    res: dict
+    skipped: list[str]
+    engines: set[str]
+    peers_py: Path
+    mpy: str
+    ready: dict[str, bool] = field(default_factory=dict)
+    model: Path | None = None
+    ck: dict = field(default_factory=dict)
+    tokens_file: Path | None = None
+    n_prompt: int = 0
+    cap: int = 0
+    cap_or_none: int | None = None
+    gguf: Path | None = None
+    tried: list = field(default_factory=list)
+
+    def save(self) -> None:
+        (self.a.out / "results.json").write_text(json.dumps(self.res, indent=1))
+
+    def peer_ready(self, eng: str) -> bool:
+        """Whether the peers' venv can run ``eng``; records the skip (and says so) once when not."""
+        if eng in self.ready:
+            return self.ready[eng]
+        mod = {"llama": "llama_cpp", "transformers": "accelerate", "fastllm": "ftllm"}[eng]
+        ok = self.ready[eng] = self.peers_py.exists() and subprocess.run(
+            [str(self.peers_py), "-c", f"import {mod}"], capture_output=True).returncode == 0
+        if not ok:
+            self.skipped.append(f"{eng}: not installed in {self.a.peers_dir} "
+                                "(benchmarks/peers/setup_peers.sh installs it)")
+            log(f"SKIPPING {eng}: not installed in {self.a.peers_dir}")
+        return ok
+
+    def moestream_runs(self, plan: list) -> None:
+        for opt, b, kw, mode in plan:
+            nm = f"moestream-{opt}-{b:g}GB" + ("-greedy" if mode == "greedy" else "")
+            label = f"moestream {b:g} GB, {opt} options" + (" (greedy)" if mode == "greedy" else "")
+            r = do_run(self.a, nm, "moestream", self.mpy, self.model,
+                       ["--budget", str(b), "--mode", mode, "--moestream-options", json.dumps(kw),
+                        "--usage-file", str(self.a.out / "runs" / f"usage-{nm}.json")],
+                       self.a.limit, self.tokens_file, self.n_prompt, self.cap_or_none,
+                       {"label": label, "budget": b, "options": opt, "flags": kw, "mode": mode})
+            self.res["runs"].append(r)
+            self.save()
+
+    def make_gguf(self) -> bool:
+        """The bf16 GGUF of the synth by llama.cpp's own converter (tried once); False when it failed."""
+        conv = self.a.peers_dir / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
+        if not self.gguf.exists() and not self.tried:
+            self.tried.append(True)
+            cmd = [str(self.a.peers_dir / "convert-venv/bin/python"), str(conv), str(self.model), "--outfile",
+                   str(self.gguf) + ".partial", "--outtype", "bf16"]
+            text = {**self.ck, **(self.ck.get("text_config") or {})}
+            if "mtp_num_hidden_layers" in text or "num_nextn_predict_layers" in text:
+                cmd.append("--no-mtp")  # synth writes no multi-token-prediction layer; the converter expects one
+            log(f"GGUF: {shlex.join(cmd)}")
+            t0 = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                self.skipped.append(f"llama: convert_hf_to_gguf.py failed: {r.stderr.strip().splitlines()[-1:]}")
+                log(r.stderr[-3000:])
+            else:
+                os.rename(str(self.gguf) + ".partial", self.gguf)
+                self.res["gguf_note"] = f"convert_hf_to_gguf.py --outtype bf16, {time.perf_counter() - t0:.0f} s"
+        if self.gguf.exists():
+            self.res["gguf_gb"] = self.gguf.stat().st_size / GB
+        return self.gguf.exists()
+
+
+def _compute_runs(bench: _Bench) -> None:
+    """4. compute at budget all."""
+    a, res, engines, model = bench.a, bench.res, bench.engines, bench.model
+    mpy, tokens_file, n_prompt, cap_or_none = bench.mpy, bench.tokens_file, bench.n_prompt, bench.cap_or_none
+    if "moestream" in engines and not a.skip_compute:
+        if res["checkpoint_gb"] * GB < 0.6 * (cap_or_none or bench.cap):
+            r = do_run(a, "compute-all", "moestream", mpy, model, ["--budget", "all", "--usage-file",
+                       str(a.out / "runs/usage-compute.json")], a.limit, tokens_file, n_prompt, cap_or_none,
+                       {"label": "moestream, budget all (compute)", "mode": "forced", "budget": "all",
+                        "options": "default"})
+            res["compute_runs"] = [r]
+            compute_estimate(res)
+        else:
+            runs = []
+            for n in (1, 2):
+                small = a.work / f"{a.config.stem}-{n}l"
+                synth(a.config, small, n)
+                args = ["--budget", "all", "--usage-file", str(a.out / f"runs/usage-c{n}.json")]
+                runs.append(do_run(a, f"compute-all-{n}l", "moestream", mpy, small, args, a.limit, tokens_file,
+                                   n_prompt, None, {"label": f"{n}-layer synth, budget all", "mode": "forced"}))
+                if not a.keep:
+                    shutil.rmtree(small)
+            res["compute_runs"] = runs
+            compute_estimate(res)
+        bench.save()
+
+
+def _moestream_lines(bench: _Bench) -> None:
+    """5. moestream runs, default and best options."""
+    a, engines = bench.a, bench.engines
+    if a.only_compute:
+        engines = bench.engines = set()
+    if "moestream" in engines:
+        plan = [("default", b, {}, "forced") for b in _budgets(a.budgets)]
+        plan += [("best", b, json.loads(a.best_options), "forced") for b in _budgets(a.best_budgets)]
+        bench.moestream_runs(plan)
+
+
+def _llama_runs(bench: _Bench) -> None:
+    """6. llama.cpp on the bf16 GGUF its converter writes."""
+    a, res, engines, peers_py = bench.a, bench.res, bench.engines, bench.peers_py
+    tokens_file, n_prompt, cap_or_none, gguf = bench.tokens_file, bench.n_prompt, bench.cap_or_none, bench.gguf
+    if "llama" in engines and not a.gguf_only and bench.peer_ready("llama"):
+        if bench.make_gguf():
+            for mm in ("on", "off"):
+                r = do_run(a, f"llama-mmap-{mm}", "llama", str(peers_py), gguf, ["--mmap", mm], a.peer_limit,
+                           tokens_file, n_prompt, cap_or_none,
+                           {"label": f"llama.cpp, mmap {mm}" + (" (default)" if mm == "on" else ""), "mode": "forced"})
+                res["runs"].append(r)
+                bench.save()
+            if not a.keep and not a.quantized:  # --quantized makes its Q4_K_M from it
+                gguf.unlink()
+
+
+def _transformers_run(bench: _Bench) -> None:
+    """7. transformers + accelerate disk offload."""
+    a, res, engines, model = bench.a, bench.res, bench.engines, bench.model
+    peers_py, tokens_file, n_prompt, cap_or_none = bench.peers_py, bench.tokens_file, bench.n_prompt, bench.cap_or_none
+    if "transformers" in engines and bench.peer_ready("transformers"):
+        off = a.work / "offload"
+        shutil.rmtree(off, ignore_errors=True)
+        cpu_gb = a.transformers_cpu_gb or max(0.1, bench.cap / GB - 1.5)
+        r = do_run(a, "transformers-offload", "transformers", str(peers_py), model,
+                   ["--cpu-gb", str(cpu_gb), "--offload-folder", str(off)], a.peer_limit, tokens_file, n_prompt,
+                   cap_or_none, {"label": f"transformers + accelerate disk offload (cpu {cpu_gb:.1f} GB)",
+                                 "mode": "forced"})
+        r["offload_gb"] = folder_bytes(off) / GB if off.exists() else None
+        res["runs"].append(r)
+        shutil.rmtree(off, ignore_errors=True)
+        bench.save()
+
+
+def _fastllm_run(bench: _Bench) -> None:
+    """7b. fastllm, its disk MoE mode (experts read into a RAM cache)."""
+    a, res, engines, model = bench.a, bench.res, bench.engines, bench.model
+    peers_py, tokens_file, n_prompt, cap_or_none = bench.peers_py, bench.tokens_file, bench.n_prompt, bench.cap_or_none
+    if "fastllm" in engines and bench.peer_ready("fastllm"):
+        fc = a.fastllm_cache_gb if a.fastllm_cache_gb is not None else max(_budgets(a.best_budgets) or [1.0])
+        r = do_run(a, "fastllm-disk", "fastllm", str(peers_py), model, ["--moe-cpu-cache-gb", str(fc)],
+                   a.peer_limit, tokens_file, n_prompt, cap_or_none,
+                   {"label": f"fastllm, disk MoE (cache {fc:g} GB)", "mode": "forced"})
+        res["runs"].append(r)
+        bench.save()
+
+
+def _greedy_and_trained(bench: _Bench) -> None:
+    """8. the secondary greedy line; 9. the trained line: the same shape, routing that reuses experts as trained
+    models do."""
+    a, res, engines, model = bench.a, bench.res, bench.engines, bench.model
+    mpy, tokens_file, n_prompt, cap_or_none = bench.mpy, bench.tokens_file, bench.n_prompt, bench.cap_or_none
+    if "moestream" in engines and a.greedy_budget:
+        bench.moestream_runs([("default", float(a.greedy_budget), {}, "greedy")])
+
+    if "moestream" in engines and a.trained_budget:
+        trained = model.with_name(model.name + "-trained")
+        synth(a.config, trained, a.layers, init="trained")
+        b = float(a.trained_budget)
+        nm = f"moestream-trained-{b:g}GB"
+        r = do_run(a, nm, "moestream", mpy, trained,
+                   ["--budget", str(b), "--mode", "forced", "--usage-file", str(a.out / "runs" / f"usage-{nm}.json")],
+                   a.limit, tokens_file, n_prompt, cap_or_none,
+                   {"label": f"moestream {b:g} GB, default options, `trained` init", "budget": b,
+                    "options": "trained", "flags": {}, "mode": "forced", "init": "trained"})
+        res["runs"].append(r)
+        bench.save()
+        if not a.keep:
+            shutil.rmtree(trained)
+
+
+def _quantized(bench: _Bench, name: str) -> None:
+    """10. quantized: moestream's 4-bit build and llama.cpp's own of the same synth, in a cap of a third of the
+    smaller file, then both all in RAM."""
+    a, res, skipped, engines, gguf = bench.a, bench.res, bench.skipped, bench.engines, bench.gguf
+    if a.quantized and "moestream" in engines:
+        q = res["quantized"] = {"gguf": a.gguf, "gguf_only": bool(a.gguf_only)}
+        q4, qg, llama_q = _quantized_files(bench, name, q)
+        _quantized_runs(bench, q, q4, qg, llama_q)
+    elif a.quantized:
+        skipped.append("quantized: needs the moestream engine")
+    if a.quantized and not a.keep:  # kept for the Q4_K_M until here (and always with --gguf-only)
+        gguf.unlink(missing_ok=True)
+
+
+def _quantized_files(bench: _Bench, name: str, q: dict) -> tuple[Path, Path, bool]:
+    """The 4-bit build (``moestream convert``) and llama.cpp's Q4_K_M of the synth, each made once: ``(the 4-bit
+    folder, the Q4_K_M file, whether llama.cpp runs on it)``."""
+    a, skipped, engines = bench.a, bench.skipped, bench.engines
+    model, mpy, peers_py, gguf = bench.model, bench.mpy, bench.peers_py, bench.gguf
+    q4 = a.work / f"{name}-q4"
+    if not a.gguf_only and not q4.exists():
+        part = q4.with_name(q4.name + ".partial")
+        shutil.rmtree(part, ignore_errors=True)
+        cmd = [mpy, "-m", "moestream", "convert", "--model", str(model), "--bits", "4", "--out"]
+        log(f"q4: {shlex.join(cmd + [str(q4)])} (into {part.name}, renamed when done)")
+        t0 = time.perf_counter()
+        subprocess.run(cmd + [str(part)], check=True)
+        os.rename(part, q4)
+        q["convert_note"] = (f"`{shlex.join(cmd + [str(q4)])}` (group 64, its default), "
+                             f"{time.perf_counter() - t0:.0f} s")
+    q["q4_gb"] = None if a.gguf_only else sum(f.stat().st_size for f in q4.glob("*.safetensors")) / GB
+    qg = a.gguf_only or model.with_name(model.name + ".q4_k_m.gguf")
+    llama_q = "llama" in engines and bench.peer_ready("llama") and (qg.exists() or bench.make_gguf())
+    if llama_q:
+        if not qg.exists():
+            code = ("import ctypes, sys, llama_cpp as L; p = L.llama_model_quantize_default_params(); "
+                    "p.ftype = L.LLAMA_FTYPE_MOSTLY_Q4_K_M; "
+                    "sys.exit(L.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))")
+            log(f"Q4_K_M: llama_cpp.llama_model_quantize({gguf}, {qg}), default params, LLAMA_FTYPE_MOSTLY_Q4_K_M")
+            t0 = time.perf_counter()
+            r = subprocess.run([str(peers_py), "-c", code, str(gguf), f"{qg}.partial"], capture_output=True,
+                               text=True)
+            if r.returncode == 0:
+                os.rename(f"{qg}.partial", qg)
+                q["quantize_note"] = (f"llama_cpp.llama_model_quantize of the bf16 GGUF, "
+                                      f"llama_model_quantize_default_params(), ftype LLAMA_FTYPE_MOSTLY_Q4_K_M, "
+                                      f"{time.perf_counter() - t0:.0f} s")
+            else:
+                skipped.append(f"llama Q4_K_M: llama_model_quantize failed: {r.stderr.strip().splitlines()[-1:]}")
+                log(r.stderr[-3000:])
+        llama_q = qg.exists()
+    q["q4_k_m_gb"] = qg.stat().st_size / GB if llama_q or a.gguf_only else None
+    if a.gguf and not qg.exists():
+        skipped.append("gguf: no Q4_K_M file (llama.cpp makes it)")
+    return q4, qg, llama_q
+
+
+def _quantized_runs(bench: _Bench, q: dict, q4: Path, qg: Path, llama_q: bool) -> None:
+    """The quantized runs: capped at each budget (moestream q4, the bf16 synth, moestream on the GGUF, llama.cpp),
+    then all in RAM for the floors' compute."""
+    a, res, model, mpy = bench.a, bench.res, bench.model, bench.mpy
+    peers_py, tokens_file, n_prompt = bench.peers_py, bench.tokens_file, bench.n_prompt
+    smaller = min(x for x in (q["q4_gb"], q.get("q4_k_m_gb")) if x)
+    qcap = (parse_size(a.quantized_cap) if a.quantized_cap else bench.cap if a.smoke else int(smaller * GB / 3))
+    q["cap_gib"] = qcap / 2**30
+    q["cap_note"] = (f"{qcap / GB / smaller:.2f} of the smaller file ({smaller:.2f} GB)"
+                     + (" (--quantized-cap)" if a.quantized_cap else " (--smoke: the --cap)" if a.smoke else "")
+                     + ("" if is_root() else "; NOT applied: not root"))
+    qc = qcap if is_root() else None
+    if a.gguf_only:  # the only cap any run had
+        res["cap_gib"], res["cap_note"] = q["cap_gib"], q["cap_note"]
+
+    def qrun(nm: str, engine: str, path: Path, args: list[str], capped: bool, label: str, **kw) -> dict:
+        py, lim = (mpy, a.limit) if engine == "moestream" else (str(peers_py), a.peer_limit)
+        if engine == "moestream":  # a fresh usage profile per run, as the others
+            args = [*args, "--usage-file", str(a.out / "runs" / f"usage-{nm}.json")]
+        where = f"cap {q['cap_gib']:.2f} GiB" if capped else "no cap (all in RAM)"
+        res["runs"].append(do_run(a, nm, engine, py, path, args, lim, tokens_file, n_prompt,
+                                  qc if capped else None, {"label": f"{label}, quantized run, {where}",
+                                                           "mode": "forced", "section": "quantized",
+                                                           "capped": capped, **kw}))
+        bench.save()
+        return res["runs"][-1]
+
+    gguf_runs = a.gguf and qg.exists()  # issue 26: moestream on the very file llama.cpp reads
+    gm = "moestream on llama.cpp's Q4_K_M GGUF"
+    for b in _budgets(a.quantized_budgets) if not a.gguf_only else ():
+        qrun(f"q4-moestream-{b:g}GB", "moestream", q4, ["--budget", str(b)], True, f"moestream q4 g64 {b:g} GB",
+             weights="q4", budget=b)
+    for b in _budgets(a.quantized_budgets) if not a.gguf_only else ():  # the bf16 synth, same shape, same cap
+        qrun(f"q4-bf16-moestream-{b:g}GB", "moestream", model, ["--budget", str(b)], True,
+             f"moestream bf16 {b:g} GB", weights="bf16", budget=b)
+    for b in _budgets(a.quantized_budgets) if gguf_runs else ():
+        qrun(f"q4-gguf-moestream-{b:g}GB", "moestream", qg, ["--budget", str(b)], True, f"{gm} {b:g} GB",
+             weights="gguf", budget=b)
+    for rp in ("on", "off") if llama_q else ():
+        qrun(f"q4-llama-repack-{rp}", "llama", qg, ["--repack", rp], True, "llama.cpp Q4_K_M, "
+             + ("defaults" if rp == "on" else "repack off (use_extra_bufts=False)"), weights="Q4_K_M", repack=rp)
+    # the floors' compute: the all-in-RAM run's CPU time per token / 2 threads (as compute_estimate)
+    for key, nm, path, label, w in (("compute_s_per_token", "q4-moestream-all", q4, "moestream q4 g64", "q4"),
+                                    ("gguf_compute_s_per_token", "q4-gguf-moestream-all", qg, gm, "gguf")):
+        if (w == "q4" and not a.gguf_only) or (w == "gguf" and gguf_runs):
+            top = qrun(nm, "moestream", path, ["--budget", "all"], False, f"{label} budget all", weights=w,
+                       budget="all")
+            q[key] = top["cpu_s_per_token"] / THREADS if top.get("cpu_s_per_token") else None
+    if llama_q:
+        qrun("q4-llama-nocap", "llama", qg, [], False, "llama.cpp Q4_K_M, defaults", weights="Q4_K_M",
+             repack="on")
+    if not a.keep:  # never with --gguf-only
+        shutil.rmtree(q4)
+        qg.unlink(missing_ok=True)
+
+
+def main() -> int:
+    p = _parser()
     a = p.parse_args()
     if a.gguf and not a.quantized:
         p.error("--gguf requires --quantized")
@@ -729,39 +1071,11 @@ def main() -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     a.out.mkdir(parents=True, exist_ok=True)
     if a.report_from:
-        res = json.loads(a.report_from.read_text())
-        if a.compute_from:
-            other = json.loads(a.compute_from.read_text())
-            res["compute_runs"] = other["compute_runs"]
-            res["compute_from"] = str(a.compute_from)
-            res["disk_best_gb_s"] = max(x for x in (res.get("disk_best_gb_s"), other.get("disk_best_gb_s")) if x)
-        for f in a.runs_from:
-            other = json.loads(f.read_text())
-            res["runs"] = other["runs"] + res["runs"]
-            res["load_start"] = min(res["load_start"], other["load_start"])
-            res["started"] = min(res["started"], other["started"])
-        compute_estimate(res)
-        (a.out / "results.json").write_text(json.dumps(res, indent=1))
-        print(report(res, a.out).read_text())
-        if not res.get("gguf_only"):
-            plots(res, a.out)
-        return 0
+        return _report_from(a)
     a.work.mkdir(parents=True, exist_ok=True)
     skipped: list[str] = []
     if a.smoke:
-        global DROP_CACHES
-        DROP_CACHES = False
-        a.config = a.work / ("tiny-q-config.json" if a.quantized else "tiny-config.json")
-        from tests.helpers import write_tiny_synth_config  # the tests' tiny qwen3_moe, the tokenizer's vocabulary
-
-        write_tiny_synth_config(a.config, **(TINY_Q if a.quantized else {}))
-        a.layers, a.prompt_tokens, a.tokens, a.disk_gb = None, 64, 8, 0.01
-        # about 6 of the tiny model's 16 experts (bf16 3 kB each; 256 wide: 393 kB, 111 kB in q4)
-        a.budgets = a.best_budgets = a.trained_budget = "0.0024" if a.quantized else "0.00002"
-        a.quantized_budgets = "0.0007,1"
-        a.greedy_budget = ""
-        a.no_setup = True
-        a.limit = a.peer_limit = 120
+        _smoke(a)
     if a.gguf_only:  # section 10's GGUF runs alone: no synth, no bf16 or q4 runs, nothing deleted
         a.quantized = a.gguf = a.keep = a.skip_compute = True
         a.budgets = a.best_budgets = a.greedy_budget = a.trained_budget = ""
@@ -772,26 +1086,13 @@ def main() -> int:
                  "machine": machine(), "command": shlex.join([sys.executable, *sys.argv]), "runs": [],
                  "skipped": skipped, "steps": a.tokens, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
 
+    bench = _Bench(a, res, skipped, engines, a.peers_dir / "venv/bin/python", str(ROOT / ".venv/bin/python"))
+
     # 1. peers' set-up
-    peers_py = a.peers_dir / "venv/bin/python"
     if engines - {"moestream"} and not a.no_setup:
         log("set-up of the peers: benchmarks/peers/setup_peers.sh")
         subprocess.run(["sh", str(HERE / "peers/setup_peers.sh")], check=True,
                        env={**os.environ, "PEERS_DIR": str(a.peers_dir)})
-
-    ready: dict[str, bool] = {}
-
-    def peer_ready(eng: str) -> bool:
-        """Whether the peers' venv can run ``eng``; records the skip (and says so) once when not."""
-        if eng in ready:
-            return ready[eng]
-        mod = {"llama": "llama_cpp", "transformers": "accelerate", "fastllm": "ftllm"}[eng]
-        ok = ready[eng] = peers_py.exists() and subprocess.run([str(peers_py), "-c", f"import {mod}"],
-                                                               capture_output=True).returncode == 0
-        if not ok:
-            skipped.append(f"{eng}: not installed in {a.peers_dir} (benchmarks/peers/setup_peers.sh installs it)")
-            log(f"SKIPPING {eng}: not installed in {a.peers_dir}")
-        return ok
 
     # 2. checkpoint, tokens (--gguf-only: the GGUF's figures; the tokens from --model's tokenizer, else the GGUF's)
     name = (a.gguf_only.name.removesuffix(".gguf") if a.gguf_only
@@ -800,7 +1101,7 @@ def main() -> int:
     if not a.gguf_only:
         synth(a.config, model, a.layers)
     from moestream.layout import discover_experts
-    from moestream.mlx_format import open_checkpoint
+    from moestream.sources import open_checkpoint
 
     with open_checkpoint(a.gguf_only or model) as c:
         ck, shards = c.config, sorted(c.shards)
@@ -834,235 +1135,23 @@ def main() -> int:
     res["disk_before"] = disk_best(shards, int(a.disk_gb * GB))
     log(f"disk best O_DIRECT: {fmt(res['disk_before'])} GB/s")
 
-    def save() -> None:
-        (a.out / "results.json").write_text(json.dumps(res, indent=1))
-
-    # 4. compute at budget all
-    mpy = str(ROOT / ".venv/bin/python")
-    if "moestream" in engines and not a.skip_compute:
-        if res["checkpoint_gb"] * GB < 0.6 * (cap_or_none or cap):
-            r = do_run(a, "compute-all", "moestream", mpy, model, ["--budget", "all", "--usage-file",
-                       str(a.out / "runs/usage-compute.json")], a.limit, tokens_file, n_prompt, cap_or_none,
-                       {"label": "moestream, budget all (compute)", "mode": "forced", "budget": "all",
-                        "options": "default"})
-            res["compute_runs"] = [r]
-            compute_estimate(res)
-        else:
-            runs = []
-            for n in (1, 2):
-                small = a.work / f"{a.config.stem}-{n}l"
-                synth(a.config, small, n)
-                args = ["--budget", "all", "--usage-file", str(a.out / f"runs/usage-c{n}.json")]
-                runs.append(do_run(a, f"compute-all-{n}l", "moestream", mpy, small, args, a.limit, tokens_file,
-                                   n_prompt, None, {"label": f"{n}-layer synth, budget all", "mode": "forced"}))
-                if not a.keep:
-                    shutil.rmtree(small)
-            res["compute_runs"] = runs
-            compute_estimate(res)
-        save()
-
-    # 5. moestream runs
-    def moestream_runs(plan: list) -> None:
-        for opt, b, kw, mode in plan:
-            nm = f"moestream-{opt}-{b:g}GB" + ("-greedy" if mode == "greedy" else "")
-            label = f"moestream {b:g} GB, {opt} options" + (" (greedy)" if mode == "greedy" else "")
-            r = do_run(a, nm, "moestream", mpy, model,
-                       ["--budget", str(b), "--mode", mode, "--moestream-options", json.dumps(kw),
-                        "--usage-file", str(a.out / "runs" / f"usage-{nm}.json")],
-                       a.limit, tokens_file, n_prompt, cap_or_none,
-                       {"label": label, "budget": b, "options": opt, "flags": kw, "mode": mode})
-            res["runs"].append(r)
-            save()
-
-    def budgets(s: str) -> list[float]:
-        return [float(x) for x in s.split(",") if x.strip()]
-
-    if a.only_compute:
-        engines = set()
-    if "moestream" in engines:
-        plan = [("default", b, {}, "forced") for b in budgets(a.budgets)]
-        plan += [("best", b, json.loads(a.best_options), "forced") for b in budgets(a.best_budgets)]
-        moestream_runs(plan)
-
-    # 6. llama.cpp
-    gguf, tried = model.with_name(model.name + ".bf16.gguf") if model else None, []
-
-    def make_gguf() -> bool:
-        """The bf16 GGUF of the synth by llama.cpp's own converter (tried once); False when it failed."""
-        conv = a.peers_dir / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
-        if not gguf.exists() and not tried:
-            tried.append(True)
-            cmd = [str(a.peers_dir / "convert-venv/bin/python"), str(conv), str(model), "--outfile",
-                   str(gguf) + ".partial", "--outtype", "bf16"]
-            text = {**ck, **(ck.get("text_config") or {})}
-            if "mtp_num_hidden_layers" in text or "num_nextn_predict_layers" in text:
-                cmd.append("--no-mtp")  # synth writes no multi-token-prediction layer; the converter expects one
-            log(f"GGUF: {shlex.join(cmd)}")
-            t0 = time.perf_counter()
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                skipped.append(f"llama: convert_hf_to_gguf.py failed: {r.stderr.strip().splitlines()[-1:]}")
-                log(r.stderr[-3000:])
-            else:
-                os.rename(str(gguf) + ".partial", gguf)
-                res["gguf_note"] = f"convert_hf_to_gguf.py --outtype bf16, {time.perf_counter() - t0:.0f} s"
-        if gguf.exists():
-            res["gguf_gb"] = gguf.stat().st_size / GB
-        return gguf.exists()
-
-    if "llama" in engines and not a.gguf_only and peer_ready("llama"):
-        if make_gguf():
-            for mm in ("on", "off"):
-                r = do_run(a, f"llama-mmap-{mm}", "llama", str(peers_py), gguf, ["--mmap", mm], a.peer_limit,
-                           tokens_file, n_prompt, cap_or_none,
-                           {"label": f"llama.cpp, mmap {mm}" + (" (default)" if mm == "on" else ""), "mode": "forced"})
-                res["runs"].append(r)
-                save()
-            if not a.keep and not a.quantized:  # --quantized makes its Q4_K_M from it
-                gguf.unlink()
-
-    # 7. transformers + accelerate disk offload
-    if "transformers" in engines and peer_ready("transformers"):
-        off = a.work / "offload"
-        shutil.rmtree(off, ignore_errors=True)
-        cpu_gb = a.transformers_cpu_gb or max(0.1, cap / GB - 1.5)
-        r = do_run(a, "transformers-offload", "transformers", str(peers_py), model,
-                   ["--cpu-gb", str(cpu_gb), "--offload-folder", str(off)], a.peer_limit, tokens_file, n_prompt,
-                   cap_or_none, {"label": f"transformers + accelerate disk offload (cpu {cpu_gb:.1f} GB)",
-                                 "mode": "forced"})
-        r["offload_gb"] = folder_bytes(off) / GB if off.exists() else None
-        res["runs"].append(r)
-        shutil.rmtree(off, ignore_errors=True)
-        save()
-
-    # 7b. fastllm, its disk MoE mode (experts read into a RAM cache)
-    if "fastllm" in engines and peer_ready("fastllm"):
-        fc = a.fastllm_cache_gb if a.fastllm_cache_gb is not None else max(budgets(a.best_budgets) or [1.0])
-        r = do_run(a, "fastllm-disk", "fastllm", str(peers_py), model, ["--moe-cpu-cache-gb", str(fc)],
-                   a.peer_limit, tokens_file, n_prompt, cap_or_none,
-                   {"label": f"fastllm, disk MoE (cache {fc:g} GB)", "mode": "forced"})
-        res["runs"].append(r)
-        save()
-
-    # 8. the secondary greedy line
-    if "moestream" in engines and a.greedy_budget:
-        moestream_runs([("default", float(a.greedy_budget), {}, "greedy")])
-
-    # 9. the trained line: the same shape, routing that reuses experts as trained models do
-    if "moestream" in engines and a.trained_budget:
-        trained = model.with_name(model.name + "-trained")
-        synth(a.config, trained, a.layers, init="trained")
-        b = float(a.trained_budget)
-        nm = f"moestream-trained-{b:g}GB"
-        r = do_run(a, nm, "moestream", mpy, trained,
-                   ["--budget", str(b), "--mode", "forced", "--usage-file", str(a.out / "runs" / f"usage-{nm}.json")],
-                   a.limit, tokens_file, n_prompt, cap_or_none,
-                   {"label": f"moestream {b:g} GB, default options, `trained` init", "budget": b,
-                    "options": "trained", "flags": {}, "mode": "forced", "init": "trained"})
-        res["runs"].append(r)
-        save()
-        if not a.keep:
-            shutil.rmtree(trained)
-
-    # 10. quantized: moestream's 4-bit build and llama.cpp's own of the same synth, in a cap of a third of the
-    # smaller file, then both all in RAM
-    if a.quantized and "moestream" in engines:
-        q = res["quantized"] = {"gguf": a.gguf, "gguf_only": bool(a.gguf_only)}
-        q4 = a.work / f"{name}-q4"
-        if not a.gguf_only and not q4.exists():
-            part = q4.with_name(q4.name + ".partial")
-            shutil.rmtree(part, ignore_errors=True)
-            cmd = [mpy, "-m", "moestream", "convert", "--model", str(model), "--bits", "4", "--out"]
-            log(f"q4: {shlex.join(cmd + [str(q4)])} (into {part.name}, renamed when done)")
-            t0 = time.perf_counter()
-            subprocess.run(cmd + [str(part)], check=True)
-            os.rename(part, q4)
-            q["convert_note"] = (f"`{shlex.join(cmd + [str(q4)])}` (group 64, its default), "
-                                 f"{time.perf_counter() - t0:.0f} s")
-        q["q4_gb"] = None if a.gguf_only else sum(f.stat().st_size for f in q4.glob("*.safetensors")) / GB
-        qg = a.gguf_only or model.with_name(model.name + ".q4_k_m.gguf")
-        llama_q = "llama" in engines and peer_ready("llama") and (qg.exists() or make_gguf())
-        if llama_q:
-            if not qg.exists():
-                code = ("import ctypes, sys, llama_cpp as L; p = L.llama_model_quantize_default_params(); "
-                        "p.ftype = L.LLAMA_FTYPE_MOSTLY_Q4_K_M; "
-                        "sys.exit(L.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))")
-                log(f"Q4_K_M: llama_cpp.llama_model_quantize({gguf}, {qg}), default params, LLAMA_FTYPE_MOSTLY_Q4_K_M")
-                t0 = time.perf_counter()
-                r = subprocess.run([str(peers_py), "-c", code, str(gguf), f"{qg}.partial"], capture_output=True,
-                                   text=True)
-                if r.returncode == 0:
-                    os.rename(f"{qg}.partial", qg)
-                    q["quantize_note"] = (f"llama_cpp.llama_model_quantize of the bf16 GGUF, "
-                                          f"llama_model_quantize_default_params(), ftype LLAMA_FTYPE_MOSTLY_Q4_K_M, "
-                                          f"{time.perf_counter() - t0:.0f} s")
-                else:
-                    skipped.append(f"llama Q4_K_M: llama_model_quantize failed: {r.stderr.strip().splitlines()[-1:]}")
-                    log(r.stderr[-3000:])
-            llama_q = qg.exists()
-        q["q4_k_m_gb"] = qg.stat().st_size / GB if llama_q or a.gguf_only else None
-        if a.gguf and not qg.exists():
-            skipped.append("gguf: no Q4_K_M file (llama.cpp makes it)")
-        smaller = min(x for x in (q["q4_gb"], q.get("q4_k_m_gb")) if x)
-        qcap = (parse_size(a.quantized_cap) if a.quantized_cap else cap if a.smoke else int(smaller * GB / 3))
-        q["cap_gib"] = qcap / 2**30
-        q["cap_note"] = (f"{qcap / GB / smaller:.2f} of the smaller file ({smaller:.2f} GB)"
-                         + (" (--quantized-cap)" if a.quantized_cap else " (--smoke: the --cap)" if a.smoke else "")
-                         + ("" if is_root() else "; NOT applied: not root"))
-        qc = qcap if is_root() else None
-        if a.gguf_only:  # the only cap any run had
-            res["cap_gib"], res["cap_note"] = q["cap_gib"], q["cap_note"]
-
-        def qrun(nm: str, engine: str, path: Path, args: list[str], capped: bool, label: str, **kw) -> dict:
-            py, lim = (mpy, a.limit) if engine == "moestream" else (str(peers_py), a.peer_limit)
-            if engine == "moestream":  # a fresh usage profile per run, as the others
-                args = [*args, "--usage-file", str(a.out / "runs" / f"usage-{nm}.json")]
-            where = f"cap {q['cap_gib']:.2f} GiB" if capped else "no cap (all in RAM)"
-            res["runs"].append(do_run(a, nm, engine, py, path, args, lim, tokens_file, n_prompt,
-                                      qc if capped else None, {"label": f"{label}, quantized run, {where}",
-                                                               "mode": "forced", "section": "quantized",
-                                                               "capped": capped, **kw}))
-            save()
-            return res["runs"][-1]
-
-        gguf_runs = a.gguf and qg.exists()  # issue 26: moestream on the very file llama.cpp reads
-        gm = "moestream on llama.cpp's Q4_K_M GGUF"
-        for b in budgets(a.quantized_budgets) if not a.gguf_only else ():
-            qrun(f"q4-moestream-{b:g}GB", "moestream", q4, ["--budget", str(b)], True, f"moestream q4 g64 {b:g} GB",
-                 weights="q4", budget=b)
-        for b in budgets(a.quantized_budgets) if not a.gguf_only else ():  # the bf16 synth, same shape, same cap
-            qrun(f"q4-bf16-moestream-{b:g}GB", "moestream", model, ["--budget", str(b)], True,
-                 f"moestream bf16 {b:g} GB", weights="bf16", budget=b)
-        for b in budgets(a.quantized_budgets) if gguf_runs else ():
-            qrun(f"q4-gguf-moestream-{b:g}GB", "moestream", qg, ["--budget", str(b)], True, f"{gm} {b:g} GB",
-                 weights="gguf", budget=b)
-        for rp in ("on", "off") if llama_q else ():
-            qrun(f"q4-llama-repack-{rp}", "llama", qg, ["--repack", rp], True, "llama.cpp Q4_K_M, "
-                 + ("defaults" if rp == "on" else "repack off (use_extra_bufts=False)"), weights="Q4_K_M", repack=rp)
-        # the floors' compute: the all-in-RAM run's CPU time per token / 2 threads (as compute_estimate)
-        for key, nm, path, label, w in (("compute_s_per_token", "q4-moestream-all", q4, "moestream q4 g64", "q4"),
-                                        ("gguf_compute_s_per_token", "q4-gguf-moestream-all", qg, gm, "gguf")):
-            if (w == "q4" and not a.gguf_only) or (w == "gguf" and gguf_runs):
-                top = qrun(nm, "moestream", path, ["--budget", "all"], False, f"{label} budget all", weights=w,
-                           budget="all")
-                q[key] = top["cpu_s_per_token"] / THREADS if top.get("cpu_s_per_token") else None
-        if llama_q:
-            qrun("q4-llama-nocap", "llama", qg, [], False, "llama.cpp Q4_K_M, defaults", weights="Q4_K_M",
-                 repack="on")
-        if not a.keep:  # never with --gguf-only
-            shutil.rmtree(q4)
-            qg.unlink(missing_ok=True)
-    elif a.quantized:
-        skipped.append("quantized: needs the moestream engine")
-    if a.quantized and not a.keep:  # kept for the Q4_K_M until here (and always with --gguf-only)
-        gguf.unlink(missing_ok=True)
+    bench.model, bench.ck, bench.tokens_file, bench.n_prompt = model, ck, tokens_file, n_prompt
+    bench.cap, bench.cap_or_none = cap, cap_or_none
+    _compute_runs(bench)
+    _moestream_lines(bench)
+    bench.gguf = model.with_name(model.name + ".bf16.gguf") if model else None  # 6. llama.cpp's bf16 GGUF
+    _llama_runs(bench)
+    _transformers_run(bench)
+    _fastllm_run(bench)
+    _greedy_and_trained(bench)
+    _quantized(bench, name)
 
     res["disk_after"] = disk_best(shards, int(a.disk_gb * GB), seed=1)
     vals = [x for x in (res["disk_before"], res["disk_after"]) if x]
     res["disk_best_gb_s"] = max(vals) if vals else None
     res["ended"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     res["load_end"] = load_avg()
-    save()
+    bench.save()
     path = report(res, a.out)
     pngs = [] if a.gguf_only else plots(res, a.out)  # the plots show the bf16 rows: none here
     if not a.keep:
@@ -1070,7 +1159,6 @@ def main() -> int:
     print(path.read_text())
     log(f"wrote {path}, {a.out / 'results.json'}, {', '.join(str(x) for x in pngs)}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

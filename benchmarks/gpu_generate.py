@@ -75,7 +75,7 @@ def kernels_alone(res, dev):
 
     from moestream import attention_kernel as ak
     from moestream import fused_moe as fm
-    from moestream.tiered_cache import SlotLayout
+    from moestream.slot_pool import SlotLayout
 
     torch.backends.cuda.enable_cudnn_sdp(False)  # as the engine
     g = torch.Generator("cuda").manual_seed(0)

@@ -44,7 +44,7 @@ def log(*a):
 
 def prepare(root: Path, layers: int) -> dict:
     """The bf16 synth and its 4-bit conversion under ``root`` (written when missing); seconds each took."""
-    from moestream.quant.convert import ConvertSpec, convert
+    from moestream.convert import ConvertSpec, convert
     from moestream.synth import plan_synth, write_synth
 
     took = {}
@@ -69,7 +69,7 @@ def kernel_bench(dev, reps: int = 50, h: int = 2048, i: int = 768, s: int = 128,
     bytes of the routed experts per us."""
     from moestream import fused_moe as fm
     from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
-    from moestream.tiered_cache import SlotLayout
+    from moestream.slot_pool import SlotLayout
 
     k = 8
     kinds = {

@@ -84,7 +84,7 @@ def h2d_rates(dev: torch.device, piece: int, count: int = 64) -> dict:
     out["pinned_alloc"] = timed(list(pinned))
     pageable = torch.empty(count, piece, dtype=torch.uint8).random_(0, 255)
     out["pageable"] = timed(list(pageable))
-    from moestream.tiered_cache import PinnedBufferPool
+    from moestream.host_tier import PinnedBufferPool
 
     pool = PinnedBufferPool(max_free=count)
     bufs = [pool.get(piece) for _ in range(count)]

@@ -14,8 +14,8 @@ import json
 import math
 from pathlib import Path
 
+from moestream.convert import ALIGN, FLOAT_BITS, ROUTER_BITS, ConvertSpec, _category, _qshapes
 from moestream.models import family_for
-from moestream.quant.convert import ALIGN, FLOAT_BITS, ROUTER_BITS, ConvertSpec, _category, _qshapes
 
 SETTINGS = [
     ("bf16 (no convert)", None),

@@ -32,18 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import GB, Engine
+from .budget import GB
+from .engine import Engine
 from .errors import InputError
-from .generation import (
-    GenerationStats,
-    SamplingParams,
-    TokenLogprob,
-    eos_ids,
-    generation_defaults,
-    resolve_sampling,
-)
+from .generation import TokenLogprob, eos_ids
 from .generation import generate as generate_tokens
+from .generation_stats import GenerationStats
 from .memory import peak_rss_bytes
+from .sampling import SamplingParams, generation_defaults, resolve_sampling
 from .scheduler import DEFAULT_STEP_TOKENS, Request, Scheduler
 from .textstream import ReasoningSplitter
 from .tokenizer import chat_ids, encode_prompt, prompt_opens_thinking, think_token_ids
@@ -149,11 +145,11 @@ def stream_generate(
 
     Options as ``moestream generate``'s flags: ``temp``, ``top_p``, ``top_k``, ``min_p``
     and ``rep_penalty`` default to the checkpoint's ``generation_config.json`` values,
-    else off (greedy); ``sampling`` (a :class:`~moestream.generation.SamplingParams`)
+    else off (greedy); ``sampling`` (a :class:`~moestream.sampling.SamplingParams`)
     replaces all of them. ``stats``, when given, is filled in as in the CLI.
 
     Raises:
-        InputError: bad options or prompt (see :class:`~moestream.generation.SamplingParams`
+        InputError: bad options or prompt (see :class:`~moestream.sampling.SamplingParams`
             and :func:`moestream.generation.generate`).
         ReadError: when an expert read fails.
         EngineClosedError: the engine was closed.
@@ -221,7 +217,7 @@ class BatchStep:
         logprob: a :class:`~moestream.generation.TokenLogprob` when that prompt asked for ``logprobs``.
         logits: with ``keep_logits``, the model's float32 logits [vocab] it came from.
         finish_reason: None until the prompt's last token, then ``"stop"`` or ``"length"``.
-        stats: that prompt's :class:`~moestream.generation.GenerationStats` so far (prompt, cached and
+        stats: that prompt's :class:`~moestream.generation_stats.GenerationStats` so far (prompt, cached and
             generated tokens, token ids, the logits' digest, times).
     """
 

@@ -24,7 +24,7 @@ from .errors import BudgetError
 if TYPE_CHECKING:  # the CLI parses budgets before torch is imported
     import torch
 
-GB = 1e9
+GB = 1e9  # the one definition: engine, inspect and the rest import it
 AUTO = "auto"
 # What the PyTorch runtime, the interpreter and activations take beyond the weights,
 # measured as about 0.5 GB on the development machine; part of the reserve.

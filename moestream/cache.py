@@ -22,8 +22,6 @@ import torch
 from .policies import EvictionPolicy, LRUPolicy
 from .store import ExpertStore, ExpertWeights, Key
 
-GB = 1e9
-
 
 @dataclass
 class CacheStats:
@@ -203,25 +201,9 @@ class ExpertCache:
                 yield ew.key[1], ew
                 self._unpin(ew.key)
                 held.remove(ew.key)
-            for ew in pf.take(prefetched) if prefetched else ():  # as for misses, below
-                ew = self._insert(ew)
-                self._pin(ew.key)
-                held.append(ew.key)
-                self._shrink()
-                yield ew.key[1], ew
-                self._unpin(ew.key)
-                held.remove(ew.key)
-                self._shrink()
+            yield from self._admitted(pf.take(prefetched) if prefetched else (), held)  # as misses are
             if batch is not None:
-                for ew in batch:
-                    ew = self._insert(ew)
-                    self._pin(ew.key)
-                    held.append(ew.key)
-                    self._shrink()
-                    yield ew.key[1], ew
-                    self._unpin(ew.key)
-                    held.remove(ew.key)
-                    self._shrink()
+                yield from self._admitted(batch, held)
         finally:
             if batch is not None:
                 batch.close()
@@ -229,6 +211,19 @@ class ExpertCache:
                 self._unpin(key)
             self._shrink()
             self._protect = set()
+
+    def _admitted(self, arrived, held: list):
+        """Each expert ``arrived`` (read for this fetch, or ahead for it) inserted and held while the caller
+        uses it: ``(expert id, weights)``; ``held`` lists the keys held until the caller moves on."""
+        for ew in arrived:
+            ew = self._insert(ew)
+            self._pin(ew.key)
+            held.append(ew.key)
+            self._shrink()
+            yield ew.key[1], ew
+            self._unpin(ew.key)
+            held.remove(ew.key)
+            self._shrink()
 
     def close(self) -> None:
         """Release what the cache holds outside the budget's entries (nothing here; a tiered cache

@@ -173,26 +173,9 @@ def simulate(
 
     for i, (layer, experts) in enumerate(requests):
         is_decode = decode is not None and decode[i]
-        planned: list[Key] = []
         plan_chunk = chunk[i] if chunk is not None and i < len(chunk) else None
-        chunk_planned: set[Key] = set()
-        if plan_chunk is not None:  # Prefetcher._plan_chunk: a chunk reads only the next layer's most used ahead
-            for nxt, es in plan_chunk[:1]:
-                room = window - sum(1 for k in chunk_staged if k[0] == nxt)
-                for e in es:
-                    if room <= 0:
-                        break
-                    k = (nxt, e)
-                    if k not in staged_set and k not in present and k not in planned:
-                        planned.append(k)
-                        chunk_planned.add(k)
-                        room -= 1
-        elif enabled:
-            for nxt, es in ahead[i][:depth]:
-                for e in es:
-                    k = (nxt, e)
-                    if k not in staged_set and k not in present and k not in planned:
-                        planned.append(k)
+        predicted = ahead[i][:depth] if enabled and plan_chunk is None else []
+        planned, chunk_planned = _plan_ahead(plan_chunk, predicted, window, chunk_staged, staged_set, present)
         keys = [(layer, e) for e in experts]
         hits = [k for k in keys if k in present]
         claimed = [k for k in keys if k not in present and k in staged_set]
@@ -212,18 +195,13 @@ def simulate(
                 policy.record(k)
         # the prefetcher's retire: claimed reads are hits, the rest read for this layer are wasted
         waste = [k for k in staged if k[0] == layer and k not in claimed]
-        for k in claimed:
-            if k in chunk_staged:
-                res.chunk_hits += 1
-            else:
-                saved += expert_bytes(k)
-                decided += 1
-        for k in waste:
-            if k in chunk_staged:
-                res.chunk_wasted += 1
-            else:
-                wasted_bytes += expert_bytes(k)
-                decided += 1
+        decode_claimed = [k for k in claimed if k not in chunk_staged]  # chunks' reads ahead are counted apart
+        decode_waste = [k for k in waste if k not in chunk_staged]
+        res.chunk_hits += len(claimed) - len(decode_claimed)
+        res.chunk_wasted += len(waste) - len(decode_waste)
+        saved += sum(map(expert_bytes, decode_claimed))
+        wasted_bytes += sum(map(expert_bytes, decode_waste))
+        decided += len(decode_claimed) + len(decode_waste)
         res.wasted += len(waste)
         gone = set(claimed) | set(waste)
         staged = [k for k in staged if k not in gone]
@@ -248,6 +226,34 @@ def simulate(
             shrink({k}, protect)
             shrink(set(), protect)
     return res
+
+
+def _plan_ahead(plan_chunk, predicted, window: int, chunk_staged: set, staged: set, present: dict
+                ) -> tuple[list[Key], set[Key]]:
+    """One request's reads ahead, as :class:`moestream.prefetch.Prefetcher` plans them: ``(planned, the part
+    for a chunk)``. A chunk (``plan_chunk`` not None, ``Prefetcher._plan_chunk``) reads only the next layer's most
+    used experts ahead, up to ``window`` of that layer's; otherwise the ``predicted`` layers' experts. Neither
+    plans what is cached, read ahead already or planned."""
+    planned: list[Key] = []
+    chunk_planned: set[Key] = set()
+    if plan_chunk is not None:
+        for nxt, es in plan_chunk[:1]:
+            room = window - sum(1 for k in chunk_staged if k[0] == nxt)
+            for e in es:
+                if room <= 0:
+                    break
+                k = (nxt, e)
+                if k not in staged and k not in present and k not in planned:
+                    planned.append(k)
+                    chunk_planned.add(k)
+                    room -= 1
+        return planned, chunk_planned
+    for nxt, es in predicted:
+        for e in es:
+            k = (nxt, e)
+            if k not in staged and k not in present and k not in planned:
+                planned.append(k)
+    return planned, chunk_planned
 
 
 def simulate_policy(name: str, requests: list[Request], expert_bytes, budget_bytes: int, decode=None,

@@ -394,7 +394,7 @@ class Checkpoint:
         shards: the shard files, in index order.
         metadata: shard file name -> its safetensors ``__metadata__``.
         source_format: a :class:`moestream.mlx_format.MLXFormat` once
-            :func:`moestream.mlx_format.open_checkpoint` (or ``adapt``) found an mlx-lm build and
+            :func:`moestream.sources.open_checkpoint` (or ``moestream.mlx_format.adapt``) found an mlx-lm build and
             mapped its names onto Hugging Face names, else None.
         derived: tensor name -> function of the checkpoint computing it (an MLX build's
             tensors whose values differ from the Hugging Face ones); read by :meth:`read_tensor`.

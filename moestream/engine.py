@@ -18,6 +18,7 @@ import torch
 
 from . import attention_kernel, fused_moe
 from .budget import (
+    GB,
     BudgetPlan,
     context_tokens_for,
     plan_cpu_budget,
@@ -30,10 +31,10 @@ from .checkpoint import Checkpoint, resolve_model
 from .decode_graph import DecodeRunner, graph_unsupported
 from .errors import ConfigError, EngineClosedError, LayoutError, MoestreamError
 from .gguf_format import GGUFFormat
+from .host_tier import PinnedBufferPool
 from .io_setup import IOSettings, plan_io
 from .layout import ExpertLayout, discover_experts
 from .memory import reset_peak_rss
-from .mlx_format import open_checkpoint
 from .models import family_for
 from .models.base import CausalLM, check_layer_count, checkpoint_dtype, load_resident
 from .models.gpt_oss import clamped_swiglu_linear_expert
@@ -51,12 +52,12 @@ from .quant import native
 from .quant.expert import QuantizedGLU, QuantizedSwiGLU
 from .quant.resident import dense_extra_bytes, dequantize_resident
 from .quant.turboquant import set_fast
+from .sources import open_checkpoint
 from .store import ExpertStore
-from .tiered_cache import PinnedBufferPool, TieredExpertCache, device_free_bytes, resolve_device
+from .tiered_cache import TieredExpertCache, device_free_bytes, resolve_device
 from .tokenizer import load_tokenizer
 from .usage import setup_cache_policy
 
-GB = 1e9
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
 

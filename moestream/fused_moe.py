@@ -4,7 +4,7 @@ VRAM slots.
 For ``T`` tokens routed to ``K`` experts each (expert ids ``idx`` [T, K], routing weights
 ``weights`` [T, K]) and a layer's slot table (expert -> slot, int32 [E], on the device), the
 experts' weights are read where the VRAM slot pool keeps them (``gate``/``up`` [S, I, H],
-``down`` [S, H, I], strided views of one byte pool, :class:`moestream.tiered_cache.SlotPool`)
+``down`` [S, H, I], strided views of one byte pool, :class:`moestream.slot_pool.SlotPool`)
 and
 
     out[t] = sum_{k = 0..K-1} weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t),  e = idx[t, k]

@@ -1,308 +1,30 @@
 """Generation: prefill in chunks, decode token by token, sample, stop, and count.
 
 ``generate()`` drives a loaded :class:`~moestream.engine.Engine` over one prompt and
-yields a :class:`Step` per generated token; :class:`GenerationStats` gathers what a run
-did (speed, cache hit rate, bytes read, distinct experts per layer, memory).
+yields a :class:`Step` per generated token; :class:`~moestream.generation_stats.GenerationStats` gathers what a
+run did (speed, cache hit rate, bytes read, distinct experts per layer, memory). The sampling options, penalties
+and sampler are :mod:`moestream.sampling`'s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .engine import GB, Engine
+from .budget import GB
+from .engine import Engine
 from .errors import ConfigError, InputError
-from .memory import available_bytes, peak_rss_bytes
+from .generation_stats import GenerationStats, _Counters
+from .memory import available_bytes
 from .models.layers import KVCache
-from .quant import native
+from .sampling import GENERATION_CONFIG, Sampler, SamplingParams, apply_penalties
 from .textstream import StopStrings
 from .tokenizer import StreamDecoder, current_turn, think_token_ids
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick the next token.
-
-    Each option has a value that disables it: ``temperature`` 0 means greedy (argmax);
-    ``top_k`` 0, ``top_p`` 0 or 1.0, ``min_p`` 0, ``repetition_penalty`` 1.0 and
-    ``frequency_penalty``/``presence_penalty`` 0 are off. ``seed`` makes sampling repeatable.
-
-    Penalties act first, on the model's float32 logits (and so steer greedy picks too):
-
-    - ``repetition_penalty`` (CTRL, Keskar et al. 2019; as transformers'
-      ``RepetitionPenaltyLogitsProcessor``): each distinct token among the last
-      ``repetition_context`` tokens (prompt included, as mlx-lm and llama.cpp) has its logit
-      divided by the penalty when positive and multiplied by it when negative.
-    - ``frequency_penalty`` and ``presence_penalty`` (OpenAI's definition, range [-2, 2]):
-      ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``,
-      counting the tokens generated so far (not the prompt).
-
-    Then the filters, in transformers' order: temperature, top-k, top-p (nucleus, Holtzman
-    et al. 2019), min-p (Nguyen et al. 2024: drop tokens whose probability is below
-    ``min_p`` times the most likely token's, as transformers' ``MinPLogitsWarper``).
-
-    Raises:
-        InputError: a value out of range (naming the option and its CLI flag).
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    repetition_context: int = 256
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-
-    def __post_init__(self):
-        if not 0 <= self.temperature < float("inf"):
-            raise InputError(f"temperature (--temp) must be a finite number >= 0, got {self.temperature}")
-        if not 0 <= self.top_p <= 1:
-            raise InputError(f"top_p (--top-p) must be in [0, 1] (0 or 1 = off), got {self.top_p}")
-        if self.top_k < 0:
-            raise InputError(f"top_k (--top-k) must be >= 0, got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise InputError(f"seed (--seed) must be between 0 and 2^63 - 1, got {self.seed}")
-        if not 0 <= self.min_p <= 1:
-            raise InputError(f"min_p (--min-p) must be in [0, 1] (0 = off), got {self.min_p}")
-        if not 0 < self.repetition_penalty < float("inf"):
-            raise InputError(
-                f"repetition_penalty (--rep-penalty) must be a finite number > 0 (1 = off), "
-                f"got {self.repetition_penalty}"
-            )
-        if self.repetition_context < 0:
-            raise InputError(f"repetition_context (--rep-ctx) must be >= 0, got {self.repetition_context}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise InputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-
-    @property
-    def penalized(self) -> bool:
-        """Whether any penalty is on."""
-        rep = self.repetition_penalty != 1.0 and self.repetition_context > 0
-        return rep or bool(self.frequency_penalty or self.presence_penalty)
-
-
-def apply_penalties(
-    logits: torch.Tensor, context: list[int], generated: list[int], params: SamplingParams
-) -> torch.Tensor:
-    """The logits [vocab] (float32) after the penalties of ``params``; the input is not changed.
-
-    ``context``: every token id before the next one (prompt and generated); the repetition
-    penalty looks at its last ``params.repetition_context``. ``generated``: the ids generated
-    so far, counted by the frequency and presence penalties. See :class:`SamplingParams`.
-    """
-    p = params
-    out = logits
-    if p.repetition_penalty != 1.0 and p.repetition_context > 0 and context:
-        out = out.clone()
-        ids = torch.tensor(sorted(set(context[-p.repetition_context :])), dtype=torch.int64)
-        picked = out[ids]
-        out[ids] = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and generated:
-        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=out.shape[0]).to(out.dtype)
-        out = out - (counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty)
-    return out
-
-
-class Sampler:
-    """Temperature, top-k, top-p (nucleus, Holtzman et al. 2019) and min-p sampling over float32 logits.
-
-    Penalties are applied before (:func:`apply_penalties`); see :class:`SamplingParams`.
-    """
-
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
-
-    def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """The float32 logits [vocab] sampling draws from: divided by the temperature, with the tokens
-        that top-k, top-p and min-p remove at -inf (temperature > 0 only).
-
-        A temperature so small that the division overflows float32 (1e-40 for logits near 1) is
-        sampled at its limit: every token below the top logit has probability
-        exp(-(top - logit) / temperature), which is exactly 0 in float32 and float64 once
-        top / temperature overflows (the gap is at least one float32 step of ``top``, about
-        6e-8 * top, so the exponent is below -2e31), so the draw is uniform over the tokens tied at
-        the top (the argmax when there is one). Top-p keeps at least the most likely token, as
-        transformers' ``TopPLogitsWarper(min_tokens_to_keep=1)``, whatever ``top_p`` rounds to in
-        float32 (1e-300 is 0 there). Neither changes a draw that worked before, bit for bit.
-        """
-        p = self.params
-        raw = logits.float().cpu()
-        logits = raw / p.temperature
-        if not torch.isfinite(logits.max()):  # overflowed (+inf, or NaN from 0 / a temperature 0 in float32)
-            logits = torch.zeros_like(raw).masked_fill(raw != raw.max(), float("-inf"))
-        if p.top_k and p.top_k < logits.shape[0]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if 0 < p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-            drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest set reaching top_p
-            drop[0] = False  # and at least the most likely token
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-        if p.min_p > 0:
-            probs = torch.softmax(logits, dim=-1)
-            logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))  # the top token always stays
-        return logits
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        """Pick a token id from ``logits`` [vocab]."""
-        if self.params.temperature == 0:
-            return int(torch.argmax(logits.float().cpu()))
-        probs = torch.softmax(self.warp(logits), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-@dataclass
-class GenerationStats:
-    """What one generation did. Units: tokens, tokens/s, GB (10^9 bytes), MB (10^6 bytes)."""
-
-    prompt_tokens: int = 0
-    prompt_cached_tokens: int = 0  # prompt tokens whose KV cache a Session already held (not prefilled)
-    generated_tokens: int = 0
-    generated_token_ids: list[int] = field(default_factory=list)
-    logits_sha256: str = ""  # SHA-256 over every step's float32 logits, in order: equal runs, equal digests
-    finish_reason: str = ""
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    prefill_tok_s: float = 0.0
-    decode_tok_s: float = 0.0
-    cache_hit_rate: float = 0.0
-    cache_lookups: int = 0
-    cache_hits: int = 0
-    experts_read: int = 0
-    reads: int = 0
-    experts_per_read: float = 0.0
-    gb_read: float = 0.0
-    mb_read_per_decoded_token: float = 0.0
-    decode_hit_rate: float = 0.0
-    distinct_experts_per_layer_mean: float = 0.0
-    distinct_experts_per_layer: dict[int, int] = field(default_factory=dict)
-    experts_per_layer: int = 0
-    resident_weight_gb: float = 0.0
-    cache_budget_gb: float | str = 0.0
-    cache_peak_gb: float = 0.0
-    peak_rss_gb: float = 0.0
-    load_seconds: float = 0.0
-    # -- I/O: hits split by source (rates over cache_lookups; they add up to cache_hit_rate),
-    # bytes read on the critical path vs by prefetch, read bandwidth while reading
-    cache_hit_rate_cache: float = 0.0
-    cache_hit_rate_prefetch: float = 0.0
-    cache_hit_rate_pinned: float = 0.0
-    prefetch_hits: int = 0
-    pinned_hits: int = 0
-    gb_read_critical: float = 0.0
-    gb_read_prefetch: float = 0.0
-    prefetch_issued: int = 0
-    prefetch_late: int = 0
-    prefetch_wasted: int = 0
-    prefetch_wasted_gb: float = 0.0
-    prefetch_status: str = ""
-    read_busy_seconds: float = 0.0
-    read_gb_per_s: float = 0.0
-    read_path: str = ""
-    direct_read_seconds: float = 0.0  # O_DIRECT: time in reads and in copies (shared blocks), summed over threads
-    direct_copy_seconds: float = 0.0
-    # -- CPU time (user + system, every thread of the process, seconds). A decoded token's is split
-    # into the reader threads' (reads issued: syscalls, copies, checks), the compiled kernels' (every call
-    # into moestream's CPU kernels: experts, attention, norms, routers, LM head; their OpenMP threads
-    # included; the expert kernels' part of it given too) and the rest (Python and PyTorch glue,
-    # sampling, bookkeeping). Reads that run while a kernel computes are counted in both: then the
-    # kernels' figure is an upper bound and the rest's a lower one.
-    prefill_cpu_seconds: float = 0.0
-    decode_cpu_seconds: float = 0.0
-    cpu_s_per_decoded_token: float = 0.0
-    cpu_reads_s_per_token: float = 0.0
-    cpu_kernels_s_per_token: float = 0.0
-    cpu_compiled_s_per_token: float = 0.0
-    cpu_rest_s_per_token: float = 0.0
-    # -- read-ahead: decode's accuracy (hits / (hits + wasted)) overall and per layer read for
-    # ([issued, hits, wasted]), the CPU its predictions took per decoded token; prefill's reads ahead
-    prefetch_accuracy: float = 0.0
-    prefetch_per_layer: dict[int, list[int]] = field(default_factory=dict)
-    prefetch_plan_cpu_s_per_token: float = 0.0
-    prefill_read_ahead: int = 0
-    prefill_read_ahead_hits: int = 0
-    prefill_read_ahead_wasted: int = 0
-
-    def to_json(self) -> str:
-        """The stats as a JSON object (per-layer keys as strings)."""
-        d = asdict(self)
-        d["distinct_experts_per_layer"] = {str(k): v for k, v in self.distinct_experts_per_layer.items()}
-        d["prefetch_per_layer"] = {str(k): v for k, v in self.prefetch_per_layer.items()}
-        return json.dumps(d, indent=2)
-
-    def summary(self) -> str:
-        """The stats block printed after a generation."""
-        per_layer = list(self.distinct_experts_per_layer.values())
-        spread = f"min {min(per_layer)}, max {max(per_layer)}" if per_layer else "no MoE layers"
-        budget = self.cache_budget_gb if isinstance(self.cache_budget_gb, str) else f"{self.cache_budget_gb:.3g} GB"
-        return "\n".join([
-            f"prompt tokens        {self.prompt_tokens}"
-            + (f" ({self.prompt_cached_tokens} already in the KV cache)" if self.prompt_cached_tokens else ""),
-            f"generated tokens     {self.generated_tokens} ({self.finish_reason})",
-            f"prefill              {self.prefill_tok_s:.2f} tok/s ({self.prefill_seconds:.2f} s)",
-            f"decode               {self.decode_tok_s:.2f} tok/s ({self.decode_seconds:.2f} s)",
-            f"cache hit rate       {self.cache_hit_rate:.1%} overall, {self.decode_hit_rate:.1%} in decode "
-            f"({self.cache_hits}/{self.cache_lookups} lookups)",
-            f"experts read         {self.experts_read} in {self.reads} reads "
-            f"({self.experts_per_read:.2f} experts/read)",
-            f"read from disk       {self.gb_read:.3f} GB, "
-            f"{self.mb_read_per_decoded_token:.1f} MB per decoded token",
-            f"distinct experts     {self.distinct_experts_per_layer_mean:.1f} of {self.experts_per_layer} "
-            f"per MoE layer (mean; {spread})",
-            f"resident weights     {self.resident_weight_gb:.2f} GB",
-            f"cache budget         {budget} (peak held {self.cache_peak_gb:.2f} GB)",
-            f"peak RSS             {self.peak_rss_gb:.2f} GB",
-        ] + self._io_lines())
-
-    def _io_lines(self) -> list[str]:
-        """The I/O lines of the summary: hit sources, critical-path vs prefetch bytes, read speed."""
-        lines = [
-            f"hits by source       cache {self.cache_hit_rate_cache:.1%}, prefetch {self.cache_hit_rate_prefetch:.1%}, "
-            f"pinned {self.cache_hit_rate_pinned:.1%} of lookups",
-            f"read on demand       {self.gb_read_critical:.3f} GB (critical path); "
-            f"{self.gb_read_prefetch:.3f} GB read ahead",
-            f"read speed           {self.read_gb_per_s:.2f} GB/s while reading ({self.read_busy_seconds:.2f} s busy)"
-            + (f"; {self.read_path}" if self.read_path else "")
-            + (f" ({self.direct_read_seconds:.2f} s in reads, {self.direct_copy_seconds:.2f} s in copies, "
-               "summed over threads)" if self.direct_read_seconds else ""),
-        ]
-        if self.prefetch_issued or self.prefetch_status:
-            lines.append(
-                f"prefetch             {self.prefetch_issued} experts read ahead, {self.prefetch_hits} used "
-                f"({self.prefetch_late} still in flight), {self.prefetch_wasted} wasted "
-                f"({self.prefetch_wasted_gb:.3f} GB)" + (f"; {self.prefetch_status}" if self.prefetch_status else "")
-            )
-            decode = self.prefetch_issued - self.prefill_read_ahead
-            if self.prefill_read_ahead:
-                lines.append(f"  in prefill         {self.prefill_read_ahead} read ahead for the next layer, "
-                             f"{self.prefill_read_ahead_hits} used, {self.prefill_read_ahead_wasted} wasted")
-            if decode > 0:
-                lines.append(f"  in decode          accuracy {self.prefetch_accuracy:.1%}, predictions "
-                             f"{1000 * self.prefetch_plan_cpu_s_per_token:.1f} ms CPU per token")
-        if self.decode_cpu_seconds:
-            lines.append(
-                f"CPU per token        {self.cpu_s_per_decoded_token:.3f} s (reads {self.cpu_reads_s_per_token:.3f}, "
-                f"compiled kernels {self.cpu_compiled_s_per_token:.3f} of which experts "
-                f"{self.cpu_kernels_s_per_token:.3f}, the rest {self.cpu_rest_s_per_token:.3f}); "
-                f"prefill {self.prefill_cpu_seconds:.2f} s"
-            )
-        return lines
 
 
 @dataclass(frozen=True)
@@ -355,44 +77,6 @@ class Session:
     ids: list[int] = field(default_factory=list)
 
 
-GENERATION_CONFIG = "generation_config.json"
-_DEFAULT_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
-
-
-def generation_defaults(folder: str | Path) -> dict:
-    """Sampling defaults from a checkpoint's ``generation_config.json`` (empty without one).
-
-    Returns the fields present among ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
-    ``repetition_penalty`` (``SamplingParams`` names, ``repetition_penalty`` included).
-    An explicit ``"do_sample": false`` makes the default greedy (``temperature`` 0), as in
-    transformers; otherwise the values are taken as given, as vLLM does.
-
-    Raises:
-        ConfigError: naming the file or field, when the file is not a JSON object or a
-            field is not a number.
-    """
-    path = Path(folder) / GENERATION_CONFIG
-    if not path.is_file():
-        return {}
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: cannot read it as JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    out = {}
-    for name, kind in _DEFAULT_FIELDS.items():
-        v = cfg.get(name)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-            raise ConfigError(f"{path}: field {name!r} = {v!r} is not {'an integer' if kind is int else 'a number'}")
-        out[name] = kind(v)
-    if cfg.get("do_sample") is False:
-        out["temperature"] = 0.0
-    return out
-
-
 def _generation_eos(folder: Path) -> list:
     """generation_config.json's ``eos_token_id`` as a list (empty without the file or the field).
 
@@ -422,7 +106,6 @@ def eos_ids(engine: Engine) -> set[int]:
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
         ids.add(int(tok.eos_token_id))
     return ids
-
 
 
 def whole_model_hint(engine: Engine, comfort: float = 0.8) -> str | None:
@@ -555,18 +238,10 @@ def generate(
             prompt_ids, max_tokens, sampling, stop, stop_at_eos, multi_think, prefill_chunk)
     prompt_ids, max_tokens, stops = _check_request(engine, prompt_ids, max_tokens, logprobs, stop)
     stats = stats if stats is not None else GenerationStats()
-    sampler = Sampler(sampling)
     eos = eos_ids(engine)
-    stop_ids = eos if stop_at_eos else set()
-    decoder = None
-    if engine.tokenizer is not None:
-        decoder = StreamDecoder(engine.tokenizer)
-    stopper = StopStrings(stops)
-    think_end = None
-    think_closed = False
-    if not multi_think and engine.tokenizer is not None:
-        think_end = think_token_ids(engine.tokenizer)[1]
-        think_closed = think_end is not None and think_end in current_turn(prompt_ids, eos)
+    turn = _Turn(stats, max_tokens, eos if stop_at_eos else set(),
+                 StreamDecoder(engine.tokenizer) if engine.tokenizer is not None else None, StopStrings(stops),
+                 *_think_state(engine, prompt_ids, eos, multi_think))
     kv, reuse = _kv_cache(model, session, prompt_ids, max_tokens)
     # the engine's prefix cache (--prefix-cache-gb), shared with the server's scheduler: a session keeps its own KV
     pcache = getattr(engine, "prefix_cache", None) if session is None and par is None else None
@@ -579,7 +254,6 @@ def generate(
     counters = _Counters(engine)
     logits = None
     stats.finish_reason = "length"
-    generated: list[int] = []
     failed = False  # a forward pass failed part-way: the KV cache is not fit for the prefix cache
     try:  # the stats are filled in however it ends: done, failed or interrupted (Ctrl-C) in prefill or decode
         for s in range(reuse, len(prompt_ids), prefill_chunk):
@@ -589,93 +263,132 @@ def generate(
         if pcache is not None:
             pcache.store(prompt_ids, kv)
         counters.decode_starts(stats, len(prompt_ids) - reuse)
-        pos = len(prompt_ids)
-        context = list(prompt_ids) if sampling.penalized else []
-        digest = hashlib.sha256()
-
-        def account(n: int, token: int) -> tuple[str, str | None]:
-            """Step ``n``'s token into the counters, the think state and the text: (text, finish reason)."""
-            nonlocal think_closed
-            generated.append(token)
-            if context:
-                context.append(token)
-            if think_end is not None and token == think_end:
-                think_closed = True
-            stats.generated_token_ids.append(token)
-            stats.generated_tokens = n + 1
-            is_eos = token in stop_ids
-            final = is_eos or n + 1 == max_tokens
-            text, hit = _step_text(decoder, stopper, token, is_eos, final)
-            reason = None
-            if is_eos or hit:
-                stats.finish_reason = reason = "stop"
-            elif final:
-                reason = "length"
-            return text, reason
-
+        if sampling.penalized:
+            turn.context = list(prompt_ids)
         if _pipelined(engine, kv, sampling, logprobs, par):
-            # greedy on the GPU: the token is picked on the device and step n + 1 is queued before the host
-            # reads step n's token (one wait per token; the host's work overlaps the next step)
-            picker = _DevicePicker(logits, think_end, think_closed)
-            cur = picker.pick(logits)
-            for n in range(max_tokens):
-                nxt, failed = None, None
-                if n + 1 < max_tokens:
-                    try:
-                        nxt = picker.pick(_forward(engine, cur.token, pos, kv, session))
-                    except Exception as e:  # noqa: BLE001 -- raised once the step it belongs to is reached
-                        failed = e
-                token, host_logits = cur.wait()
-                digest.update(host_logits)
-                stats.logits_sha256 = digest.hexdigest()
-                text, reason = account(n, token)
-                yield Step(token, text, cur.logits if keep_logits else None, None, reason)
-                if reason is not None:
-                    if nxt is not None:
-                        kv.length = pos  # the step queued ahead is dropped: its position is past the cache's tokens
-                    break
-                if failed is not None:
-                    raise failed
-                if session is not None:
-                    session.ids.append(token)
-                pos += 1
-                cur = nxt
-            return
-        for n in range(max_tokens):
-            last = logits[-1].float()
-            # a fingerprint of every step's logits, bit for bit: equal digests prove two runs
-            # (budgets, worker counts, read paths) computed the same numbers, not only the same tokens
-            digest.update(last.contiguous().view(torch.int32).cpu().numpy().tobytes())
-            stats.logits_sha256 = digest.hexdigest()
-            processed = apply_penalties(last, context, generated, sampling) if sampling.penalized else last
-            if think_closed:
-                processed = processed.clone() if processed is last else processed
-                processed[think_end] = float("-inf")
-            token = sampler(processed)
-            text, reason = account(n, token)
-            lp = _logprob(processed, token, logprobs) if logprobs is not None else None
-            try:
-                yield Step(token, text, last if keep_logits else None, lp, reason)
-            except GeneratorExit:
-                if par is not None and par.rank == 0 and reason is None:
-                    par.flag(False)  # cancelled on rank 0 (a closed stream): the other ranks stop too
-                raise
-            if reason is not None:
-                break
-            if par is not None and not par.flag(True):  # rank 0 goes on, or was cancelled
-                break
-            logits = _forward(engine, torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv, session)
-            if session is not None:
-                session.ids.append(token)
-            pos += 1
+            yield from _decode_on_device(engine, logits, len(prompt_ids), kv, session, turn, keep_logits)
+        else:
+            yield from _decode(engine, logits, len(prompt_ids), kv, session, turn, Sampler(sampling), sampling,
+                               logprobs, keep_logits, par)
     except BaseException as e:
         failed = not isinstance(e, GeneratorExit)  # a closed generator leaves its cache whole
         raise
     finally:
         counters.fill(stats)
-        if pcache is not None and not failed:
-            pcache.store(prompt_ids + generated, kv)
+        if pcache is not None and not failed and not turn.ahead_failed:
+            pcache.store(prompt_ids + turn.generated, kv)
 
+
+def _think_state(engine: Engine, prompt_ids: list[int], eos: set[int], multi_think: bool) -> tuple[int | None, bool]:
+    """``(the </think> token to mask once the thinking closed, or None; whether it closed in the prompt's turn)``."""
+    if multi_think or engine.tokenizer is None:
+        return None, False
+    think_end = think_token_ids(engine.tokenizer)[1]
+    return think_end, think_end is not None and think_end in current_turn(prompt_ids, eos)
+
+
+@dataclass
+class _Turn:
+    """A generation's state between steps: the tokens so far, the think state, the text and the stats."""
+
+    stats: GenerationStats
+    max_tokens: int
+    stop_ids: set[int]
+    decoder: StreamDecoder | None
+    stopper: StopStrings
+    think_end: int | None
+    think_closed: bool
+    generated: list[int] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)  # the prompt and the tokens so far, with penalties only
+    digest: object = field(default_factory=hashlib.sha256)
+    ahead_failed: bool = False  # the step queued ahead failed as the run ended: the KV cache is not whole
+
+    def account(self, n: int, token: int) -> tuple[str, str | None]:
+        """Step ``n``'s token into the counters, the think state and the text: (text, finish reason)."""
+        stats = self.stats
+        self.generated.append(token)
+        if self.context:
+            self.context.append(token)
+        if self.think_end is not None and token == self.think_end:
+            self.think_closed = True
+        stats.generated_token_ids.append(token)
+        stats.generated_tokens = n + 1
+        is_eos = token in self.stop_ids
+        final = is_eos or n + 1 == self.max_tokens
+        text, hit = _step_text(self.decoder, self.stopper, token, is_eos, final)
+        reason = None
+        if is_eos or hit:
+            stats.finish_reason = reason = "stop"
+        elif final:
+            reason = "length"
+        return text, reason
+
+    def fingerprint(self, data) -> None:
+        """A step's logits (bytes) into the run's digest (``stats.logits_sha256``)."""
+        self.digest.update(data)
+        self.stats.logits_sha256 = self.digest.hexdigest()
+
+
+def _decode_on_device(engine: Engine, logits, pos: int, kv, session: Session | None, turn: _Turn,
+                      keep_logits: bool) -> Iterator[Step]:
+    """Greedy decode on the GPU: the token is picked on the device and step n + 1 is queued before the host
+    reads step n's token (one wait per token; the host's work overlaps the next step)."""
+    picker = _DevicePicker(logits, turn.think_end, turn.think_closed)
+    cur = picker.pick(logits)
+    for n in range(turn.max_tokens):
+        nxt, failed = None, None
+        if n + 1 < turn.max_tokens:
+            try:
+                nxt = picker.pick(_forward(engine, cur.token, pos, kv, session))
+            except Exception as e:  # noqa: BLE001 -- raised once the step it belongs to is reached
+                failed = e
+        token, host_logits = cur.wait()
+        turn.fingerprint(host_logits)
+        text, reason = turn.account(n, token)
+        yield Step(token, text, cur.logits if keep_logits else None, None, reason)
+        if reason is not None:
+            if nxt is not None:
+                kv.length = pos  # the step queued ahead is dropped: its position is past the cache's tokens
+            turn.ahead_failed = failed is not None
+            break
+        if failed is not None:
+            raise failed
+        if session is not None:
+            session.ids.append(token)
+        pos += 1
+        cur = nxt
+
+
+def _decode(engine: Engine, logits, pos: int, kv, session: Session | None, turn: _Turn, sampler: Sampler,
+            sampling: SamplingParams, logprobs: int | None, keep_logits: bool, par) -> Iterator[Step]:
+    """Decode on the host: each step's logits -> penalties -> the ``</think>`` mask -> (log-probabilities) ->
+    the sampler; under expert parallelism rank 0 tells the others at each step whether to go on."""
+    for n in range(turn.max_tokens):
+        last = logits[-1].float()
+        # a fingerprint of every step's logits, bit for bit: equal digests prove two runs
+        # (budgets, worker counts, read paths) computed the same numbers, not only the same tokens
+        turn.fingerprint(last.contiguous().view(torch.int32).cpu().numpy().tobytes())
+        processed = apply_penalties(last, turn.context, turn.generated, sampling) if sampling.penalized else last
+        if turn.think_closed:
+            processed = processed.clone() if processed is last else processed
+            processed[turn.think_end] = float("-inf")
+        token = sampler(processed)
+        text, reason = turn.account(n, token)
+        lp = _logprob(processed, token, logprobs) if logprobs is not None else None
+        try:
+            yield Step(token, text, last if keep_logits else None, lp, reason)
+        except GeneratorExit:
+            if par is not None and par.rank == 0 and reason is None:
+                par.flag(False)  # cancelled on rank 0 (a closed stream): the other ranks stop too
+            raise
+        if reason is not None:
+            break
+        if par is not None and not par.flag(True):  # rank 0 goes on, or was cancelled
+            break
+        logits = _forward(engine, torch.tensor([token], dtype=torch.int64, device=engine.device), pos, kv, session)
+        if session is not None:
+            session.ids.append(token)
+        pos += 1
 
 
 PIPELINE_DEVICES = ("cuda",)  # where greedy decode picks tokens on the device, a step ahead (tests add "cpu")
@@ -800,172 +513,3 @@ def _step_text(decoder, stopper: StopStrings, token: int, is_eos: bool, final: b
         more, hit = stopper.push(decoder.flush())
         text += more if hit else more + stopper.flush()
     return text, hit
-
-
-class _Counters:
-    """The engine's counters at a generation's start (and its decode's), to fill its stats however it ends."""
-
-    def __init__(self, engine: Engine):
-        cache, store = engine.cache, engine.store
-        self.engine = engine
-        self.hits, self.lookups = cache.stats.hits, cache.stats.lookups
-        self.bytes, self.experts, self.reads = store.stats.bytes_read, store.stats.experts_read, store.stats.reads
-        self.usage = {k: v.clone() for k, v in cache.usage.items()}
-        self.io = _io_snapshot(engine)
-        self.t0, self.t1 = time.perf_counter(), None  # t1: the decode's start; None while prefilling
-        self.cpu0, self.cpu1 = _cpu_snapshot(engine), None  # CPU clocks at the start and the decode's start
-        self.decode_hits, self.decode_lookups, self.decode_bytes = self.hits, self.lookups, self.bytes
-
-    def decode_starts(self, stats: GenerationStats, prefilled: int) -> None:
-        """Prefill is done (``prefilled`` tokens): its time and rate; the decode's counters start here."""
-        cache, store = self.engine.cache, self.engine.store
-        stats.prefill_seconds = time.perf_counter() - self.t0
-        stats.prefill_tok_s = prefilled / stats.prefill_seconds if stats.prefill_seconds else 0.0
-        self.decode_hits, self.decode_lookups, self.decode_bytes = \
-            cache.stats.hits, cache.stats.lookups, store.stats.bytes_read
-        self.t1 = time.perf_counter()
-        self.cpu1 = _cpu_snapshot(self.engine)
-
-    def fill(self, stats: GenerationStats) -> None:
-        """The run's figures into ``stats``: times, rates, cache and read counters, distinct experts, memory."""
-        engine, cache, store = self.engine, self.engine.cache, self.engine.store
-        if self.t1 is None:  # ended in prefill
-            stats.prefill_seconds = time.perf_counter() - self.t0
-        stats.decode_seconds = time.perf_counter() - self.t1 if self.t1 is not None else 0.0
-        decoded = max(0, stats.generated_tokens - 1)  # the first token comes from prefill
-        stats.decode_tok_s = decoded / stats.decode_seconds if decoded and stats.decode_seconds else 0.0
-        lookups = cache.stats.lookups - self.lookups
-        hits = cache.stats.hits - self.hits
-        stats.cache_lookups, stats.cache_hits = lookups, hits
-        stats.cache_hit_rate = hits / lookups if lookups else 0.0
-        d_lookups = cache.stats.lookups - self.decode_lookups
-        stats.decode_hit_rate = (cache.stats.hits - self.decode_hits) / d_lookups if d_lookups else 0.0
-        stats.experts_read = store.stats.experts_read - self.experts
-        stats.reads = store.stats.reads - self.reads
-        stats.experts_per_read = stats.experts_read / stats.reads if stats.reads else 0.0
-        stats.gb_read = (store.stats.bytes_read - self.bytes) / GB
-        stats.mb_read_per_decoded_token = (store.stats.bytes_read - self.decode_bytes) / 1e6 / decoded if decoded \
-            else 0.0
-        distinct = {k: int(((v - self.usage[k]) > 0).sum()) for k, v in cache.usage.items()}
-        stats.distinct_experts_per_layer = distinct
-        stats.distinct_experts_per_layer_mean = sum(distinct.values()) / len(distinct) if distinct else 0.0
-        stats.experts_per_layer = max(engine.layout.layers[k].num_experts for k in distinct) if distinct else 0
-        stats.resident_weight_gb = engine.resident_bytes / GB
-        stats.cache_budget_gb = "all" if cache.budget_bytes is None else cache.budget_bytes / GB
-        stats.cache_peak_gb = cache.peak_bytes / GB
-        stats.peak_rss_gb = peak_rss_bytes() / GB
-        stats.load_seconds = engine.load_seconds
-        _fill_io_stats(stats, engine, self.io)
-        _fill_cpu_stats(stats, self.cpu0, self.cpu1, _cpu_snapshot(engine), decoded)
-
-
-def _cpu_snapshot(engine: Engine) -> dict:
-    """CPU clocks at one moment: the process (all threads), the reader threads, the expert kernels,
-    the read-ahead predictions (seconds)."""
-    pf = engine.io.prefetcher if engine.io is not None else None
-    pipe = engine.pipeline
-    reader = getattr(engine.store, "reader_cpu_seconds", None)
-    return dict(
-        process=time.process_time(), reads=reader() if reader is not None else 0.0,
-        kernels=getattr(pipe, "kernel_cpu_seconds", 0.0), plan=0.0 if pf is None else pf.stats.plan_cpu_seconds,
-        compiled=native.kernel_cpu_seconds(),
-    )
-
-
-def _fill_cpu_stats(stats: GenerationStats, cpu0: dict, cpu1: dict | None, cpu2: dict, decoded: int) -> None:
-    """The CPU figures into ``stats`` from :func:`_cpu_snapshot` at the start (``cpu0``), the decode's start
-    (``cpu1``, None when it ended in prefill) and the end (``cpu2``), over ``decoded`` tokens."""
-    stats.prefill_cpu_seconds = (cpu1 or cpu2)["process"] - cpu0["process"]
-    if cpu1 is None:
-        return
-    stats.decode_cpu_seconds = cpu2["process"] - cpu1["process"]
-    if decoded:
-        total = stats.decode_cpu_seconds / decoded
-        reads = (cpu2["reads"] - cpu1["reads"]) / decoded
-        kernels = (cpu2["kernels"] - cpu1["kernels"]) / decoded
-        stats.cpu_s_per_decoded_token = total
-        stats.cpu_reads_s_per_token = reads
-        compiled = max(kernels, (cpu2["compiled"] - cpu1["compiled"]) / decoded)
-        stats.cpu_kernels_s_per_token = kernels
-        stats.cpu_compiled_s_per_token = compiled
-        stats.cpu_rest_s_per_token = max(0.0, total - reads - compiled)
-        stats.prefetch_plan_cpu_s_per_token = (cpu2["plan"] - cpu1["plan"]) / decoded
-
-
-def resolve_sampling(
-    defaults: dict | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    **fixed,
-) -> SamplingParams:
-    """:class:`SamplingParams` from explicit values, then ``defaults`` (:func:`generation_defaults`), then built-ins.
-
-    The five options that a checkpoint's ``generation_config.json`` may set take None for
-    "not given"; ``fixed`` holds the other fields (``seed``, ``repetition_context``,
-    ``frequency_penalty``, ``presence_penalty``) as given.
-
-    Raises:
-        InputError: a value out of range (see :class:`SamplingParams`).
-    """
-    defaults = defaults or {}
-    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                 repetition_penalty=repetition_penalty)
-    values = {k: v if v is not None else defaults.get(k, getattr(SamplingParams, k)) for k, v in given.items()}
-    return SamplingParams(**values, **fixed)
-
-
-def _io_snapshot(engine: Engine) -> dict:
-    """The I/O counters at the start of a generation (the stats are differences)."""
-    cs, rs = engine.cache.stats, engine.store.stats
-    pf = engine.io.prefetcher if engine.io is not None else None
-    return dict(
-        prefetch_hits=cs.prefetch_hits, pinned_hits=cs.pinned_hits, prefetch_bytes=rs.prefetch_bytes,
-        busy=rs.busy_seconds, bytes=rs.bytes_read, pf=None if pf is None else pf.stats.as_dict(),
-        direct=getattr(engine.store.reader, "direct_seconds", 0.0),
-        copy=getattr(engine.store.reader, "copy_seconds", 0.0),
-    )
-
-
-def _fill_io_stats(stats: GenerationStats, engine: Engine, io0: dict) -> None:
-    cs, rs = engine.cache.stats, engine.store.stats
-    lookups = stats.cache_lookups
-    stats.prefetch_hits = cs.prefetch_hits - io0["prefetch_hits"]
-    stats.pinned_hits = cs.pinned_hits - io0["pinned_hits"]
-    plain = stats.cache_hits - stats.prefetch_hits - stats.pinned_hits
-    if lookups:
-        stats.cache_hit_rate_cache = plain / lookups
-        stats.cache_hit_rate_prefetch = stats.prefetch_hits / lookups
-        stats.cache_hit_rate_pinned = stats.pinned_hits / lookups
-    read = rs.bytes_read - io0["bytes"]
-    ahead = rs.prefetch_bytes - io0["prefetch_bytes"]
-    stats.gb_read_prefetch = ahead / GB
-    stats.gb_read_critical = (read - ahead) / GB
-    stats.read_busy_seconds = rs.busy_seconds - io0["busy"]
-    stats.read_gb_per_s = read / GB / stats.read_busy_seconds if stats.read_busy_seconds else 0.0
-    stats.direct_read_seconds = getattr(engine.store.reader, "direct_seconds", 0.0) - io0["direct"]
-    stats.direct_copy_seconds = getattr(engine.store.reader, "copy_seconds", 0.0) - io0["copy"]
-    io = engine.io
-    if io is not None:
-        stats.read_path = "page cache" if io.use_page_cache else "O_DIRECT"
-        if io.prefetcher is not None:
-            now, then = io.prefetcher.stats.as_dict(), io0["pf"] or {}
-            stats.prefetch_issued = now["issued"] - then.get("issued", 0)
-            stats.prefetch_late = now["late"] - then.get("late", 0)
-            stats.prefetch_wasted = now["wasted"] - then.get("wasted", 0)
-            stats.prefetch_wasted_gb = (now["wasted_bytes"] - then.get("wasted_bytes", 0)) / GB
-            stats.prefetch_status = now["disabled"] or "on"
-            stats.prefill_read_ahead = now["chunk_issued"] - then.get("chunk_issued", 0)
-            stats.prefill_read_ahead_hits = now["chunk_hits"] - then.get("chunk_hits", 0)
-            stats.prefill_read_ahead_wasted = now["chunk_wasted"] - then.get("chunk_wasted", 0)
-            before = then.get("per_layer", {})
-            per = {}
-            for layer, (issued, hit, waste) in now["per_layer"].items():
-                b = before.get(layer, [0, 0, 0])
-                if issued - b[0] or hit - b[1] or waste - b[2]:
-                    per[layer] = [issued - b[0], hit - b[1], waste - b[2]]
-            stats.prefetch_per_layer = per
-            hits, wasted = sum(v[1] for v in per.values()), sum(v[2] for v in per.values())
-            stats.prefetch_accuracy = hits / (hits + wasted) if hits + wasted else 0.0

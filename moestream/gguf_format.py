@@ -23,17 +23,18 @@ other. A tensor of another type is refused naming the tensor and its type.
 Tensors are indexed as :class:`~moestream.checkpoint.TensorInfo` byte ranges: a float
 tensor as its dtype and torch shape (``ne`` reversed); a block-quantized one as its raw
 bytes, dtype ``GGML_<type>``, shape ``[..., rows, row bytes]``. llama.cpp's names are
-mapped onto Hugging Face names (:data:`NAMES`) by the mapping the ``gguf`` package itself
+mapped onto Hugging Face names (:func:`derive_names`) by the mapping the ``gguf`` package itself
 defines, the one ``convert_hf_to_gguf.py`` writes by (``gguf.TensorNameMap`` of the
 architecture, :func:`derive_names`): of the Hugging Face names it lists for each llama.cpp
-tensor, the one moestream's family uses (:data:`HF_MODULES`). Overrides where moestream's
+tensor, the one moestream's family uses (``GGUFArchitecture.modules``). Overrides where moestream's
 names differ: the stacked experts ``blk.N.ffn_{gate,up,down}_exps.weight`` (``ne`` = [in,
 out, E]: torch [E, out, in]) become ``model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.weight``,
 the stacked layout of :mod:`moestream.layout`, so each expert is one contiguous byte range
 read through the same store, cache and O_DIRECT path as any checkpoint; ``exp_probs_b.bias``
 is ``mlp.gate.e_score_correction_bias`` (the converter renames it so the map finds it); the
 DeltaNet's bare ``blk.N.ssm_a`` (``A_log``, no ``.weight``) has no name rule and is read by name
-(:func:`_adapt_hybrid`). The Hugging Face config is built from the metadata (:func:`hf_config`); a key moestream needs
+(:func:`moestream.models.qwen3_next.gguf_tensors`). The Hugging Face config is built from the metadata
+(:func:`hf_config`); a key moestream needs
 and the file lacks is refused naming the file and key, and so is a count or size under 1, a head count
 that is not a multiple of the key/value heads, or a ``block_count`` above the blocks the file's tensors hold
 (checked before anything is built per layer). A metadata array of more than
@@ -43,20 +44,24 @@ that is not a multiple of the key/value heads, or a ``block_count`` above the bl
 auto``) is bf16, float32 for a file of F32 tensors only (:func:`compute_dtype`,
 ``GGUFFormat.compute_dtype``); block-quantized tensors stay as their bytes in either.
 
-Architectures (``general.architecture``), each with its config builder (:data:`_CONFIGS`) and, where
-the converter did more than rename tensors, its tensor rewrites (:data:`_TENSORS`: derived tensors,
-computed from the stored ones when the resident weights load):
+Architectures (``general.architecture``): each is declared by its family, beside the family's model
+(``GGUF``, a :class:`GGUFArchitecture` in ``moestream/models/<family>.py``: its Hugging Face module names, its
+config builder and, where the converter did more than rename tensors, its tensor rewrites: derived tensors,
+computed from the stored ones when the resident weights load). This module holds the reader, the
+name mapping and the helpers the builders share (:func:`base_config`, :func:`meta_value`, ...), and takes the
+families' table as an argument (:func:`open_gguf`; :mod:`moestream.sources` passes
+:func:`moestream.models.gguf_architectures`), so it imports nothing above the formats. What each does:
 
 * ``qwen3moe`` (family ``qwen3_moe``), ``olmoe`` (``olmoe``): q and k stored as Hugging Face has
   them, nothing undone. llama.cpp's qwen3moe graph always renormalizes the top-k router weights
   (``norm_topk_prob``), which the metadata does not say.
 * ``llama`` with experts (Mixtral; ``mixtral``): ``convert_hf_to_gguf.py`` permutes the q and k rows
   (``LlamaModel.permute``, for its interleaved rotary embedding); they are read back into Hugging
-  Face order (:func:`_llama_tensors`; whole rows move: any type).
+  Face order (``models/mixtral.py``; whole rows move: any type).
 * ``deepseek2`` (DeepSeek-V2/V2.5/V3/R1, Kimi K2; ``deepseek_v3`` when ``expert_gating_func`` is
   sigmoid, else ``deepseek_v2``): ``DeepseekV2Model`` splits each layer's ``kv_b_proj`` into
   ``attn_k_b`` (the key rows, transposed) and ``attn_v_b``; they are joined back into ``kv_b_proj``
-  (:func:`_deepseek2_tensors`; a derived float32 tensor, dequantized from any type).
+  (``models/deepseek.py``; a derived float32 tensor, dequantized from any type).
 * ``glm4moe`` (GLM-4.5/4.6; ``glm4_moe``): partial rotary, biases and qk norm read off the
   tensors; the multi-token-prediction layers (``nextn_predict_layers``) follow the decoder layers in
   ``block_count`` and are left unused, as for Hugging Face checkpoints.
@@ -67,7 +72,7 @@ computed from the stored ones when the resident weights load):
   splits Qwen3-Next's ``in_proj_qkvz`` (grouped per key head) into ``attn_qkv`` (q, k, v of all
   heads) and ``attn_gate`` (z; older conversions kept it whole as ``ssm_in``);
   ``_LinearAttentionVReorderBase`` (Qwen3.5) reorders the value heads from grouped by key head to
-  tiled when there are fewer key than value heads. Each is undone (:func:`_adapt_hybrid`): ``w =
+  tiled when there are fewer key than value heads. Each is undone (``models/qwen3_next.py``): ``w =
   stored - 1`` in float32 (exact while ``1 + w >= 0.5``), ``A_log = log(-ssm_a)`` in float64 rounded
   to float32, rows moved as stored (any type), ``out_proj``'s columns moved as whole blocks when a
   value head is whole blocks, else kept as stored with the family feeding it its input in the stored
@@ -77,8 +82,7 @@ computed from the stored ones when the resident weights load):
 * ``gpt-oss`` (``gpt_oss``): ``GptOssModel`` de-interleaves ``gate_up`` into ``ffn_gate_exps`` /
   ``ffn_up_exps`` with their biases and transposes ``down`` into nn.Linear orientation, which the
   family reads as it reads an mlx-lm build (separate gate and up experts); ``attn_sinks.weight`` is
-  ``self_attn.sinks`` (:func:`_adapt_gpt_oss`); the sliding window and YaRN come from the metadata
-  (:func:`_gpt_oss_config`).
+  ``self_attn.sinks``; the sliding window and YaRN come from the metadata (``models/gpt_oss.py``).
 
 Fused gate/up experts (``ffn_gate_up_exps``, a converter option) are refused by name.
 """
@@ -89,9 +93,9 @@ import math
 import mmap
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -103,12 +107,32 @@ from .quant import ggml
 SUFFIX = ".gguf"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
-# general.architecture -> (Hugging Face model_type, architectures); deepseek2 is deepseek_v2 when it routes by softmax
-ARCHITECTURES = {"qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "llama": ("mixtral", "MixtralForCausalLM"),
-                 "olmoe": ("olmoe", "OlmoeForCausalLM"), "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
-                 "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"), "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
-                 "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),  # the text model at model.layers
-                 "gpt-oss": ("gpt_oss", "GptOssForCausalLM")}
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """What a family declares (its module's ``GGUF``) to read llama.cpp's files of one ``general.architecture``.
+
+    ``name``: the architecture (``qwen3moe``); ``model_type``, ``hf_class``: the Hugging Face config's
+    ``model_type`` and ``architectures`` entry the builder starts from; ``modules``: the Hugging Face module names
+    under ``model.layers.{bid}.`` the family uses (:func:`derive_names` picks them from gguf's map; the
+    building blocks :data:`ATTN`, :data:`ROUTED`, ... are here); ``config(meta, tensors, where, spec)``: the
+    Hugging Face config from the metadata (the helpers :func:`base_config`, :func:`meta_value`, ...);
+    ``tensors(tensors, cfg, derived, where, fmt)``: the converter's tensor transformations undone, or None when it
+    only renamed; ``extra_names``: llama.cpp names gguf's map no longer lists, ``(llama.cpp, Hugging Face)``;
+    ``own_head_dims``: the head dims come from the architecture's own keys (MLA), not width over heads;
+    ``added``: the order architectures were added in, which messages list them by.
+    """
+
+    name: str
+    model_type: str
+    hf_class: str
+    modules: tuple[str, ...]
+    config: Callable[..., dict]
+    tensors: Callable[..., None] | None = None
+    extra_names: tuple[tuple[str, str], ...] = ()
+    own_head_dims: bool = False
+    added: int = 0
+
 
 # -- tensor names ---------------------------------------------------------------------------------------
 # llama.cpp's names are read back through the mapping the ``gguf`` package defines (gguf.TensorNameMap, the one
@@ -116,43 +140,24 @@ ARCHITECTURES = {"qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "llama": ("mi
 # Face names of every model it converts (ffn_gate_inp is block_sparse_moe.gate for Mixtral, mlp.gate for
 # Qwen3-MoE, mlp.router for others). The one moestream's family for that architecture uses is picked from these
 # module names ({bid} the layer); a name gguf's map does not list for the architecture is never used.
-_ATTN = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+ATTN = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "post_attention_layernorm")
-_QK_NORM = ("self_attn.q_norm", "self_attn.k_norm")
-_ROUTED = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
-_DENSE = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+QK_NORM = ("self_attn.q_norm", "self_attn.k_norm")
+ROUTED = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+DENSE = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # shared experts and the sigmoid routers' correction bias (DeepSeek-V3, GLM-4.5)
-_SHARED_EXPERTS = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj",
+SHARED_EXPERTS = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj",
                    "mlp.gate.e_score_correction")
 # Multi-head Latent Attention; k_b_proj / v_b_proj are llama.cpp's split of kv_b_proj, joined at open
-_MLA = ("self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+MLA = ("self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
         "self_attn.kv_a_layernorm", "self_attn.kv_b_proj", "self_attn.k_b_proj", "self_attn.v_b_proj")
 # Gated DeltaNet (Qwen3-Next, Qwen3.5). A_log is llama.cpp's bare blk.N.ssm_a (no .weight / .bias suffix, so no
-# name rule matches it): _adapt_hybrid reads it by that name
-_DELTANET = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.conv1d", "linear_attn.dt_proj",
+# name rule matches it): the Qwen3-Next family's gguf_tensors reads it by that name
+DELTANET = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.conv1d", "linear_attn.dt_proj",
              "linear_attn.norm", "linear_attn.out_proj")
 # Qwen's one shared expert and its sigmoid gate
-_SHARED_EXPERT = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+SHARED_EXPERT = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
                   "mlp.shared_expert_gate")
-HF_MODULES: dict[str, tuple[str, ...]] = {
-    "qwen3moe": _ATTN + _QK_NORM + _ROUTED,
-    "olmoe": _ATTN + _QK_NORM + _ROUTED,  # q_norm and k_norm over the whole projection, as HF
-    "llama": _ATTN + ("block_sparse_moe.gate", "block_sparse_moe.experts.w1", "block_sparse_moe.experts.w3",
-                      "block_sparse_moe.experts.w2"),  # Mixtral: llama with experts
-    "deepseek2": ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.o_proj", *_MLA,
-                  *_ROUTED, *_DENSE, *_SHARED_EXPERTS),
-    "glm4moe": _ATTN + _QK_NORM + _ROUTED + _DENSE + _SHARED_EXPERTS,  # post_attention_layernorm is
-    # llama.cpp's post_attention_norm there (glm4moe has no ffn_norm)
-    # the hybrid Qwens (Qwen3NextModel, Qwen3_5MoeTextModel): the names the converter writes, before what
-    # _adapt_hybrid undoes (dt_bias written as dt_proj.bias; in_proj_qkvz split into in_proj_qkv + in_proj_z)
-    "qwen3next": _ATTN + _QK_NORM + _ROUTED + _DELTANET + _SHARED_EXPERT + (
-        "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"),  # conversions before attn_qkv + attn_gate: ssm_in
-    "qwen35moe": _ATTN + _QK_NORM + _ROUTED + _DELTANET + _SHARED_EXPERT + (
-        "linear_attn.in_proj_b", "linear_attn.in_proj_a"),
-    # GptOssModel: experts de-interleaved into gate and up, each with its bias; the router is mlp.router
-    "gpt-oss": _ATTN + ("self_attn.sinks", "mlp.router", "mlp.experts.gate_proj", "mlp.experts.up_proj",
-                        "mlp.experts.down_proj"),
-}
 _TOP_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 # Overrides where moestream's names differ from the Hugging Face names in gguf's map. The stacked experts: the
 # map names them as convert_hf_to_gguf.py stacks them (mlp.experts.gate_proj, Mixtral's experts.w1 ...);
@@ -163,15 +168,6 @@ _STACKED = ((".experts.gate_proj", ".switch_mlp.gate_proj"), (".experts.up_proj"
 # Tensors the converter renamed so the map finds them (DeepseekV2Model, Glm4MoeModel: e_score_correction_bias ->
 # e_score_correction.bias, i.e. blk.N.exp_probs_b.bias): their Hugging Face name back
 _SUFFIX_FIXES = ((".e_score_correction.bias", ".e_score_correction_bias"),)
-# Names gguf's map no longer lists: Mixtral conversions from before llama.cpp stacked the experts (early 2024),
-# one tensor per expert (llama.cpp still reads them)
-_EXTRA_NAMES = {
-    "llama": {
-        "blk.{i}.ffn_gate.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w1",
-        "blk.{i}.ffn_up.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w3",
-        "blk.{i}.ffn_down.{e}": "model.layers.{i}.block_sparse_moe.experts.{e}.w2",
-    },
-}
 
 
 def _model_arch(arch: str):
@@ -180,16 +176,19 @@ def _model_arch(arch: str):
     return next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
 
 
-def derive_names(arch: str) -> dict[str, str]:
-    """llama.cpp tensor name (without ``.weight`` / ``.bias``) -> Hugging Face module path of ``arch``, ``{i}``
-    the layer and ``{e}`` an expert: gguf's map restricted to :data:`HF_MODULES`, with the overrides above.
+@cache
+def derive_names(spec: GGUFArchitecture) -> dict[str, str]:
+    """llama.cpp tensor name (without ``.weight`` / ``.bias``) -> Hugging Face module path of ``spec``'s
+    architecture, ``{i}`` the layer and ``{e}`` an expert: gguf's map restricted to ``spec.modules``, with the
+    overrides above.
 
     Raises:
         ValueError: two of the architecture's module names map to one llama.cpp tensor (a vocabulary error).
     """
     import gguf
 
-    names = (*_TOP_MODULES, *("model.layers.{bid}." + m for m in HF_MODULES[arch]))
+    arch = spec.name
+    names = (*_TOP_MODULES, *("model.layers.{bid}." + m for m in spec.modules))
     want = {name.format(bid=0): name for name in names}
     out: dict[str, str] = {}
     for hf, (_, g) in gguf.get_tensor_name_map(_model_arch(arch), 1).mapping.items():
@@ -203,31 +202,7 @@ def derive_names(arch: str) -> dict[str, str]:
         if out.get(key, value) != value:
             raise ValueError(f"{arch}: {out[key]} and {value} both map to llama.cpp's {key}")
         out[key] = value
-    return {**out, **_EXTRA_NAMES.get(arch, {})}
-
-
-@cache
-def _names() -> dict[str, dict[str, str]]:
-    """:data:`NAMES`, derived on first use (it needs the ``gguf`` package, imported only for GGUF files)."""
-    return {arch: derive_names(arch) for arch in HF_MODULES}
-
-
-class _Names(Mapping):
-    """:data:`NAMES`: a mapping derived from the gguf package's map when first read, so that importing this
-    module does not import gguf (needed for GGUF files only)."""
-
-    def __getitem__(self, arch: str) -> dict[str, str]:
-        return _names()[arch]
-
-    def __iter__(self):
-        return iter(HF_MODULES)
-
-    def __len__(self) -> int:
-        return len(HF_MODULES)
-
-
-# architecture -> {llama.cpp name: Hugging Face name}, derived from the gguf package's map (see derive_names)
-NAMES: Mapping[str, dict[str, str]] = _Names()
+    return {**out, **dict(spec.extra_names)}
 
 
 def _pattern(key: str) -> re.Pattern:
@@ -235,13 +210,9 @@ def _pattern(key: str) -> re.Pattern:
     return re.compile("^" + pat + r"\.(?P<param>weight|bias)$")
 
 
-def _name_patterns(arch: str) -> list[tuple[re.Pattern, str]]:
-    return _compiled_names(arch) if arch in HF_MODULES else []
-
-
 @cache
-def _compiled_names(arch: str) -> list[tuple[re.Pattern, str]]:
-    return [(_pattern(k), v) for k, v in _names()[arch].items()]
+def _compiled_names(spec: GGUFArchitecture) -> list[tuple[re.Pattern, str]]:
+    return [(_pattern(k), v) for k, v in derive_names(spec).items()]
 
 
 _FLOAT = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # ggml float type -> tensor-index dtype
@@ -288,8 +259,8 @@ class GGUFFormat:
     their length); ``tied``: the file has no ``output`` tensor, so the head reads the embedding;
     ``input_orders``: linear (Hugging Face module path) -> the order of its input features its stored
     weight expects, a permutation of Hugging Face's that the family applies to the input (a qwen35moe
-    ``out_proj`` whose blocks straddle value heads; see :func:`_adapt_tiled`); ``compute_dtype``: the
-    compute dtype of ``--dtype auto`` (:func:`compute_dtype`).
+    ``out_proj`` whose blocks straddle value heads; see :func:`moestream.models.qwen3_next._adapt_tiled`);
+    ``compute_dtype``: the compute dtype of ``--dtype auto`` (:func:`compute_dtype`).
     """
 
     architecture: str
@@ -594,11 +565,12 @@ def compute_dtype(tensors: dict[str, TensorInfo]) -> torch.dtype:
     return torch.bfloat16
 
 
-def hf_name(name: str, arch: str = "qwen3moe") -> str | None:
-    """The Hugging Face name of architecture ``arch``'s llama.cpp tensor name (``blk.3.attn_q.weight`` ->
+def hf_name(name: str, spec: GGUFArchitecture | None) -> str | None:
+    """The Hugging Face name of architecture ``spec``'s llama.cpp tensor name (``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``, ``blk.3.exp_probs_b.bias`` ->
-    ``model.layers.3.mlp.gate.e_score_correction_bias``), or None when :data:`NAMES` has no rule for it."""
-    for pat, repl in _name_patterns(arch):
+    ``model.layers.3.mlp.gate.e_score_correction_bias``), or None when :func:`derive_names` has no rule for it
+    (or ``spec`` is None: an architecture no family declares)."""
+    for pat, repl in _compiled_names(spec) if spec is not None else ():
         m = pat.match(name)
         if m:
             out = repl.format(**{k: v for k, v in m.groupdict().items() if k != "param"}) + "." + m["param"]
@@ -608,7 +580,7 @@ def hf_name(name: str, arch: str = "qwen3moe") -> str | None:
     return None
 
 
-def _meta(meta: dict, key: str, where, kind=int, default=None, required: bool = True, minimum: int | None = None):
+def meta_value(meta: dict, key: str, where, kind=int, default=None, required: bool = True, minimum: int | None = None):
     """Metadata ``key`` of type ``kind`` (an int passes as a float); ``default`` when absent (required if
     ``required`` and no default). ``minimum``: the smallest integer allowed (a count or a size: at least 1).
 
@@ -633,28 +605,32 @@ def _meta(meta: dict, key: str, where, kind=int, default=None, required: bool = 
 _BLOCK = re.compile(r"^(?:model\.layers|blk)\.(\d+)\.")
 
 
-def _blocks_held(tensors: dict[str, TensorInfo]) -> int:
+def blocks_held(tensors: dict[str, TensorInfo]) -> int:
     """How many blocks (layers) the file's tensors hold: the highest ``blk.N`` (``model.layers.N``) plus one."""
     return max((int(m[1]) + 1 for name in tensors if (m := _BLOCK.match(name))), default=0)
 
 
-def hf_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
+def hf_config(meta: dict, tensors: dict[str, TensorInfo], where,
+              architectures: Mapping[str, GGUFArchitecture]) -> dict:
     """The Hugging Face config (a dict) of a GGUF model's metadata and tensors, built by its architecture's
-    builder (:data:`_CONFIGS`).
+    builder (``config`` of its :class:`GGUFArchitecture` in ``architectures``, which the families declare:
+    :func:`moestream.models.gguf_architectures`).
 
     Raises:
         CheckpointError: an architecture moestream does not map, a required key missing or of
             the wrong type, or a setting its family does not compute (naming the key).
     """
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    spec = architectures.get(arch) if isinstance(arch, str) else None
+    if spec is None:
+        known = sorted(architectures.values(), key=lambda a: a.added)
         raise CheckpointError(f"{where}: GGUF architecture {arch!r} is not supported; moestream reads "
-                              f"{', '.join(ARCHITECTURES)}")
-    return _CONFIGS[arch](meta, tensors, where)
+                              f"{', '.join(a.name for a in known)}")
+    return spec.config(meta, tensors, where, spec)
 
 
-# -- the config of each architecture (_CONFIGS) ----------------------------------------------------------------
-def _base_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -> dict:
+# -- for the families' config builders (each family's GGUFArchitecture.config) ----------------------------------
+def base_config(meta: dict, tensors: dict[str, TensorInfo], where, spec: GGUFArchitecture) -> dict:
     """The config fields every architecture reads the same way: model type, vocabulary (the embedding's rows),
     width, layers (``block_count``), heads, key/value heads, head dim (``attention.key_length``), experts per
     token, norm eps, rope base, context and the bos / eos token ids.
@@ -662,25 +638,25 @@ def _base_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -
     Raises:
         CheckpointError: a required key missing or of the wrong type, or no ``token_embd.weight``.
     """
-    model_type, cls = ARCHITECTURES[arch]
-    p = arch + "."
+    model_type, cls = spec.model_type, spec.hf_class
+    p = spec.name + "."
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise CheckpointError(f"{where}: no token_embd.weight tensor")
-    blocks = _meta(meta, p + "block_count", where, minimum=1)
-    held = _blocks_held(tensors)
+    blocks = meta_value(meta, p + "block_count", where, minimum=1)
+    held = blocks_held(tensors)
     if blocks > held:  # before anything is built per layer (a block_count of 2^32 - 1 took minutes)
         raise CheckpointError(f"{where}: metadata '{p}block_count' = {blocks}, but the file's tensors hold "
                               + (f"{held} blocks (blk.0 to blk.{held - 1})" if held else "no blocks (blk.N)"))
-    heads = _meta(meta, p + "attention.head_count", where, minimum=1)
-    hidden = _meta(meta, p + "embedding_length", where, minimum=1)
-    kv_heads = _meta(meta, p + "attention.head_count_kv", where, default=heads, minimum=1)
+    heads = meta_value(meta, p + "attention.head_count", where, minimum=1)
+    hidden = meta_value(meta, p + "embedding_length", where, minimum=1)
+    kv_heads = meta_value(meta, p + "attention.head_count_kv", where, default=heads, minimum=1)
     if heads % kv_heads:
         raise CheckpointError(f"{where}: metadata '{p}attention.head_count' = {heads} is not a multiple of "
                               f"'{p}attention.head_count_kv' = {kv_heads}")
-    head_dim = _meta(meta, p + "attention.key_length", where, required=False, minimum=1)
+    head_dim = meta_value(meta, p + "attention.key_length", where, required=False, minimum=1)
     if head_dim is None:  # the head dim by default: the width over the heads, as llama.cpp's n_embd_head_k
-        if hidden % heads and arch != "deepseek2":  # deepseek2's head dims are MLA's (its own keys)
+        if hidden % heads and not spec.own_head_dims:  # deepseek2's head dims are MLA's (its own keys)
             raise CheckpointError(f"{where}: metadata '{p}embedding_length' = {hidden} is not a multiple of "
                                   f"'{p}attention.head_count' = {heads}, and no '{p}attention.key_length' gives "
                                   "the head dim")
@@ -693,10 +669,10 @@ def _base_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "num_experts_per_tok": _meta(meta, p + "expert_used_count", where, minimum=1),
-        "rms_norm_eps": _meta(meta, p + "attention.layer_norm_rms_epsilon", where, float),
-        "rope_theta": _meta(meta, p + "rope.freq_base", where, float, default=10000.0),
-        "max_position_embeddings": _meta(meta, p + "context_length", where, minimum=1),
+        "num_experts_per_tok": meta_value(meta, p + "expert_used_count", where, minimum=1),
+        "rms_norm_eps": meta_value(meta, p + "attention.layer_norm_rms_epsilon", where, float),
+        "rope_theta": meta_value(meta, p + "rope.freq_base", where, float, default=10000.0),
+        "max_position_embeddings": meta_value(meta, p + "context_length", where, minimum=1),
         "tie_word_embeddings": False,  # a file without `output` gets the embedding's bytes as lm_head
         "torch_dtype": "float32",
     }
@@ -706,204 +682,63 @@ def _base_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -
     return cfg
 
 
-def _experts(meta: dict, p: str, where) -> int:
+def expert_count(meta: dict, p: str, where) -> int:
     """``expert_count``, refused when missing or 0 (a dense model has nothing to stream)."""
-    experts = _meta(meta, p + "expert_count", where, default=0, required=False)
+    experts = meta_value(meta, p + "expert_count", where, default=0, required=False)
     if not experts:
         raise CheckpointError(f"{where}: a {p[:-1]} model without experts ({p}expert_count is {experts}): a dense "
                               "model has nothing to stream")
     return experts
 
 
-def _one_head_dim(meta: dict, p: str, where, cfg: dict) -> None:
+def one_head_dim(meta: dict, p: str, where, cfg: dict) -> None:
     """Refuse an ``attention.value_length`` other than the head dim (the family has one ``head_dim``)."""
-    vdim = _meta(meta, p + "attention.value_length", where, default=cfg["head_dim"], minimum=1)
+    vdim = meta_value(meta, p + "attention.value_length", where, default=cfg["head_dim"], minimum=1)
     if vdim != cfg["head_dim"]:
         raise CheckpointError(f"{where}: attention.key_length {cfg['head_dim']} and value_length {vdim} differ; "
                               f"{cfg['model_type']} has one head_dim")
 
 
-def _softmax_moe_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -> dict:
-    """Qwen3-MoE (``qwen3moe``), OLMoE (``olmoe``) and Mixtral (``llama`` with experts): softmax routing, full
-    rotary, every layer MoE. The experts' width is ``expert_feed_forward_length`` for Qwen3-MoE;
-    ``OlmoeModel`` and Mixtral's converter write it as ``feed_forward_length``. The top-k weights are
-    renormalized as llama.cpp's graphs do: always for qwen3moe, when ``expert_weights_norm`` says so for olmoe.
+def softmax_moe_config(meta: dict, tensors: dict[str, TensorInfo], where, spec: GGUFArchitecture) -> tuple[dict, int]:
+    """``(config, expert count)`` of an architecture with softmax routing, full rotary and every layer MoE
+    (Qwen3-MoE, OLMoE, Mixtral): :func:`base_config`, one head dim, rope scaling; the family adds its expert
+    fields (their names and widths differ).
 
     Raises:
         CheckpointError: a required key missing or of the wrong type, partial rotary, sigmoid gating,
             no experts, or key and value widths that differ.
     """
-    p = arch + "."
-    cfg = _base_config(meta, tensors, where, arch)
-    _one_head_dim(meta, p, where, cfg)
+    p = spec.name + "."
+    cfg = base_config(meta, tensors, where, spec)
+    one_head_dim(meta, p, where, cfg)
     head_dim = cfg["head_dim"]
-    rot = _meta(meta, p + "rope.dimension_count", where, required=False, minimum=1)
+    rot = meta_value(meta, p + "rope.dimension_count", where, required=False, minimum=1)
     if rot is not None and rot != head_dim:
         raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} is not the head dim {head_dim}: "
                               "partial rotary embeddings are not supported")
-    gating = _meta(meta, p + "expert_gating_func", where, required=False)
+    gating = meta_value(meta, p + "expert_gating_func", where, required=False)
     if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise CheckpointError(f"{where}: metadata {p}expert_gating_func {gating}: {cfg['model_type']} routes by "
                               "softmax (1)")
-    experts = _experts(meta, p, where)
-    if arch == "qwen3moe":
-        cfg["num_experts"] = experts
-        cfg["moe_intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where, minimum=1)
-        cfg["norm_topk_prob"] = _meta(meta, p + "expert_weights_norm", where, bool, default=True)
-        # feed_forward_length is the dense MLP's width (unused while every layer is MoE)
-        cfg["intermediate_size"] = _meta(meta, p + "feed_forward_length", where, default=cfg["moe_intermediate_size"],
-                                         minimum=1)
-    elif arch == "olmoe":  # OlmoeModel writes the experts' width as feed_forward_length; llama.cpp's graph
-        cfg["num_experts"] = experts  # renormalizes the top-k weights only when told (norm_w false)
-        cfg["norm_topk_prob"] = _meta(meta, p + "expert_weights_norm", where, bool, default=False)
-        ff = _meta(meta, p + "feed_forward_length", where, required=False, minimum=1)
-        cfg["intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where, default=ff, minimum=1)
-    else:  # Mixtral: convert_hf_to_gguf.py writes the experts' width as feed_forward_length
-        cfg["num_local_experts"] = experts
-        ff = _meta(meta, p + "feed_forward_length", where, required=False, minimum=1)
-        cfg["intermediate_size"] = _meta(meta, p + "expert_feed_forward_length", where, default=ff, minimum=1)
+    experts = expert_count(meta, p, where)
     scaling = meta.get(p + "rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": meta.get(p + "rope.scaling.factor"),
                                "original_max_position_embeddings": meta.get(p + "rope.scaling.original_context_length")}
-    return cfg
+    return cfg, experts
 
 
-def _deepseek_style_config(meta: dict, tensors: dict[str, TensorInfo], where, arch: str) -> dict:
-    """:func:`_base_config` and the routed-expert fields DeepSeek-V3's config has (and GLM-4.5's, which copies
-    it): routed and shared experts, their width, the leading dense blocks, the routing weights' scale and
-    renormalization, expert groups, and YaRN.
-
-    Raises:
-        CheckpointError: a required key missing or of the wrong type, no embedding, no experts.
-    """
-    p = arch + "."
-    cfg = _base_config(meta, tensors, where, arch)
-    experts = _experts(meta, p, where)
-    cfg.update({
-        "n_routed_experts": experts,
-        "moe_intermediate_size": _meta(meta, p + "expert_feed_forward_length", where, minimum=1),
-        "n_shared_experts": _meta(meta, p + "expert_shared_count", where, minimum=0),
-        "first_k_dense_replace": _meta(meta, p + "leading_dense_block_count", where, minimum=0),
-        # llama.cpp's defaults where the converter leaves a key out: no scaling, no renormalization, one group
-        "routed_scaling_factor": _meta(meta, p + "expert_weights_scale", where, float, default=1.0),
-        "norm_topk_prob": _meta(meta, p + "expert_weights_norm", where, bool, default=False),
-        "n_group": _meta(meta, p + "expert_group_count", where, default=1, minimum=1),
-    })
-    cfg["topk_group"] = _meta(meta, p + "expert_group_used_count", where, default=cfg["n_group"], minimum=1)
-    # the dense layers' width: the leading dense blocks need it
-    cfg["intermediate_size"] = _meta(meta, p + "feed_forward_length", where, required=cfg["first_k_dense_replace"] > 0,
-                                     default=None if cfg["first_k_dense_replace"] else cfg["moe_intermediate_size"],
-                                     minimum=1)
-    scaling = meta.get(p + "rope.scaling.type")
-    if scaling not in (None, "none"):
-        cfg["rope_scaling"] = {
-            "rope_type": scaling, "factor": _meta(meta, p + "rope.scaling.factor", where, float),
-            "original_max_position_embeddings": _meta(meta, p + "rope.scaling.original_context_length", where),
-            # llama.cpp's YaRN defaults, as transformers'
-            "beta_fast": _meta(meta, p + "rope.scaling.yarn_beta_fast", where, float, default=32.0),
-            "beta_slow": _meta(meta, p + "rope.scaling.yarn_beta_slow", where, float, default=1.0)}
-    return cfg
 
 
-def _gating(meta: dict, p: str, where, default: int) -> str:
-    """``expert_gating_func`` as transformers' ``scoring_func`` (llama.cpp: 1 softmax, 2 sigmoid)."""
-    gating = _meta(meta, p + "expert_gating_func", where, default=default)
-    if gating not in (1, 2):
-        raise CheckpointError(f"{where}: metadata {p}expert_gating_func {gating}: moestream routes by softmax (1) or "
-                              "sigmoid (2)")
-    return "softmax" if gating == 1 else "sigmoid"
 
 
-def _deepseek2_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
-    """DeepSeek-V2/V2.5/V3/R1 and Kimi K2 (``deepseek2``), as convert_hf_to_gguf.py's ``DeepseekV2Model`` writes
-    them: family ``deepseek_v3`` when the experts are chosen by sigmoid (``expert_gating_func`` 2, with
-    ``exp_probs_b`` = ``e_score_correction_bias``, ``noaux_tc``), else ``deepseek_v2`` (softmax, the default for
-    V2 files without the key; greedy, or group-limited with ``expert_group_count`` > 1).
-
-    MLA: ``attention.kv_lora_rank``, ``q_lora_rank`` (absent: a plain ``q_proj``, V2-Lite), ``rope.dimension_count``
-    (the rope head dim) and the per-head q/k and v widths ``attention.key_length_mla`` / ``value_length_mla``
-    (files from before llama.cpp's absorbed MLA give them as ``key_length`` / ``value_length``; the new ones hold
-    the latent's widths there and ``head_count_kv`` 1). YaRN: llama.cpp keeps only ``yarn_log_multiplier``
-    (0.1 * ``mscale_all_dim``) and assumes ``mscale`` = ``mscale_all_dim``, so the rotary cos/sin are unscaled
-    and the softmax scale takes ``mscale(factor, mscale_all_dim)^2``, as transformers when the two are equal.
-
-    Raises:
-        CheckpointError: a required key (the MLA widths, expert widths and counts, ``leading_dense_block_count``)
-            missing or of the wrong type, naming the file and key.
-    """
-    p = "deepseek2."
-    cfg = _deepseek_style_config(meta, tensors, where, "deepseek2")
-    rope_dim = _meta(meta, p + "rope.dimension_count", where, minimum=1)
-    qk = _meta(meta, p + "attention.key_length_mla", where, required=False, minimum=1)
-    if qk is not None:
-        v = _meta(meta, p + "attention.value_length_mla", where, minimum=1)
-    else:
-        qk = _meta(meta, p + "attention.key_length", where, minimum=1)
-        v = _meta(meta, p + "attention.value_length", where, minimum=1)
-    if qk <= rope_dim:
-        raise CheckpointError(f"{where}: metadata {p}attention.key_length_mla {qk} leaves no unrotated key dims "
-                              f"beside rope.dimension_count {rope_dim}")
-    scoring = _gating(meta, p, where, default=1)
-    groups = cfg["n_group"]
-    cfg.update({
-        "model_type": "deepseek_v3" if scoring == "sigmoid" else "deepseek_v2",
-        "architectures": ["DeepseekV3ForCausalLM" if scoring == "sigmoid" else "DeepseekV2ForCausalLM"],
-        "num_key_value_heads": cfg["num_attention_heads"],  # the converter writes MLA's latent as one kv head
-        "q_lora_rank": _meta(meta, p + "attention.q_lora_rank", where, required=False, minimum=1),
-        "kv_lora_rank": _meta(meta, p + "attention.kv_lora_rank", where, minimum=1),
-        "qk_nope_head_dim": qk - rope_dim, "qk_rope_head_dim": rope_dim, "v_head_dim": v,
-        "scoring_func": scoring,
-        "topk_method": "noaux_tc" if scoring == "sigmoid" else "group_limited_greedy" if groups > 1 else "greedy",
-        "moe_layer_freq": 1,  # llama.cpp's deepseek2 graph: every layer from leading_dense_block_count on is MoE
-        # DeepseekV2Model does not permute q/k: the rope dims stay in DeepSeek's interleaved pairs (llama.cpp
-        # ropes deepseek2 as LLAMA_ROPE_TYPE_NORM, adjacent pairs)
-        "rope_interleave": True,
-    })
-    cfg.pop("head_dim")  # key_length is the latent's width here; MLA's head dims are the fields above
-    rope = cfg.get("rope_scaling")
-    if rope is not None and rope["rope_type"] == "yarn":
-        log_mul = _meta(meta, p + "rope.scaling.yarn_log_multiplier", where, float, default=0.0)
-        rope.update(mscale=log_mul / 0.1, mscale_all_dim=log_mul / 0.1, attention_factor=1.0)
-    return cfg
 
 
-def _glm4moe_config(meta: dict, tensors: dict[str, TensorInfo], where) -> dict:
-    """GLM-4.5 / GLM-4.6 (``glm4moe``), as convert_hf_to_gguf.py's ``Glm4MoeModel`` writes them: family
-    ``glm4_moe``. ``block_count`` includes the ``nextn_predict_layers`` multi-token-prediction layers written
-    after the decoder layers (loaded by no family: reported unused); ``rope.dimension_count`` is the rotated part
-    of each head (``partial_rotary_factor``); the sigmoid router's bias is ``exp_probs_b``; ``attention_bias`` and
-    ``use_qk_norm`` are read off the tensors (``attn_q.bias``, ``attn_q_norm``). Neither q nor k is permuted
-    (llama.cpp ropes glm4moe NEOX-style, transformers' rotate-half).
-
-    Raises:
-        CheckpointError: a required key missing or of the wrong type (naming the file and key), softmax
-            routing, or a rotary width the family cannot take.
-    """
-    p = "glm4moe."
-    cfg = _deepseek_style_config(meta, tensors, where, "glm4moe")
-    if _gating(meta, p, where, default=2) != "sigmoid":  # llama.cpp's default for glm4moe
-        raise CheckpointError(f"{where}: metadata {p}expert_gating_func 1 (softmax): glm4_moe routes by sigmoid (2)")
-    nextn = _meta(meta, p + "nextn_predict_layers", where, default=0, minimum=0)
-    head_dim = cfg["head_dim"]
-    rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim, minimum=1)
-    factor = rot / head_dim
-    if int(head_dim * factor) != rot:  # the family rebuilds the rotary width as int(head_dim * factor)
-        raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} of head dim {head_dim} is not a "
-                              "rotary fraction glm4_moe can represent")
-    if nextn >= cfg["num_hidden_layers"]:
-        raise CheckpointError(f"{where}: metadata {p}nextn_predict_layers {nextn} leaves no decoder layers of "
-                              f"block_count {cfg['num_hidden_layers']}")
-    cfg.update({
-        "num_hidden_layers": cfg["num_hidden_layers"] - nextn, "num_nextn_predict_layers": nextn,
-        "partial_rotary_factor": factor,
-        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
-        "use_qk_norm": "model.layers.0.self_attn.q_norm.weight" in tensors,
-    })
-    return cfg
 
 
-def _bools(meta: dict, key: str, where, n: int) -> list[bool] | None:
+
+
+def bools(meta: dict, key: str, where, n: int) -> list[bool] | None:
     """A metadata array of at least ``n`` bools (its first ``n``), or None when the file lacks ``key``."""
     v = meta.get(key)
     if v is None:
@@ -913,154 +748,30 @@ def _bools(meta: dict, key: str, where, n: int) -> list[bool] | None:
     return v[:n]
 
 
-def _moe_checks(meta: dict, p: str, where, family: str) -> int:
-    """The expert count (:func:`_experts`); refuses an expert weight scale other than 1 (llama.cpp scales the
+def moe_checks(meta: dict, p: str, where, family: str) -> int:
+    """The expert count (:func:`expert_count`); refuses an expert weight scale other than 1 (llama.cpp scales the
     routing weights by it; the family does not). ``expert_gating_func`` is not read: llama.cpp's graphs of
     these architectures fix their gating function (softmax; gpt-oss: softmax over the top-k), as the families."""
-    experts = _experts(meta, p, where)
-    scale = _meta(meta, p + "expert_weights_scale", where, float, required=False)
+    experts = expert_count(meta, p, where)
+    scale = meta_value(meta, p + "expert_weights_scale", where, float, required=False)
     if scale not in (None, 0.0, 1.0):  # llama.cpp reads 0 as no scaling
         raise CheckpointError(f"{where}: metadata {p}expert_weights_scale {scale}: {family} does not scale the "
                               "routing weights")
     return experts
 
 
-def _hybrid_config(meta: dict, tensors: dict, where, arch: str) -> dict:
-    """Qwen3-Next (``qwen3next``) or Qwen3.5/3.6 MoE (``qwen35moe``, the text model ``qwen3_5_moe_text``).
-
-    The DeltaNet shapes come from the ``ssm.*`` keys as Qwen3NextModel.set_gguf_parameters writes them:
-    ``conv_kernel`` (linear_conv_kernel_dim), ``state_size`` (linear_key_head_dim), ``group_count``
-    (linear_num_key_heads), ``time_step_rank`` (linear_num_value_heads), ``inner_size`` (value head dim x
-    value heads). The layer kinds come from ``attention.recurrent_layers`` (true: DeltaNet), else
-    ``full_attention_interval`` (default 4, as llama.cpp). ``rope.dimension_count`` gives the partial
-    rotary factor. Blocks past ``block_count - nextn_predict_layers`` are the multi-token-prediction
-    layer. llama.cpp's graph renormalizes the top-k weights and runs every layer as MoE.
-    """
-    p = arch + "."
-    cfg = _base_config(meta, tensors, where, arch)
-    _one_head_dim(meta, p, where, cfg)
-    family = cfg["model_type"]
-    blocks = cfg["num_hidden_layers"]  # block_count, the multi-token-prediction blocks included
-    mtp = _meta(meta, p + "nextn_predict_layers", where, default=0, required=False, minimum=0)
-    layers = blocks - mtp
-    if layers < 1:
-        raise CheckpointError(f"{where}: metadata {p}block_count {blocks} leaves no layer beside "
-                              f"{p}nextn_predict_layers {mtp}")
-    experts = _moe_checks(meta, p, where, family)
-    head_dim = cfg["head_dim"]
-    rot = _meta(meta, p + "rope.dimension_count", where, default=head_dim, minimum=1)
-    scaling = meta.get(p + "rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise CheckpointError(f"{where}: metadata {p}rope.scaling.type {scaling!r}: {family} computes the "
-                              "default rotary embedding only")
-    rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"], "partial_rotary_factor": rot / head_dim}
-    if arch == "qwen35moe":  # interleaved M-RoPE: for text every section sees the same position
-        sections = meta.get(p + "rope.dimension_sections")
-        if isinstance(sections, list) and all(isinstance(x, int) for x in sections):
-            rope.update(mrope_section=sections[:3], mrope_interleaved=True)
-    value_heads = _meta(meta, p + "ssm.time_step_rank", where, minimum=1)
-    inner = _meta(meta, p + "ssm.inner_size", where, minimum=1)
-    if value_heads < 1 or inner % value_heads:
-        raise CheckpointError(f"{where}: metadata {p}ssm.inner_size {inner} is not a multiple of "
-                              f"{p}ssm.time_step_rank {value_heads} (the value heads)")
-    recurrent = _bools(meta, p + "attention.recurrent_layers", where, layers)
-    if recurrent is None:
-        interval = _meta(meta, p + "full_attention_interval", where, default=4, required=False)
-        if interval < 1:
-            raise CheckpointError(f"{where}: metadata {p}full_attention_interval {interval} must be at least 1")
-        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
-    moe = _meta(meta, p + "expert_feed_forward_length", where, minimum=1)
-    ff = _meta(meta, p + "feed_forward_length", where, required=False, minimum=1)
-    cfg.update({
-        "num_hidden_layers": layers,
-        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
-        "rope_parameters": rope, "partial_rotary_factor": rot / head_dim,
-        "num_experts": experts,
-        "moe_intermediate_size": moe,
-        # llama.cpp's default when the key is missing: the dense width
-        "shared_expert_intermediate_size": _meta(meta, p + "expert_shared_feed_forward_length", where, default=ff,
-                                                 minimum=1),
-        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "linear_conv_kernel_dim": _meta(meta, p + "ssm.conv_kernel", where, minimum=1),
-        "linear_key_head_dim": _meta(meta, p + "ssm.state_size", where, minimum=1),
-        "linear_num_key_heads": _meta(meta, p + "ssm.group_count", where, minimum=1),
-        "linear_num_value_heads": value_heads,
-        "linear_value_head_dim": inner // value_heads,
-    })
-    if ff is not None:
-        cfg["intermediate_size"] = ff
-    if mtp:
-        cfg["mtp_num_hidden_layers"] = mtp
-    return cfg
 
 
-def _gpt_oss_config(meta: dict, tensors: dict, where) -> dict:
-    """gpt-oss (``gpt-oss``): GptOssModel.set_gguf_parameters' keys. The sliding layers follow
-    ``attention.sliding_window_pattern`` (bools, or a period n: layer i slides when ``i % n < n - 1``),
-    default 2, as llama.cpp (sliding, full, ...). The YaRN parameters come from ``rope.scaling.*``;
-    ``truncate`` is false, as the published configs and OpenAI's reference (ggml's YaRN rounds the
-    correction range, a difference from llama.cpp). The clamped SwiGLU's alpha 1.702 and limit 7.0 are
-    fixed in llama.cpp's graph, so the config holds those.
-    """
-    p = "gpt-oss."
-    cfg = _base_config(meta, tensors, where, "gpt-oss")
-    _one_head_dim(meta, p, where, cfg)
-    layers = cfg["num_hidden_layers"]
-    experts = _moe_checks(meta, p, where, "gpt_oss")
-    rot = _meta(meta, p + "rope.dimension_count", where, required=False, minimum=1)
-    if rot is not None and rot != cfg["head_dim"]:
-        raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} is not the head dim "
-                              f"{cfg['head_dim']}: partial rotary embeddings are not supported for gpt_oss")
-    pattern = meta.get(p + "attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        sliding = _bools(meta, p + "attention.sliding_window_pattern", where, layers)
-    else:
-        n = _meta(meta, p + "attention.sliding_window_pattern", where, default=2, required=False, minimum=0)
-        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
-    scaling = meta.get(p + "rope.scaling.type")
-    theta = cfg["rope_theta"]
-    if scaling in (None, "none"):
-        rope = {"rope_type": "default", "rope_theta": theta}
-    elif scaling == "yarn":
-        for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
-            if meta.get(p + key) is not None:
-                raise CheckpointError(f"{where}: metadata {p}{key} is set; gpt_oss computes YaRN's default "
-                                      "extrapolation and attention factors only")
-        rope = {"rope_type": "yarn", "rope_theta": theta,
-                "factor": _meta(meta, p + "rope.scaling.factor", where, float),
-                "original_max_position_embeddings": _meta(meta, p + "rope.scaling.original_context_length", where),
-                "beta_fast": _meta(meta, p + "rope.scaling.yarn_beta_fast", where, float, default=32.0),
-                "beta_slow": _meta(meta, p + "rope.scaling.yarn_beta_slow", where, float, default=1.0),
-                "truncate": False}
-    else:
-        raise CheckpointError(f"{where}: metadata {p}rope.scaling.type {scaling!r}: gpt_oss computes YaRN or "
-                              "the default rotary embedding")
-    cfg.update({
-        "num_hidden_layers": layers,
-        "intermediate_size": _meta(meta, p + "expert_feed_forward_length", where, minimum=1),
-        "num_local_experts": experts,
-        "sliding_window": _meta(meta, p + "attention.sliding_window", where, minimum=1),
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "rope_parameters": rope,
-        "swiglu_limit": 7.0, "attention_bias": True,
-    })
-    return cfg
 
 
-# general.architecture -> its config builder (meta, tensors, where) -> the Hugging Face config
-_CONFIGS = {"qwen3moe": partial(_softmax_moe_config, arch="qwen3moe"),
-            "olmoe": partial(_softmax_moe_config, arch="olmoe"), "llama": partial(_softmax_moe_config, arch="llama"),
-            "deepseek2": _deepseek2_config,
-            "glm4moe": _glm4moe_config, "qwen3next": partial(_hybrid_config, arch="qwen3next"),
-            "qwen35moe": partial(_hybrid_config, arch="qwen35moe"), "gpt-oss": _gpt_oss_config}
 
 
-# -- the tensors of each architecture, as transformers has them (_TENSORS) ---------------------------------------
+# -- for the families' tensor rewrites (each family's GGUFArchitecture.tensors) -----------------------------------
 # Each rewrite takes (tensors under their mapped names, the config, derived, the file, the GGUFFormat) and undoes
 # what convert_hf_to_gguf.py did to the tensors beyond renaming them: a derived tensor is indexed as what it
 # returns (a float32 TensorInfo unless it keeps the stored bytes) and computed from the stored ones when the
 # resident weights load.
-def _float_weight(info: TensorInfo, ckpt) -> torch.Tensor:
+def float_weight(info: TensorInfo, ckpt) -> torch.Tensor:
     """A stored weight as float32 of its logical shape (block-quantized rows dequantized, as llama.cpp reads them)."""
     t = ckpt.read_info(info)
     qtype = ggml.block_type(info.dtype)
@@ -1069,302 +780,56 @@ def _float_weight(info: TensorInfo, ckpt) -> torch.Tensor:
     return ggml.dequantize(t, qtype, ggml.in_features(qtype, info.shape[-1]))
 
 
-def _logical_shape(info: TensorInfo) -> tuple[int, ...]:
+def logical_shape(info: TensorInfo) -> tuple[int, ...]:
     qtype = ggml.block_type(info.dtype)
     if qtype is None:
         return tuple(info.shape)
     return (*info.shape[:-1], ggml.in_features(qtype, info.shape[-1]))
 
 
-def _as_float32(info: TensorInfo, name: str, shape: tuple[int, ...]) -> TensorInfo:
+def as_float32(info: TensorInfo, name: str, shape: tuple[int, ...]) -> TensorInfo:
     """``info``'s place, described as the float32 tensor ``shape`` a derived function returns."""
     return TensorInfo(name, info.file, info.offset, math.prod(shape) * 4, "F32", tuple(shape))
 
 
-def _derive(tensors: dict, derived: dict, name: str, info: TensorInfo, make) -> None:
+def derive(tensors: dict, derived: dict, name: str, info: TensorInfo, make) -> None:
     """Index ``name`` as ``info`` (the float32 or stored tensor ``make(ckpt)`` returns), read through ``make``."""
     tensors[name] = info
     derived[name] = make
 
 
-def _unpermute(info: TensorInfo, heads: int, ckpt) -> torch.Tensor:
-    """q or k rows [heads * D, ...] back in Hugging Face order from llama.cpp's (``LlamaModel.permute``
-    stores row ``(h, i, j)`` of each head's pairs for Hugging Face row ``(h, j, i)``; j in 0..1, i < D/2).
-    Whole rows move, so it holds for block-quantized rows too."""
-    t = ckpt.read_info(info)
-    rows = t.shape[0]
-    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
 
 
-def _llama_tensors(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
-    """Mixtral (``llama``): the q and k rows convert_hf_to_gguf.py permutes (``LlamaModel.permute``, for llama.cpp's
-    interleaved rotary embedding) read back into Hugging Face order (:func:`_unpermute`; whole rows move, any type)."""
-    for hf, info in tensors.items():
-        m = re.match(r"^model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$", hf)
-        if m:
-            heads = cfg["num_attention_heads"] if m[1] == "q" else cfg["num_key_value_heads"]
-            derived[hf] = partial(_unpermute, info, heads)
 
 
-def _kv_b(k_b: TensorInfo, v_b: TensorInfo, ckpt) -> torch.Tensor:
-    """``kv_b_proj`` [H * (nope + v), rank] float32 from llama.cpp's ``attn_k_b`` [H, rank, nope] and ``attn_v_b``
-    [H, v, rank]: per head the key rows (k_b transposed back) then the value rows."""
-    wk, wv = _float_weight(k_b, ckpt), _float_weight(v_b, ckpt)
-    return torch.cat([wk.transpose(1, 2), wv], dim=1).reshape(-1, wk.shape[1]).contiguous()
 
 
-def _deepseek2_tensors(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
-    """``kv_b_proj`` back as transformers has it, a derived float32 tensor (MLA reads its rows directly, so it is
-    never a quantized linear):
-
-    * from ``attn_k_b`` + ``attn_v_b``: convert_hf_to_gguf.py's ``DeepseekV2Model`` (llama.cpp's absorbed MLA,
-      2025 on) views ``kv_b_proj`` [H * (nope + v), rank] as [H, nope + v, rank], splits it into k_b [H, nope,
-      rank] and v_b [H, v, rank] and stores k_b transposed, [H, rank, nope] (quantized along nope);
-    * from ``attn_kv_b`` (older files), dequantized when it is block-quantized.
-
-    Raises:
-        CheckpointError: a layer with one half of the split, or a shape the config does not imply.
-    """
-    heads, rank = cfg["num_attention_heads"], cfg["kv_lora_rank"]
-    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-    for k_name in [n for n in tensors if n.endswith(".self_attn.k_b_proj.weight")]:
-        attn = k_name[: -len(".k_b_proj.weight")]
-        v_name, kv_name = attn + ".v_b_proj.weight", attn + ".kv_b_proj.weight"
-        if v_name not in tensors:
-            raise CheckpointError(f"{where}: tensor {tensors[k_name].name!r} has no attn_v_b beside it")
-        k_b, v_b = tensors.pop(k_name), tensors.pop(v_name)
-        if kv_name in tensors:  # a file holding both forms: the stored kv_b_proj is read (below)
-            continue
-        for info, want in ((k_b, (heads, rank, nope)), (v_b, (heads, v, rank))):
-            if _logical_shape(info) != want:
-                raise CheckpointError(f"{info.file}: tensor {info.name!r} is {list(_logical_shape(info))}; the "
-                                      f"metadata (heads, kv_lora_rank, qk_nope, v) implies {list(want)}")
-        tensors[kv_name] = _as_float32(k_b, kv_name, (heads * (nope + v), rank))
-        derived[kv_name] = partial(_kv_b, k_b, v_b)
-    for name, info in list(tensors.items()):
-        if name.endswith(".self_attn.kv_b_proj.weight") and name not in derived and ggml.block_type(info.dtype):
-            tensors[name] = _as_float32(info, name, _logical_shape(info))
-            derived[name] = partial(_float_weight, info)
 
 
-def _v_heads(k_heads: int, per: int, width: int) -> torch.Tensor:
-    """Index ``perm`` with ``hf = file[perm]`` for value heads stored tiled (``_LinearAttentionVReorderBase``:
-    file position ``(j, g, d)`` holds Hugging Face's ``(g, j, d)``, g the key head, j < per its value heads)."""
-    return torch.arange(k_heads * per * width).reshape(per, k_heads, width).permute(1, 0, 2).reshape(-1)
 
 
-def _take_rows(info: TensorInfo, perm: torch.Tensor, ckpt) -> torch.Tensor:
+def take_rows(info: TensorInfo, perm: torch.Tensor, ckpt) -> torch.Tensor:
     """Rows of ``info`` reordered (``out = stored[perm]``); whole rows move, so any type."""
     return ckpt.read_info(info)[perm].contiguous()
 
 
-def _take_columns(info: TensorInfo, perm: torch.Tensor, block: int, ckpt) -> torch.Tensor:
-    """Columns of ``info`` reordered (``out[:, c] = stored[:, perm[c]]``): block-quantized rows move whole
-    blocks (``block`` values; ``perm`` moves runs of whole blocks), float rows move values."""
-    t = ckpt.read_info(info)
-    if block == 1:
-        return t[:, perm].contiguous()
-    size = t.shape[-1] // (perm.numel() // block)
-    blocks = perm.reshape(-1, block)[:, 0] // block
-    return t.reshape(t.shape[0], -1, size)[:, blocks].reshape(t.shape).contiguous()
 
 
-def _unshift(info: TensorInfo, ckpt) -> torch.Tensor:
-    """A norm weight stored as ``1 + w`` (Qwen3NextModel adds 1): ``w`` in float32 (``1 + w`` gives back the
-    stored value exactly while it is >= 0.5, by Sterbenz's lemma)."""
-    return _float_weight(info, ckpt) - 1.0
 
 
-def _a_log(info: TensorInfo, perm: torch.Tensor | None, ckpt) -> torch.Tensor:
-    """``A_log`` [V] from llama.cpp's ``ssm_a = -exp(A_log)``: ``log(-ssm_a)`` in float64, rounded to float32.
-
-    Raises:
-        CheckpointError: a value >= 0 (no A_log gives one).
-    """
-    a = _float_weight(info, ckpt).double()
-    if perm is not None:
-        a = a[perm]
-    if not bool((a < 0).all()):
-        raise CheckpointError(f"{info.file}: tensor {info.name!r} holds a value >= 0; llama.cpp stores "
-                              "ssm_a = -exp(A_log), which is negative")
-    return torch.log(-a).float()
 
 
-def _conv(info: TensorInfo, perm: torch.Tensor | None, ckpt) -> torch.Tensor:
-    """``conv1d.weight`` [C, 1, K] from the squeezed ``ssm_conv1d`` [C, K] (channels reordered by ``perm``)."""
-    w = _float_weight(info, ckpt)
-    if perm is not None:
-        w = w[perm]
-    return w.reshape(w.shape[0], 1, -1).contiguous()
 
 
-def _cat_rows(first: TensorInfo, second: TensorInfo, perm: torch.Tensor, same: bool, ckpt) -> torch.Tensor:
-    """Rows of ``first`` then ``second``, reordered (``out = cat[perm]``): as stored when both are stored
-    alike (``same``), else as float32."""
-    read = ckpt.read_info if same else partial(_float_weight, ckpt=ckpt)
-    return torch.cat([read(first), read(second)])[perm].contiguous()
 
 
-def _qkvz_rows(k_heads: int, dk: int, vdim: int) -> torch.Tensor:
-    """Index into ``cat(attn_qkv, attn_gate)`` rows giving Hugging Face's ``in_proj_qkvz`` rows: per key
-    head g its q, k, v (``vdim`` = its value heads x value dim) and z rows (Qwen3NextModel's split, undone)."""
-    kd = k_heads * dk
-    conv = 2 * kd + k_heads * vdim
-    out = []
-    for g in range(k_heads):
-        out += [torch.arange(g * dk, (g + 1) * dk), torch.arange(kd + g * dk, kd + (g + 1) * dk),
-                torch.arange(2 * kd + g * vdim, 2 * kd + (g + 1) * vdim),
-                torch.arange(conv + g * vdim, conv + (g + 1) * vdim)]
-    return torch.cat(out)
 
 
-def _adapt_hybrid(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
-    """Undo Qwen3NextModel's (and Qwen3_5MoeTextModel's) transformations, so the family reads the Hugging
-    Face tensors (see the module doc): zero-centred norms stored ``+ 1``; ``A_log`` as ``ssm_a = -exp(A_log)``;
-    ``dt_bias`` as ``ssm_dt.bias``; ``conv1d`` squeezed to [C, K]; Qwen3-Next's ``in_proj_qkvz`` split into
-    ``attn_qkv`` (q, k, v of all heads) and ``attn_gate`` (z); for Qwen3.5 with fewer key than value heads,
-    the value heads reordered from grouped to tiled (``_LinearAttentionVReorderBase``) in ``in_proj_qkv``'s v
-    rows, ``in_proj_z``, ``in_proj_b``/``in_proj_a``, ``A_log``, ``dt_bias``, the conv's v channels and
-    ``out_proj``'s columns. Blocks past the decoder (``nextn_predict_layers``) go under ``mtp.``.
-
-    Raises:
-        CheckpointError: a tensor a DeltaNet layer needs missing, fused gate/up experts or a fused
-            q/k/v attention (converter options moestream does not read), shapes the config does not give.
-    """
-    layers = cfg["num_hidden_layers"]
-    k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-    if v_heads % k_heads:
-        raise CheckpointError(f"{where}: ssm.time_step_rank {v_heads} (value heads) is not a multiple of "
-                              f"ssm.group_count {k_heads} (key heads)")
-    per = v_heads // k_heads
-    qwen35 = cfg["model_type"] == "qwen3_5_moe_text"
-    tiled = qwen35 and per > 1  # _LinearAttentionVReorderBase reorders only when the head counts differ
-    for name in list(tensors):  # the multi-token-prediction blocks (under their llama.cpp names)
-        m = re.match(r"^(?:model\.layers|blk)\.(\d+)\.", name)
-        if m and int(m[1]) >= layers:
-            info = tensors.pop(name)
-            tensors["mtp." + info.name] = info
-        elif ".ffn_gate_up_exps." in name:
-            raise CheckpointError(f"{where}: tensor {name!r}: gate and up experts fused into one tensor "
-                                  "(convert_hf_to_gguf.py's fuse option) are not read yet")
-
-    def need(name: str) -> TensorInfo:
-        if name not in tensors:
-            raise CheckpointError(f"{where}: no tensor {name!r} (a Hugging Face name) in a linear-attention layer")
-        return tensors[name]
-
-    def unshift(name: str) -> None:
-        if name in tensors:
-            info = tensors[name]
-            _derive(tensors, derived, name, _as_float32(info, name, info.shape), partial(_unshift, info))
-
-    unshift("model.norm.weight")
-    for i in range(layers):
-        pre, gguf = f"model.layers.{i}.", f"blk.{i}."
-        for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
-            unshift(pre + n + ".weight")
-        gate = tensors.get(pre + "mlp.shared_expert_gate.weight")
-        if gate is not None and len(gate.shape) == 1:  # [H] -> the [1, H] linear Hugging Face has
-            tensors[pre + "mlp.shared_expert_gate.weight"] = TensorInfo(
-                gate.name, gate.file, gate.offset, gate.nbytes, gate.dtype, (1, *gate.shape))
-        la = pre + "linear_attn."
-        if cfg["layer_types"][i] != "linear_attention":
-            if la + "in_proj_qkv.weight" in tensors:
-                raise CheckpointError(f"{where}: tensor {gguf}attn_qkv.weight in full-attention layer {i}: fused "
-                                      "q/k/v attention (convert_hf_to_gguf.py's fuse option) is not read yet")
-            continue
-        vperm = _v_heads(k_heads, per, 1) if tiled else None
-        a = tensors.pop(gguf + "ssm_a", None)
-        if a is None:
-            raise CheckpointError(f"{where}: no tensor '{gguf}ssm_a' (-exp(A_log)) in linear-attention layer {i}")
-        _derive(tensors, derived, la + "A_log", _as_float32(a, la + "A_log", a.shape), partial(_a_log, a, vperm))
-        dt = tensors.pop(la + "dt_proj.bias", None)  # convert_hf_to_gguf renames dt_bias to dt_proj.bias
-        if dt is None:
-            raise CheckpointError(f"{where}: no tensor '{gguf}ssm_dt.bias' (dt_bias) in linear-attention layer {i}")
-        if vperm is None:
-            tensors[la + "dt_bias"] = dt
-        else:
-            _derive(tensors, derived, la + "dt_bias", dt, partial(_take_rows, dt, vperm))
-        conv = need(la + "conv1d.weight")
-        cperm = None
-        if tiled:
-            qk = 2 * k_heads * dk
-            cperm = torch.cat([torch.arange(qk), qk + _v_heads(k_heads, per, dv)])
-        _derive(tensors, derived, la + "conv1d.weight",  # stored squeezed [C, K] (or already [C, 1, K])
-                _as_float32(conv, la + "conv1d.weight", (conv.shape[0], 1, _logical_shape(conv)[-1])),
-                partial(_conv, conv, cperm))
-        if qwen35:
-            if tiled:
-                _adapt_tiled(tensors, derived, la, k_heads, per, dk, dv, where, fmt)
-        elif la + "in_proj_qkvz.weight" not in tensors:  # attn_qkv + attn_gate: back into one tensor
-            qkv, z = need(la + "in_proj_qkv.weight"), need(la + "in_proj_z.weight")
-            del tensors[la + "in_proj_qkv.weight"], tensors[la + "in_proj_z.weight"]
-            perm = _qkvz_rows(k_heads, dk, per * dv)
-            rows = qkv.shape[0] + z.shape[0]
-            if perm.numel() != rows:
-                raise CheckpointError(f"{where}: {gguf}attn_qkv and attn_gate hold {rows} rows; the ssm.* metadata "
-                                      f"gives {perm.numel()}")
-            same = qkv.dtype == z.dtype and qkv.shape[1:] == z.shape[1:]
-            name = la + "in_proj_qkvz.weight"
-            info = (TensorInfo(name, qkv.file, qkv.offset, qkv.nbytes + z.nbytes, qkv.dtype, (rows, *qkv.shape[1:]))
-                    if same else _as_float32(qkv, name, (rows, _logical_shape(qkv)[-1])))
-            _derive(tensors, derived, name, info, partial(_cat_rows, qkv, z, perm, same))
 
 
-def _adapt_tiled(tensors: dict, derived: dict, la: str, k_heads: int, per: int, dk: int, dv: int, where,
-                 fmt: GGUFFormat) -> None:
-    """Qwen3.5's value heads back from tiled to grouped order in one DeltaNet layer's projections: rows as
-    stored; ``out_proj``'s columns as whole blocks when a value head is whole blocks (or float values), else
-    (K-quants with head dim 128) kept as stored and the order recorded in ``fmt.input_orders``: the family
-    feeds that out_proj its input in the stored order, so no weight is dequantized."""
-    for proj, width, offset in (("in_proj_qkv", dv, 2 * k_heads * dk), ("in_proj_z", dv, 0),
-                                ("in_proj_b", 1, 0), ("in_proj_a", 1, 0)):
-        name = la + proj + ".weight"
-        if name not in tensors:
-            raise CheckpointError(f"{where}: no tensor {name!r}")
-        info = tensors[name]
-        perm = torch.cat([torch.arange(offset), offset + _v_heads(k_heads, per, width)])
-        if perm.numel() != info.shape[0]:
-            raise CheckpointError(f"{info.file}: tensor {info.name!r} has {info.shape[0]} rows; the ssm.* metadata "
-                                  f"gives {perm.numel()}")
-        _derive(tensors, derived, name, info, partial(_take_rows, info, perm))
-    name = la + "out_proj.weight"
-    info = tensors.get(name)
-    if info is None:
-        raise CheckpointError(f"{where}: no tensor {name!r}")
-    perm = _v_heads(k_heads, per, dv)
-    qtype = ggml.block_type(info.dtype)
-    block = 1 if qtype is None else ggml.TYPES[qtype][0]
-    values = _logical_shape(info)[-1]
-    if values != perm.numel():
-        raise CheckpointError(f"{info.file}: tensor {info.name!r} has rows of {values} values; the ssm.* "
-                              f"metadata gives {perm.numel()}")
-    if dv % block == 0:  # whole blocks move
-        _derive(tensors, derived, name, info, partial(_take_columns, info, perm, block))
-    else:  # a block holds parts of two heads: the input moves instead (input[:, order] @ stored.T)
-        fmt.input_orders[name.removesuffix(".weight")] = torch.argsort(perm).tolist()
 
 
-def _adapt_gpt_oss(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
-    """GptOssModel's renames undone: ``attn_sinks.weight`` is the bare ``self_attn.sinks``. Its other
-    transformations (gate_up de-interleaved into ``ffn_gate_exps``/``ffn_up_exps`` with their biases, ``down``
-    transposed into nn.Linear orientation) give the stacked layout the family reads through its
-    ``adapt_to_source`` (separate gate and up experts), so nothing else is undone.
 
-    Raises:
-        CheckpointError: fused gate/up experts (a converter option moestream does not read).
-    """
-    for name in list(tensors):
-        if name.endswith(".self_attn.sinks.weight"):
-            tensors[name[: -len(".weight")]] = tensors.pop(name)
-        elif ".ffn_gate_up_exps." in name:
-            raise CheckpointError(f"{where}: tensor {name!r}: gate and up experts fused into one tensor "
-                                  "(convert_hf_to_gguf.py's fuse option) are not read yet")
-
-# general.architecture -> its tensor rewrites at open (qwen3moe and olmoe store the tensors as Hugging Face has them)
-_TENSORS = {"llama": _llama_tensors, "deepseek2": _deepseek2_tensors, "qwen3next": _adapt_hybrid,
-            "qwen35moe": _adapt_hybrid, "gpt-oss": _adapt_gpt_oss}
 
 
 
@@ -1387,8 +852,11 @@ class GGUFCheckpoint(Checkpoint):
         self.source_format = fmt
 
 
-def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
+def open_gguf(path, architectures: Mapping[str, GGUFArchitecture], inspect_only: bool = False) -> GGUFCheckpoint:
     """Open the GGUF model ``path`` (a ``.gguf`` file or the first of a split set); nothing but headers is read.
+
+    ``architectures``: ``general.architecture`` -> :class:`GGUFArchitecture`, the families' declarations
+    (:func:`moestream.models.gguf_architectures`; :func:`moestream.sources.open_gguf` passes them).
 
     ``inspect_only``: index tensors of types moestream does not compute on instead of refusing them
     (listed in ``source_format.unsupported``; such a checkpoint is for ``moestream inspect`` only).
@@ -1431,18 +899,18 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     tensors: dict[str, TensorInfo] = {}
     types: dict[str, set] = {}
     arch = str(meta.get("general.architecture"))
+    spec = architectures.get(arch)
     for name, info in raw.items():
-        hf = hf_name(name, arch) or name  # a tensor without a rule keeps its name (reported unused)
+        hf = hf_name(name, spec) or name  # a tensor without a rule keeps its name (reported unused)
         tensors[hf] = info
         kind = re.sub(r"^blk\.\d+\.", "", name).removesuffix(".weight")
         types.setdefault(kind, set()).add(ggml.block_type(info.dtype) or info.dtype)
     fmt.types = {k: sorted(v) for k, v in sorted(types.items())}
     fmt.compute_dtype = compute_dtype(raw)
-    cfg = hf_config(meta, tensors, path)
+    cfg = hf_config(meta, tensors, path, architectures)
     derived = {}
-    rewrite = _TENSORS.get(arch)  # the converter's transformations of this architecture, undone
-    if rewrite is not None:
-        rewrite(tensors, cfg, derived, path, fmt)
+    if spec.tensors is not None:  # the converter's transformations of this architecture, undone
+        spec.tensors(tensors, cfg, derived, path, fmt)
     if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         # llama.cpp ties the head to the embedding when the file has no `output` tensor: the same bytes
         emb = tensors["model.embed_tokens.weight"]
@@ -1453,5 +921,7 @@ def open_gguf(path, inspect_only: bool = False) -> GGUFCheckpoint:
     return ckpt
 
 
-__all__ = ["ARCHITECTURES", "HF_MODULES", "UNSUPPORTED", "GGUFCheckpoint", "GGUFFormat", "NAMES", "derive_names",
-           "hf_config", "hf_name", "is_gguf", "open_gguf", "split_files"]
+__all__ = ["ATTN", "DELTANET", "DENSE", "MLA", "QK_NORM", "ROUTED", "SHARED_EXPERT", "SHARED_EXPERTS", "UNSUPPORTED",
+           "GGUFArchitecture", "GGUFCheckpoint", "GGUFFormat", "as_float32", "base_config", "bools", "compute_dtype",
+           "derive", "derive_names", "expert_count", "float_weight", "hf_config", "hf_name", "is_gguf", "logical_shape",
+           "meta_value", "moe_checks", "one_head_dim", "open_gguf", "softmax_moe_config", "split_files", "take_rows"]

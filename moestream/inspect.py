@@ -15,20 +15,20 @@ from pathlib import Path
 
 import torch
 
+from .budget import GB
 from .checkpoint import Checkpoint, TensorInfo, resolve_model, safetensors_dtype
 from .decode_graph import graph_unsupported
 from .errors import ConfigError, LayoutError, MoestreamError
-from .gguf_format import UNSUPPORTED, is_gguf, open_gguf
+from .gguf_format import UNSUPPORTED, is_gguf
 from .layout import ExpertLayout, discover_experts
-from .mlx_format import open_checkpoint
 from .models import family_for, supported_model_types
 from .models.base import check_layer_count
 from .models.moe import swiglu_expert
 from .quant import model as quant
 from .quant.resident import QuantEmbedding, QuantLinear
+from .sources import open_checkpoint, open_gguf
 from .synth import DTYPES, plan_synth
 
-GB = 1e9
 MB = 1e6
 
 # Architectures that route tokens to experts but gain nothing from streaming them.

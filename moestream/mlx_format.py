@@ -63,9 +63,8 @@ from functools import partial
 
 import torch
 
-from .checkpoint import Checkpoint, TensorInfo, dtype_size, torch_dtype
+from .checkpoint import TensorInfo, dtype_size, torch_dtype
 from .errors import CheckpointError
-from .gguf_format import is_gguf, open_gguf
 from .quant import affine
 from .quant.formats import QuantConfig, check_affine
 
@@ -165,21 +164,6 @@ def is_mlx(ckpt) -> bool:
 def _model_type(cfg: dict) -> str | None:
     mt = cfg.get("model_type")
     return mt if isinstance(mt, str) else None
-
-
-def open_checkpoint(path) -> Checkpoint:
-    """A :class:`~moestream.checkpoint.Checkpoint` of folder ``path``, an mlx-lm build's names and layouts
-    mapped onto Hugging Face ones (:func:`adapt`); of a GGUF file, llama.cpp's names mapped
-    (:func:`moestream.gguf_format.open_gguf`). Raises what those raise."""
-    if is_gguf(path):
-        return open_gguf(path)
-    ckpt = Checkpoint(path)
-    try:
-        adapt(ckpt)
-    except BaseException:
-        ckpt.close()
-        raise
-    return ckpt
 
 
 def adapt(ckpt) -> MLXFormat | None:
@@ -373,4 +357,4 @@ def _rename_overrides(cfg: dict, rename) -> None:
                         for k, v in q.items()}
 
 
-__all__ = ["FORMAT", "MLXFormat", "adapt", "is_mlx", "open_checkpoint"]
+__all__ = ["FORMAT", "MLXFormat", "adapt", "is_mlx"]

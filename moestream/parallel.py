@@ -37,31 +37,19 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from .ep_exchange import SlotExchange
+from .ep_group import CollectiveGroup, ParallelError, all_gather_single  # noqa: F401  (ParallelError: the error callers catch)
+from .ep_placement import Placement
+from .ep_requests import Requests
 from .errors import MoestreamError
-from .generation import SamplingParams, generate
-from .models.moe import StreamedMoE
 from .options import EP_COMBINES as COMBINES
 from .options import EP_PLACEMENTS as PLACEMENTS
 from .tiered_cache import resolve_device
-from .usage import default_profile_path, model_identity, read_profile
-
-HEADER = 32  # bytes: int64 layer, slots (T*K), routing fingerprint, this rank's slot count
-SMALL_EXCHANGE = 256 * 1024  # bytes gathered at most in one step (decode); larger ones send headers first
-
-
-class ParallelError(MoestreamError):
-    """A collective failed: a rank died, stopped answering, or the ranks diverged."""
-
-
-class _Shutdown(Exception):
-    """Rank 0 ended ``serve``: a follower leaves :meth:`ExpertParallel.follow`."""
 
 
 def world_size_from_env() -> int:
@@ -70,79 +58,6 @@ def world_size_from_env() -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         raise MoestreamError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
-
-
-# -- placement ---------------------------------------------------------------------------------
-def contiguous_owners(num_experts: int, world: int) -> list[int]:
-    """Owner rank of each of ``num_experts`` experts: expert e -> rank ``e * world // num_experts``
-    (contiguous blocks whose sizes differ by at most one)."""
-    return [e * world // num_experts for e in range(num_experts)]
-
-
-def balanced_owners(load: list[float], world: int) -> list[int]:
-    """Owner rank of each expert so that per-rank load is balanced (greedy longest processing time).
-
-    Experts are taken heaviest first (ties: lower id first) and given to the least-loaded
-    rank (ties: the lower rank) that holds fewer than ``ceil(E / world)`` experts, so every
-    rank holds about as many experts (memory stays even). ``load[e]`` is expert e's share
-    of the traffic (any non-negative unit, e.g. the usage profile's decayed routing counts).
-    """
-    n = len(load)
-    cap = math.ceil(n / world)
-    owners = [0] * n
-    rank_load = [0.0] * world
-    held = [0] * world
-    for e in sorted(range(n), key=lambda i: (-load[i], i)):
-        r = min((r for r in range(world) if held[r] < cap), key=lambda r: (rank_load[r], r))
-        owners[e] = r
-        rank_load[r] += load[e]
-        held[r] += 1
-    return owners
-
-
-def placement(num_experts: dict[int, int], world: int, profile: dict[int, list[float]] | None = None,
-              mode: str = "auto") -> tuple[dict[int, list[int]], str]:
-    """Per MoE layer, the owner rank of each expert.
-
-    Args:
-        num_experts: layer -> experts in that layer.
-        world: number of ranks.
-        profile: layer -> per-expert load (:func:`moestream.usage.read_profile`), or None.
-        mode: ``balanced`` (from ``profile``; contiguous where it has no traffic for a
-            layer), ``contiguous``, or ``auto`` (balanced when a profile exists).
-
-    Returns:
-        ``(layer -> owners [E] list of ranks, a note saying what was used)``.
-
-    Raises:
-        MoestreamError: an unknown mode, or ``world`` < 1.
-    """
-    if mode not in PLACEMENTS:
-        raise MoestreamError(f"--ep-placement {mode!r}: expected one of {', '.join(PLACEMENTS)}")
-    if world < 1:
-        raise MoestreamError(f"world size must be at least 1, got {world}")
-    use = mode == "balanced" or (mode == "auto" and profile is not None)
-    if use and profile is None:
-        note = "placement: contiguous (balanced asked, but there is no usage profile yet)"
-        use = False
-    else:
-        note = "placement: balanced from the usage profile" if use else "placement: contiguous"
-    owners = {}
-    for layer, n in sorted(num_experts.items()):
-        load = profile.get(layer) if use and profile else None
-        if load is not None and len(load) == n and sum(load) > 0:
-            owners[layer] = balanced_owners([float(v) for v in load], world)
-        else:
-            owners[layer] = contiguous_owners(n, world)
-    return owners, note
-
-
-def rank_loads(owners: list[int], load: list[float], world: int) -> list[float]:
-    """Sum of ``load`` per rank under ``owners``."""
-    out = [0.0] * world
-    for e, r in enumerate(owners):
-        out[r] += load[e]
-    return out
 
 
 # -- stats -------------------------------------------------------------------------------------
@@ -193,7 +108,7 @@ def format_rank_stats(per_rank: list[dict]) -> str:
 
 
 # -- the process group --------------------------------------------------------------------------
-class ExpertParallel:
+class ExpertParallel(Placement, SlotExchange, Requests, CollectiveGroup):
     """This process's part in expert parallelism: its rank, the owner maps, the combine.
 
     Made by :func:`init_from_env` (torchrun's environment) and passed to
@@ -231,270 +146,12 @@ class ExpertParallel:
         self.serving = False  # serve: followers wait for requests without a deadline (:meth:`follow`)
         self._seq = 0  # requests agreed so far
 
-    # -- ownership ---------------------------------------------------------------------------
-    def owns(self, key: tuple[int, int]) -> bool:
-        """Whether this rank owns expert ``key`` = (layer, expert)."""
-        return key in self._owned
-
-    def place(self, checkpoint, model, num_experts: dict[int, int], usage_file=None,
-              learn_experts: bool = True) -> None:
-        """Compute the owner maps on rank 0 (from its usage profile, :func:`placement`) and
-        broadcast them, so every rank uses rank 0's. Called by ``engine.load`` before any
-        expert is read."""
-        layers = sorted(num_experts)
-        flat = torch.zeros(sum(num_experts.values()), dtype=torch.int64)
-        mode = torch.zeros(1, dtype=torch.int64)
-        if self.rank == 0:
-            profile = None
-            if learn_experts and self.placement_mode != "contiguous":
-                profile = _read_profile(checkpoint, model, num_experts, usage_file)
-            owners, note = placement(num_experts, self.world, profile, self.placement_mode)
-            flat = torch.tensor([r for layer in layers for r in owners[layer]], dtype=torch.int64)
-            mode[0] = 1 if note.startswith("placement: balanced") else 0
-            self.placement_note = note
-        flat, mode = flat.to(self.device), mode.to(self.device)
-        self._collective(lambda: (self._dist().broadcast(flat, 0), self._dist().broadcast(mode, 0)), "placement")
-        if self.rank != 0:
-            self.placement_note = "placement: balanced from rank 0's usage profile" if int(mode) else \
-                "placement: contiguous"
-        at = 0
-        for layer in layers:
-            n = num_experts[layer]
-            self.owners[layer] = flat[at : at + n].clone()
-            at += n
-        self._owned = {(layer, e) for layer in layers for e, r in enumerate(self.owners[layer].tolist())
-                       if r == self.rank}
-        self._owned_ids = {}
-        if not self._owned:
-            import sys
-
-            print(f"note: rank {self.rank} owns no experts ({self.world} ranks for "
-                  f"{min(num_experts[layer] for layer in layers)} experts per layer); it still runs the dense part",
-                  file=sys.stderr)
-
-    def owned_ids(self, layer: int) -> set[int]:
-        """The expert ids of ``layer`` this rank computes (the pipeline fetches only these)."""
-        owned = self._owned_ids.get(layer)
-        if owned is None:
-            owned = self._owned_ids[layer] = set(torch.nonzero(self.owners[layer] == self.rank).view(-1).tolist())
-        return owned
-
-    # -- the combine ---------------------------------------------------------------------------
-    def gather_slots(self, slots: torch.Tensor, idx: torch.Tensor, layer: int) -> torch.Tensor:
-        """Every rank's slots in one [T*K, H] buffer: this rank's own slots from ``slots``, the
-        others' from their ranks, as raw bytes (no arithmetic touches a value).
-
-        Args:
-            slots: [T*K, H]: the weighted outputs of this rank's experts' slots (the others' are
-                ignored), as :meth:`moestream.pipeline.ExpertPipeline.compute_slots` made them.
-            idx: [T, K] int64 expert ids (the same on every rank); layer: the MoE layer.
-
-        Returns:
-            [T*K, H] in slots' dtype, every slot filled, for the routing-order sum.
-
-        Raises:
-            ParallelError: a rank died or diverged.
-        """
-        t, k = idx.shape
-        h = slots.shape[1]
-        flat = idx.reshape(-1)
-        slot_rank = self.owners[layer][flat]  # [T*K]: who computes each slot
-        n_slots = t * k
-        fp = ((flat + 1) * (torch.arange(n_slots, device=flat.device) * 7919 + 1)).sum()
-        meta = torch.cat([torch.bincount(slot_rank, minlength=self.world), fp.view(1)]).tolist()
-        counts, fingerprint = meta[: self.world], meta[self.world]
-        mine = torch.nonzero(slot_rank == self.rank).squeeze(1)  # ascending slot positions owned here
-        rows = slots[mine]
-        self.stats.slots_computed += mine.numel()
-        row_bytes = h * slots.element_size()
-        header = torch.tensor([layer, n_slots, fingerprint, counts[self.rank]], dtype=torch.int64)
-        gathered = self._exchange(header, rows, counts, row_bytes, layer)
-        by_rank = torch.argsort(slot_rank, stable=True)  # positions grouped by rank, ascending within
-        out = slots.new_empty(n_slots, h)
-        out[by_rank] = torch.cat([g.view(slots.dtype).view(-1, h) for g in gathered])
-        return out
-
-    def _exchange(self, header: torch.Tensor, rows: torch.Tensor, counts: list[int], row_bytes: int,
-                  layer: int) -> list[torch.Tensor]:
-        """Every rank's slot rows as uint8 [counts[r] * row_bytes] tensors, rank order; headers checked.
-
-        Every buffer size depends only on what every rank knows alike (T, K, H and headers
-        already exchanged), never on this rank's own routing: a collective whose sizes differ
-        between ranks aborts gloo's process (and is undefined on NCCL), so ranks that diverged
-        must first agree on sizes to be told apart. Small exchanges (decode) are one
-        ``all_gather_single`` padded to every slot, T x K rows; larger ones (prefill) first
-        gather the 32-byte headers, check them, then the rows (padded to the largest rank's,
-        or ``all_to_all_single`` with exact split sizes).
-        """
-        dev = rows.device
-        w = self.world
-        n_slots = int(header[1])
-        t0 = time.perf_counter()
-        try:
-            full = _round8(HEADER + n_slots * row_bytes)
-            if self.combine == "allgather" and w * full <= SMALL_EXCHANGE:
-                send = torch.zeros(full, dtype=torch.uint8, device=dev)
-                _fill(send, header, rows)
-                recv = torch.empty(w * full, dtype=torch.uint8, device=dev)
-                self._collective(lambda: _all_gather_single(recv, send), f"layer {layer}'s combine")
-                self._account(full, [full] * w)
-                parts = [recv[r * full : (r + 1) * full] for r in range(w)]
-                heads = torch.stack([p[:HEADER] for p in parts]).view(torch.int64).tolist()  # syncs on a GPU
-                self._check(heads, header, counts, layer)
-                return [p[HEADER : HEADER + counts[r] * row_bytes] for r, p in enumerate(parts)]
-            hsend = header.view(torch.uint8).to(dev)
-            hrecv = torch.empty(w * HEADER, dtype=torch.uint8, device=dev)
-            self._collective(lambda: _all_gather_single(hrecv, hsend), f"layer {layer}'s combine (headers)")
-            self._account(HEADER, [HEADER] * w)
-            self._check(hrecv.view(torch.int64).view(w, 4).tolist(), header, counts, layer)
-            size = [_round8(c * row_bytes) for c in counts]  # the same on every rank now
-            raw = rows.contiguous().view(torch.uint8).reshape(-1)
-            if self.combine == "allgather":
-                pad = max(size)
-                send = torch.zeros(pad, dtype=torch.uint8, device=dev)
-                send[: raw.numel()].copy_(raw)
-                recv = torch.empty(w * pad, dtype=torch.uint8, device=dev)
-                self._collective(lambda: _all_gather_single(recv, send), f"layer {layer}'s combine")
-                self._account(pad, [pad] * w)
-                return [recv[r * pad : r * pad + counts[r] * row_bytes] for r in range(w)]
-            mine = size[self.rank]
-            send = torch.zeros(mine, dtype=torch.uint8, device=dev)
-            send[: raw.numel()].copy_(raw)
-            send = send.repeat(w)
-            recv = torch.empty(sum(size), dtype=torch.uint8, device=dev)
-            self._collective(lambda: self._dist().all_to_all_single(recv, send, size, [mine] * w),
-                             f"layer {layer}'s combine")
-            self._account(mine, size)
-            offs = [sum(size[:r]) for r in range(w)]
-            out = [recv[offs[r] : offs[r] + counts[r] * row_bytes] for r in range(w)]
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)  # the time in collectives includes the transfer
-            return out
-        finally:
-            self.stats.seconds += time.perf_counter() - t0
-            self.stats.combines += 1
-
-    def _account(self, sent_each: int, received: list[int]) -> None:
-        """Count one exchange's bytes: ``sent_each`` to every other rank, ``received[r]`` from rank r."""
-        self.stats.bytes_sent += (self.world - 1) * sent_each
-        self.stats.bytes_received += sum(received) - received[self.rank]
-
-    def _check(self, heads: list[list[int]], header: torch.Tensor, counts: list[int], layer: int) -> None:
-        """Every rank's header against this rank's routing; :class:`ParallelError` on a mismatch."""
-        want = header.tolist()
-        for r, hd in enumerate(heads):
-            if hd[:3] != want[:3] or hd[3] != counts[r]:
-                self.failed = True
-                raise ParallelError(
-                    f"expert parallel: rank {r} diverged from rank {self.rank} at layer {layer} (its routing "
-                    f"fingerprint {hd[:3]} and {hd[3]} slots, here {want[:3]} and {counts[r]}): the ranks are "
-                    "not running the same tokens (another prompt, seed or option on one of them, or machines "
-                    "whose arithmetic differs)"
-                )
-
-    # -- requests, flags, stats ---------------------------------------------------------------------
-    def agree(self, request: dict) -> dict:
-        """Rank 0's ``request`` (a JSON-able dict) on every rank, sent as UTF-8 JSON bytes in a
-        uint8 tensor (never pickled). While :attr:`serving`, the other ranks first wait, as long
-        as it takes, for rank 0 to post that a request is coming (on the rendezvous store), so an
-        idle server never runs into the collectives' timeout."""
-        seq = self._seq
-        self._seq += 1
-        if self.serving:
-            self._ready(seq)
-        data = json.dumps(request, sort_keys=True).encode() if self.rank == 0 else b""
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self._collective(lambda: self._dist().broadcast(n, 0), "the request's size")
-        buf = torch.zeros(int(n), dtype=torch.uint8, device=self.device)
-        if self.rank == 0:
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self._collective(lambda: self._dist().broadcast(buf, 0), "the request")
-        return json.loads(bytes(buf.cpu().tolist()).decode()) if self.rank != 0 else request
-
-    def _ready(self, seq: int) -> None:
-        """Rank 0 posts request ``seq`` on the store; the others wait for it without a deadline."""
-        from torch.distributed import distributed_c10d as c10d
-
-        store = c10d._get_default_store()
-        key = f"moestream/request/{seq}"
-        if self.rank == 0:
-            store.set(key, "1")
-            if seq:  # every rank has passed the previous request's broadcast by now
-                try:
-                    store.delete_key(f"moestream/request/{seq - 1}")
-                except Exception:  # a store without delete: a few bytes stay
-                    pass
-            return
-        while True:  # polled, not store.wait: a wait that times out logs a warning each time
-            try:
-                if store.check([key]):
-                    return
-            except Exception as e:
-                self.failed = True
-                raise ParallelError(f"expert parallel: rank {self.rank} lost the rendezvous store while "
-                                    f"waiting for rank 0's next request: {str(e).splitlines()[0][:300]}") from None
-            time.sleep(0.02)
-
-    def follow(self, engine) -> int:
-        """A follower rank of ``serve``: run each generation rank 0 starts (:func:`moestream.generation.generate`
-        adopts rank 0's request), waiting as long as needed between them, until rank 0 calls
-        :meth:`shutdown`. An error that rank 0 meets too (a bad request) is skipped; a failed
-        collective ends the loop (:class:`ParallelError`). Returns the generations followed."""
-        self.serving = True
-        n = 0
-        while True:
-            try:
-                for _ in generate(engine, [0], 1, SamplingParams()):
-                    pass
-                n += 1
-            except _Shutdown:
-                return n
-            except ParallelError:
-                raise
-            except MoestreamError:  # the same request fails on rank 0, which answers it
-                n += 1
-
-    def shutdown(self) -> None:
-        """Rank 0 of ``serve``: tell the followers (in :meth:`follow`) to stop."""
-        if self.rank == 0 and not self.failed:
-            try:
-                self.agree({"shutdown": True})
-            except ParallelError:  # the followers are gone already (an interrupt reaches every rank)
-                pass
-
-    def agree_generation(self, prompt_ids, max_tokens: int, sampling, stop, stop_at_eos: bool, multi_think: bool,
-                         prefill_chunk: int) -> tuple:
-        """Rank 0's generation request on every rank: ``(prompt_ids, max_tokens, sampling, stop,
-        stop_at_eos, multi_think, prefill_chunk)``. With sampling on and no seed, rank 0 draws
-        one, so every rank samples the same tokens."""
-        from dataclasses import replace
-
-        if self.rank == 0 and sampling.seed is None and sampling.temperature > 0:
-            import secrets
-
-            sampling = replace(sampling, seed=secrets.randbelow(2**63))
-        req = self.agree({
-            "shutdown": False, "prompt_ids": [int(t) for t in prompt_ids], "max_tokens": int(max_tokens),
-            "sampling": asdict(sampling),
-            "stop": list(stop), "stop_at_eos": bool(stop_at_eos), "multi_think": bool(multi_think),
-            "prefill_chunk": int(prefill_chunk),
-        })
-        if req["shutdown"]:
-            raise _Shutdown()
-        return (req["prompt_ids"], req["max_tokens"], SamplingParams(**req["sampling"]), req["stop"],
-                req["stop_at_eos"], req["multi_think"], req["prefill_chunk"])
-
-    def flag(self, value: bool) -> bool:
-        """Rank 0's ``value`` on every rank (the per-step "continue" flag of a generation)."""
-        t = torch.tensor([1 if value else 0], dtype=torch.int64, device=self.device)
-        self._collective(lambda: self._dist().broadcast(t, 0), "the continue flag")
-        return bool(int(t))
-
+    # -- stats (the rest is in its parts: Placement, SlotExchange, Requests, CollectiveGroup) -------------
     def gather_stats(self, local: dict) -> list[dict]:
         """Every rank's :data:`RANK_FIELDS` (floats), gathered on every rank, rank order."""
         t = torch.tensor([float(local.get(k, 0)) for k in RANK_FIELDS], dtype=torch.float64, device=self.device)
         out = torch.empty(self.world * len(RANK_FIELDS), dtype=torch.float64, device=self.device)
-        self._collective(lambda: _all_gather_single(out, t), "the stats")
+        self._collective(lambda: all_gather_single(out, t), "the stats")
         rows = out.view(self.world, -1).cpu().tolist()
         return [dict(zip(RANK_FIELDS, r)) for r in rows]
 
@@ -532,87 +189,6 @@ class ExpertParallel:
                                 "placement": self.placement_note.removeprefix("placement: "),
                                 "combine": self.combine, "per_rank": per_rank, "sum": rank_summary(per_rank)}
         return json.dumps(d, indent=2)
-
-    def close(self) -> None:
-        """Leave the process group (when this module started it)."""
-        import torch.distributed as dist
-
-        if getattr(self, "_owns_group", False) and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a dead peer: nothing left to tear down cleanly
-                pass
-
-    # -- failures ----------------------------------------------------------------------------
-    @staticmethod
-    def _dist():
-        import torch.distributed as dist
-
-        return dist
-
-    def _collective(self, fn, what: str):
-        """Run one collective; turn a dead or silent peer into a :class:`ParallelError`."""
-        try:
-            return fn()
-        except ParallelError:
-            raise
-        except Exception as e:  # gloo: RuntimeError on a reset connection or at the timeout; NCCL: DistBackendError
-            self.failed = True
-            who = self._missing_ranks()
-            name = (f"rank {', '.join(map(str, who))}" if who else
-                    f"rank {1 - self.rank}" if self.world == 2 else "another rank")
-            msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            raise ParallelError(
-                f"expert parallel: {name} stopped answering during {what} (rank {self.rank} of {self.world} "
-                f"waited at most {self.timeout_s:g} s): {msg}"
-            ) from None
-
-    def _missing_ranks(self) -> list[int]:
-        """Ranks that do not check in on the rendezvous store within 2 s (best effort: [] when
-        the store itself is gone)."""
-        try:
-            from torch.distributed import distributed_c10d as c10d
-
-            store = c10d._get_default_store()
-            store.set_timeout(datetime.timedelta(seconds=2))
-            store.set(f"moestream/alive/{self.rank}", "1")
-            time.sleep(1.0)
-            return [r for r in range(self.world) if r != self.rank and not store.check([f"moestream/alive/{r}"])]
-        except Exception:
-            return []
-
-
-def _all_gather_single(out: torch.Tensor, t: torch.Tensor) -> None:
-    """``all_gather_single`` (torch >= 2.13), else its older name ``all_gather_into_tensor``."""
-    import torch.distributed as dist
-
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, t)
-
-
-def _round8(n: int) -> int:
-    return (n + 7) // 8 * 8
-
-
-def _fill(buf: torch.Tensor, header: torch.Tensor, rows: torch.Tensor) -> None:
-    """``buf`` (uint8) <- the 32-byte header, then ``rows``' bytes."""
-    buf[:HEADER].copy_(header.view(torch.uint8))
-    if rows.numel():
-        raw = rows.contiguous().view(torch.uint8).reshape(-1)
-        buf[HEADER : HEADER + raw.numel()].copy_(raw)
-
-
-def _read_profile(checkpoint, model, num_experts: dict[int, int], usage_file) -> dict[int, list[float]] | None:
-    """This machine's usage profile for the model (:mod:`moestream.usage`), or None (none, or a bad one)."""
-    from pathlib import Path
-
-    router = next((n + ".gate.weight" for n, m in model.named_modules() if isinstance(m, StreamedMoE)), None)
-    model_id = model_identity(checkpoint, router)
-    path = Path(usage_file) if usage_file is not None else default_profile_path(checkpoint.path, model_id)
-    if not path.exists():
-        return None
-    counts, _ = read_profile(path, model_id, num_experts)
-    return counts
 
 
 def init_from_env(options) -> ExpertParallel | None:

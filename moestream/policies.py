@@ -96,22 +96,7 @@ class PriorityPolicy(EvictionPolicy):
         self._cached.discard(key)
 
     def victim(self, skip: Skip) -> Key | None:
-        skipped, found = [], None
-        while self._heap:
-            prio, key = heapq.heappop(self._heap)
-            if key not in self._cached or prio != self._prio[key]:
-                continue  # stale
-            if skip(key):
-                skipped.append((prio, key))
-                continue
-            found = (prio, key)
-            break
-        for item in skipped:
-            heapq.heappush(self._heap, item)
-        if found is not None:
-            heapq.heappush(self._heap, found)  # still cached until remove()
-            return found[1]
-        return None
+        return _heap_victim(self._heap, self._cached, self._prio, skip)
 
     def order(self) -> list[Key]:
         return sorted(self._cached, key=lambda k: (self._prio[k], k))
@@ -245,22 +230,9 @@ class LayerCyclePolicy(LFUDecayPolicy):
 
     def victim(self, skip: Skip) -> Key | None:
         for layer in self._scan():
-            heap = self._by_layer[layer]
-            skipped, found = [], None
-            while heap:
-                prio, key = heapq.heappop(heap)
-                if key not in self._cached or prio != self._prio[key]:
-                    continue
-                if skip(key):
-                    skipped.append((prio, key))
-                    continue
-                found = (prio, key)
-                break
-            for item in skipped:
-                heapq.heappush(heap, item)
+            found = _heap_victim(self._by_layer[layer], self._cached, self._prio, skip)
             if found is not None:
-                heapq.heappush(heap, found)
-                return found[1]
+                return found
         return None
 
     def order(self) -> list[Key]:
@@ -269,6 +241,28 @@ class LayerCyclePolicy(LFUDecayPolicy):
 
 
 POLICIES = ("lru", "lfu", "layer")
+
+
+def _heap_victim(heap: list, cached, prio: dict, skip: Skip) -> Key | None:
+    """The lowest-priority key of ``heap`` (``(priority, key)`` items, lazily deleted: an item whose key is no
+    longer ``cached`` or whose priority is not ``prio[key]`` is stale and dropped) that ``skip`` does not skip;
+    it stays on the heap (still cached until ``remove``), as do the skipped ones. None when there is none."""
+    skipped, found = [], None
+    while heap:
+        p, key = heapq.heappop(heap)
+        if key not in cached or p != prio[key]:
+            continue  # stale
+        if skip(key):
+            skipped.append((p, key))
+            continue
+        found = (p, key)
+        break
+    for item in skipped:
+        heapq.heappush(heap, item)
+    if found is not None:
+        heapq.heappush(heap, found)
+        return found[1]
+    return None
 
 
 def make_policy(name: str, half_life: float = 1024.0) -> EvictionPolicy:

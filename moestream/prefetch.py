@@ -245,33 +245,39 @@ class Prefetcher:
         over by :meth:`take`); those read ahead for it and not claimed are wasted."""
         self._dropping.extend(self._claimed.values())  # from a fetch abandoned before taking them
         self._claimed.clear()
-        s = self.stats
         for key in claimed:
             self._claimed[key] = self._staged.pop(key)
-            s.outstanding -= 1
-            s.hits += 1
-            n = self.store.expert_nbytes(key)
-            s.saved_bytes += n
-            if key in self._chunk:
-                self._chunk.discard(key)
-                s.chunk_hits += 1
-            else:
-                s.per_layer.setdefault(key[0], [0, 0, 0])[1] += 1
-                self._saved_bytes += n
+            self._decided(key, hit=True)
         waste = [k for k in self._staged if k[0] == layer]
         for key in waste:
             self._dropping.append(self._staged.pop(key))
-            s.outstanding -= 1
-            s.wasted += 1
-            n = self.store.expert_nbytes(key)
-            s.wasted_bytes += n
-            if key in self._chunk:
-                self._chunk.discard(key)
-                s.chunk_wasted += 1
-            else:
-                s.per_layer.setdefault(key[0], [0, 0, 0])[2] += 1
-                self._lost_bytes += n
+            self._decided(key, hit=False)
         self._judge()
+
+    def _decided(self, key: Key, hit: bool) -> None:
+        """A read ahead claimed (``hit``) or wasted, into the counters: a chunk's apart, decode's per layer and in
+        the bytes saved and lost that :meth:`_judge` weighs."""
+        s = self.stats
+        s.outstanding -= 1
+        n = self.store.expert_nbytes(key)
+        if hit:
+            s.hits += 1
+            s.saved_bytes += n
+        else:
+            s.wasted += 1
+            s.wasted_bytes += n
+        if key in self._chunk:
+            self._chunk.discard(key)
+            if hit:
+                s.chunk_hits += 1
+            else:
+                s.chunk_wasted += 1
+        else:
+            s.per_layer.setdefault(key[0], [0, 0, 0])[1 if hit else 2] += 1
+            if hit:
+                self._saved_bytes += n
+            else:
+                self._lost_bytes += n
 
     def _judge(self) -> None:
         """Switch decode read-ahead off once it has wasted more bytes than it saved (chunks aside)."""

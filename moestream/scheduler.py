@@ -28,7 +28,6 @@ KV caches are half written); the others go on. Cancelling one sequence never tou
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 import logging
 import threading
@@ -40,19 +39,11 @@ import torch
 
 from .engine import Engine
 from .errors import InputError
-from .generation import (
-    GenerationStats,
-    Sampler,
-    SamplingParams,
-    Step,
-    _check_request,
-    _logprob,
-    _step_text,
-    apply_penalties,
-    eos_ids,
-)
+from .generation import Step, _check_request, _logprob, _think_state, _Turn, eos_ids
+from .generation_stats import GenerationStats
+from .sampling import Sampler, SamplingParams, apply_penalties
 from .textstream import StopStrings
-from .tokenizer import StreamDecoder, current_turn, think_token_ids
+from .tokenizer import StreamDecoder
 
 log = logging.getLogger("moestream.scheduler")
 # Tokens one step computes at most (decode tokens first, then prefill chunks), and the longest chunk of one prompt
@@ -70,7 +61,7 @@ class Request:
     Attributes:
         ids: the prompt's token ids (int, within the vocabulary; not empty).
         max_tokens: tokens to generate at most (>= 1; capped by the model's context).
-        sampling: :class:`~moestream.generation.SamplingParams` (its ``seed`` seeds this sequence's own generator).
+        sampling: :class:`~moestream.sampling.SamplingParams` (its ``seed`` seeds this sequence's own generator).
         stop: stop strings (need the tokenizer); the text of one is never given.
         logprobs: None, or the top alternatives each step's :class:`~moestream.generation.TokenLogprob` lists.
         min_tokens: tokens generated before an end-of-sequence token may be picked (its logits are -inf
@@ -103,7 +94,7 @@ class Sequence:
     Attributes:
         id: a number unique in this process. request: its :class:`Request` (``max_tokens`` capped).
         state: ``waiting``, ``prefill``, ``decode`` or ``done``.
-        stats: a :class:`~moestream.generation.GenerationStats` (prompt, cached and generated tokens,
+        stats: a :class:`~moestream.generation_stats.GenerationStats` (prompt, cached and generated tokens,
             their ids, the logits' digest, times, finish reason; the engine-wide counters are not
             split between sequences).
         cached_tokens: prompt tokens whose keys and values came from the prefix cache.
@@ -148,46 +139,29 @@ class _Decoding:
         self.seq, self.req = seq, r
         self.sampler = Sampler(r.sampling)
         self.eos = eos_ids(engine)
-        self.stop_ids = set() if r.ignore_eos else self.eos
         self.min_mask = sorted(self.eos) if r.min_tokens and not r.ignore_eos else []
-        self.decoder = StreamDecoder(engine.tokenizer) if engine.tokenizer is not None else None
-        self.stopper = StopStrings(seq.stops)
-        self.think_end, self.think_closed = None, False
-        if not r.multi_think and engine.tokenizer is not None:
-            self.think_end = think_token_ids(engine.tokenizer)[1]
-            self.think_closed = self.think_end is not None and self.think_end in current_turn(r.ids, self.eos)
-        self.context = list(r.ids) if r.sampling.penalized else []
-        self.digest = hashlib.sha256()
+        decoder = StreamDecoder(engine.tokenizer) if engine.tokenizer is not None else None
+        # the tokens so far, the think state, the text: as generate's (the same _Turn), on the sequence's lists
+        self.turn = _Turn(seq.stats, r.max_tokens, set() if r.ignore_eos else self.eos, decoder, StopStrings(seq.stops),
+                          *_think_state(engine, r.ids, self.eos, r.multi_think), generated=seq.generated,
+                          context=list(r.ids) if r.sampling.penalized else [])
 
     def pick(self, logits: torch.Tensor) -> Step:
-        seq, r, stats = self.seq, self.req, self.seq.stats
+        seq, r, stats, turn = self.seq, self.req, self.seq.stats, self.turn
         n = len(seq.generated)
         last = logits[-1].float()
-        self.digest.update(last.contiguous().view(torch.int32).cpu().numpy().tobytes())
-        stats.logits_sha256 = self.digest.hexdigest()
-        processed = apply_penalties(last, self.context, seq.generated, r.sampling) if r.sampling.penalized else last
-        if self.think_closed:
+        turn.fingerprint(last.contiguous().view(torch.int32).cpu().numpy().tobytes())
+        processed = apply_penalties(last, turn.context, seq.generated, r.sampling) if r.sampling.penalized else last
+        if turn.think_closed:
             processed = processed.clone() if processed is last else processed
-            processed[self.think_end] = float("-inf")
+            processed[turn.think_end] = float("-inf")
         if self.min_mask and n < r.min_tokens:
             processed = processed.clone() if processed is last else processed
             processed[self.min_mask] = float("-inf")
         token = self.sampler(processed)
-        seq.generated.append(token)
-        if self.context:
-            self.context.append(token)
-        if self.think_end is not None and token == self.think_end:
-            self.think_closed = True
-        stats.generated_token_ids.append(token)
-        stats.generated_tokens = n + 1
-        is_eos = token in self.stop_ids
-        final = is_eos or n + 1 == r.max_tokens
-        text, hit = _step_text(self.decoder, self.stopper, token, is_eos, final)
-        reason = None
-        if is_eos or hit:
-            stats.finish_reason = reason = "stop"
-        elif final:
-            stats.finish_reason = reason = "length"
+        text, reason = turn.account(n, token)
+        if reason == "length":
+            stats.finish_reason = "length"
         lp = _logprob(processed, token, r.logprobs) if r.logprobs is not None else None
         return Step(token, text, last if r.keep_logits else None, lp, reason)
 

@@ -49,8 +49,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from .budget import GB
 from .errors import InputError, MoestreamError, PromptTooLongError, TemplateVariableError
-from .generation import GenerationStats, SamplingParams, Step, eos_ids, generate, generation_defaults
+from .generation import Step, eos_ids, generate
+from .generation_stats import GenerationStats
+from .sampling import SamplingParams, generation_defaults
 from .scheduler import Request as SequenceRequest
 from .scheduler import Scheduler
 from .serverguard import (
@@ -65,7 +68,6 @@ from .serverguard import (
 from .textstream import ReasoningSplitter
 from .tokenizer import PromptLimit, chat_ids, encode_text, prompt_opens_thinking, think_token_ids
 
-GB = 1e9
 log = logging.getLogger("moestream.server")
 T = TypeVar("T")
 

@@ -134,7 +134,7 @@ class BufferPool:
     """Host buffers for experts, each its own page-aligned private anonymous mapping, recycled
     when experts are evicted; at most ``max_free`` wait for reuse, the rest go back to the OS.
 
-    The base of :class:`moestream.tiered_cache.PinnedBufferPool` (page-locked for a device);
+    The base of :class:`moestream.host_tier.PinnedBufferPool` (page-locked for a device);
     the CPU store uses :class:`HugePagePool`. Buffers are page-aligned, so an O_DIRECT read
     lands in them in place too (at small-page speed).
     """

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moestream.engine import load
+from moestream.ep_placement import balanced_owners, contiguous_owners, placement, rank_loads
 from moestream.errors import MoestreamError
 from moestream.generation import SamplingParams, generate
-from moestream.parallel import balanced_owners, contiguous_owners, placement, rank_loads
 
 from .helpers import make_qwen3_moe
 
@@ -87,9 +87,9 @@ def _worker(rank: int, world: int, port: int, path: str, budget: str, out: str, 
     res: dict = {}
     options = dict(options or {})
     if "small_exchange" in options:  # 0: every combine sends its headers first (the prefill path)
-        import moestream.parallel
+        import moestream.ep_exchange
 
-        moestream.parallel.SMALL_EXCHANGE = options.pop("small_exchange")
+        moestream.ep_exchange.SMALL_EXCHANGE = options.pop("small_exchange")
     batched = options.pop("batched", False)
     try:
         opts = EngineOptions.make(budget, device="cpu", dist_timeout=timeout_s, ep_combine=combine, workers=2,

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from moestream import fused_moe as fm
+from moestream.copy_engine import CopyEngine
 from moestream.decode_graph import DecodeRunner, StaticDecodeKV, graph_unsupported, plan_segments
 from moestream.engine import load
 from moestream.models import ops
 from moestream.models.layers import KVCache, KVPool
+from moestream.slot_pool import SlotLayout, SlotPool, expert_slot_layout
 from moestream.store import ExpertStore
-from moestream.tiered_cache import CopyEngine, SlotLayout, SlotPool, TieredExpertCache, expert_slot_layout
+from moestream.tiered_cache import TieredExpertCache
 
 from .helpers import expert_bytes, qwen3_moe_fixture
 

@@ -10,7 +10,7 @@ import torch
 from moestream import fused_moe as fm
 from moestream.quant import affine
 from moestream.quant.formats import ExpertFormat, LinearFormat, Scheme
-from moestream.tiered_cache import SlotLayout
+from moestream.slot_pool import SlotLayout
 
 from .quant_helpers import fp8_quantize, mlx_quantize, mxfp4_quantize
 
@@ -294,8 +294,8 @@ def test_gpu_unsupported_names_the_layer_and_why():
 def test_inspect_gpu_line_for_quantized_attention_with_float_experts(quant_ckpts, tmp_path):
     """Attention quantized, experts float (convert --expert-bits 16): the fused kernel on float experts, and
     CUDA graphs (the resident linears are dequantized at load on CUDA); 4-bit experts: graphs too."""
+    from moestream.convert import ConvertSpec, convert
     from moestream.inspect import inspect
-    from moestream.quant.convert import ConvertSpec, convert
 
     out = convert(quant_ckpts / "float", tmp_path / "a4", ConvertSpec(32, 16, 16, 4, 4))
     gpu = next(ln for ln in inspect(str(out)).to_text().splitlines() if ln.startswith("on a GPU:"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moestream.errors import ConfigError, InputError
-from moestream.generation import Sampler, SamplingParams, apply_penalties, generation_defaults, resolve_sampling
+from moestream.sampling import Sampler, SamplingParams, apply_penalties, generation_defaults, resolve_sampling
 from moestream.textstream import ReasoningSplitter, StopStrings
 from moestream.tokenizer import (
     BUNDLED_QWEN3,

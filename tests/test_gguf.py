@@ -15,11 +15,11 @@ from gguf.quants import dequantize, quantize
 
 from moestream.engine import load
 from moestream.errors import CheckpointError
-from moestream.gguf_format import HF_MODULES, NAMES, hf_name, open_gguf
 from moestream.inspect import inspect
 from moestream.quant import ggml, native
 from moestream.quant.expert import QuantizedSwiGLU
 from moestream.quant.formats import ExpertFormat, LinearFormat, ggml_scheme
+from moestream.sources import HF_MODULES, NAMES, hf_name, open_gguf
 
 from .gguf_helpers import (
     K_SHAPE,

@@ -11,8 +11,8 @@ import torch
 from moestream.engine import load
 from moestream.errors import CheckpointError
 from moestream.generation import SamplingParams, generate
-from moestream.gguf_format import NAMES, hf_config, hf_name, open_gguf
 from moestream.inspect import inspect
+from moestream.sources import NAMES, hf_config, hf_name, open_gguf
 
 from .gguf_helpers import make_gpt_oss, make_hybrid, reference, write_gpt_oss_gguf, write_hybrid_gguf
 from .helpers import one_thread  # noqa: F401 (autouse: one intra-op thread)

@@ -9,7 +9,8 @@ import torch
 
 from moestream.cli import add_engine_args, engine_options
 from moestream.engine import load
-from moestream.gguf_format import compute_dtype, open_gguf
+from moestream.gguf_format import compute_dtype
+from moestream.sources import open_gguf
 
 from .gguf_helpers import (
     K_SHAPE,

@@ -13,8 +13,8 @@ from moestream import gguf_format
 from moestream import tokenizer as tokenizer_module
 from moestream.engine import load
 from moestream.errors import CheckpointError
-from moestream.gguf_format import open_gguf
 from moestream.inspect import inspect
+from moestream.sources import open_gguf
 from moestream.tokenizer import load_gguf_tokenizer, load_tokenizer
 
 from .gguf_helpers import make_model, write_gguf

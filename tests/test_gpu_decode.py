@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from moestream import fused_moe as fm
 from moestream.engine import load
-from moestream.tiered_cache import SlotLayout
+from moestream.slot_pool import SlotLayout
 
 from .helpers import make_qwen3_moe
 

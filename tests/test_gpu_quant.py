@@ -80,7 +80,7 @@ def quant_tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def real2_q4(tmp_path_factory):
     """Qwen3-30B-A3B's shapes, 2 layers, bf16 synth converted to 4-bit affine (group 64) by moestream convert."""
-    from moestream.quant.convert import ConvertSpec, convert
+    from moestream.convert import ConvertSpec, convert
     from moestream.synth import plan_synth, write_synth
 
     root = tmp_path_factory.mktemp("gpu-real-q")

@@ -9,19 +9,15 @@ import torch.nn.functional as F
 
 from moestream.budget import parse_host_budget, plan_host_budget
 from moestream.cache import ExpertCache
+from moestream.copy_engine import CopyEngine
 from moestream.engine import load
 from moestream.errors import BudgetError, ConfigError, MoestreamError
+from moestream.host_tier import HostTier, PinnedBufferPool
 from moestream.models.moe import swiglu_expert
 from moestream.options import EngineOptions
 from moestream.pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline
 from moestream.store import ExpertWeights
-from moestream.tiered_cache import (
-    CopyEngine,
-    HostTier,
-    PinnedBufferPool,
-    TieredExpertCache,
-    resolve_device,
-)
+from moestream.tiered_cache import TieredExpertCache, resolve_device
 
 from .helpers import expert_bytes, qwen3_moe_fixture
 

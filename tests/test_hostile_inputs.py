@@ -19,7 +19,8 @@ import pytest
 
 from moestream.cli import main
 from moestream.errors import CheckpointError
-from moestream.gguf_format import MAX_DEPTH, MAX_ITEMS, MAX_KEYS, MAX_NESTED_ITEMS, MAX_STRING_BYTES, open_gguf
+from moestream.gguf_format import MAX_DEPTH, MAX_ITEMS, MAX_KEYS, MAX_NESTED_ITEMS, MAX_STRING_BYTES
+from moestream.sources import open_gguf
 
 from .gguf_helpers import make_model, write_gguf
 from .helpers import write_tiny_synth_config

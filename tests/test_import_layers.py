@@ -16,12 +16,15 @@ LAYERS = [
      "quant.compressed quant.turboquant quant.hadamard quant.native quant.kernels"),
     ("expert layout", "layout"),
     ("expert store", "store direct_io"),
-    ("expert cache", "cache tiered_cache prefetch io_setup"),
+    ("expert cache", "cache tiered_cache host_tier copy_engine slot_pool prefetch io_setup"),
     ("expert pipeline and its GPU kernels", "pipeline fused_moe attention_kernel dense_kernel"),
     ("models", "models models.*"),
-    ("quantized models, synthetic checkpoints", "quant.model quant.expert quant.resident quant.convert synth synth_*"),
+    ("a checkpoint of any source opened", "sources"),
+    ("quantized models, convert, synthetic checkpoints", "quant.model quant.expert quant.resident convert synth "
+     "synth_*"),
     ("engine", "engine decode_graph usage cachesim traces prefix_cache"),
-    ("generation", "generation parallel scheduler"),
+    ("generation", "sampling generation_stats generation ep_group ep_placement ep_exchange ep_requests parallel "
+     "scheduler"),
     ("API, server, inspect", "api server serverguard inspect"),
     ("command line", "cli cli.* stream_generate __main__ __init__"),
 ]

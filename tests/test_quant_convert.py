@@ -9,10 +9,10 @@ import torch
 
 from moestream.checkpoint import Checkpoint
 from moestream.cli import main
+from moestream.convert import ConvertSpec, convert
 from moestream.engine import load
 from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
-from moestream.quant.convert import ConvertSpec, convert
 from moestream.quant.formats import QuantError
 from moestream.quant.resident import QuantLinear
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moestream.quant.convert import ConvertSpec, convert
+from moestream.convert import ConvertSpec, convert
 from moestream.usage import read_keys, read_profile
 
 from .helpers import make_qwen3_moe
@@ -83,7 +83,7 @@ def test_sigkill_during_a_write_leaves_the_previous_file(tmp_path, kind):
 
 SLOW_CONVERT = textwrap.dedent("""
     import builtins, sys, time
-    from moestream.quant.convert import ConvertSpec, convert
+    from moestream.convert import ConvertSpec, convert
     real_open = builtins.open
 
     class Slow:

@@ -51,9 +51,9 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> Path:
+    from ..convert import ConvertSpec, plan_convert, write_convert
     from ..engine import progress_bar
     from ..quant.affine import BITS
-    from ..quant.convert import ConvertSpec, plan_convert, write_convert
 
     if args.bits not in (*BITS, 16):
         raise MoestreamError(f"--bits {args.bits}: expected one of {BITS} or 16 (float)")

@@ -86,7 +86,7 @@ def _read_prompt(args: argparse.Namespace, inp) -> str | None:
 
 def _sampling(args: argparse.Namespace, defaults: dict):
     """SamplingParams from the flags, then ``defaults`` (generation_config.json), then the built-in defaults."""
-    from ..generation import resolve_sampling
+    from ..sampling import resolve_sampling
 
     try:
         return resolve_sampling(
@@ -224,7 +224,8 @@ class _Run:
     """One ``generate`` command on a loaded engine: one prompt, or the turns of ``--chat``."""
 
     def __init__(self, engine, args: argparse.Namespace, prompt: str | None, out, err, inp, distributed: bool):
-        from ..generation import Session, eos_ids, generation_defaults
+        from ..generation import Session, eos_ids
+        from ..sampling import generation_defaults
         from ..tokenizer import think_token_ids
 
         self.engine, self.args, self.prompt, self.out, self.err, self.inp = engine, args, prompt, out, err, inp
@@ -242,7 +243,7 @@ class _Run:
 
     def run(self):
         """Every turn; the stats of the last. Writes ``--stats-json``; re-raises a Ctrl-C after it."""
-        from ..generation import GenerationStats
+        from ..generation_stats import GenerationStats
 
         args, stats, interrupted, first = self.args, GenerationStats(), False, True
         try:

@@ -118,8 +118,9 @@ def run_hotlist(args: argparse.Namespace, out=None) -> list:
     import torch
 
     from ..engine import load
-    from ..generation import SamplingParams, generate
+    from ..generation import generate
     from ..options import EngineOptions
+    from ..sampling import SamplingParams
     from ..tokenizer import encode_prompt
     from ..usage import default_profile_path, ranked, read_profile, warn, write_keys
 

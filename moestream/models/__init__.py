@@ -2,8 +2,10 @@
 
 A family module provides ``MODEL_TYPES``, ``ModelArgs.from_config(cfg)``,
 ``Model(args)`` (a :class:`~moestream.models.base.CausalLM`), and ``synth_config`` /
-``synth_tensors`` for ``moestream synth``. Adding a family means adding its module: every
-module of this package that declares ``MODEL_TYPES`` is found by itself.
+``synth_tensors`` for ``moestream synth``, and optionally ``GGUF``: the
+:class:`~moestream.gguf_format.GGUFArchitecture` (or a tuple of them) by which llama.cpp's files of the family
+are read (:func:`gguf_architectures`). Adding a family means adding its module: every module of this package
+that declares ``MODEL_TYPES`` is found by itself, its ``GGUF`` with it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ..errors import ConfigError
+from ..gguf_format import GGUFArchitecture
 from .base import check_shared_fields
 
 
@@ -61,3 +64,21 @@ def family_for(cfg: dict, where: str = "config.json") -> ModuleType:
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return family
+
+
+@cache
+def gguf_architectures() -> dict[str, GGUFArchitecture]:
+    """``general.architecture`` -> the :class:`~moestream.gguf_format.GGUFArchitecture` a family module declares
+    as ``GGUF`` (one, or a tuple), over every family module (each imported once, when a GGUF file is opened).
+
+    Raises:
+        ValueError: two families declare one architecture.
+    """
+    out: dict[str, GGUFArchitecture] = {}
+    for module in sorted(set(_families().values())):
+        declared = getattr(importlib.import_module(module), "GGUF", ())
+        for spec in declared if isinstance(declared, tuple) else (declared,):
+            if spec.name in out and out[spec.name] is not spec:
+                raise ValueError(f"GGUF architecture {spec.name!r} is declared by two families ({module})")
+            out[spec.name] = spec
+    return dict(sorted(out.items(), key=lambda kv: kv[1].added))

@@ -24,7 +24,23 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..checkpoint import TensorInfo
+from ..errors import CheckpointError, ConfigError
+from ..gguf_format import (
+    DENSE,
+    MLA,
+    ROUTED,
+    SHARED_EXPERTS,
+    GGUFArchitecture,
+    GGUFFormat,
+    as_float32,
+    base_config,
+    expert_count,
+    float_weight,
+    logical_shape,
+    meta_value,
+)
+from ..quant import ggml
 from .base import (
     CausalLM,
     DecoderArgs,
@@ -119,7 +135,7 @@ class ModelArgs(DecoderArgs):
         return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
     def router(self):
-        """The routing function for :class:`SharedExpertMoE` (see the module docstring)."""
+        """The routing function for :class:`SummedSharedExpertsMoE` (see the module docstring)."""
         if self.scoring_func == "softmax":
             return partial(softmax_group_topk, top_k=self.num_experts_per_tok, n_group=self.n_group,
                            topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)
@@ -128,9 +144,10 @@ class ModelArgs(DecoderArgs):
                        routed_scaling_factor=self.routed_scaling_factor)
 
 
-class SharedExpertMoE(StreamedMoE):
+class SummedSharedExpertsMoE(StreamedMoE):
     """A streamed MoE block with a float32 router, an optional ``e_score_correction_bias``
-    and resident shared experts: ``routed(x) + shared_experts(x)``, x [T, H] -> [T, H].
+    and resident shared experts summed ungated: ``routed(x) + shared_experts(x)``, x [T, H] -> [T, H]
+    (Qwen-Next's one shared expert behind a sigmoid gate is :class:`moestream.models.hybrid.GatedSharedExpertMoE`).
 
     As transformers' ``DeepseekV3MoE`` / ``Glm4MoeMoE``. ``route`` is a routing function
     taking ``(logits [T, E] float32, bias=...)`` when ``correction_bias``, else ``logits`` alone.
@@ -177,7 +194,7 @@ class Model(CausalLM):
             rope="interleaved" if a.rope_interleave else "half",
         )
         if a.is_moe_layer(i):
-            mlp = SharedExpertMoE(
+            mlp = SummedSharedExpertsMoE(
                 a.hidden_size, a.n_routed_experts, i, a.router(), a.moe_intermediate_size * a.n_shared_experts,
                 correction_bias=a.scoring_func == "sigmoid", renormalize=a.norm_topk_prob,
             )
@@ -202,3 +219,151 @@ def synth_config(cfg: dict, layers: int) -> dict:
 
 
 synth_tensors = synth_tensors_of(Model, ModelArgs)
+
+
+# -- llama.cpp's GGUF files of this family: its GGUFArchitecture (moestream.gguf_format, docs/gguf.md) -----------
+def gguf_moe_config(meta: dict, tensors: dict[str, TensorInfo], where, spec: GGUFArchitecture) -> dict:
+    """:func:`base_config` and the routed-expert fields DeepSeek-V3's config has (and GLM-4.5's, which copies
+    it): routed and shared experts, their width, the leading dense blocks, the routing weights' scale and
+    renormalization, expert groups, and YaRN.
+
+    Raises:
+        CheckpointError: a required key missing or of the wrong type, no embedding, no experts.
+    """
+    p = spec.name + "."
+    cfg = base_config(meta, tensors, where, spec)
+    experts = expert_count(meta, p, where)
+    cfg.update({
+        "n_routed_experts": experts,
+        "moe_intermediate_size": meta_value(meta, p + "expert_feed_forward_length", where, minimum=1),
+        "n_shared_experts": meta_value(meta, p + "expert_shared_count", where, minimum=0),
+        "first_k_dense_replace": meta_value(meta, p + "leading_dense_block_count", where, minimum=0),
+        # llama.cpp's defaults where the converter leaves a key out: no scaling, no renormalization, one group
+        "routed_scaling_factor": meta_value(meta, p + "expert_weights_scale", where, float, default=1.0),
+        "norm_topk_prob": meta_value(meta, p + "expert_weights_norm", where, bool, default=False),
+        "n_group": meta_value(meta, p + "expert_group_count", where, default=1, minimum=1),
+    })
+    cfg["topk_group"] = meta_value(meta, p + "expert_group_used_count", where, default=cfg["n_group"], minimum=1)
+    # the dense layers' width: the leading dense blocks need it
+    dense = cfg["first_k_dense_replace"]
+    cfg["intermediate_size"] = meta_value(meta, p + "feed_forward_length", where, required=dense > 0,
+                                          default=None if dense else cfg["moe_intermediate_size"], minimum=1)
+    scaling = meta.get(p + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        cfg["rope_scaling"] = {
+            "rope_type": scaling, "factor": meta_value(meta, p + "rope.scaling.factor", where, float),
+            "original_max_position_embeddings": meta_value(meta, p + "rope.scaling.original_context_length", where),
+            # llama.cpp's YaRN defaults, as transformers'
+            "beta_fast": meta_value(meta, p + "rope.scaling.yarn_beta_fast", where, float, default=32.0),
+            "beta_slow": meta_value(meta, p + "rope.scaling.yarn_beta_slow", where, float, default=1.0)}
+    return cfg
+
+
+def gguf_gating(meta: dict, p: str, where, default: int) -> str:
+    """``expert_gating_func`` as transformers' ``scoring_func`` (llama.cpp: 1 softmax, 2 sigmoid)."""
+    gating = meta_value(meta, p + "expert_gating_func", where, default=default)
+    if gating not in (1, 2):
+        raise CheckpointError(f"{where}: metadata {p}expert_gating_func {gating}: moestream routes by softmax (1) or "
+                              "sigmoid (2)")
+    return "softmax" if gating == 1 else "sigmoid"
+
+
+def gguf_config(meta: dict, tensors: dict[str, TensorInfo], where, spec: GGUFArchitecture) -> dict:
+    """DeepSeek-V2/V2.5/V3/R1 and Kimi K2 (``deepseek2``), as convert_hf_to_gguf.py's ``DeepseekV2Model`` writes
+    them: family ``deepseek_v3`` when the experts are chosen by sigmoid (``expert_gating_func`` 2, with
+    ``exp_probs_b`` = ``e_score_correction_bias``, ``noaux_tc``), else ``deepseek_v2`` (softmax, the default for
+    V2 files without the key; greedy, or group-limited with ``expert_group_count`` > 1).
+
+    MLA: ``attention.kv_lora_rank``, ``q_lora_rank`` (absent: a plain ``q_proj``, V2-Lite), ``rope.dimension_count``
+    (the rope head dim) and the per-head q/k and v widths ``attention.key_length_mla`` / ``value_length_mla``
+    (files from before llama.cpp's absorbed MLA give them as ``key_length`` / ``value_length``; the new ones hold
+    the latent's widths there and ``head_count_kv`` 1). YaRN: llama.cpp keeps only ``yarn_log_multiplier``
+    (0.1 * ``mscale_all_dim``) and assumes ``mscale`` = ``mscale_all_dim``, so the rotary cos/sin are unscaled
+    and the softmax scale takes ``mscale(factor, mscale_all_dim)^2``, as transformers when the two are equal.
+
+    Raises:
+        CheckpointError: a required key (the MLA widths, expert widths and counts, ``leading_dense_block_count``)
+            missing or of the wrong type, naming the file and key.
+    """
+    p = "deepseek2."
+    cfg = gguf_moe_config(meta, tensors, where, spec)
+    rope_dim = meta_value(meta, p + "rope.dimension_count", where, minimum=1)
+    qk = meta_value(meta, p + "attention.key_length_mla", where, required=False, minimum=1)
+    if qk is not None:
+        v = meta_value(meta, p + "attention.value_length_mla", where, minimum=1)
+    else:
+        qk = meta_value(meta, p + "attention.key_length", where, minimum=1)
+        v = meta_value(meta, p + "attention.value_length", where, minimum=1)
+    if qk <= rope_dim:
+        raise CheckpointError(f"{where}: metadata {p}attention.key_length_mla {qk} leaves no unrotated key dims "
+                              f"beside rope.dimension_count {rope_dim}")
+    scoring = gguf_gating(meta, p, where, default=1)
+    groups = cfg["n_group"]
+    cfg.update({
+        "model_type": "deepseek_v3" if scoring == "sigmoid" else "deepseek_v2",
+        "architectures": ["DeepseekV3ForCausalLM" if scoring == "sigmoid" else "DeepseekV2ForCausalLM"],
+        "num_key_value_heads": cfg["num_attention_heads"],  # the converter writes MLA's latent as one kv head
+        "q_lora_rank": meta_value(meta, p + "attention.q_lora_rank", where, required=False, minimum=1),
+        "kv_lora_rank": meta_value(meta, p + "attention.kv_lora_rank", where, minimum=1),
+        "qk_nope_head_dim": qk - rope_dim, "qk_rope_head_dim": rope_dim, "v_head_dim": v,
+        "scoring_func": scoring,
+        "topk_method": "noaux_tc" if scoring == "sigmoid" else "group_limited_greedy" if groups > 1 else "greedy",
+        "moe_layer_freq": 1,  # llama.cpp's deepseek2 graph: every layer from leading_dense_block_count on is MoE
+        # DeepseekV2Model does not permute q/k: the rope dims stay in DeepSeek's interleaved pairs (llama.cpp
+        # ropes deepseek2 as LLAMA_ROPE_TYPE_NORM, adjacent pairs)
+        "rope_interleave": True,
+    })
+    cfg.pop("head_dim")  # key_length is the latent's width here; MLA's head dims are the fields above
+    rope = cfg.get("rope_scaling")
+    if rope is not None and rope["rope_type"] == "yarn":
+        log_mul = meta_value(meta, p + "rope.scaling.yarn_log_multiplier", where, float, default=0.0)
+        rope.update(mscale=log_mul / 0.1, mscale_all_dim=log_mul / 0.1, attention_factor=1.0)
+    return cfg
+
+
+def _kv_b(k_b: TensorInfo, v_b: TensorInfo, ckpt) -> torch.Tensor:
+    """``kv_b_proj`` [H * (nope + v), rank] float32 from llama.cpp's ``attn_k_b`` [H, rank, nope] and ``attn_v_b``
+    [H, v, rank]: per head the key rows (k_b transposed back) then the value rows."""
+    wk, wv = float_weight(k_b, ckpt), float_weight(v_b, ckpt)
+    return torch.cat([wk.transpose(1, 2), wv], dim=1).reshape(-1, wk.shape[1]).contiguous()
+
+
+def gguf_tensors(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
+    """``kv_b_proj`` back as transformers has it, a derived float32 tensor (MLA reads its rows directly, so it is
+    never a quantized linear):
+
+    * from ``attn_k_b`` + ``attn_v_b``: convert_hf_to_gguf.py's ``DeepseekV2Model`` (llama.cpp's absorbed MLA,
+      2025 on) views ``kv_b_proj`` [H * (nope + v), rank] as [H, nope + v, rank], splits it into k_b [H, nope,
+      rank] and v_b [H, v, rank] and stores k_b transposed, [H, rank, nope] (quantized along nope);
+    * from ``attn_kv_b`` (older files), dequantized when it is block-quantized.
+
+    Raises:
+        CheckpointError: a layer with one half of the split, or a shape the config does not imply.
+    """
+    heads, rank = cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    for k_name in [n for n in tensors if n.endswith(".self_attn.k_b_proj.weight")]:
+        attn = k_name[: -len(".k_b_proj.weight")]
+        v_name, kv_name = attn + ".v_b_proj.weight", attn + ".kv_b_proj.weight"
+        if v_name not in tensors:
+            raise CheckpointError(f"{where}: tensor {tensors[k_name].name!r} has no attn_v_b beside it")
+        k_b, v_b = tensors.pop(k_name), tensors.pop(v_name)
+        if kv_name in tensors:  # a file holding both forms: the stored kv_b_proj is read (below)
+            continue
+        for info, want in ((k_b, (heads, rank, nope)), (v_b, (heads, v, rank))):
+            if logical_shape(info) != want:
+                raise CheckpointError(f"{info.file}: tensor {info.name!r} is {list(logical_shape(info))}; the "
+                                      f"metadata (heads, kv_lora_rank, qk_nope, v) implies {list(want)}")
+        tensors[kv_name] = as_float32(k_b, kv_name, (heads * (nope + v), rank))
+        derived[kv_name] = partial(_kv_b, k_b, v_b)
+    for name, info in list(tensors.items()):
+        if name.endswith(".self_attn.kv_b_proj.weight") and name not in derived and ggml.block_type(info.dtype):
+            tensors[name] = as_float32(info, name, logical_shape(info))
+            derived[name] = partial(float_weight, info)
+
+
+GGUF = GGUFArchitecture(
+    "deepseek2", "deepseek_v3", "DeepseekV3ForCausalLM",  # deepseek_v2 when it routes by softmax (gguf_config)
+    ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.o_proj", *MLA, *ROUTED, *DENSE,
+     *SHARED_EXPERTS),
+    gguf_config, gguf_tensors, own_head_dims=True, added=4)

@@ -17,9 +17,16 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..errors import ConfigError
+from ..checkpoint import TensorInfo
+from ..errors import CheckpointError, ConfigError
+from ..gguf_format import ATTN, DENSE, QK_NORM, ROUTED, SHARED_EXPERTS, GGUFArchitecture, meta_value
 from .base import CausalLM, DecoderArgs, config_field, derived, synth_tensors_of
-from .deepseek import SharedExpertMoE, synth_config  # noqa: F401 (the same cut: no MTP layers, no quantization)
+from .deepseek import (  # noqa: F401 (synth_config: the same cut: no MTP layers, no quantization)
+    SummedSharedExpertsMoE,
+    gguf_gating,
+    gguf_moe_config,
+    synth_config,
+)
 from .layers import MLP, Attention, DecoderLayer
 from .moe import sigmoid_group_topk
 from .rope import RotaryEmbedding, make_rope, rope_parameters
@@ -114,7 +121,7 @@ class Model(CausalLM):
         attn = GlmAttention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                             a.attention_bias, a.rms_norm_eps if a.use_qk_norm else None)
         if a.is_moe_layer(i):
-            mlp = SharedExpertMoE(a.hidden_size, a.n_routed_experts, i, _router(a),
+            mlp = SummedSharedExpertsMoE(a.hidden_size, a.n_routed_experts, i, _router(a),
                                   a.moe_intermediate_size * a.n_shared_experts, correction_bias=True,
                                   renormalize=a.norm_topk_prob)
         else:
@@ -127,3 +134,45 @@ class Model(CausalLM):
 
 
 synth_tensors = synth_tensors_of(Model, ModelArgs)
+
+
+# -- llama.cpp's GGUF files of this family: its GGUFArchitecture (moestream.gguf_format, docs/gguf.md) -----------
+def gguf_config(meta: dict, tensors: dict[str, TensorInfo], where, spec: GGUFArchitecture) -> dict:
+    """GLM-4.5 / GLM-4.6 (``glm4moe``), as convert_hf_to_gguf.py's ``Glm4MoeModel`` writes them: family
+    ``glm4_moe``. ``block_count`` includes the ``nextn_predict_layers`` multi-token-prediction layers written
+    after the decoder layers (loaded by no family: reported unused); ``rope.dimension_count`` is the rotated part
+    of each head (``partial_rotary_factor``); the sigmoid router's bias is ``exp_probs_b``; ``attention_bias`` and
+    ``use_qk_norm`` are read off the tensors (``attn_q.bias``, ``attn_q_norm``). Neither q nor k is permuted
+    (llama.cpp ropes glm4moe NEOX-style, transformers' rotate-half).
+
+    Raises:
+        CheckpointError: a required key missing or of the wrong type (naming the file and key), softmax
+            routing, or a rotary width the family cannot take.
+    """
+    p = "glm4moe."
+    cfg = gguf_moe_config(meta, tensors, where, spec)
+    if gguf_gating(meta, p, where, default=2) != "sigmoid":  # llama.cpp's default for glm4moe
+        raise CheckpointError(f"{where}: metadata {p}expert_gating_func 1 (softmax): glm4_moe routes by sigmoid (2)")
+    nextn = meta_value(meta, p + "nextn_predict_layers", where, default=0, minimum=0)
+    head_dim = cfg["head_dim"]
+    rot = meta_value(meta, p + "rope.dimension_count", where, default=head_dim, minimum=1)
+    factor = rot / head_dim
+    if int(head_dim * factor) != rot:  # the family rebuilds the rotary width as int(head_dim * factor)
+        raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} of head dim {head_dim} is not a "
+                              "rotary fraction glm4_moe can represent")
+    if nextn >= cfg["num_hidden_layers"]:
+        raise CheckpointError(f"{where}: metadata {p}nextn_predict_layers {nextn} leaves no decoder layers of "
+                              f"block_count {cfg['num_hidden_layers']}")
+    cfg.update({
+        "num_hidden_layers": cfg["num_hidden_layers"] - nextn, "num_nextn_predict_layers": nextn,
+        "partial_rotary_factor": factor,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
+        "use_qk_norm": "model.layers.0.self_attn.q_norm.weight" in tensors,
+    })
+    return cfg
+
+
+GGUF = GGUFArchitecture("glm4moe", "glm4_moe", "Glm4MoeForCausalLM",
+                        ATTN + QK_NORM + ROUTED + DENSE + SHARED_EXPERTS,  # post_attention_layernorm is
+                        # llama.cpp's post_attention_norm there (glm4moe has no ffn_norm)
+                        gguf_config, added=5)

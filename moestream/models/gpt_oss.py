@@ -24,7 +24,9 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..checkpoint import TensorInfo
+from ..errors import CheckpointError, ConfigError
+from ..gguf_format import ATTN, GGUFArchitecture, GGUFFormat, base_config, bools, meta_value, moe_checks, one_head_dim
 from ..quant import native
 from . import ops
 from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, synth_tensors_of
@@ -221,3 +223,81 @@ def synth_config(cfg: dict, layers: int) -> dict:
 
 
 synth_tensors = synth_tensors_of(Model, ModelArgs)
+
+
+# -- llama.cpp's GGUF files of this family: its GGUFArchitecture (moestream.gguf_format, docs/gguf.md) -----------
+def gguf_config(meta: dict, tensors: dict, where, spec: GGUFArchitecture) -> dict:
+    """gpt-oss (``gpt-oss``): GptOssModel.set_gguf_parameters' keys. The sliding layers follow
+    ``attention.sliding_window_pattern`` (bools, or a period n: layer i slides when ``i % n < n - 1``),
+    default 2, as llama.cpp (sliding, full, ...). The YaRN parameters come from ``rope.scaling.*``;
+    ``truncate`` is false, as the published configs and OpenAI's reference (ggml's YaRN rounds the
+    correction range, a difference from llama.cpp). The clamped SwiGLU's alpha 1.702 and limit 7.0 are
+    fixed in llama.cpp's graph, so the config holds those.
+    """
+    p = "gpt-oss."
+    cfg = base_config(meta, tensors, where, spec)
+    one_head_dim(meta, p, where, cfg)
+    layers = cfg["num_hidden_layers"]
+    experts = moe_checks(meta, p, where, "gpt_oss")
+    rot = meta_value(meta, p + "rope.dimension_count", where, required=False, minimum=1)
+    if rot is not None and rot != cfg["head_dim"]:
+        raise CheckpointError(f"{where}: metadata {p}rope.dimension_count {rot} is not the head dim "
+                              f"{cfg['head_dim']}: partial rotary embeddings are not supported for gpt_oss")
+    pattern = meta.get(p + "attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = bools(meta, p + "attention.sliding_window_pattern", where, layers)
+    else:
+        n = meta_value(meta, p + "attention.sliding_window_pattern", where, default=2, required=False, minimum=0)
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    scaling = meta.get(p + "rope.scaling.type")
+    theta = cfg["rope_theta"]
+    if scaling in (None, "none"):
+        rope = {"rope_type": "default", "rope_theta": theta}
+    elif scaling == "yarn":
+        for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
+            if meta.get(p + key) is not None:
+                raise CheckpointError(f"{where}: metadata {p}{key} is set; gpt_oss computes YaRN's default "
+                                      "extrapolation and attention factors only")
+        rope = {"rope_type": "yarn", "rope_theta": theta,
+                "factor": meta_value(meta, p + "rope.scaling.factor", where, float),
+                "original_max_position_embeddings": meta_value(meta, p + "rope.scaling.original_context_length", where),
+                "beta_fast": meta_value(meta, p + "rope.scaling.yarn_beta_fast", where, float, default=32.0),
+                "beta_slow": meta_value(meta, p + "rope.scaling.yarn_beta_slow", where, float, default=1.0),
+                "truncate": False}
+    else:
+        raise CheckpointError(f"{where}: metadata {p}rope.scaling.type {scaling!r}: gpt_oss computes YaRN or "
+                              "the default rotary embedding")
+    cfg.update({
+        "num_hidden_layers": layers,
+        "intermediate_size": meta_value(meta, p + "expert_feed_forward_length", where, minimum=1),
+        "num_local_experts": experts,
+        "sliding_window": meta_value(meta, p + "attention.sliding_window", where, minimum=1),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_parameters": rope,
+        "swiglu_limit": 7.0, "attention_bias": True,
+    })
+    return cfg
+
+
+def gguf_tensors(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
+    """GptOssModel's renames undone: ``attn_sinks.weight`` is the bare ``self_attn.sinks``. Its other
+    transformations (gate_up de-interleaved into ``ffn_gate_exps``/``ffn_up_exps`` with their biases, ``down``
+    transposed into nn.Linear orientation) give the stacked layout the family reads through its
+    ``adapt_to_source`` (separate gate and up experts), so nothing else is undone.
+
+    Raises:
+        CheckpointError: fused gate/up experts (a converter option moestream does not read).
+    """
+    for name in list(tensors):
+        if name.endswith(".self_attn.sinks.weight"):
+            tensors[name[: -len(".weight")]] = tensors.pop(name)
+        elif ".ffn_gate_up_exps." in name:
+            raise CheckpointError(f"{where}: tensor {name!r}: gate and up experts fused into one tensor "
+                                  "(convert_hf_to_gguf.py's fuse option) are not read yet")
+
+
+# GptOssModel: experts de-interleaved into gate and up, each with its bias; the router is mlp.router
+GGUF = GGUFArchitecture("gpt-oss", "gpt_oss", "GptOssForCausalLM",
+                        ATTN + ("self_attn.sinks", "mlp.router", "mlp.experts.gate_proj", "mlp.experts.up_proj",
+                                "mlp.experts.down_proj"),
+                        gguf_config, gguf_tensors, added=8)

@@ -300,7 +300,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out)
 
 
-class SharedExpertMoE(StreamedMoE):
+class GatedSharedExpertMoE(StreamedMoE):
     """Streamed routed experts plus one resident shared expert behind a sigmoid gate,
     as transformers' ``Qwen3NextSparseMoeBlock``: ``routed(x) + sigmoid(shared_expert_gate x) * shared_expert(x)``.
 

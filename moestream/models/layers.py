@@ -61,26 +61,7 @@ class KVCache:
         Returns the layer's keys and values for positions ``0..start+T``.
         """
         end = start + k.shape[1]
-        entry = self.layers[layer]
-        if entry is None and self.storage is not None:
-            entry = self.storage.tensors(layer, k.shape[0], k.shape[2], v.shape[2], k, end)
-            if entry is not None:
-                self.layers[layer] = entry
-                self.version += 1
-        if entry is None or entry[0].shape[1] < end:
-            self.version += 1
-            cap = max(self.capacity, end)
-            while cap < end:
-                cap *= 2
-            if entry is not None:
-                cap = max(cap, 2 * entry[0].shape[1])
-            nk = k.new_empty(k.shape[0], cap, k.shape[2])
-            nv = v.new_empty(v.shape[0], cap, v.shape[2])
-            if entry is not None and start:
-                nk[:, :start] = entry[0][:, :start]
-                nv[:, :start] = entry[1][:, :start]
-            entry = (nk, nv)
-            self.layers[layer] = entry
+        entry = self._room(layer, end, k, v, k.shape[0], v.shape[0], k.shape[2], v.shape[2], keep=start)
         entry[0][:, start:end] = k
         entry[1][:, start:end] = v
         return entry[0][:, :end], entry[1][:, :end]
@@ -94,9 +75,16 @@ class KVCache:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's key and value storage [kv_heads, capacity, head_dim] with room for positions ``0..end``
         (grown as :meth:`update` grows it; ``like`` gives the dtype and device): for a kernel that writes into it."""
+        return self._room(layer, end, like, like, kv_heads, kv_heads, head_dim, head_dim)
+
+    def _room(self, layer: int, end: int, k_like: torch.Tensor, v_like: torch.Tensor, k_heads: int, v_heads: int,
+              k_dim: int, v_dim: int, keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value storage with room for positions ``0..end``: leased from the pool on first
+        use, else grown (the capacity doubled past the need, at least twice the old one), a grown one keeping
+        its first ``keep`` positions (None: all of them). ``version`` counts each change of the tensors."""
         entry = self.layers[layer]
         if entry is None and self.storage is not None:
-            entry = self.storage.tensors(layer, kv_heads, head_dim, head_dim, like, end)
+            entry = self.storage.tensors(layer, k_heads, k_dim, v_dim, k_like, end)
             if entry is not None:
                 self.layers[layer] = entry
                 self.version += 1
@@ -107,12 +95,12 @@ class KVCache:
                 cap *= 2
             if entry is not None:
                 cap = max(cap, 2 * entry[0].shape[1])
-            nk = like.new_empty(kv_heads, cap, head_dim)
-            nv = like.new_empty(kv_heads, cap, head_dim)
-            if entry is not None:
-                n = entry[0].shape[1]
-                nk[:, :n] = entry[0]
-                nv[:, :n] = entry[1]
+            nk = k_like.new_empty(k_heads, cap, k_dim)
+            nv = v_like.new_empty(v_heads, cap, v_dim)
+            n = 0 if entry is None else entry[0].shape[1] if keep is None else keep
+            if n:
+                nk[:, :n] = entry[0][:, :n]
+                nv[:, :n] = entry[1][:, :n]
             entry = self.layers[layer] = (nk, nv)
         return entry
 

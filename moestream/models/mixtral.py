@@ -9,11 +9,14 @@ float32, top-k, always renormalized, SwiGLU experts stored per expert as ``w1`` 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from ..checkpoint import TensorInfo
+from ..gguf_format import ATTN, GGUFArchitecture, GGUFFormat, meta_value, softmax_moe_config
 from .base import CausalLM, DecoderArgs, check_top_k, config_field, synth_tensors_of
 from .layers import Attention, DecoderLayer
 from .moe import StreamedMoE, softmax_topk
@@ -67,3 +70,47 @@ def synth_config(cfg: dict, layers: int) -> dict:
 
 
 synth_tensors = synth_tensors_of(Model, ModelArgs)
+
+
+# -- llama.cpp's GGUF files of this family: its GGUFArchitecture (moestream.gguf_format, docs/gguf.md) -----------
+def gguf_config(meta: dict, tensors: dict[str, TensorInfo], where, spec: GGUFArchitecture) -> dict:
+    """Mixtral (``llama`` with experts): softmax routing, full rotary, every layer MoE
+    (:func:`moestream.gguf_format.softmax_moe_config`); convert_hf_to_gguf.py writes the experts' width as
+    ``feed_forward_length``."""
+    cfg, experts = softmax_moe_config(meta, tensors, where, spec)
+    p = spec.name + "."
+    cfg["num_local_experts"] = experts
+    ff = meta_value(meta, p + "feed_forward_length", where, required=False, minimum=1)
+    cfg["intermediate_size"] = meta_value(meta, p + "expert_feed_forward_length", where, default=ff, minimum=1)
+    return cfg
+
+
+def _unpermute(info: TensorInfo, heads: int, ckpt) -> torch.Tensor:
+    """q or k rows [heads * D, ...] back in Hugging Face order from llama.cpp's (``LlamaModel.permute``
+    stores row ``(h, i, j)`` of each head's pairs for Hugging Face row ``(h, j, i)``; j in 0..1, i < D/2).
+    Whole rows move, so it holds for block-quantized rows too."""
+    t = ckpt.read_info(info)
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def gguf_tensors(tensors: dict[str, TensorInfo], cfg: dict, derived: dict, where, fmt: GGUFFormat) -> None:
+    """Mixtral (``llama``): the q and k rows convert_hf_to_gguf.py permutes (``LlamaModel.permute``, for llama.cpp's
+    interleaved rotary embedding) read back into Hugging Face order (:func:`_unpermute`; whole rows move, any type)."""
+    for hf, info in tensors.items():
+        m = re.match(r"^model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$", hf)
+        if m:
+            heads = cfg["num_attention_heads"] if m[1] == "q" else cfg["num_key_value_heads"]
+            derived[hf] = partial(_unpermute, info, heads)
+
+
+# Names gguf's map no longer lists: Mixtral conversions from before llama.cpp stacked the experts (early 2024),
+# one tensor per expert (llama.cpp still reads them)
+GGUF = GGUFArchitecture(
+    "llama", "mixtral", "MixtralForCausalLM",
+    ATTN + ("block_sparse_moe.gate", "block_sparse_moe.experts.w1", "block_sparse_moe.experts.w3",
+            "block_sparse_moe.experts.w2"),  # Mixtral: llama with experts
+    gguf_config, gguf_tensors, added=2,
+    extra_names=(("blk.{i}.ffn_gate.{e}", "model.layers.{i}.block_sparse_moe.experts.{e}.w1"),
+                 ("blk.{i}.ffn_up.{e}", "model.layers.{i}.block_sparse_moe.experts.{e}.w3"),
+                 ("blk.{i}.ffn_down.{e}", "model.layers.{i}.block_sparse_moe.experts.{e}.w2")))

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+from ..checkpoint import TensorInfo
 from ..errors import ConfigError
+from ..gguf_format import ATTN, QK_NORM, ROUTED, GGUFArchitecture, meta_value, softmax_moe_config
 from .base import CausalLM, DecoderArgs, check_top_k, config_field, synth_tensors_of
 from .layers import DecoderLayer
 from .moe import StreamedMoE, softmax_topk
@@ -65,3 +67,23 @@ def synth_config(cfg: dict, layers: int) -> dict:
 
 
 synth_tensors = synth_tensors_of(Model, ModelArgs)
+
+
+# -- llama.cpp's GGUF files of this family: its GGUFArchitecture (moestream.gguf_format, docs/gguf.md) -----------
+def gguf_config(meta: dict, tensors: dict[str, TensorInfo], where, spec: GGUFArchitecture) -> dict:
+    """OLMoE (``olmoe``): softmax routing, full rotary, every layer MoE
+    (:func:`moestream.gguf_format.softmax_moe_config`). ``OlmoeModel`` writes the experts' width as
+    ``feed_forward_length``; llama.cpp's graph renormalizes the top-k weights only when told
+    (``expert_weights_norm``, default false). q and k are stored as Hugging Face has them."""
+    cfg, experts = softmax_moe_config(meta, tensors, where, spec)
+    p = spec.name + "."
+    cfg["num_experts"] = experts
+    cfg["norm_topk_prob"] = meta_value(meta, p + "expert_weights_norm", where, bool, default=False)
+    ff = meta_value(meta, p + "feed_forward_length", where, required=False, minimum=1)
+    cfg["intermediate_size"] = meta_value(meta, p + "expert_feed_forward_length", where, default=ff, minimum=1)
+    return cfg
+
+
+GGUF = GGUFArchitecture("olmoe", "olmoe", "OlmoeForCausalLM",
+                        ATTN + QK_NORM + ROUTED,  # q_norm and k_norm over the whole projection, as HF
+                        gguf_config, added=3)

@@ -55,31 +55,28 @@ def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return y if bias is None else y + bias
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """``F.silu(x)`` (x / (1 + e^-x)), in x's dtype."""
+def _activation(name: str, x: torch.Tensor, reference, *args) -> torch.Tensor:
+    """Activation ``name`` of ``x`` by the compiled kernel on the CPU where it has one, else ``reference(x)``."""
     if _cpu(x):
-        y = native.activation("silu", x)
+        y = native.activation(name, x, *args)
         if y is not None:
             return y
-    return F.silu(x)
+    return reference(x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu(x)`` (x / (1 + e^-x)), in x's dtype."""
+    return _activation("silu", x, F.silu)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """``torch.sigmoid(x)``, in x's dtype."""
-    if _cpu(x):
-        y = native.activation("sigmoid", x)
-        if y is not None:
-            return y
-    return torch.sigmoid(x)
+    return _activation("sigmoid", x, torch.sigmoid)
 
 
 def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
     """``F.softplus(x)`` (beta 1; x itself above ``threshold``), in x's dtype."""
-    if _cpu(x):
-        y = native.activation("softplus", x, threshold)
-        if y is not None:
-            return y
-    return F.softplus(x, threshold=threshold)
+    return _activation("softplus", x, lambda t: F.softplus(t, threshold=threshold), threshold)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, mode: str = "weight") -> torch.Tensor:

@@ -23,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..gguf_format import ATTN, DELTANET, QK_NORM, ROUTED, SHARED_EXPERT, GGUFArchitecture
 from .base import derived, synth_tensors_of
 from .qwen3_next import Model as NextModel
 from .qwen3_next import ModelArgs as NextArgs
 from .qwen3_next import adapt_to_source as _next_adapt
-from .qwen3_next import skipped_note
+from .qwen3_next import gguf_config, gguf_tensors, skipped_note
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 TEXT_ONLY = "qwen3_5_moe_text"
@@ -108,3 +109,10 @@ def synth_config(cfg: dict, layers: int) -> dict:
 
 
 synth_tensors = synth_tensors_of(Model, ModelArgs)
+
+
+# -- llama.cpp's GGUF files of this family: its GGUFArchitecture (moestream.gguf_format, docs/gguf.md) -----------
+GGUF = GGUFArchitecture("qwen35moe", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM",  # the text model at model.layers
+                        ATTN + QK_NORM + ROUTED + DELTANET + SHARED_EXPERT + (
+                            "linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+                        gguf_config, gguf_tensors, added=7)  # Qwen3-Next's builder and rewrites (qwen3_next.py)

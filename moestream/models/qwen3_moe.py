@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+from ..checkpoint import TensorInfo
 from ..errors import ConfigError
+from ..gguf_format import ATTN, QK_NORM, ROUTED, GGUFArchitecture, meta_value, softmax_moe_config
 from .base import CausalLM, DecoderArgs, check_top_k, config_field, derived, positive, synth_tensors_of
 from .layers import MLP, Attention, DecoderLayer
 from .moe import StreamedMoE, softmax_topk
@@ -77,3 +79,23 @@ def synth_config(cfg: dict, layers: int) -> dict:
 
 
 synth_tensors = synth_tensors_of(Model, ModelArgs)
+
+
+# -- llama.cpp's GGUF files of this family: its GGUFArchitecture (moestream.gguf_format, docs/gguf.md) -----------
+def gguf_config(meta: dict, tensors: dict[str, TensorInfo], where, spec: GGUFArchitecture) -> dict:
+    """Qwen3-MoE (``qwen3moe``): softmax routing, full rotary, every layer MoE
+    (:func:`moestream.gguf_format.softmax_moe_config`); the experts' width is ``expert_feed_forward_length``.
+    llama.cpp's graph always renormalizes the top-k router weights (``norm_topk_prob``), which the metadata
+    does not say. q and k are stored as Hugging Face has them: nothing is undone."""
+    cfg, experts = softmax_moe_config(meta, tensors, where, spec)
+    p = spec.name + "."
+    cfg["num_experts"] = experts
+    cfg["moe_intermediate_size"] = meta_value(meta, p + "expert_feed_forward_length", where, minimum=1)
+    cfg["norm_topk_prob"] = meta_value(meta, p + "expert_weights_norm", where, bool, default=True)
+    # feed_forward_length is the dense MLP's width (unused while every layer is MoE)
+    cfg["intermediate_size"] = meta_value(meta, p + "feed_forward_length", where,
+                                          default=cfg["moe_intermediate_size"], minimum=1)
+    return cfg
+
+
+GGUF = GGUFArchitecture("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", ATTN + QK_NORM + ROUTED, gguf_config, added=1)

@@ -15,10 +15,10 @@ import torch
 
 from .. import fused_moe
 from ..checkpoint import torch_dtype
+from ..convert import padding_tensors  # noqa: F401  (the engine skips convert's padding tensors)
 from ..models.moe import swiglu_expert
 from . import turboquant
 from .compressed import module_pattern
-from .convert import padding_tensors  # noqa: F401  (the engine skips convert's padding tensors)
 from .expert import QuantizedSwiGLU, expert_fn_for
 from .formats import (
     Q8_ACTIVATION_TYPES,

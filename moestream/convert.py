@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import (
+from .checkpoint import (
     INDEX_FILE,
     Checkpoint,
     dtype_size,
@@ -47,11 +47,11 @@ from ..checkpoint import (
     shard_bytes,
     torch_dtype,
 )
-from ..errors import ConfigError, MoestreamError
-from ..layout import discover_experts
-from ..mlx_format import open_checkpoint
-from . import affine, fp8
-from .formats import QuantConfig, QuantError
+from .errors import ConfigError, MoestreamError
+from .layout import discover_experts
+from .quant import affine, fp8
+from .quant.formats import QuantConfig, QuantError
+from .sources import open_checkpoint
 
 ALIGN = 4096
 PAD_PREFIX = "moestream.pad."
