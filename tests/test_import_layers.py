@@ -20,7 +20,7 @@ LAYERS = [
     ("expert pipeline and its GPU kernels", "pipeline fused_moe attention_kernel dense_kernel"),
     ("models", "models models.*"),
     ("quantized models, synthetic checkpoints", "quant.model quant.expert quant.resident quant.convert synth synth_*"),
-    ("engine", "engine decode_graph usage cachesim traces prefix_cache"),
+    ("engine", "load_plan engine decode_graph usage cachesim traces prefix_cache"),
     ("generation", "generation parallel scheduler"),
     ("API, server, inspect", "api server serverguard inspect"),
     ("command line", "cli cli.* stream_generate __main__ __init__"),
