@@ -255,15 +255,9 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
     ckpt = open_checkpoint(resolve_model(model))  # an mlx-lm build's names mapped onto Hugging Face ones
     store = None
     try:
-        place = None
-        if parallel is not None:  # this rank's experts only; rank 0 places them
-
-            def place(net, num_experts):
-                parallel.place(ckpt, net, num_experts, options.usage_file, options.learn_experts)
-                return parallel.owns, parallel.local_world
-
         # every decision, from headers and the config (moestream.load_plan); what it refuses is raised here
-        plan = plan_load(ckpt, options, None if parallel is None else parallel.device, place=place)
+        plan = plan_load(ckpt, options, None if parallel is None else parallel.device,
+                         place=None if parallel is None else functools.partial(_place, parallel, ckpt, options))
         plan.check()
         opened, dev, io, net = plan.opened, plan.device, plan.io, plan.opened.net
         if dev.type == "cuda":
@@ -276,9 +270,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         if dev.type == "cuda":
             store.pool = PinnedBufferPool(max_free=2 * options.workers)
         if options.fast:
-            n = set_fast(net, True)
-            print(f"note: --fast: the QJL residual correction of {n} linears is off; this changes the output"
-                  if n else "note: --fast has no effect: this checkpoint stores no QJL residuals", file=sys.stderr)
+            _set_fast(net)
         keys = list(plan.keys)
         budget = plan.budget
         tok = None
@@ -289,13 +281,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
             dequantize_resident(net, opened.dtype)  # stored-form GEMVs on the GPU: not yet (docs/gpu.md)
         net.to(dev).eval()
         use_fast_linear(net)  # wide bf16 matmuls in float32 on CPUs without native bf16 (models/linear.py)
-        policy = make_policy(options.cache_policy, half_life=sum(opened.num_experts.values()))
-        cache: ExpertCache
-        if plan.tiered:
-            cache = TieredExpertCache(store, budget.budget, opened.num_experts, policy=policy, device=dev,
-                                      host_budget_bytes=budget.host, slots=plan.slots)
-        else:
-            cache = ExpertCache(store, budget.budget, opened.num_experts, policy=policy)
+        cache = _make_cache(store, plan, options)
         owns = None if parallel is None else parallel.owns
         io.start(ckpt, net, store, cache, owns=owns)
         if budget.budget is None:
@@ -310,9 +296,7 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
         for block in net.moe_blocks():
             block.attach(pipeline)
         if plan.decode_runner:  # decode steps through static buffers (CUDA graphs on the GPU)
-            net.decode_runner = DecodeRunner(net, pipeline, cache, plan.graphs)
-            if net.decode_runner.graphs:  # every request's KV cache on the same kept tensors: graphs captured once
-                net.kv_pool = KVPool(context_tokens_for(net, options.context_tokens))
+            _attach_decode_runner(net, pipeline, cache, plan, options)
         if plan.fused:  # the norms in one launch each, as the fused experts (fewer kernels per decode step)
             _fuse_norms(net)
         if plan.prefix_cache_why is not None:
@@ -330,6 +314,40 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
             store.close()
         ckpt.close()
         raise
+
+
+def _place(parallel, ckpt: Checkpoint, options: EngineOptions, net: CausalLM, num_experts: dict):
+    """Expert parallelism's placement for :func:`moestream.load_plan.plan_load`: rank 0 places each layer's experts
+    (a collective); returns which experts this rank owns and how many local ranks split the machine's memory."""
+    parallel.place(ckpt, net, num_experts, options.usage_file, options.learn_experts)
+    return parallel.owns, parallel.local_world
+
+
+def _set_fast(net: CausalLM) -> None:
+    """``--fast``: turboquant's QJL residual correction off, said on stderr."""
+    n = set_fast(net, True)
+    print(f"note: --fast: the QJL residual correction of {n} linears is off; this changes the output"
+          if n else "note: --fast has no effect: this checkpoint stores no QJL residuals", file=sys.stderr)
+
+
+def _make_cache(store: ExpertStore, plan: LoadPlan, options: EngineOptions) -> ExpertCache:
+    """The expert cache the plan names: the GPU tier's (a slot pool where the fused kernel asked) or the CPU's."""
+    num_experts = plan.opened.num_experts
+    policy = make_policy(options.cache_policy, half_life=sum(num_experts.values()))
+    if plan.tiered:
+        return TieredExpertCache(store, plan.budget.budget, num_experts, policy=policy, device=plan.device,
+                                 host_budget_bytes=plan.budget.host, slots=plan.slots)
+    return ExpertCache(store, plan.budget.budget, num_experts, policy=policy)
+
+
+def _attach_decode_runner(net: CausalLM, pipeline: ExpertPipeline, cache, plan: LoadPlan,
+                          options: EngineOptions) -> None:
+    """Decode steps through static buffers, as CUDA graphs where the plan says (``plan.graphs``). With graphs, the
+    KV storage is kept for the engine's life (:class:`~moestream.models.layers.KVPool`): every request replays the
+    graphs captured for the first."""
+    net.decode_runner = DecodeRunner(net, pipeline, cache, plan.graphs)
+    if net.decode_runner.graphs:
+        net.kv_pool = KVPool(context_tokens_for(net, options.context_tokens))
 
 
 def _load_resident(ckpt: Checkpoint, opened: Opened, progress, io: IOSettings) -> list[str]:

@@ -6,6 +6,7 @@ loaded engine's pipeline kernels per layer, cache tier, slot pool and decode pat
 decisions for CUDA are planned on the CPU without executing; refusals are raised by load as planned.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -89,6 +90,11 @@ def ckpts(tmp_path_factory):
     return get
 
 
+def _options(options: dict) -> EngineOptions:
+    options = {"device": "cpu", **options}
+    return EngineOptions.make(options.pop("cache_budget_gb", "0"), hotlist=False, learn_experts=False, **options)
+
+
 def _stable(lines: list[str]) -> list[str]:
     """The plan's lines less those with measured numbers (memory available drifts between two calls)."""
     return [ln for ln in lines if not ln.lstrip().startswith(("note:", "budget:"))]
@@ -121,8 +127,9 @@ def assert_engine_runs_its_plan(engine, plan: LoadPlan) -> None:
 
 
 def check(path, **options):
-    """Plan, inspect and load ``path`` with ``options``; assert they agree; the plan."""
-    opts = EngineOptions.make(options.pop("cache_budget_gb", "0"), hotlist=False, learn_experts=False, **options)
+    """Plan, inspect and load ``path`` with ``options`` (on the CPU unless ``device`` says); assert they agree; the
+    plan."""
+    opts = _options(options)
     printed = inspect(str(path), options=opts)
     engine = load(path, options=opts, tokenizer=False)
     try:
@@ -138,8 +145,8 @@ def check(path, **options):
 
 
 def plan_load_of(path, device=None, **options) -> LoadPlan:
-    """The plan for ``path`` on ``device`` (None: the options'), nothing executed."""
-    opts = EngineOptions.make(options.pop("cache_budget_gb", "0"), hotlist=False, learn_experts=False, **options)
+    """The plan for ``path`` on ``device`` (None: the options', the CPU unless they say), nothing executed."""
+    opts = _options(options)
     ckpt = open_checkpoint(path)
     try:
         return plan_load(ckpt, opts, device)
@@ -163,7 +170,7 @@ def test_inspect_prints_the_plan_the_engine_executes(ckpts, kind):
     gpu = cuda_plan(path)
     from moestream.inspect import gpu_kernel
 
-    assert inspect(str(path)).gpu_kernel.split(";")[0] == gpu_kernel(gpu, 1, 1).split(";")[0]
+    assert inspect(str(path), options=_options({})).gpu_kernel.split(";")[0] == gpu_kernel(gpu, 1, 1).split(";")[0]
 
 
 def test_kernels_follow_the_declared_expert_kinds(ckpts):
@@ -182,7 +189,7 @@ def test_kernels_follow_the_declared_expert_kinds(ckpts):
     assert all(lp.stored.startswith("gguf") and lp.kind == "grouped" for lp in q8.layers)
     tq = check(ckpts("turboquant"))
     assert all(lp.kind == "per_expert" and lp.kernel == "PerExpertKernel" for lp in tq.layers)
-    with load(ckpts("kimi_k3"), tokenizer=False, learn_experts=False, hotlist=False) as engine:
+    with load(ckpts("kimi_k3"), tokenizer=False, learn_experts=False, hotlist=False, device="cpu") as engine:
         spec = ExpertSpec.of(engine.model.moe_blocks()[0].expert_fn)  # a bare function: its declared kind
     assert spec.kind == "situ_glu" and "beta" in spec.keywords
 
@@ -251,9 +258,25 @@ def test_refusals_are_what_load_raises(ckpts):
     for kind, options, error, stage in cases:
         path = ckpts(kind)
         plan = plan_load_of(path, **dict(options))
-        opts = EngineOptions.make(options.pop("cache_budget_gb", "0"), hotlist=False, learn_experts=False, **options)
+        opts = _options(options)
         first = plan.refusals[0]
         assert first.stage == stage and first.error is error
         with pytest.raises(error, match=re.escape(first.message)):
             load(path, options=opts, tokenizer=False)
         assert f"refused:          {first.message}" in inspect(str(path), options=opts).to_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mlx-4bit-g32", "kimi_k3"])
+def test_on_a_gpu_the_engine_runs_the_plan_made_anywhere(ckpts, kind):
+    """On CUDA the engine executes its plan (fused slots and CUDA graphs, or the batched chain, or one expert at a
+    time), and the plan made for ``cuda`` is the same decisions as the one a CPU machine makes (budget aside)."""
+    cases = ({}, {"cache_budget_gb": "all"}) + (() if kind.startswith("mlx") else ({"fused_experts": False},))
+    for options in cases:  # (quantized experts without the fused kernel are refused on the GPU tier)
+        plan = check(ckpts(kind), device="cuda", **dict(options))
+        assert plan.device.type == "cuda" and plan.tiered
+        same = cuda_plan(ckpts(kind), **dict(options))
+        assert [dataclasses.astuple(lp) for lp in same.layers] == [dataclasses.astuple(lp) for lp in plan.layers]
+        assert (same.fused, same.pooled, same.decode_runner, same.graphs) == (
+            plan.fused, plan.pooled, plan.decode_runner, plan.graphs)
