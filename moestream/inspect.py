@@ -17,15 +17,14 @@ import torch
 
 from .budget import GB
 from .checkpoint import Checkpoint, TensorInfo, resolve_model, safetensors_dtype
-from .decode_graph import graph_unsupported
 from .errors import ConfigError, LayoutError, MoestreamError
 from .gguf_format import UNSUPPORTED, is_gguf
 from .layout import ExpertLayout, discover_experts
+from .load_plan import LoadPlan, plan_load
 from .models import family_for, supported_model_types
 from .models.base import check_layer_count
-from .models.moe import swiglu_expert
+from .options import DEFAULT_BUDGET_GB, EngineOptions
 from .quant import model as quant
-from .quant.resident import QuantEmbedding, QuantLinear
 from .sources import open_checkpoint, open_gguf
 from .synth import DTYPES, plan_synth
 
@@ -69,7 +68,8 @@ class Inspection:
     checkpoint_format: str = ""  # an MLX build: its naming rules and quantization (moestream.mlx_format)
     quant_format: str = ""
     quantized_modules: list[str] = field(default_factory=list)
-    gpu_kernel: str = ""  # the expert kernel and decode path with --device cuda
+    gpu_kernel: str = ""  # the expert kernel and decode path with --device cuda (from its load plan)
+    load_plan: list[str] = field(default_factory=list)  # moestream.load_plan's plan on this machine's device
     tensor_types: dict[str, str] = field(default_factory=dict)  # a GGUF file: tensor kind -> its ggml types
 
     def to_text(self) -> str:
@@ -99,6 +99,7 @@ class Inspection:
             )
         if self.gpu_kernel:
             lines.append(f"on a GPU:           {self.gpu_kernel}")
+        lines += self.load_plan
         lines.append("can stream:         yes")
         return "\n".join(lines)
 
@@ -147,10 +148,13 @@ def _synth_index(config: Path, dtype: str) -> tuple[dict, dict[str, TensorInfo]]
     return plan.config, index
 
 
-def inspect(model: str | None = None, config: str | Path | None = None, dtype: str = "bf16") -> Inspection:
+def inspect(model: str | None = None, config: str | Path | None = None, dtype: str = "bf16",
+            options: EngineOptions | None = None) -> Inspection:
     """Inspect a checkpoint (``model``: folder or Hub id) or a bare ``config`` at its real size.
 
-    ``dtype`` (bf16, fp16, fp32) is the storage assumed for a bare config.
+    ``dtype`` (bf16, fp16, fp32) is the storage assumed for a bare config. ``options``: the engine options
+    the load plan is made for (default: ``moestream.load``'s defaults); the plan is ``engine.load``'s own
+    (:func:`moestream.load_plan.plan_load`) on this machine's device, and on a CUDA device for ``on a GPU``.
 
     Raises:
         CheckpointError, ConfigError, LayoutError: a checkpoint or config that cannot be read, naming
@@ -174,13 +178,14 @@ def inspect(model: str | None = None, config: str | Path | None = None, dtype: s
         ckpt = open_gguf(path, inspect_only=True) if is_gguf(path) else open_checkpoint(path)
         raw, source = ckpt.config, str(ckpt.path)
     try:
-        return _inspect(raw, source, ckpt, config, dtype)
+        return _inspect(raw, source, ckpt, config, dtype, options or EngineOptions.make(DEFAULT_BUDGET_GB))
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
-def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str) -> Inspection:
+def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str,
+             options: EngineOptions) -> Inspection:
     model_type = raw.get("model_type") if isinstance(raw.get("model_type"), str) else None
     why = _not_streamable(raw)
     if why:
@@ -260,9 +265,11 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
     per_expert = layout.expert_nbytes(first.layer, 0)
     top_k = _top_k(cfg)
     active = sum(top_k * layout.expert_nbytes(i, 0) for i in layout.layers)
+    planned = _ConfigCheckpoint(Path(source), cfg, tensors) if ckpt is None else ckpt
+    here, on_gpu = _plan(planned, options, None), _plan(planned, options, torch.device("cuda"))
     return Inspection(
-        gpu_kernel=gpu_kernel(net, _quantized_fns(ckpt, layout, net) if (qfmt or quantization) else None,
-                              per_expert, active),
+        gpu_kernel=on_gpu if isinstance(on_gpu, str) else gpu_kernel(on_gpu, per_expert, active),
+        load_plan=[here] if isinstance(here, str) else here.describe(),
         source=source, model_type=model_type, family=family.__name__, can_stream=True,
         layers=len(net.decoder.layers), moe_layers=len(layout.layers), experts_per_layer=first.num_experts,
         top_k=top_k, bytes_per_expert=per_expert, expert_bytes=layout.total_bytes, resident_bytes=resident,
@@ -274,35 +281,47 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
     )
 
 
-def _quantized_fns(ckpt, layout, net) -> dict:
-    """layer -> expert function of a quantized checkpoint's MoE layers, as the engine would pick (on meta)."""
-    return quant.attach(net, quant.expert_formats(ckpt, layout, net.expert_shape(), ckpt.path), torch.float32)
+@dataclass
+class _ConfigCheckpoint:
+    """A bare config as :func:`moestream.load_plan.plan_load` reads a checkpoint: its config and a header-like
+    index of the tensors the family would hold at the config's real size (no shards)."""
+
+    path: Path
+    config: dict
+    tensors: dict[str, TensorInfo]
+    shards: list = field(default_factory=list)
+    source_format: object = None
 
 
-def gpu_kernel(net, quant_fns: dict | None = None, per_expert: int = 0, per_token: int = 0) -> str:
-    """What runs a model's routed experts with ``--device cuda``: the fused Triton kernel for the plain SwiGLU
-    expert (with decode steps as CUDA graphs where the family is plain), on a quantized checkpoint's stored
-    bytes where the kernel reads its format (``quant_fns``: layer -> expert function, None for float
-    experts; then the VRAM bytes per expert and the most bytes one token moves over PCIe), the family's
-    own function otherwise."""
-    if quant_fns:
-        why = quant.gpu_unsupported(quant_fns)
-        tags = {fn.fmt.tag for fn in quant_fns.values() if getattr(fn, "fmt", None) is not None}
-        if why is None and len(tags) > 1:  # one VRAM slot pool holds one expert layout
-            why = f"its MoE layers store experts in more than one layout ({'; '.join(sorted(tags))})"
-        if why is not None:
-            return f"not on the GPU tier ({why}; use --device cpu)"
-        why = graph_unsupported(net, also_allowed=(QuantLinear, QuantEmbedding))  # dequantized at load on CUDA
-        steps = "decode steps as CUDA graphs" if why is None else f"decode steps eager ({why})"
-        return (f"experts by the fused SwiGLU kernel on their stored bytes ({tags.pop()}, dequantized in registers), "
-                f"{steps}; {per_expert / MB:.2f} MB of VRAM per expert, at most {per_token / GB:.3f} GB over "
-                "PCIe per token (every routed expert a miss); quantized resident linears dequantized once at load")
-    blocks = net.moe_blocks()
-    if blocks and all(b.expert_fn is swiglu_expert for b in blocks):
-        why = graph_unsupported(net, also_allowed=(QuantLinear, QuantEmbedding))
-        steps = "decode steps as CUDA graphs" if why is None else f"decode steps eager ({why})"
-        return ("experts by the fused SwiGLU kernel (Triton, in place from VRAM slots), " + steps +
+def _plan(ckpt, options: EngineOptions, device: torch.device | None) -> LoadPlan | str:
+    """``engine.load``'s plan for ``ckpt`` on ``device`` (None: this machine's), or a line saying why there is
+    none (a checkpoint the engine cannot load at all)."""
+    try:
+        return plan_load(ckpt, options, device)
+    except MoestreamError as e:
+        return f"load plan:          none: {e}" if device is None else f"cannot load ({e})"
+
+
+def gpu_kernel(plan: LoadPlan, per_expert: int = 0, per_token: int = 0) -> str:
+    """What runs a model's routed experts with ``--device cuda``, from its load plan on a CUDA device: the fused
+    Triton kernel for the plain SwiGLU expert (with decode steps as CUDA graphs where the family is plain), on
+    a quantized checkpoint's stored bytes where the kernel reads its format (then the VRAM bytes per expert,
+    ``per_expert``, and the most bytes one token moves over PCIe, ``per_token``), else what the plan chose."""
+    refused = plan.refusal("quantized tier")
+    if refused is not None:
+        return f"not on the GPU tier ({refused.reason}; use --device cpu)"
+    if plan.formats and plan.fused:
+        tags = sorted({f for _, f in plan.formats})
+        return (f"experts by the fused SwiGLU kernel on their stored bytes ({'; '.join(tags)}, dequantized in "
+                f"registers), {plan.decode()}; {per_expert / MB:.2f} MB of VRAM per expert, at most "
+                f"{per_token / GB:.3f} GB over PCIe per token (every routed expert a miss); quantized resident "
+                "linears dequantized once at load")
+    if plan.layers and all(lp.kind == "in_slots" for lp in plan.layers):
+        return ("experts by the fused SwiGLU kernel (Triton, in place from VRAM slots), " + plan.decode() +
                 "; the batched SwiGLU chain (torch.bmm) under expert parallelism or without Triton")
-    fn = next((b.expert_fn for b in blocks if b.expert_fn is not swiglu_expert), None)
-    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", type(fn).__name__)
-    return f"experts one by one with the family's own function ({name}): the fused kernels cover plain SwiGLU only"
+    other = next((lp for lp in plan.layers if lp.kind != "in_slots"), None)
+    if other is None:
+        return ""
+    if other.kind == "per_layer":
+        return f"experts by the batched SwiGLU chain (torch.bmm): {other.why}; {plan.decode()}"
+    return f"experts one by one with {other.name} ({other.expert}): {other.why}"

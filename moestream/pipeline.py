@@ -10,7 +10,8 @@ For ``T`` tokens routed to ``K`` experts each (weights [T, K], expert ids [T, K]
    rank-minor), cached ones first while the missing ones are being read;
 3. hands each expert's stored tensors, as the store read them, to the layer's
    **expert kernel** (chosen once at load for the family, format and device: per expert,
-   :class:`ExpertKernel`, or the whole layer at once, :class:`BatchedSwiGLUKernel`), and
+   :class:`PerExpertKernel`, or the whole layer at once, :class:`BatchedSwiGLUKernel`: each an
+   :class:`ExpertKernel` of its kind), and
    writes each weighted output into its ``(t, k)`` slot of a ``[T*K, H]`` buffer;
 4. under expert parallelism, computes only this rank's experts and exchanges the slots
    with the other ranks (the ``exchange`` object, :class:`moestream.parallel.ExpertParallel`);
@@ -23,9 +24,11 @@ so every budget, reader count, prefetch setting and rank count gives the same bi
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +36,147 @@ import torch.nn.functional as F
 from .fused_moe import expert_projections, fused_moe
 from .quant import native
 
+if TYPE_CHECKING:
+    from .slot_pool import SlotPool
+    from .store import ExpertWeights
+
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+# What an expert computes, as a family declares it (:class:`ExpertSpec`): "swiglu" ``down(silu(gate x) * up x)``,
+# "clamped_swiglu" (gpt-oss: alpha, limit), "situ_glu" (Kimi K3: beta, linear_beta); "custom": any other function
+# (computed one expert at a time by the family's own function).
+EXPERT_KINDS = ("swiglu", "clamped_swiglu", "situ_glu", "custom")
+
+
+def declares(kind: str, layout: str = "linear"):
+    """Mark a float expert function as computing ``kind`` on pieces laid out as ``layout`` (``"linear"``:
+    ``gate``/``up`` [I, H] and ``down`` [H, I] in nn.Linear orientation, biases beside them; ``"gate_up"``:
+    gpt-oss's fused ``gate_up`` [H, 2I] stored for ``x @ W``), so that :meth:`ExpertSpec.of` knows it (and a
+    ``functools.partial`` of it, its keywords the parameters)."""
+    if kind not in EXPERT_KINDS:
+        raise ValueError(f"unknown expert kind {kind!r}; expected one of {', '.join(EXPERT_KINDS)}")
+
+    def mark(fn):
+        fn.expert_kind, fn.expert_layout = kind, layout
+        return fn
+
+    return mark
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """What one routed expert of a MoE block computes, declared by its family (``StreamedMoE.expert``).
+
+    The engine chooses each layer's expert kernel from this spec and the experts' stored format
+    (:func:`moestream.load_plan.choose_kernel`), never from the identity of a function.
+
+    Attributes:
+        kind: one of :data:`EXPERT_KINDS`.
+        fn: the float reference ``fn(x [n, H], tensors) -> [n, H]`` (the PyTorch path, and the fallback).
+        params: the kind's parameters as ``(name, value)`` pairs (``alpha``/``limit``, ``beta``/``linear_beta``).
+        layout: how the pieces are laid out (see :func:`declares`).
+    """
+
+    kind: str
+    fn: ExpertFn
+    params: tuple[tuple[str, float | None], ...] = ()
+    layout: str = "linear"
+
+    def __post_init__(self):
+        if self.kind not in EXPERT_KINDS:
+            raise ValueError(f"unknown expert kind {self.kind!r}; expected one of {', '.join(EXPERT_KINDS)}")
+
+    @classmethod
+    def of(cls, fn: "ExpertFn | ExpertSpec") -> "ExpertSpec":
+        """The spec of ``fn``: a spec as it is; a function :func:`declares` marked (or a ``functools.partial``
+        of one with keywords only: its keywords the parameters) as its kind; any other function ``custom``."""
+        if isinstance(fn, ExpertSpec):
+            return fn
+        base, params = fn, ()
+        if isinstance(fn, functools.partial):
+            if fn.args:
+                return cls("custom", fn)
+            base, params = fn.func, tuple(fn.keywords.items())
+        kind = getattr(base, "expert_kind", None)
+        if kind is None:
+            return cls("custom", fn)
+        return cls(kind, fn, params, getattr(base, "expert_layout", "linear"))
+
+    @property
+    def keywords(self) -> dict[str, float | None]:
+        """The parameters as a dict."""
+        return dict(self.params)
+
+    @property
+    def name(self) -> str:
+        """The float function's name (a partial's function's)."""
+        fn = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
+        return getattr(fn, "__name__", type(fn).__name__)
+
+    def describe(self) -> str:
+        """``swiglu``, ``situ_glu (beta 4, linear_beta 25)``, ``custom (its_function)``."""
+        if self.kind == "custom":
+            return f"custom ({self.name})"
+        params = ", ".join(f"{k} {v:g}" if isinstance(v, float | int) else f"{k} {v}" for k, v in self.params)
+        layout = "" if self.layout == "linear" else f", {self.layout} layout"
+        return self.kind + (f" ({params}{layout})" if params or layout else "")
+
+
+# How the pipeline drives a kernel: one expert per call on its rows (``compute``); several experts per
+# compiled call, grouped on the host (``call_for`` + :func:`moestream.quant.native.moe`); the whole layer at
+# once (``compute_layer``); the whole layer from the VRAM slot pool, summing over k itself (``compute_from_slots``).
+KernelKind = Literal["per_expert", "grouped", "per_layer", "in_slots"]
+
+
+@runtime_checkable
+class ExpertKernel(Protocol):
+    """What every expert kernel declares (chosen once at load for a layer's expert spec, format and device).
+
+    Attributes:
+        name: what ``moestream inspect`` and the stats call it.
+        kind: how the pipeline drives it (:data:`KernelKind`); each kind has its method
+            (:class:`PerExpertKernel`, :class:`NativeMoEKernel`, :class:`BatchedSwiGLUKernel`,
+            :class:`FusedSwiGLUKernel`).
+        reduces_k: whether it sums a token's k expert outputs itself (in routing order, k = 0 first);
+            otherwise it writes each ``(t, k)`` slot and the pipeline sums them (:func:`sum_slots`).
+    """
+
+    name: str
+    kind: KernelKind
+    reduces_k: bool
+
+
+class ExpertSource(Protocol):
+    """The expert cache as the pipeline uses it: :class:`moestream.cache.ExpertCache` and its tiered form.
+
+    ``fetch`` yields ``(expert id, ExpertWeights)`` for ``needed`` (distinct ids of ``layer``, with how many
+    slots each has in ``counts``): held ones first, then each read one as it arrives. ``holds`` says whether
+    an expert is held now (the CPU's grouped kernel computes the held ones in one call)."""
+
+    def fetch(self, layer: int, needed: list[int], counts: list[int]) -> Iterable[tuple[int, "ExpertWeights"]]: ...
+
+    def holds(self, key: tuple[int, int]) -> bool: ...
+
+
+class SlotSource(ExpertSource, Protocol):
+    """The tiered cache with its VRAM slot pool (:class:`moestream.tiered_cache.TieredExpertCache`), for
+    :class:`FusedSwiGLUKernel` (kind ``in_slots``): the pool and table, routing counted from the device when
+    every expert is resident, a layer's experts held in their slots while it computes, staging ahead."""
+
+    pool: "SlotPool"
+
+    @property
+    def all_resident(self) -> bool: ...
+
+    def log_routing(self, layer: int, idx: torch.Tensor) -> None: ...
+
+    def hold(self, layer: int, needed: list[int]) -> None: ...
+
+    def ready(self) -> None: ...
+
+    def end_layer(self) -> None: ...
+
+    def stage(self, keys: list[tuple[int, int]]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -97,8 +240,8 @@ def sum_slots(slots: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class ExpertKernel:
-    """A per-expert kernel: computes one expert on the rows routed to it.
+class PerExpertKernel:
+    """A per-expert kernel (kind ``per_expert``): computes one expert on the rows routed to it.
 
     Args:
         fn: ``fn(x [n, H], tensors) -> [n, H]`` on the expert's stored tensors (the dict the
@@ -106,7 +249,8 @@ class ExpertKernel:
         name: what ``moestream inspect`` and the stats call it.
     """
 
-    batched = False
+    kind: KernelKind = "per_expert"
+    reduces_k = False
 
     def __init__(self, fn: ExpertFn, name: str | None = None):
         self.fn = fn
@@ -131,8 +275,8 @@ class NativeMoEKernel:
         name: what ``moestream inspect`` and the stats call it.
     """
 
-    batched = False
-    many = True
+    kind: KernelKind = "grouped"
+    reduces_k = False
 
     def __init__(self, fallback: ExpertFn, fmt=None, act: str = "silu",
                  params: tuple[float, float] = (1.0, float("nan")), name: str | None = None):
@@ -163,7 +307,8 @@ class BatchedSwiGLUKernel:
     every budget.
     """
 
-    batched = True
+    kind: KernelKind = "per_layer"
+    reduces_k = False
     name = "batched SwiGLU (torch.bmm)"
 
     def compute_layer(self, x: torch.Tensor, groups: SlotGroups, got: dict[int, dict[str, torch.Tensor]],
@@ -207,8 +352,8 @@ class FusedSwiGLUKernel:
     None for float experts.
     """
 
-    batched = True
-    slotted = True
+    kind: KernelKind = "in_slots"
+    reduces_k = True
 
     def __init__(self, fmt=None):
         self.fmt = fmt
@@ -259,16 +404,16 @@ class ExpertPipeline:
     """Every MoE layer's expert work, for one loaded model (see the module docstring).
 
     Args:
-        cache: the expert cache (:class:`moestream.cache.ExpertCache` or its tiered form).
-        kernels: layer -> its expert kernel (:class:`ExpertKernel` or :class:`BatchedSwiGLUKernel`),
-            chosen once at load.
+        cache: the expert cache (:class:`moestream.cache.ExpertCache` or its tiered form: an
+            :class:`ExpertSource`; a :class:`SlotSource` for ``in_slots`` kernels).
+        kernels: layer -> its :class:`ExpertKernel`, chosen once at load (:mod:`moestream.load_plan`).
         max_active: ``--max-active-experts`` (0: the model's own routing, exact).
         prefetcher: the :class:`moestream.prefetch.Prefetcher` (``--prefetch-ahead``), or None.
         exchange: expert parallelism's :class:`moestream.parallel.ExpertParallel`, or None.
         trace: a :class:`moestream.usage.TraceWriter` recording each layer's routing, or None.
     """
 
-    def __init__(self, cache, kernels: dict[int, object], max_active: int = 0, prefetcher=None,
+    def __init__(self, cache: ExpertSource, kernels: dict[int, ExpertKernel], max_active: int = 0, prefetcher=None,
                  exchange=None, trace=None, lookahead: int = 0, blocks: list | None = None):
         self.cache, self.kernels, self.max_active = cache, kernels, max_active
         self.prefetcher, self.exchange, self.trace = prefetcher, exchange, trace
@@ -317,16 +462,16 @@ class ExpertPipeline:
         ``x`` [T, H] the expert input, ``weights`` [T, K], ``idx`` [T, K] int64 -> [T, H] in x's dtype.
         """
         kernel = self.kernels[layer]
-        if getattr(kernel, "slotted", False) and self.exchange is None:
-            return self._compute_in_slots(x, weights, idx, layer, kernel)
-        if getattr(kernel, "many", False) and self.exchange is None:  # the CPU: group on the host, no tensors
+        if kernel.kind == "in_slots" and self.exchange is None:
+            return self._compute_in_slots(x, weights, idx, layer, cast(FusedSwiGLUKernel, kernel))
+        if kernel.kind == "grouped" and self.exchange is None:  # the CPU: group on the host, no tensors
             t, k = idx.shape
             slots_of: dict[int, list[int]] = {}
             for s, e in enumerate(idx.reshape(-1).tolist()):
                 slots_of.setdefault(e, []).append(s)  # first use order; each expert's slots ascending
             needed = list(slots_of)
             slots = x.new_empty(t * k, x.shape[1])
-            self._compute_many(x, weights.reshape(-1), slots_of, k, layer, kernel, needed,
+            self._compute_many(x, weights.reshape(-1), slots_of, k, layer, cast(NativeMoEKernel, kernel), needed,
                                [len(slots_of[e]) for e in needed], slots)
             return sum_slots(slots.view(t, k, -1))
         groups = group_slots(idx)
@@ -336,8 +481,8 @@ class ExpertPipeline:
             slots = self.exchange.gather_slots(slots, idx, layer)
         return sum_slots(slots.view(groups.t, groups.k, -1))
 
-    def compute_slots(self, x: torch.Tensor, weights: torch.Tensor, groups: SlotGroups, layer: int, kernel,
-                      owned: set[int] | None = None) -> torch.Tensor:
+    def compute_slots(self, x: torch.Tensor, weights: torch.Tensor, groups: SlotGroups, layer: int,
+                      kernel: ExpertKernel, owned: set[int] | None = None) -> torch.Tensor:
         """The weighted slot outputs [T*K, H] in x's dtype: slot ``s`` holds
         ``weights[s] * expert_{idx[s]}(x[s // K])``. With ``owned``, only those experts are
         fetched and computed; the other slots hold zeros."""
@@ -348,29 +493,31 @@ class ExpertPipeline:
         slots = fill(groups.t * groups.k, x.shape[1])
         # even with nothing needed: the (empty) fetch lets the prefetcher retire this layer's reads ahead
         cpu = self._cpu
-        if getattr(kernel, "many", False):
+        if kernel.kind == "grouped":
             slots_of = {e: groups.span(row_of[e]).tolist() for e in needed}
-            return self._compute_many(x, weights, slots_of, groups.k, layer, kernel, needed, counts, slots)
-        if kernel.batched:
+            return self._compute_many(x, weights, slots_of, groups.k, layer, cast(NativeMoEKernel, kernel), needed,
+                                      counts, slots)
+        if kernel.kind != "per_expert":  # per_layer (an in_slots kernel is never exchanged: fused is off then)
             got = {}
             for e, ew in self.cache.fetch(layer, needed, counts):
                 got[e] = ew.tensors  # the dict stays alive here even if the cache evicts the expert
             c0 = cpu()
-            kernel.compute_layer(x, groups, got, weights, slots)
+            cast(BatchedSwiGLUKernel, kernel).compute_layer(x, groups, got, weights, slots)
             self.kernel_cpu_seconds += cpu() - c0
             return slots
-        k = groups.k
+        k, one = groups.k, cast(PerExpertKernel, kernel)
         for e, ew in self.cache.fetch(layer, needed, counts):
             c0 = cpu()
             sl = groups.span(row_of[e])
             # float32 routing weights (DeepSeek; Mixtral's reference scales in float32) multiply in float32
             # and round once, as transformers
-            slots[sl] = (kernel.compute(x[sl // k], ew.tensors) * weights[sl, None]).to(slots.dtype)
+            slots[sl] = (one.compute(x[sl // k], ew.tensors) * weights[sl, None]).to(slots.dtype)
             self.kernel_cpu_seconds += cpu() - c0
         return slots
 
     def _compute_many(self, x: torch.Tensor, weights: torch.Tensor, slots_of: dict[int, list[int]], k: int,
-                      layer: int, kernel, needed: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
+                      layer: int, kernel: NativeMoEKernel, needed: list[int], counts: list[int],
+                      slots: torch.Tensor) -> torch.Tensor:
         """:meth:`compute_slots` through a :class:`NativeMoEKernel`: the experts the cache holds in one call (they
         stay intact until the first read one is inserted), then each read expert in its own call as it comes. An
         expert the kernels do not cover (a piece in another dtype) goes through the kernel's ``fallback``."""
@@ -397,7 +544,7 @@ class ExpertPipeline:
 
     # -- the slot pool's path (FusedSwiGLUKernel) --------------------------------------------------
     def _compute_in_slots(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, layer: int,
-                          kernel) -> torch.Tensor:
+                          kernel: FusedSwiGLUKernel) -> torch.Tensor:
         """A layer on the fused kernel, reading the experts where the VRAM slot pool holds them.
 
         Every expert resident: no host work at all (the routing is counted later from the device,
@@ -406,7 +553,7 @@ class ExpertPipeline:
         publishes the slot table and queues the kernel; during a CUDA graph capture that host part
         is left to run between the captured segments (:mod:`moestream.decode_graph`).
         """
-        cache = self.cache
+        cache = cast(SlotSource, self.cache)
         pool = cache.pool
         if cache.all_resident:
             if pool.dirty:  # the preload's slots, once (never inside a graph capture: nothing changes after)
@@ -450,7 +597,7 @@ class ExpertPipeline:
         for e in ids:
             counts[e] = counts.get(e, 0) + 1
         needed = list(counts)
-        cache = self.cache
+        cache = cast(SlotSource, self.cache)
         cache.hold(layer, needed)
         try:
             for _ in cache.fetch(layer, needed, list(counts.values())):

@@ -15,7 +15,7 @@ from moestream.errors import BudgetError, ConfigError, MoestreamError
 from moestream.host_tier import HostTier, PinnedBufferPool
 from moestream.models.moe import swiglu_expert
 from moestream.options import EngineOptions
-from moestream.pipeline import BatchedSwiGLUKernel, ExpertKernel, ExpertPipeline
+from moestream.pipeline import BatchedSwiGLUKernel, ExpertPipeline, PerExpertKernel
 from moestream.store import ExpertWeights
 from moestream.tiered_cache import TieredExpertCache, resolve_device
 
@@ -119,7 +119,7 @@ def test_batched_matches_streamed_on_random_routing():
         idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         w = torch.rand(t, k, generator=g)
         a = ExpertPipeline(Fake(), {0: BatchedSwiGLUKernel()}).compute(x, w, idx, 0)
-        b = ExpertPipeline(Fake(), {0: ExpertKernel(swiglu_expert)}).compute(x, w, idx, 0)
+        b = ExpertPipeline(Fake(), {0: PerExpertKernel(swiglu_expert)}).compute(x, w, idx, 0)
         want = torch.zeros(t, h, dtype=torch.float64)  # float64, summed in routing order
         for i in range(t):
             for j in range(k):

@@ -22,7 +22,7 @@ LAYERS = [
     ("a checkpoint of any source opened", "sources"),
     ("quantized models, convert, synthetic checkpoints", "quant.model quant.expert quant.resident convert synth "
      "synth_*"),
-    ("engine", "engine decode_graph usage cachesim traces prefix_cache"),
+    ("engine", "load_plan engine decode_graph usage cachesim traces prefix_cache"),
     ("generation", "sampling generation_stats generation ep_group ep_placement ep_exchange ep_requests parallel "
      "scheduler"),
     ("API, server, inspect", "api server serverguard inspect"),

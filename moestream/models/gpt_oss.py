@@ -27,6 +27,7 @@ from torch import nn
 from ..checkpoint import TensorInfo
 from ..errors import CheckpointError, ConfigError
 from ..gguf_format import ATTN, GGUFArchitecture, GGUFFormat, base_config, bools, meta_value, moe_checks, one_head_dim
+from ..pipeline import ExpertSpec, declares
 from ..quant import native
 from . import ops
 from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, synth_tensors_of
@@ -100,6 +101,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     return torch.softmax(values, dim=-1, dtype=values.dtype), idx
 
 
+@declares("clamped_swiglu", "gate_up")
 def clamped_swiglu_expert(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: float, limit: float) -> torch.Tensor:
     """One gpt-oss expert on ``x`` [n, H] -> [n, H], as transformers' ``GptOssExperts``.
 
@@ -114,6 +116,7 @@ def clamped_swiglu_expert(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: fl
     return ops.matmul_t((up + 1) * glu, w["down"], w["down.bias"])
 
 
+@declares("clamped_swiglu")
 def clamped_swiglu_linear_expert(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: float, limit: float,
                                  ) -> torch.Tensor:
     """:func:`clamped_swiglu_expert` on experts stored as mlx-lm writes them (``moestream.mlx_format``).
@@ -156,9 +159,9 @@ def _linear_experts(net: "Model") -> None:
     a = net.args
     net.expert_roles = ("gate", "up", "down", "down.bias", "gate.bias", "up.bias")
     net.expert_shape = lambda: (a.intermediate_size, a.hidden_size)
-    fn = partial(clamped_swiglu_linear_expert, alpha=a.swiglu_alpha, limit=a.swiglu_limit)
+    spec = ExpertSpec.of(partial(clamped_swiglu_linear_expert, alpha=a.swiglu_alpha, limit=a.swiglu_limit))
     for block in net.moe_blocks():
-        block.expert_fn = fn
+        block.expert = spec
 
 
 class GptOssMoE(StreamedMoE):
@@ -168,9 +171,9 @@ class GptOssMoE(StreamedMoE):
     """
 
     def __init__(self, a: ModelArgs, layer: int):
-        expert_fn = partial(clamped_swiglu_expert, alpha=a.swiglu_alpha, limit=a.swiglu_limit)
+        expert = ExpertSpec.of(partial(clamped_swiglu_expert, alpha=a.swiglu_alpha, limit=a.swiglu_limit))
         super().__init__(a.hidden_size, a.num_local_experts, layer, partial(topk_softmax, top_k=a.num_experts_per_tok),
-                         expert_fn, renormalize=True)
+                         expert, renormalize=True)
         self.topk = self.router
         del self.gate
         self.router = nn.Linear(a.hidden_size, a.num_local_experts, bias=True)

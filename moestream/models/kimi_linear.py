@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..pipeline import ExpertSpec, declares
 from ..quant import native
 from . import ops
 from .base import CausalLM, DecoderArgs, SynthTensor, check_top_k, config_field, derived, field, meta_model, positive
@@ -48,7 +49,7 @@ from .kda import HybridCache, KimiDeltaAttention
 from .layers import RMSNorm
 from .linear import linear
 from .mla import MLAttention
-from .moe import Float32Router, StreamedMoE, sigmoid_group_topk, swiglu_expert
+from .moe import SWIGLU, Float32Router, StreamedMoE, sigmoid_group_topk
 
 MODEL_TYPES = ("kimi_linear", "kimi_k3")
 
@@ -203,6 +204,7 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float |
     return (a * u).to(gate.dtype)
 
 
+@declares("situ_glu")
 def situ_expert(x: torch.Tensor, w: dict[str, torch.Tensor], beta: float, linear_beta: float | None) -> torch.Tensor:
     """One SiTU-GLU expert on x [n, L]: ``down(situ(gate x, up x))`` -> [n, L] (nn.Linear orientation)."""
     if x.device.type == "cpu":  # one call of the compiled kernels (float32 intermediate)
@@ -259,10 +261,11 @@ class KimiMoE(StreamedMoE):
                          topk_group=a.topk_group, norm_topk_prob=a.moe_renormalize,
                          routed_scaling_factor=a.routed_scaling_factor)
         if a.hidden_act == "situ":
-            expert_fn = partial(situ_expert, beta=a.activation_situ_beta, linear_beta=a.activation_situ_linear_beta)
+            expert = ExpertSpec.of(partial(situ_expert, beta=a.activation_situ_beta,
+                                           linear_beta=a.activation_situ_linear_beta))
         else:
-            expert_fn = swiglu_expert
-        super().__init__(a.hidden_size, a.num_experts, layer, router, expert_fn, renormalize=a.moe_renormalize)
+            expert = SWIGLU
+        super().__init__(a.hidden_size, a.num_experts, layer, router, expert, renormalize=a.moe_renormalize)
         self.gate = Float32Router(a.hidden_size, a.num_experts, bias=False)
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts), requires_grad=False)
         self.shared_experts = (

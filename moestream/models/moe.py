@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..pipeline import ExpertFn
+from ..pipeline import ExpertFn, ExpertPipeline, ExpertSpec, declares
 from ..quant import native
 from . import ops
 
@@ -34,6 +34,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
     return weights.to(logits.dtype), idx
 
 
+@declares("swiglu")
 def swiglu_expert(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """One SwiGLU expert on ``x`` [n, H]: ``down(silu(gate x) * up x)`` -> [n, H].
 
@@ -44,14 +45,19 @@ def swiglu_expert(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     return ops.gated_mlp(x, w["gate"], w["up"], w["down"])
 
 
+SWIGLU = ExpertSpec("swiglu", swiglu_expert)  # the plain SwiGLU expert most families declare
+
+
 class StreamedMoE(nn.Module):
     """A MoE block whose router is resident and whose routed experts stream through the cache.
 
     Args:
         hidden: model width H; num_experts: E.
         layer: layer index; router: maps router logits [T, E] to (weights, indices).
-        expert_fn: one expert's float computation (the family's math); the engine chooses
-            the layer's expert kernel from it and the experts' stored format at load.
+        expert: what one expert computes, as the family declares it (an
+            :class:`~moestream.pipeline.ExpertSpec`; a bare function is taken by
+            :meth:`ExpertSpec.of <moestream.pipeline.ExpertSpec.of>`); the engine chooses the
+            layer's expert kernel from it and the experts' stored format at load.
         renormalize: whether the family renormalizes its top-k weights (``norm_topk_prob``
             and the like), so that keeping fewer experts (``--max-active-experts``)
             renormalizes the kept ones the same way.
@@ -65,7 +71,7 @@ class StreamedMoE(nn.Module):
     """
 
     def __init__(
-        self, hidden: int, num_experts: int, layer: int, router: Router, expert_fn: ExpertFn = swiglu_expert,
+        self, hidden: int, num_experts: int, layer: int, router: Router, expert: ExpertSpec | ExpertFn = SWIGLU,
         renormalize: bool = False,
     ):
         super().__init__()
@@ -74,16 +80,20 @@ class StreamedMoE(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.layer = layer
         self.router = router
-        self.expert_fn = expert_fn
-        self._num_experts = num_experts
-        self.pipeline = None
+        self.expert = ExpertSpec.of(expert)
+        self.pipeline: ExpertPipeline | None = None
+
+    @property
+    def expert_fn(self) -> ExpertFn:
+        """One expert's float computation (the declared spec's function)."""
+        return self.expert.fn
 
     @property
     def num_experts(self) -> int:
         """Routed experts of this layer (E), from the config (the router's output width)."""
         return self._num_experts
 
-    def attach(self, pipeline) -> None:
+    def attach(self, pipeline: ExpertPipeline) -> None:
         """Hand the layer's expert work to ``pipeline`` (a :class:`~moestream.pipeline.ExpertPipeline`)."""
         self.pipeline = pipeline
 

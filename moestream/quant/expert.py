@@ -1,7 +1,7 @@
 """Expert functions on quantized pieces, chosen by the pieces' format.
 
-A family computes one expert with its float expert function (``swiglu_expert`` for
-Qwen3-MoE, DeepSeek, Mixtral, ...). :func:`expert_fn_for` returns the function a MoE block
+A family declares what one expert computes (an :class:`~moestream.pipeline.ExpertSpec`: ``swiglu``
+for Qwen3-MoE, DeepSeek, Mixtral, ...). :func:`expert_fn_for` returns the function a MoE block
 uses for a layer whose experts are stored in :class:`~moestream.quant.formats.ExpertFormat`:
 
 * SwiGLU experts get :class:`QuantizedSwiGLU`: ``down(silu(gate x) * up x)`` in one call of
@@ -17,13 +17,10 @@ uses for a layer whose experts are stored in :class:`~moestream.quant.formats.Ex
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from ..models.kimi_linear import situ_expert
-from ..models.moe import swiglu_expert
+from ..pipeline import ExpertFn, ExpertSpec
 from . import native
 from .formats import ExpertFormat, is_quant_param
 from .kernels import dequantize_linear, qlinear
@@ -87,12 +84,14 @@ class DequantizedExpert:
         return self.float_fn(x, dense)
 
 
-def expert_fn_for(float_fn, fmt: ExpertFormat | None):
-    """The expert function for experts stored as ``fmt`` (``float_fn`` itself when None)."""
+def expert_fn_for(expert: ExpertSpec | ExpertFn, fmt: ExpertFormat | None):
+    """The expert function for experts of spec ``expert`` (or a float function, by :meth:`ExpertSpec.of`) stored
+    as ``fmt`` (the float function itself when None): chosen by the spec's kind."""
+    spec = ExpertSpec.of(expert)
     if fmt is None:
-        return float_fn
-    if float_fn is swiglu_expert:
+        return spec.fn
+    if spec.kind == "swiglu":
         return QuantizedSwiGLU(fmt)
-    if isinstance(float_fn, functools.partial) and float_fn.func is situ_expert and not float_fn.args:
-        return QuantizedGLU(fmt, float_fn, "situ", **float_fn.keywords)
-    return DequantizedExpert(fmt, float_fn)
+    if spec.kind == "situ_glu":
+        return QuantizedGLU(fmt, spec.fn, "situ", **spec.keywords)
+    return DequantizedExpert(fmt, spec.fn)

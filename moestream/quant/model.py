@@ -16,7 +16,6 @@ import torch
 from .. import fused_moe
 from ..checkpoint import torch_dtype
 from ..convert import padding_tensors  # noqa: F401  (the engine skips convert's padding tensors)
-from ..models.moe import swiglu_expert
 from . import turboquant
 from .compressed import module_pattern
 from .expert import QuantizedSwiGLU, expert_fn_for
@@ -140,7 +139,7 @@ def attach(net, formats: dict[int, ExpertFormat], dtype: torch.dtype) -> dict:
         fmt = formats.get(block.layer)
         if fmt is None or isinstance(fmt, TQExpertFormat):
             continue
-        fns[block.layer] = expert_fn_for(block.expert_fn, fmt)
+        fns[block.layer] = expert_fn_for(block.expert, fmt)
     return fns
 
 
@@ -158,8 +157,8 @@ def expert_functions(model, formats: dict) -> dict:
             if not module.startswith(base + "."):
                 raise QuantError(f"turboquant experts {module!r} lie outside their MoE block {base!r}")
             holders[role] = block.get_submodule(module[len(base) + 1:])
-        fn = block.expert_fn
-        out[block.layer] = TQExperts(fmt, holders, None if fn is swiglu_expert else fn)
+        spec = block.expert  # SwiGLU on the codebooks; any other kind its float function on dequantized weights
+        out[block.layer] = TQExperts(fmt, holders, None if spec.kind == "swiglu" else spec.fn)
     return out
 
 
