@@ -114,10 +114,17 @@ def main() -> int:
                 runs = list(pool.map(lambda ids: one_request(url, ids, a.tokens), prompts))
             wall = time.perf_counter() - t0
             tokens = sum((r["usage"] or {}).get("completion_tokens") or r["chunks"] for r in runs)
-            result["concurrency"][n] = {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
-                                        "ttft_p50_s": statistics.median(r["ttft_s"] for r in runs)}
-            print(f"concurrency {n}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} output tok/s, "
-                  f"time to first token p50 {result['concurrency'][n]['ttft_p50_s']:.3f} s", flush=True)
+            key = str(n)  # a level asked again (a round with the graphs of its batch sizes captured): "8#2"
+            while key in result["concurrency"]:
+                key = f"{n}#{int(key.partition('#')[2] or 1) + 1}"
+            result["concurrency"][key] = {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
+                                          "ttft_p50_s": statistics.median(r["ttft_s"] for r in runs)}
+            print(f"concurrency {key}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} output tok/s, "
+                  f"time to first token p50 {result['concurrency'][key]['ttft_p50_s']:.3f} s", flush=True)
+            a.out.write_text(json.dumps(result, indent=1))
+        if a.concurrency:  # the server's own counters: steps, batch sizes, graph replays
+            result["metrics"] = [ln for ln in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+                                 if ln.startswith("moestream_") and not ln.startswith("moestream_info")]
             a.out.write_text(json.dumps(result, indent=1))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

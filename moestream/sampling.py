@@ -97,7 +97,8 @@ def apply_penalties(
         picked = out[ids]
         out[ids] = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and generated:
-        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=out.shape[0]).to(out.dtype)
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=out.shape[0])
+        counts = counts.to(out.device, out.dtype)  # logits on the GPU: the counts beside them
         out = out - (counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty)
     return out
 

@@ -113,3 +113,33 @@ def test_fused_qk_norm_rope_and_router_at_real_shapes():
     rw, ridx = softmax_topk(logits, 8, True)
     assert torch.equal(idx, ridx)
     torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hq,hkv,d,window,sinks", SHAPES)
+def test_a_batched_decode_step_gives_each_sequence_its_solo_bits(hq, hkv, d, window, sinks):
+    """attention_batch at real shapes: eight sequences over sets of one stacked store of 4096 positions (NaN past
+    each written one), at positions on both sides of block edges, give each the bits of its own decode step
+    (attention with a device position over its set), also when captured as a graph and replayed."""
+    g = torch.Generator("cuda").manual_seed(hq * d)
+    n, cap = 9, 4096
+    keys = torch.full((n, hkv, cap, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    values = keys.clone()
+    sets = [8, 0, 3, 5, 1, 7, 2, 6]
+    positions = [0, 63, 64, 127, 1000, 2047, 3001, 4095]
+    for st, p in zip(sets, positions):
+        keys[st, :, : p + 1] = torch.randn(hkv, p + 1, d, generator=g, device="cuda").to(torch.bfloat16)
+        values[st, :, : p + 1] = torch.randn(hkv, p + 1, d, generator=g, device="cuda").to(torch.bfloat16)
+    q = torch.randn(hq, len(sets), d, generator=g, device="cuda").to(torch.bfloat16)
+    s = torch.randn(hq, generator=g, device="cuda") if sinks else None
+    st_t, pos_t = torch.tensor(sets, device="cuda"), torch.tensor(positions, device="cuda")
+    got = ak.attention_batch(q, keys, values, st_t, pos_t, d ** -0.5, window, s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = ak.attention_batch(q, keys, values, st_t, pos_t, d ** -0.5, window, s)
+    graph.replay()
+    torch.cuda.synchronize()
+    for b, (st, p) in enumerate(zip(sets, positions)):
+        solo = ak.attention(q[:, b : b + 1], keys[st], values[st], 0, d ** -0.5, window, s,
+                            pos=torch.tensor([p], device="cuda"))
+        assert torch.equal(got[:, b : b + 1], solo), (b, p)
+        assert torch.equal(replayed[:, b : b + 1], solo), (b, p)

@@ -399,6 +399,26 @@ def test_on_cuda_a_batch_gives_the_solo_bits(ckpt):
             _same(solo[i], got[i], f"request {i} on CUDA")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_batched_decode_steps_replay_one_graph_per_batch_size(ckpt):
+    """Loaded for four sequences (``max_batch=4``: four KV sets kept), the scheduler's decode steps of 2-4
+    sequences replay CUDA graphs captured once per batch size (DecodeRunner.step_batch), a lone sequence one
+    graph for every set; each answer is generate()'s bits alone, and a second round captures nothing new."""
+    with load(ckpt, cache_budget_gb="all", device="cuda", max_batch=4) as eng:
+        runner = eng.model.decode_runner
+        assert runner.graphs and eng.model.kv_pool.max_sets == 4
+        reqs = _requests(eng, 5)
+        solo = [_solo(eng, r) for r in reqs]
+        for round_ in range(2):
+            got = _collect(Scheduler(eng, 4), reqs)
+            for i in range(5):
+                _same(solo[i], got[i], f"request {i}, round {round_}")
+            if round_ == 0:
+                captures = runner.stats.captures
+        assert runner.stats.batch_replays > 20 and runner.stats.captures == captures <= 4, runner.stats
+
+
 def test_a_hybrid_family_runs_its_batch_one_by_one_and_has_no_prefix_cache(tmp_path):
     """Qwen3-Next (Gated DeltaNet layers: a recurrent state, not batchable, not sliceable): the scheduler's steps run
     its sequences one after the other, each the bits of generate() alone; asking for a prefix cache gives none."""

@@ -470,8 +470,8 @@ class CausalLM(nn.Module):
         """
         if len(parts) == 1 or not self.batchable:
             return [self(ids, start, kv, all_logits) for ids, start, kv in parts]
-        if self.decode_runner is not None and all(ids.shape[0] == 1 for ids, _, _ in parts):
-            out = self.decode_runner.step_batch(parts)  # a decode step: one graph per batch size on the GPU
+        if self.decode_runner is not None and self.kv_pool is not None:
+            out = self._decode_rows_apart(parts, all_logits)
             if out is not None:
                 return out
         batch = BatchKV([(kv, start, ids.shape[0]) for ids, start, kv in parts])
@@ -491,6 +491,26 @@ class CausalLM(nn.Module):
         if not all_logits:
             return [out[j : j + 1] for j in range(len(parts))]
         return [out[a:b] for a, b in zip(batch.offsets[:-1], batch.offsets[1:])]
+
+    def _decode_rows_apart(self, parts: list[tuple[torch.Tensor, int, KVCache]], all_logits: bool
+                           ) -> list[torch.Tensor] | None:
+        """With kept KV storage (the GPU's graphs): the parts' one-token rows as one batched decode step (a graph
+        per batch size), each longer part (a prefill chunk) through :meth:`forward` on its own, where its launches
+        are few for its tokens; None when the decode runner declines the rows. The same bits as one pass (every
+        row's do not depend on the rows beside it); every expert is resident then, so two passes read nothing twice."""
+        rows = [i for i, (ids, _, _) in enumerate(parts) if ids.shape[0] == 1]
+        if not rows:
+            return None
+        got = self.decode_runner.step_batch([parts[i] for i in rows])
+        if got is None:
+            return None
+        out: list = [None] * len(parts)
+        for i, logits in zip(rows, got):
+            out[i] = logits
+        for i, (ids, start, kv) in enumerate(parts):
+            if out[i] is None:
+                out[i] = self(ids, start, kv, all_logits)
+        return out
 
     def synth_experts(self, block: str, num_experts: int) -> list[SynthTensor]:
         """The routed experts of the MoE block at ``block`` as ``moestream synth`` writes them: per expert,
