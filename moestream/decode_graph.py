@@ -21,6 +21,11 @@ final norm and the LM head; :func:`graph_unsupported` says which qualify) runs t
 - **Captured once.** Graphs are kept per (KV tensors, residency); the engine's KV storage
   (:class:`~moestream.models.layers.KVPool`) gives every request the same tensors, so the graphs
   captured for the first request replay for all later ones (``stats.captures`` counts them).
+- **Several sequences** (the scheduler's decode steps, :meth:`DecodeRunner.step_batch`): with every expert
+  resident and every cache in one of the pool's sets, a step of B sequences is one graph per B, the rows'
+  tokens, positions and sets written into its buffers; attention reads each row's set of the pool's stacked
+  tensors (:func:`moestream.attention_kernel.attention_batch`), so each row has the bits of its solo step.
+  A lone sequence in a pool set takes this path too (one graph for every set).
 
 With ``--prefetch-ahead N`` each segment also copies the next ``N`` layers' guessed experts (their routers
 on this layer's input, computed in the graph) to the host, which stages the host-tier ones into VRAM
