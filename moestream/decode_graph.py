@@ -253,13 +253,13 @@ class DecodeRunner:
         self.pos.fill_(start)
         if not self.graphs:
             self.stats.eager += 1
-            return self._eager(kv)
+            return self._eager(lambda: self._forward(kv))
         key = (key[0], self._all_resident())
         got = self._captured.get(key)
         if got is None:
-            out = self._eager(kv)  # this step, eagerly (which also warms up what the capture needs)
+            out = self._eager(lambda: self._forward(kv))  # eagerly (warms up the capture)
             self.stats.eager += 1
-            self._capture_or_disable(key, lambda: self._capture(kv))
+            self._capture_or_disable(key, lambda: self._capture(lambda: self._forward(kv)))
             return out
         self._captured.move_to_end(key)
         self.stats.replays += 1
@@ -289,10 +289,10 @@ class DecodeRunner:
         key = ("batch", b, pool.version, True)
         got = self._captured.get(key) if self.graphs else None
         if got is None:
-            out = self._eager_batch(buf)
+            out = self._eager(lambda: self._forward_batch(buf))
             self._count(b, "eager")
             if self.graphs:
-                self._capture_or_disable(key, lambda: self._capture_batch(buf))
+                self._capture_or_disable(key, lambda: self._capture(lambda: self._forward_batch(buf)))
         else:
             self._captured.move_to_end(key)
             self._count(b, "replays")
@@ -314,33 +314,7 @@ class DecodeRunner:
 
     def _forward_batch(self, buf: _BatchBuffers) -> torch.Tensor:
         """The static batched step: [B, vocab] logits for the tokens in ``buf``."""
-        model = self.model
-        decoder = model.decoder
-        h = decoder.embed_tokens(buf.ids)
-        cos, sin = model.rotary(buf.pos, h.dtype)
-        skv = StaticBatchKV(model.kv_pool, buf.sets, buf.pos)
-        for i, layer in enumerate(decoder.layers):
-            h = layer(h, cos, sin, skv, i, 0)
-        return model.head(decoder.norm(h))
-
-    def _eager_batch(self, buf: _BatchBuffers) -> torch.Tensor:
-        out = self._forward_batch(buf)
-        self._routing_to_host(*self._logged())
-        return out
-
-    def _capture_batch(self, buf: _BatchBuffers) -> _Captured:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            g = torch.cuda.CUDAGraph()
-            g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                out = self._forward_batch(buf)
-                sizes, flat = self._logged()
-            finally:
-                g.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        return _Captured([g], out, routing=flat, sizes=sizes)
+        return self._layers(buf.ids, buf.pos, StaticBatchKV(self.model.kv_pool, buf.sets, buf.pos))
 
     def _capture_or_disable(self, key: tuple, capture) -> None:
         """Capture a graph for ``key`` (the least recently used dropped beyond :data:`MAX_GRAPHS`); a capture that
@@ -373,11 +347,14 @@ class DecodeRunner:
 
     def _forward(self, kv: KVCache) -> torch.Tensor:
         """The static step: [1, vocab] logits for the token in :attr:`ids` at :attr:`pos`."""
+        return self._layers(self.ids, self.pos, StaticDecodeKV(kv, self.pos))
+
+    def _layers(self, ids: torch.Tensor, pos: torch.Tensor, skv) -> torch.Tensor:
+        """Logits [n, vocab] of tokens ``ids`` [n] at device positions ``pos`` [n] through every layer over ``skv``."""
         model = self.model
         decoder = model.decoder
-        h = decoder.embed_tokens(self.ids)
-        cos, sin = model.rotary(self.pos, h.dtype)
-        skv = StaticDecodeKV(kv, self.pos)
+        h = decoder.embed_tokens(ids)
+        cos, sin = model.rotary(pos, h.dtype)
         for i, layer in enumerate(decoder.layers):
             h = layer(h, cos, sin, skv, i, 0)
         return model.head(decoder.norm(h))
@@ -417,13 +394,15 @@ class DecodeRunner:
         ev.record()
         return ev
 
-    def _eager(self, kv: KVCache) -> torch.Tensor:
-        out = self._forward(kv)
+    def _eager(self, forward) -> torch.Tensor:
+        """``forward()`` (a static step) run now; its routings copied to the host for the counters."""
+        out = forward()
         self._routing_to_host(*self._logged())
         return out
 
     # -- graphs -----------------------------------------------------------------------------------
-    def _capture(self, kv: KVCache) -> _Captured:
+    def _capture(self, forward) -> _Captured:
+        """``forward()`` (a static step) captured: one graph with every expert resident, else segments."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         mode = "thread_local"  # the store's reader threads may call CUDA (host registration) meanwhile
@@ -433,7 +412,7 @@ class DecodeRunner:
                 g = torch.cuda.CUDAGraph()
                 g.capture_begin(pool=self._pool, capture_error_mode=mode)
                 try:
-                    out = self._forward(kv)
+                    out = forward()
                     sizes, flat = self._logged()
                 finally:
                     g.capture_end()
@@ -443,7 +422,7 @@ class DecodeRunner:
                 seg = _SegmentCapture(self._pool, mode, [self._pinned(k * ahead) for _ in self._moe_layers])
                 self.pipeline.capture = seg
                 try:
-                    out = self._forward(kv)
+                    out = forward()
                 finally:
                     self.pipeline.capture = None
                     seg.end()
