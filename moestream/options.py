@@ -33,8 +33,8 @@ HOT_FRACTION = 0.0
 
 def flag(name: str) -> str:
     """The CLI flag of option ``name`` (``workers`` is ``--prefetch-workers``)."""
-    return {"workers": "--prefetch-workers", "cache_budget": "--cache-budget-gb",
-            "host_cache": "--host-cache-gb"}.get(name, "--" + name.replace("_", "-"))
+    return {"workers": "--prefetch-workers", "cache_budget": "--cache-budget-gb", "host_cache": "--host-cache-gb",
+            "context_tokens": "--max-context"}.get(name, "--" + name.replace("_", "-"))
 
 
 def _path(value, flag: str) -> Path | None:

@@ -171,6 +171,26 @@ def test_missing_config_field_is_named(good, tmp_path):
         load(d, tokenizer=False)
 
 
+def test_a_missing_field_with_other_names_is_named_by_the_config_s_own_name(good, tmp_path):
+    """Qwen3's num_experts (transformers 5 also reads num_local_experts): the message names the config's own field
+    first, then its other name."""
+    d = copy(good, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    for name in ("num_experts", "num_local_experts"):
+        cfg.pop(name, None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"required field 'num_experts' is missing \(nor its other name "
+                                          r"'num_local_experts'\)"):
+        load(d, tokenizer=False)
+
+
+def test_a_context_of_no_tokens_names_serve_s_flag():
+    from moestream.options import EngineOptions
+
+    with pytest.raises(ConfigError, match="--max-context must be at least 1, got 0"):
+        EngineOptions.make(context_tokens=0)
+
+
 def test_missing_resident_tensor_is_named(good, tmp_path):
     d = tmp_path / "m"
     tensors = read_all(good)

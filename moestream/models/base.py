@@ -153,7 +153,8 @@ def _read(cfg: dict, f: dataclasses.Field, hint, values: dict):
             return f.default
         if f.default_factory is not dataclasses.MISSING:
             return f.default_factory()
-        raise ConfigError(f"required field {names[-1]!r} is missing")
+        also = f" (nor its other name{'s' * (len(names) > 2)} {', '.join(map(repr, names[1:]))})" if names[1:] else ""
+        raise ConfigError(f"required field {names[0]!r} is missing{also}")
     kinds, optional, as_tuple = _kinds(hint)
     value = _checked(name, cfg[name], kinds)
     minimum = meta.get("minimum")
