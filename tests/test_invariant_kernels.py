@@ -8,6 +8,10 @@ intermediate 768) and an odd one. The paths this CPU lacks are skipped (say whic
 this machine runs them on is in the closing notes (lscpu).
 """
 
+import ctypes
+import platform
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -237,6 +241,60 @@ def test_attention_against_float64_and_invariant(case, dtype):
             assert torch.equal(native.attention(q, k[:, :n], v[:, :n], start, 0.125, **kw), first)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def portable_ops(tmp_path_factory):
+    """csrc/ops.cpp alone, built for baseline x86-64 (no AVX2, no FMA instructions): the scalar loops the SIMD
+    registers must match."""
+    cxx = native._compiler()
+    if cxx is None or platform.machine() not in ("x86_64", "AMD64") or native.library() is None:
+        pytest.skip("needs a C++ compiler, x86-64 and the compiled kernels")
+    out = tmp_path_factory.mktemp("portable-ops") / "libops.so"
+    subprocess.run([cxx, *native.FLAGS, "-O2", "-march=x86-64", "-fopenmp", "-shared", str(native.CSRC / "ops.cpp"),
+                    "-o", str(out)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    lib.ms_attention.restype = ctypes.c_int
+    lib.ms_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+# real widths: Qwen3-30B-A3B (32 query heads on 4 key heads of 128), gpt-oss (64 on 8 of 64, sinks and a
+# window), DeepSeek-V3's MLA (128 heads on one latent of 512 + 64 rotary, values a view of the keys)
+REAL_ATTENTION = {"qwen3": (32, 4, 128, 0, {}), "gpt-oss": (64, 8, 64, 0, {"sinks": True, "window": 128}),
+                  "mla": (128, 1, 512, 64, {})}
+
+
+@pytest.mark.parametrize("model", list(REAL_ATTENTION))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_simd_gives_the_scalar_bits_at_real_widths(model, dtype, portable_ops):
+    """At real head counts and widths (groups of 16 heads, a key tail past the 4-key value passes), the
+    machine's SIMD build of the attention kernel gives the bits of its scalar build, within 1e-5 of float64,
+    and the same bits for one query per call and any cache capacity."""
+    hq, hkv, d1, d2, extra = REAL_ATTENTION[model]
+    dv = d1 if d2 else d1
+    cap, t, start = 520, 13, 490  # 503 positions: not a multiple of 4
+    q = torch.randn(t, hq, d1 + d2, generator=_gen(11)) * 2
+    k = torch.randn(hkv, cap, d1 + d2, generator=_gen(12)).to(dtype)
+    v = torch.randn(hkv, cap, dv, generator=_gen(13)).to(dtype)
+    kw = {"window": extra.get("window")}
+    if extra.get("sinks"):
+        kw["sinks"] = torch.randn(hq, generator=_gen(14))
+    n = start + t
+    if d2:  # MLA: the value is a view of the keys' first part
+        k1, k2 = k[:, :, :d1], k[:, :, d1:]
+        call = dict(q=q, k=k1[:, :n], v=k1[:, :n], start=start, scale=0.05, k2=k2[:, :n])
+        ref = attention64(q, k[:, :n], k1[:, :n], start, 0.05)
+    else:
+        call = dict(q=q, k=k[:, :n], v=v[:, :n], start=start, scale=0.08, **kw)
+        ref = attention64(q, k[:, :n], v[:, :n], start, 0.08, **kw)
+    got = native.attention(**call)
+    assert torch.equal(got, native.attention(**call, lib=portable_ops))
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    one = torch.cat([native.attention(**{**call, "q": q[i : i + 1], "start": start + i}) for i in range(t)])
+    assert torch.equal(one, got)
+    if not d2:
+        assert torch.equal(native.attention(**{**call, "k": k, "v": v}), got)  # the whole capacity
 
 
 @pytest.mark.parametrize("mode", list(native.NORM_MODES))

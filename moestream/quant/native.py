@@ -882,7 +882,7 @@ def _bits(f: float) -> int:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
               window: int | None = None, k2: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-              mask: torch.Tensor | None = None) -> torch.Tensor | None:
+              mask: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """Softmax attention of queries over one sequence's cached keys and values (CPU, float32 out).
 
     Args:
@@ -895,6 +895,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
         window: a query at position p sees positions above p - window only (sliding window), or None.
         sinks: [Hq] float32 sink logits that join each softmax's denominator (gpt-oss), or None.
         mask: bool [T, S], True = may attend (DeepSeek-V3.2's selected keys), or None.
+        lib: another build of csrc/ops.cpp to run it in (tests: the portable build against the SIMD one), or None.
 
     Returns:
         [T, Hq, Dv] float32: per query, ``sum_j e_j v_j / (sum_j e_j + e_sink)`` over its visible positions
@@ -929,7 +930,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
          0 if mk is None else mk.stride(0)]
     ptrs = [qf.data_ptr(), k.data_ptr(), 0 if k2 is None else k2.data_ptr(), v.data_ptr(),
             0 if sk is None else sk.data_ptr(), out.data_ptr(), 0 if mk is None else mk.data_ptr()]
-    rc = library().ms_attention((ctypes.c_int64 * len(a))(*a), (ctypes.c_void_p * len(ptrs))(*ptrs))
+    rc = (lib or library()).ms_attention((ctypes.c_int64 * len(a))(*a), (ctypes.c_void_p * len(ptrs))(*ptrs))
     _check(rc == 0, "attention: bad arguments")
     return out
 

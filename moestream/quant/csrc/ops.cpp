@@ -21,25 +21,6 @@ namespace {
 // a float of dtype dt at element i of p
 MS_INLINE float ld(const uint8_t* p, int dt, int64_t i) { return ld_dt(p, dt, i); }
 
-// The canonical 16-lane dot of a (float32, n) and b (dtype dt, n) continued from acc (kernels.h's
-// reduction; a last partial vector leaves its missing lanes as zero products).
-MS_INLINE void dot_acc(const float* a, const uint8_t* b, int dt, int64_t n, float* acc) {
-  int64_t i = 0;
-  float bv[16];
-  for (; i + 16 <= n; i += 16) {
-    for (int l = 0; l < 16; ++l) bv[l] = ld(b, dt, i + l);
-    for (int l = 0; l < 16; ++l) acc[l] = std::fma(a[i + l], bv[l], acc[l]);
-  }
-  if (i < n) {
-    float av[16];
-    for (int l = 0; l < 16; ++l) {
-      av[l] = i + l < n ? a[i + l] : 0.0f;
-      bv[l] = i + l < n ? ld(b, dt, i + l) : 0.0f;
-    }
-    for (int l = 0; l < 16; ++l) acc[l] = std::fma(av[l], bv[l], acc[l]);
-  }
-}
-
 MS_INLINE float tree16(float* t) {
   for (int h = 8; h >= 1; h /= 2)
     for (int i = 0; i < h; ++i) t[i] = t[i] + t[i + h];
@@ -80,6 +61,153 @@ int threads_for(int64_t items, int64_t work_per_item) {
   return std::max(1, t);
 }
 
+
+// q . k by the canonical reduction (16 lanes, then tree16), over rows zero-padded to whole 16-lane steps
+// (a padded lane adds fma(0, 0, acc): the unpadded loop's tail). One fma per lane and step, so the SIMD
+// registers give the scalar loop's bits; the compiler keeps 16 scalar chains otherwise.
+MS_INLINE float dot16(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
+  __m256 x = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    v0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v0);
+    v1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), v1);
+  }
+  __m256 x = _mm256_add_ps(v0, v1);
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  // tree16's steps: t[i] + t[i+8] (above), t[i] + t[i+4], t[i] + t[i+2], t[0] + t[1]
+  __m128 y = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  y = _mm_add_ps(y, _mm_movehl_ps(y, y));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+#else
+  float acc[16] = {0};
+  for (int64_t i = 0; i < n; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] = std::fma(a[i + l], b[i + l], acc[l]);
+  return tree16(acc);
+#endif
+}
+
+MS_INLINE int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// n values of dtype DT into float32 dst, then zeros up to the padded length np
+template <int DT>
+MS_INLINE void to_float(const uint8_t* src, int64_t n, int64_t np, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = ldf<DT>(src, i);
+  for (int64_t i = n; i < np; ++i) dst[i] = 0.0f;
+}
+
+struct Attn {
+  int64_t T, Hq, Hkv, D1, D2, Dv, start, window, nk, rep, es;
+  const int64_t* a;
+  float scale;
+  const float* q;
+  const uint8_t *k1, *k2, *v, *mask;
+  const float* sinks;
+  float* out;
+};
+
+constexpr int64_t PV_KEYS = 4;  // keys per pass over a head's output accumulator (kept in registers)
+constexpr int64_t GROUP_HEADS = 16;  // query heads sharing one pass over their key head's rows
+
+// Scratch of one thread: the visible positions, per head of a group its padded query, scores (then
+// weights), running max, sum and output accumulator, and one converted key row and PV_KEYS value rows.
+struct AttnScratch {
+  int64_t dp, hc;  // padded D1 + padded D2; heads per group
+  std::vector<int64_t> at;
+  std::vector<float> qp, s, o, kf, vf, m, l;
+  explicit AttnScratch(const Attn& A)
+      : dp(pad16(A.D1) + pad16(A.D2)), hc(std::min(A.rep, GROUP_HEADS)), at(size_t(std::max<int64_t>(1, A.nk))),
+        qp(size_t(hc * dp)), s(size_t(hc * std::max<int64_t>(1, A.nk))), o(size_t(hc * A.Dv)), kf(size_t(dp)),
+        vf(size_t(PV_KEYS * A.Dv)), m(size_t(hc)), l(size_t(hc)) {}
+};
+
+// Query t's heads h0 .. h0+rep-1, which share key head kh. Per head the same operations in the same order
+// as one head alone (ms_attention's contract): the conversion of each key and value row is shared, and the
+// value sum takes PV_KEYS keys per pass, in position order for every lane.
+template <int DT>
+MS_NOINLINE void attend_group(const Attn& A, int64_t t, int64_t kh, int64_t h0, int64_t rep, AttnScratch& w) {
+  const int64_t D1 = A.D1, D2 = A.D2, Dv = A.Dv, cap = std::max<int64_t>(1, A.nk);
+  const int64_t p1 = pad16(D1), dp = w.dp;
+  const int64_t* a = A.a;
+  const int64_t pos = A.start + t, hi = std::min(pos, A.nk - 1);
+  const int64_t lo = A.window > 0 ? std::max<int64_t>(0, pos - A.window + 1) : 0;
+  int64_t n = 0;
+  for (int64_t j = lo; j <= hi; ++j)
+    if (A.mask == nullptr || A.mask[t * a[21] + j]) w.at[size_t(n++)] = j;
+  float* kf = w.kf.data();
+  float* vf = w.vf.data();
+  for (int64_t r = 0; r < rep; ++r) {
+    const float* qt = A.q + t * a[17] + (h0 + r) * a[18];
+    float* qp = w.qp.data() + r * dp;
+    for (int64_t i = 0; i < dp; ++i) qp[i] = 0.0f;
+    for (int64_t i = 0; i < D1; ++i) qp[i] = qt[i];
+    for (int64_t i = 0; i < D2; ++i) qp[p1 + i] = qt[D1 + i];
+  }
+  float* m = w.m.data();
+  float* l = w.l.data();
+  for (int64_t r = 0; r < rep; ++r) m[r] = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = w.at[size_t(i)];
+    to_float<DT>(A.k1 + (kh * a[10] + j * a[11]) * A.es, D1, p1, kf);
+    if (D2 > 0) to_float<DT>(A.k2 + (kh * a[12] + j * a[13]) * A.es, D2, dp - p1, kf + p1);
+    for (int64_t r = 0; r < rep; ++r) {
+      const float sc = dot16(w.qp.data() + r * dp, kf, dp) * A.scale;
+      w.s[size_t(r * cap + i)] = sc;
+      m[r] = std::max(m[r], sc);
+    }
+  }
+  for (int64_t r = 0; r < rep; ++r) {
+    const int64_t h = h0 + r;
+    const float sink = A.sinks != nullptr ? A.sinks[h] : 0.0f;
+    if (A.sinks != nullptr) m[r] = std::max(m[r], sink);
+    float* sr = w.s.data() + r * cap;
+    const float mr = m[r];
+    for (int64_t i = 0; i < n; ++i) sr[i] = exp_c(sr[i] - mr);
+    float lr = 0.0f;
+    for (int64_t i = 0; i < n; ++i) lr = lr + sr[i];
+    if (A.sinks != nullptr) lr = lr + exp_c(sink - mr);
+    l[r] = lr;
+    float* o = w.o.data() + r * Dv;
+    for (int64_t d = 0; d < Dv; ++d) o[d] = 0.0f;
+  }
+  int64_t i = 0;
+  for (; i + PV_KEYS <= n; i += PV_KEYS) {
+    for (int64_t u = 0; u < PV_KEYS; ++u)
+      to_float<DT>(A.v + (kh * a[14] + w.at[size_t(i + u)] * a[15]) * A.es, Dv, Dv, vf + u * Dv);
+    const float *v0 = vf, *v1 = vf + Dv, *v2 = vf + 2 * Dv, *v3 = vf + 3 * Dv;
+    for (int64_t r = 0; r < rep; ++r) {
+      const float* e = w.s.data() + r * cap + i;
+      const float e0 = e[0], e1 = e[1], e2 = e[2], e3 = e[3];
+      float* o = w.o.data() + r * Dv;
+      for (int64_t d = 0; d < Dv; ++d) {
+        float x = o[d];
+        x = std::fma(e0, v0[d], x);
+        x = std::fma(e1, v1[d], x);
+        x = std::fma(e2, v2[d], x);
+        x = std::fma(e3, v3[d], x);
+        o[d] = x;
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    to_float<DT>(A.v + (kh * a[14] + w.at[size_t(i)] * a[15]) * A.es, Dv, Dv, vf);
+    for (int64_t r = 0; r < rep; ++r) {
+      const float e = w.s[size_t(r * cap + i)];
+      float* o = w.o.data() + r * Dv;
+      for (int64_t d = 0; d < Dv; ++d) o[d] = std::fma(e, vf[d], o[d]);
+    }
+  }
+  for (int64_t r = 0; r < rep; ++r) {
+    const float* o = w.o.data() + r * Dv;
+    float* ot = A.out + t * a[19] + (h0 + r) * a[20];
+    for (int64_t d = 0; d < Dv; ++d) ot[d] = n > 0 ? o[d] / l[r] : 0.0f;
+  }
+}
+
 }  // namespace
 }  // namespace ms
 
@@ -97,27 +225,31 @@ extern "C" {
 // and mask[t, j] != 0 with a mask). Its scores s_j = dot(q, k_j) * scale (dot: the canonical reduction over
 // part 1 then part 2), m = max(s_j, sink), e_j = exp_c(s_j - m), l = sum of e_j in position order (+
 // exp_c(sink - m)), out = (sum of e_j v_j in position order) / l. 0, or -1 for a bad argument.
+// Threads split the (query, key head) groups, never a sum.
 int ms_attention(const int64_t* a, const void* const* p) {
-  const int64_t T = a[0], Hq = a[1], Hkv = a[2], D1 = a[3], D2 = a[4], Dv = a[5], start = a[7], window = a[8];
-  const int64_t nk = a[9];
+  ms::Attn A;
+  A.T = a[0], A.Hq = a[1], A.Hkv = a[2], A.D1 = a[3], A.D2 = a[4], A.Dv = a[5], A.start = a[7], A.window = a[8];
+  A.nk = a[9];
   const int dt = int(a[6]);
-  if (T < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D1 < 0 || D2 < 0 || Dv < 1 || nk < 0 || dt < 0 || dt > 2) return -1;
-  const float scale = ms::f32_bits(a[16]);
-  const float* q = static_cast<const float*>(p[0]);
-  const uint8_t* k1 = static_cast<const uint8_t*>(p[1]);
-  const uint8_t* k2 = static_cast<const uint8_t*>(p[2]);
-  const uint8_t* v = static_cast<const uint8_t*>(p[3]);
-  const float* sinks = static_cast<const float*>(p[4]);
-  float* out = static_cast<float*>(const_cast<void*>(p[5]));
-  const uint8_t* mask = static_cast<const uint8_t*>(p[6]);
-  const int64_t es = dt == ms::F32 ? 4 : 2, rep = Hq / Hkv;
-  const int64_t items = T * Hq;
-  const int threads = ms::threads_for(items, (D1 + D2 + Dv) * std::max<int64_t>(1, nk));
+  if (A.T < 0 || A.Hq < 1 || A.Hkv < 1 || A.Hq % A.Hkv || A.D1 < 0 || A.D2 < 0 ||
+      A.Dv < 1 || A.nk < 0 || dt < 0 || dt > 2)
+    return -1;
+  A.a = a;
+  A.scale = ms::f32_bits(a[16]);
+  A.q = static_cast<const float*>(p[0]);
+  A.k1 = static_cast<const uint8_t*>(p[1]);
+  A.k2 = static_cast<const uint8_t*>(p[2]);
+  A.v = static_cast<const uint8_t*>(p[3]);
+  A.sinks = static_cast<const float*>(p[4]);
+  A.out = static_cast<float*>(const_cast<void*>(p[5]));
+  A.mask = static_cast<const uint8_t*>(p[6]);
+  A.es = dt == ms::F32 ? 4 : 2;
+  A.rep = A.Hq / A.Hkv;
+  const int64_t hc = std::min(A.rep, ms::GROUP_HEADS), groups = (A.rep + hc - 1) / hc, items = A.T * A.Hkv * groups;
+  const int threads = ms::threads_for(items, hc * (A.D1 + A.D2 + A.Dv) * std::max<int64_t>(1, A.nk));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    std::vector<float> s(static_cast<size_t>(std::max<int64_t>(1, nk)));
-    std::vector<int64_t> at(static_cast<size_t>(std::max<int64_t>(1, nk)));
-    std::vector<float> o(static_cast<size_t>(Dv));
+    ms::AttnScratch w(A);
     int nt = 1, id = 0;
 #ifdef _OPENMP
     nt = omp_get_num_threads();
@@ -125,36 +257,11 @@ int ms_attention(const int64_t* a, const void* const* p) {
 #endif
     const int64_t per = (items + nt - 1) / nt, i0 = id * per, i1 = std::min(items, i0 + per);
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t t = it / Hq, h = it % Hq, kh = h / rep;
-      const int64_t pos = start + t, hi = std::min(pos, nk - 1);
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const float* qt = q + t * a[17] + h * a[18];
-      int64_t n = 0;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = lo; j <= hi; ++j) {
-        if (mask != nullptr && !mask[t * a[21] + j]) continue;
-        float acc[16] = {0};
-        ms::dot_acc(qt, k1 + (kh * a[10] + j * a[11]) * es, dt, D1, acc);
-        if (D2 > 0) ms::dot_acc(qt + D1, k2 + (kh * a[12] + j * a[13]) * es, dt, D2, acc);
-        const float sc = ms::tree16(acc) * scale;
-        s[size_t(n)] = sc;
-        at[size_t(n)] = j;
-        ++n;
-        m = std::max(m, sc);
-      }
-      const float sink = sinks != nullptr ? sinks[h] : 0.0f;
-      if (sinks != nullptr) m = std::max(m, sink);
-      float l = 0.0f;
-      for (int64_t i = 0; i < Dv; ++i) o[size_t(i)] = 0.0f;
-      for (int64_t i = 0; i < n; ++i) {
-        const float e = ms::exp_c(s[size_t(i)] - m);
-        l = l + e;
-        const uint8_t* vj = v + (kh * a[14] + at[size_t(i)] * a[15]) * es;
-        for (int64_t d = 0; d < Dv; ++d) o[size_t(d)] = std::fma(e, ms::ld(vj, dt, d), o[size_t(d)]);
-      }
-      if (sinks != nullptr) l = l + ms::exp_c(sink - m);
-      float* ot = out + t * a[19] + h * a[20];
-      for (int64_t d = 0; d < Dv; ++d) ot[d] = n > 0 ? o[size_t(d)] / l : 0.0f;
+      const int64_t t = it / (A.Hkv * groups), kh = it / groups % A.Hkv, g = it % groups;
+      const int64_t h0 = kh * A.rep + g * hc, nh = std::min(hc, A.rep - g * hc);
+      if (dt == ms::F32) ms::attend_group<ms::F32>(A, t, kh, h0, nh, w);
+      else if (dt == ms::BF16) ms::attend_group<ms::BF16>(A, t, kh, h0, nh, w);
+      else ms::attend_group<ms::F16>(A, t, kh, h0, nh, w);
     }
   }
   return 0;
