@@ -8,12 +8,30 @@ imports moestream before torch, for its OpenMP wait policy, keeps that order.
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 T0 = time.perf_counter()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for a result's record."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages, rounded."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def log(*a):

@@ -35,14 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
-from _common import median_ms
+from _common import cpu_model, median_ms
 from torch import nn
 
 from moestream.models.kimi_linear import situ_expert
@@ -210,16 +209,6 @@ class Cycle:
         pieces, fn = self.copies[self.i % len(self.copies)]
         self.i += 1
         return fn(self.x, pieces)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:

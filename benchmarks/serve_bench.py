@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import socket
 import statistics
@@ -37,17 +36,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
+from _common import cpu_model, load_average  # noqa: E402
 
 
 def free_port() -> int:
@@ -187,7 +178,9 @@ def single_stream(args) -> dict:
 
 def step_scale(args) -> list[dict]:
     """In this process, without HTTP or a load tester on the same cores: B sequences decoding together (after
-    64-token prompts), the median of 12 steps' time, decode tok/s and expert MB read per step, B = 1, 4, 8."""
+    64-token prompts), the median of 12 steps' time, decode tok/s and expert MB read per step, B = 1, 4, 8.
+    ``--device cuda``: also the steps with CUDA graphs off, and with ``--profile DIR`` the GPU time per kernel
+    of the batch-8 steps (torch.profiler's table, graphs off so each kernel is seen)."""
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -197,25 +190,39 @@ def step_scale(args) -> list[dict]:
     budget = args.cache_budget_gb if args.cache_budget_gb in ("all", "auto") else float(args.cache_budget_gb)
     g = torch.Generator().manual_seed(0)
     out = []
-    with load(args.model, cache_budget_gb=budget, hotlist=False, learn_experts=False) as engine:
-        for b in (1, 4, 8):
-            sch = Scheduler(engine, b)
-            for _ in range(b):
-                sch.submit(Request(torch.randint(0, 150000, (64,), generator=g).tolist(), 40, ignore_eos=True))
-            while sch.waiting or any(s.state != "decode" for s in sch.running):
-                sch.step()
-            for _ in range(3):
-                sch.step()
-            times, read0 = [], engine.store.stats.bytes_read
-            for _ in range(12):
-                t0 = time.perf_counter()
-                sch.step()
-                times.append(time.perf_counter() - t0)
-            step = statistics.median(times)
-            read = (engine.store.stats.bytes_read - read0) / 12
-            out.append({"batch": b, "step_ms": 1000 * step, "decode_tok_s": b / step,
-                        "expert_mb_read_per_step": read / 1e6, "expert_mb_read_per_token": read / 1e6 / b})
-            sch.close()
+    graphs = (True, False) if args.device == "cuda" else (True,)
+    for graphed in graphs:
+        with load(args.model, cache_budget_gb=budget, hotlist=False, learn_experts=False, device=args.device,
+                  max_batch=args.max_batch, cuda_graphs=graphed) as engine:
+            for b in (1, 4, 8):
+                sch = Scheduler(engine, b)
+                for _ in range(b):
+                    sch.submit(Request(torch.randint(0, 150000, (64,), generator=g).tolist(), 40, ignore_eos=True))
+                while sch.waiting or any(s.state != "decode" for s in sch.running):
+                    sch.step()
+                for _ in range(3):
+                    sch.step()
+                times, read0 = [], engine.store.stats.bytes_read
+                for _ in range(12):
+                    t0 = time.perf_counter()
+                    sch.step()
+                    times.append(time.perf_counter() - t0)
+                step = statistics.median(times)
+                read = (engine.store.stats.bytes_read - read0) / 12
+                out.append({"batch": b, "cuda_graphs": graphed, "step_ms": 1000 * step, "decode_tok_s": b / step,
+                            "expert_mb_read_per_step": read / 1e6, "expert_mb_read_per_token": read / 1e6 / b})
+                print(json.dumps(out[-1]), flush=True)
+                if args.profile and b == 8 and not graphed:
+                    from torch.profiler import ProfilerActivity, profile
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        for _ in range(6):
+                            sch.step()
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    (args.profile / "step8_profile.txt").write_text(
+                        prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+                    (args.profile / "step8_profile_cpu.txt").write_text(
+                        prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+                sch.close()
     return out
 
 
@@ -271,6 +278,8 @@ def main() -> None:
     ap.add_argument("--new-turn", type=int, default=64)
     ap.add_argument("--skip-serve", action="store_true", help="only the in-process measurements")
     ap.add_argument("--step-scale", action="store_true", help="in-process decode speed and reads at batch 1, 4, 8")
+    ap.add_argument("--device", default="cpu", help="device of the in-process runs (default cpu)")
+    ap.add_argument("--profile", type=Path, default=None, help="with --step-scale on cuda: kernel tables here")
     ap.add_argument("--threads", type=int, default=0,
                     help="OMP_NUM_THREADS for the server and the in-process runs (default: as inherited). On a "
                     "machine whose cores other processes keep busy, one thread avoids a kernel call waiting a "

@@ -462,6 +462,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 BLOCK_M = 16  # routing slots per block of the tl.dot kernels: one size for every call (see block_m)
 BLOCK_N, BLOCK_K = 64, 128  # output features per program and the reduction's step, for every call (H200 sweep)
+NUM_WARPS, NUM_STAGES = 4, 3  # the tl.dot kernels' launch (benchmarks/gpu_fused_sweep.py)
 
 
 def block_m(t: int, k: int, e: int) -> int:
@@ -753,11 +754,13 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
     hbuf = torch.empty(tk, i_, dtype=x.dtype, device=x.device)
     _gate_up_blocks[(nblocks, triton.cdiv(i_, bn))](
         x, rows, bexp, table, *gu, hbuf, k, tk, e, h, i_, x.stride(0), *gate.strides(),
-        hbuf.stride(0), BM=bm, BN=bn, BK=bk, PREC=prec, UPCAST=up16, **gate.consts(), num_warps=4, num_stages=3)
+        hbuf.stride(0), BM=bm, BN=bn, BK=bk, PREC=prec, UPCAST=up16, **gate.consts(), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     y = torch.empty(tk, h, dtype=torch.float32, device=x.device)
     _down_blocks[(nblocks, triton.cdiv(h, bn))](
         hbuf, wflat, rows, bexp, table, *dn, y, tk, e, h, i_, hbuf.stride(0), *down.strides(),
-        y.stride(0), BM=bm, BN=bn, BK=bk, PREC=prec, UPCAST=up16, **down.consts(), num_warps=4, num_stages=3)
+        y.stride(0), BM=bm, BN=bn, BK=bk, PREC=prec, UPCAST=up16, **down.consts(), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     _sum_k[(t, triton.cdiv(h, 128))](y, out, k, h, y.stride(0), out.stride(0), BN=128, num_warps=4)
     return out
 

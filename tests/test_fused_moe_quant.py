@@ -171,7 +171,7 @@ def test_quantized_kernel_matches_float64(kind, shape, down, fused, t, k, e, dty
 
 @interpreted
 @pytest.mark.parametrize("kind,shape", WIDE, ids=[f"{k}-{s[0]}x{s[1]}" for k, s in WIDE])
-@pytest.mark.parametrize("t,k", [(1, 1), (5, 2)], ids=["decode", "rows"])
+@pytest.mark.parametrize("t,k", [(1, 1), (2, 2)], ids=["decode", "rows"])
 def test_quantized_kernel_over_several_column_steps(kind, shape, t, k):
     g = torch.Generator().manual_seed(t * 7 + shape[0])
     i, h = shape
@@ -241,7 +241,9 @@ def test_quantized_checkpoint_on_the_fused_path(quant_ckpts, name):
     for a, b in zip(cpu, ref):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     one = expert_bytes(path)
-    for vram, host, ahead in ((3, 16, 0), (0, 0, 0), (4, 16, 1)):
+    # the tiers move stored bytes whatever they encode: every tier for the first format, the host tier for the rest
+    tiers = ((3, 16, 0), (0, 0, 0), (4, 16, 1)) if name == ENGINE_FORMATS[0] else ((3, 16, 0),)
+    for vram, host, ahead in tiers:
         out, cache, _ = quant_run(path, cache_budget_gb=str(vram * one / 1e9), host_cache_gb=str(host * one / 1e9),
                                   fused_experts=True, prefetch_ahead=ahead)
         assert all(torch.equal(a, b) for a, b in zip(ref, out)), f"{name}: VRAM {vram}, host {host}"
