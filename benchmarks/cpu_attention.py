@@ -58,8 +58,9 @@ print(json.dumps({"wall_ms": 1e3 * statistics.median(walls), "cpu_ms": 1e3 * sta
 
 def measure(tree: Path, shape: tuple) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    r = subprocess.run([sys.executable, "-c", WORKER, *map(str, shape)], env=env, capture_output=True, text=True,
-                       check=True)
+    # cwd: ``python -c`` puts it first on sys.path, before PYTHONPATH
+    r = subprocess.run([sys.executable, "-c", WORKER, *map(str, shape)], env=env, cwd=tree, capture_output=True,
+                       text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 

@@ -48,6 +48,7 @@ with torch.inference_mode():
     cpu, wall = timed_steps(net, cont, len(prompt), kv)
 out["decode_wall_s"], out["decode_cpu_s"] = statistics.median(wall), statistics.median(cpu)
 out["threads"] = torch.get_num_threads()
+out["moestream"] = moestream.__file__  # which tree was measured
 engine.close()
 print(json.dumps(out))
 """
@@ -69,10 +70,14 @@ def one_run(tree: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
     got = subprocess.run([sys.executable, "-c", WORKER, args.model, args.budget, str(args.prompt), str(args.tokens),
                           str(SHARED), str(Path(__file__).resolve().parent)],
-                         env=env, capture_output=True, text=True, timeout=3600)
+                         env=env, cwd=tree, capture_output=True, text=True, timeout=3600)
+    # cwd: ``python -c`` puts it first on sys.path, before PYTHONPATH (run from a checkout, it was measured twice)
     if got.returncode:
         raise SystemExit(f"{tree}: {got.stderr[-2000:]}")
-    return json.loads(got.stdout.strip().splitlines()[-1])
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    if not Path(out["moestream"]).resolve().is_relative_to(Path(tree).resolve()):
+        raise SystemExit(f"{tree}: the run imported {out['moestream']}, not this tree's moestream")
+    return out
 
 
 def main() -> None:
