@@ -40,12 +40,6 @@ MS_INLINE void dot_acc(const float* a, const uint8_t* b, int dt, int64_t n, floa
   }
 }
 
-MS_INLINE float tree16(float* t) {
-  for (int h = 8; h >= 1; h /= 2)
-    for (int i = 0; i < h; ++i) t[i] = t[i] + t[i + h];
-  return t[0];
-}
-
 // a [n] float32, dtype dt: sum of squares by the canonical reduction
 MS_INLINE float sum_squares(const uint8_t* x, int dt, int64_t n) {
   float acc[16] = {0};
@@ -59,7 +53,7 @@ MS_INLINE float sum_squares(const uint8_t* x, int dt, int64_t n) {
     for (int l = 0; l < 16; ++l) v[l] = i + l < n ? ld(x, dt, i + l) : 0.0f;
     for (int l = 0; l < 16; ++l) acc[l] = std::fma(v[l], v[l], acc[l]);
   }
-  return tree16(acc);
+  return tree_sum<16>(acc);
 }
 
 // value rounded to dtype dt and back (the rounding a cast to dt makes)
@@ -103,13 +97,10 @@ int ms_attention(const int64_t* a, const void* const* p) {
   const int dt = int(a[6]);
   if (T < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D1 < 0 || D2 < 0 || Dv < 1 || nk < 0 || dt < 0 || dt > 2) return -1;
   const float scale = ms::f32_bits(a[16]);
-  const float* q = static_cast<const float*>(p[0]);
-  const uint8_t* k1 = static_cast<const uint8_t*>(p[1]);
-  const uint8_t* k2 = static_cast<const uint8_t*>(p[2]);
-  const uint8_t* v = static_cast<const uint8_t*>(p[3]);
-  const float* sinks = static_cast<const float*>(p[4]);
-  float* out = static_cast<float*>(const_cast<void*>(p[5]));
-  const uint8_t* mask = static_cast<const uint8_t*>(p[6]);
+  const float *q = ms::in_arg<float>(p[0]), *sinks = ms::in_arg<float>(p[4]);
+  const uint8_t *k1 = ms::in_arg<uint8_t>(p[1]), *k2 = ms::in_arg<uint8_t>(p[2]), *v = ms::in_arg<uint8_t>(p[3]),
+                *mask = ms::in_arg<uint8_t>(p[6]);
+  float* out = ms::out_arg<float>(p[5]);
   const int64_t es = dt == ms::F32 ? 4 : 2, rep = Hq / Hkv;
   const int64_t items = T * Hq;
   const int threads = ms::threads_for(items, (D1 + D2 + Dv) * std::max<int64_t>(1, nk));
@@ -136,7 +127,7 @@ int ms_attention(const int64_t* a, const void* const* p) {
         float acc[16] = {0};
         ms::dot_acc(qt, k1 + (kh * a[10] + j * a[11]) * es, dt, D1, acc);
         if (D2 > 0) ms::dot_acc(qt + D1, k2 + (kh * a[12] + j * a[13]) * es, dt, D2, acc);
-        const float sc = ms::tree16(acc) * scale;
+        const float sc = ms::tree_sum<16>(acc) * scale;
         s[size_t(n)] = sc;
         at[size_t(n)] = j;
         ++n;
@@ -172,9 +163,8 @@ int ms_rmsnorm(const int64_t* a, const void* const* p) {
   const int xdt = int(a[2]), wdt = int(a[3]), odt = int(a[4]), mode = int(a[5]);
   if (n < 0 || d < 1 || mode < 0 || mode > 4 || xdt < 0 || xdt > 2 || odt < 0 || odt > 2) return -1;
   const float eps = ms::f32_bits(a[8]);
-  const uint8_t* x = static_cast<const uint8_t*>(p[0]);
-  const uint8_t* w = static_cast<const uint8_t*>(p[1]);
-  uint8_t* out = static_cast<uint8_t*>(const_cast<void*>(p[2]));
+  const uint8_t *x = ms::in_arg<uint8_t>(p[0]), *w = ms::in_arg<uint8_t>(p[1]);
+  uint8_t* out = ms::out_arg<uint8_t>(p[2]);
   const int64_t xe = xdt == ms::F32 ? 4 : 2, oe = odt == ms::F32 ? 4 : 2;
   const int threads = ms::threads_for(n, 4 * d);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
@@ -208,13 +198,9 @@ int ms_delta_rule(const int64_t* a, const void* const* p) {
   const int64_t T = a[0], H = a[1], Dk = a[2], Dv = a[3];
   const bool per_channel = a[4] != 0;
   if (T < 0 || H < 1 || Dk < 1 || Dv < 1) return -1;
-  const float* q = static_cast<const float*>(p[0]);
-  const float* k = static_cast<const float*>(p[1]);
-  const float* v = static_cast<const float*>(p[2]);
-  const float* g = static_cast<const float*>(p[3]);
-  const float* beta = static_cast<const float*>(p[4]);
-  float* state = static_cast<float*>(const_cast<void*>(p[5]));
-  float* out = static_cast<float*>(const_cast<void*>(p[6]));
+  const float *q = ms::in_arg<float>(p[0]), *k = ms::in_arg<float>(p[1]), *v = ms::in_arg<float>(p[2]),
+              *g = ms::in_arg<float>(p[3]), *beta = ms::in_arg<float>(p[4]);
+  float *state = ms::out_arg<float>(p[5]), *out = ms::out_arg<float>(p[6]);
   const int threads = ms::threads_for(H, T * Dk * Dv * 4);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t h = 0; h < H; ++h) {
