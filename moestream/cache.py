@@ -24,23 +24,27 @@ from .store import ExpertStore, ExpertWeights, Key
 
 
 @dataclass
-class CacheStats:
-    """Cache counters. ``lookups == hits + misses``; every miss is one expert read."""
+class HitCounts:
+    """Lookups of experts and their hits, as the cache counts them (and :mod:`moestream.cachesim` replays them)."""
 
     lookups: int = 0
     hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    preloaded: int = 0
-    # hits split by where the expert came from (both are subsets of ``hits``; the rest are
-    # plain cache hits): read ahead by the prefetcher (``--prefetch-ahead``), or held by a
-    # pin of the cache policy (which increments ``pinned_hits``)
-    prefetch_hits: int = 0
-    pinned_hits: int = 0
+    # hits split by where the expert came from (subsets of ``hits``; the rest are plain cache hits)
+    prefetch_hits: int = 0  # read ahead by the prefetcher (``--prefetch-ahead``)
+    pinned_hits: int = 0  # held by a pin of the cache policy
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+
+@dataclass
+class CacheStats(HitCounts):
+    """Cache counters. ``lookups == hits + misses``; every miss is one expert read."""
+
+    misses: int = 0
+    evictions: int = 0
+    preloaded: int = 0
 
 
 class ExpertCache:

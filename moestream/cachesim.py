@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cache import HitCounts
 from .errors import MoestreamError
 from .policies import POLICIES, EvictionPolicy, Key, PriorityPolicy, make_policy
 from .traces import Trace, load_trace
@@ -74,7 +75,7 @@ class BeladyPolicy(PriorityPolicy):
 
 
 @dataclass
-class SimResult:
+class SimResult(HitCounts):
     """Lookups and hits of one replay, overall and in decode steps.
 
     ``prefetch_hits`` (a subset of ``hits``, as the engine counts them) are lookups served by a
@@ -84,23 +85,15 @@ class SimResult:
     and wasted reads that multi-token chunks read ahead (as :class:`moestream.prefetch.PrefetchStats`).
     """
 
-    lookups: int = 0
-    hits: int = 0
     decode_lookups: int = 0
     decode_hits: int = 0
     decode_prefetch_hits: int = 0
-    prefetch_hits: int = 0
-    pinned_hits: int = 0
     reads: int = 0
     decode_reads: int = 0
     wasted: int = 0
     chunk_issued: int = 0
     chunk_hits: int = 0
     chunk_wasted: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
 
     @property
     def decode_hit_rate(self) -> float:

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from . import attention_kernel
+from .counters import Counters
 from .models import ops
 from .models.base import CausalLM
 from .models.layers import MLP, Attention, DecoderLayer, KVCache, RMSNorm
@@ -154,7 +155,7 @@ class _BatchBuffers:
 
 
 @dataclass
-class RunnerStats:
+class RunnerStats(Counters):
     """Decode steps by path: ``replays`` (graph replays), ``eager`` (static path, no graph), ``captures``
     (graphs captured), ``declined`` (steps left to the model's plain path: no KV cache yet); the same for
     batched steps of several sequences (``batch_*``; declined ones run ``forward_batch``)."""
@@ -167,9 +168,6 @@ class RunnerStats:
     batch_eager: int = 0
     batch_declined: int = 0
     disabled: str = ""  # why graphs were switched off, if they were
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass

@@ -38,7 +38,7 @@ set before this module is imported), which is how the CPU tests check their logi
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -550,7 +550,7 @@ class Proj:
     gs: int = 1
     br: int = 1
     out_features: int = 0
-    in_features: int = 0
+    in_features: int = 0  # not q's last dimension where that holds the codes' bytes
 
     @classmethod
     def float(cls, w: torch.Tensor) -> "Proj":
@@ -578,8 +578,7 @@ class Proj:
         q = self.q
         if q.data_ptr() % 4 or q.stride(0) % 4 or q.stride(1) % 4 or q.shape[-1] % 4:
             return None
-        return Proj(q.view(torch.int32), self.s, self.b, self.fmt, self.bits, self.gs, self.br, self.out_features,
-                    self.in_features)
+        return replace(self, q=q.view(torch.int32))
 
     def rows(self, start: int, step: int) -> "Proj":
         """Every ``step``-th row from ``start`` (gpt-oss style interleaved ``gate_up``: gate the even rows)."""
@@ -591,8 +590,7 @@ class Proj:
         else:
             s = self.s[:, start::step]
             b = self.b[:, start::step] if self.fmt == AFFINE else s
-        return Proj(q, s, b, self.fmt, self.bits, self.gs, self.br, -(-(self.out_features - start) // step),
-                    self.in_features)
+        return replace(self, q=q, s=s, b=b, out_features=-(-(self.out_features - start) // step))
 
 
 def gpu_format(scheme) -> str | None:

@@ -24,7 +24,7 @@ class GenerationStats:
     generated_tokens: int = 0
     generated_token_ids: list[int] = field(default_factory=list)
     logits_sha256: str = ""  # SHA-256 over every step's float32 logits, in order: equal runs, equal digests
-    finish_reason: str = ""
+    finish_reason: str = ""  # "stop", "length", "interrupted" (Ctrl-C) or "cancelled" (a scheduled sequence)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     prefill_tok_s: float = 0.0
@@ -59,7 +59,7 @@ class GenerationStats:
     prefetch_late: int = 0
     prefetch_wasted: int = 0
     prefetch_wasted_gb: float = 0.0
-    prefetch_status: str = ""
+    prefetch_status: str = ""  # "on", or why decode read-ahead switched itself off; "" without read-ahead
     read_busy_seconds: float = 0.0
     read_gb_per_s: float = 0.0
     read_path: str = ""
@@ -78,10 +78,10 @@ class GenerationStats:
     cpu_kernels_s_per_token: float = 0.0
     cpu_compiled_s_per_token: float = 0.0
     cpu_rest_s_per_token: float = 0.0
-    # -- read-ahead: decode's accuracy (hits / (hits + wasted)) overall and per layer read for
-    # ([issued, hits, wasted]), the CPU its predictions took per decoded token; prefill's reads ahead
-    prefetch_accuracy: float = 0.0
-    prefetch_per_layer: dict[int, list[int]] = field(default_factory=dict)
+    # -- read-ahead: decode's accuracy overall and per layer read for, the CPU its predictions took per
+    # decoded token; prefill's reads ahead
+    prefetch_accuracy: float = 0.0  # hits / (hits + wasted)
+    prefetch_per_layer: dict[int, list[int]] = field(default_factory=dict)  # layer -> [issued, hits, wasted]
     prefetch_plan_cpu_s_per_token: float = 0.0
     prefill_read_ahead: int = 0
     prefill_read_ahead_hits: int = 0

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .counters import Counters
 from .errors import ReadError
 from .store import ExpertStore, ExpertWeights, Key, ReadBatch
 
@@ -43,7 +44,7 @@ CHUNK_WINDOW_PER_WORKER = 2
 
 
 @dataclass
-class PrefetchStats:
+class PrefetchStats(Counters):
     """Prefetch counters, in experts, bytes and seconds.
 
     ``issued == hits + wasted + outstanding`` at any time. ``hits`` are experts a layer
@@ -73,7 +74,7 @@ class PrefetchStats:
     per_layer: dict[int, list[int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        d = dict(self.__dict__)
+        d = super().as_dict()
         d["per_layer"] = {k: list(v) for k, v in self.per_layer.items()}
         return d
 

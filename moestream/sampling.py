@@ -44,7 +44,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int | None = None
+    seed: int | None = None  # None: each Sampler draws a fresh seed from the system
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     repetition_context: int = 256

@@ -43,6 +43,7 @@ import torch
 
 from .budget import ReadBuffers
 from .checkpoint import Checkpoint, FileHandles, pread_full, torch_dtype
+from .counters import Counters
 from .errors import EngineClosedError, ReadError
 from .layout import QUANT_PARAMS, ExpertLayout, Piece
 
@@ -402,7 +403,7 @@ class _Job:
 
 
 @dataclass
-class ReadStats:
+class ReadStats(Counters):
     """Counters of the store, in experts, syscalls, bytes and seconds."""
 
     experts_read: int = 0
@@ -418,9 +419,6 @@ class ReadStats:
     busy_seconds: float = 0.0
     # CPU seconds the reader threads spent on reads (syscalls, copies, checks), summed
     read_cpu_seconds: float = 0.0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class ExpertStore:

@@ -126,7 +126,7 @@ def plan_synth(
     init: str = "spread",
     shard_gb: float = 5.0,
 ) -> SynthPlan:
-    """Check every synth argument (nothing is written) and plan the checkpoint.
+    """Check every argument of :func:`synth` but ``out`` and ``progress`` (nothing is written) and plan the checkpoint.
 
     Raises:
         ConfigError: naming the config path, field or argument at fault.
@@ -263,18 +263,12 @@ def _write(plan: SynthPlan, folder: Path, progress: Callable[[int], None] | None
             backend.save(str(folder / "tokenizer.json"))
 
 
-def synth(
-    config: str | Path | dict,
-    out: str | Path,
-    layers: int | None = None,
-    dtype: str = "bf16",
-    seed: int = 0,
-    tokenizer: str | Path | None = None,
-    init: str = "spread",
-    shard_gb: float = 5.0,
-    progress: Callable[[int], None] | None = None,
-) -> Path:
+def synth(config: str | Path | dict, out: str | Path, *args, progress: Callable[[int], None] | None = None,
+          **kwargs) -> Path:
     """Write a random-weight checkpoint of ``config``'s shapes into the new folder ``out``.
+
+    ``layers``, ``dtype``, ``seed``, ``tokenizer``, ``init`` and ``shard_gb`` (by position after ``out``, or by
+    name) go to :func:`plan_synth`, whose defaults they take.
 
     Args:
         config: a config.json path (or its parsed dict) of a supported family.
@@ -295,4 +289,4 @@ def synth(
         ConfigError: a bad config, dtype, init, layer count, shard size or tokenizer folder.
         MoestreamError: ``out`` already exists or cannot be written.
     """
-    return write_synth(plan_synth(config, layers, dtype, seed, tokenizer, init, shard_gb), out, progress)
+    return write_synth(plan_synth(config, *args, **kwargs), out, progress)

@@ -44,6 +44,7 @@ import torch
 
 from .cache import ExpertCache
 from .copy_engine import CopyEngine
+from .counters import Counters
 from .errors import ConfigError
 from .host_tier import HostTier, PinnedBufferPool
 from .policies import EvictionPolicy
@@ -52,7 +53,7 @@ from .store import ExpertStore, ExpertWeights, Key
 
 
 @dataclass
-class TierStats:
+class TierStats(Counters):
     """Counters of the tiers, beyond :class:`~moestream.cache.CacheStats` (whose ``hits`` are VRAM hits).
 
     ``host_hits``: experts missing from VRAM found in the host tier; ``disk_reads``: experts
@@ -67,8 +68,22 @@ class TierStats:
     host_evictions: int = 0
     staged: int = 0  # experts copied from the host tier ahead of their layer (TieredExpertCache.stage)
 
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
+
+class _Folded:
+    """An attribute of :class:`TieredExpertCache` kept as ``_<name>`` and read after ``_fold_pending``: reading
+    the counters first counts the routings of all-resident layers not yet counted."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, cache, owner=None):
+        if cache is None:
+            return self
+        cache._fold_pending()
+        return getattr(cache, self.attr)
+
+    def __set__(self, cache, value) -> None:
+        setattr(cache, self.attr, value)
 
 
 class _TierReads:
@@ -158,23 +173,8 @@ class TieredExpertCache(ExpertCache):
                 self.pool = SlotPool(layout, capacity, num_experts, self.device)
 
     # -- counters of all-resident layers (counted from the device routing, lazily) -----------
-    @property
-    def stats(self):
-        self._fold_pending()
-        return self._stats
-
-    @stats.setter
-    def stats(self, value) -> None:
-        self._stats = value
-
-    @property
-    def usage(self):
-        self._fold_pending()
-        return self._usage
-
-    @usage.setter
-    def usage(self, value) -> None:
-        self._usage = value
+    stats = _Folded()
+    usage = _Folded()
 
     def _fold_pending(self) -> None:
         """Count the routings of all-resident layers not yet counted, before the counters are read."""

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize, quantize
 
-from .helpers import NORMS, ROUTERS, ends, has, random_family_model, redraw_
+from .helpers import GLM4_MOE_TINY, NORMS, QWEN_HYBRID_TINY, ROUTERS, ends, has, random_family_model, redraw_
 
 # bytes of each block that hold float16 scales (ggml-common.h), set to finite values in random blocks
 _F16_FIELDS = {"Q2_K": (80, 84), "Q3_K": (108, 110), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210),
@@ -249,12 +249,7 @@ FAMILY_MODELS = {
     "deepseek_v2": ("DeepseekV2", dict(MLA_TINY, q_lora_rank=None, topk_method="greedy", n_shared_experts=1,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # partial rotary, attention bias, qk norm, sigmoid + bias with 4 groups of 2
-    "glm4_moe": ("Glm4Moe", dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
-                                 n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                                 norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
-                                 partial_rotary_factor=0.5, max_position_embeddings=512, rope_theta=10000.0)),
+    "glm4_moe": ("Glm4Moe", dict(GLM4_MOE_TINY, num_hidden_layers=3)),
 }
 
 
@@ -386,15 +381,9 @@ def write_gguf_family(model, path: Path, qtype: str = "F32", *, types: dict | No
 
 
 # -- qwen3next, qwen35moe and gpt-oss, written as convert_hf_to_gguf.py writes them -------------------------
-# a tiny hybrid Qwen: DeltaNet, attention, DeltaNet, attention; 2 key heads for 4 value heads (Qwen3.5's
-# converter reorders the value heads only then); every linear's input a multiple of Q8_0's 32
-HYBRID = dict(
-    vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-    linear_num_value_heads=4, max_position_embeddings=512,
-    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-)
+# the tiny hybrid Qwen (2 key heads for 4 value heads: Qwen3.5's converter reorders the value heads only then)
+# with every linear's input a multiple of Q8_0's 32
+HYBRID = dict(QWEN_HYBRID_TINY, shared_expert_intermediate_size=64, linear_value_head_dim=16)
 GPT_OSS = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
                max_position_embeddings=512, sliding_window=5,

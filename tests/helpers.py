@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -109,6 +110,22 @@ ROUTERS = (ends("mlp.gate.weight"), 0.0, 0.5)  # routers that actually discrimin
 # chosen) and every other bias, of the parameters and buffers
 MLA_RULES = ((lambda name, p: "norm" in name and p.dim() == 1, 1.0, 0.2), ROUTERS,
              (ends("e_score_correction_bias"), 0.0, 0.3), (has("bias"), 0.0, 0.1))
+# a tiny hybrid Qwen (Qwen3-Next, Qwen3.5 MoE): DeltaNet, attention, DeltaNet, attention; 8 experts top-2 and
+# a shared expert; 2 key heads for 4 value heads
+QWEN_HYBRID_TINY = dict(
+    vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, max_position_embeddings=512,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+)
+# a tiny GLM-4.5 (transformers' Glm4MoeConfig): partial rotary, attention bias, qk norm, sigmoid + bias with 4
+# groups of 2
+GLM4_MOE_TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1, n_shared_experts=1,
+                     n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                     use_qk_norm=True, partial_rotary_factor=0.5, max_position_embeddings=512, rope_theta=10000.0)
 
 
 def redraw_(named, *rules, extra=None):
@@ -207,18 +224,25 @@ def write_checkpoint(src: Path, dst: Path, tensors: dict[str, torch.Tensor], sha
     return dst
 
 
+EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def split_experts(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(block -> projection -> expert -> weight of the per-expert weights :data:`EXPERT` names, the other
+    tensors), each in the order of ``tensors``."""
+    experts, rest = {}, {}
+    for k, v in tensors.items():
+        m = EXPERT.match(k)
+        if m:
+            experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
+        else:
+            rest[k] = v
+    return experts, rest
+
+
 def to_layout(tensors: dict[str, torch.Tensor], kind: str, num_experts: int) -> dict[str, torch.Tensor]:
     """Rewrite per-expert expert tensors as ``fused`` ([E, 2I, H] + [E, H, I]) or ``stacked`` (switch_mlp)."""
-    import re
-
-    pat = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-    out, groups = {}, {}
-    for k, v in tensors.items():
-        m = pat.match(k)
-        if m:
-            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
-        else:
-            out[k] = v
+    groups, out = split_experts(tensors)
     for block, projs in groups.items():
         stack = {p: torch.stack([projs[p][e] for e in range(num_experts)]) for p in ("gate", "up", "down")}
         if kind == "fused":

@@ -18,7 +18,6 @@ Each returns the dequantized float tensors too, to build the float reference mod
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ import torch
 from moestream.engine import load
 from moestream.errors import MoestreamError
 
-from .helpers import read_all, write_checkpoint
+from .helpers import read_all, split_experts, write_checkpoint
 
 
 def assert_refused(path, *words):
@@ -37,9 +36,6 @@ def assert_refused(path, *words):
         load(path, cache_budget_gb="0", tokenizer=False)
     for w in words:
         assert w in str(e.value), str(e.value)
-
-
-EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def mlx_quantize(w: torch.Tensor, bits: int, group: int):
@@ -65,14 +61,10 @@ def write_mlx(src: Path, dst: Path, bits: int, group: int, num_experts: int, ove
               quantize_attention: bool = True, down_bits: int | None = None):
     """The float checkpoint ``src`` as mlx-lm writes a quantized one: stacked ``switch_mlp`` experts,
     quantized experts, attention, router, embedding and LM head. Returns the dequantized float tensors."""
-    tensors = read_all(src)
-    out, ref, groups = {}, {}, {}
+    groups, tensors = split_experts(read_all(src))
+    out, ref = {}, {}
     cfg_q = {"group_size": group, "bits": bits}
     for k, v in tensors.items():
-        m = EXPERT.match(k)
-        if m:
-            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
-            continue
         mod = k[: -len(".weight")]
         quant = k.endswith(".weight") and v.dim() == 2 and v.shape[-1] % group == 0 and "norm" not in k
         if quant and not quantize_attention and "self_attn" in k:
@@ -159,14 +151,8 @@ def mxfp4_quantize(w: torch.Tensor):
 def write_mxfp4(src: Path, dst: Path, num_experts: int):
     """The float checkpoint with its experts as gpt-oss ships them: ``experts.gate_up_proj_blocks``
     [E, 2I, H/32, 16] (gate and up rows interleaved), ``..._scales``, ``experts.down_proj_blocks``."""
-    tensors = read_all(src)
-    out, ref, groups = {}, {}, {}
-    for k, v in tensors.items():
-        m = EXPERT.match(k)
-        if m:
-            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
-        else:
-            out[k] = ref[k] = v
+    groups, tensors = split_experts(read_all(src))
+    out, ref = dict(tensors), dict(tensors)
     for block, projs in groups.items():
         gate = torch.stack([projs["gate"][e] for e in range(num_experts)])
         up = torch.stack([projs["up"][e] for e in range(num_experts)])
@@ -201,12 +187,9 @@ def reference_model(src: Path, ref_tensors: dict[str, torch.Tensor]):
 
     model = Qwen3MoeForCausalLM.from_pretrained(src, torch_dtype=torch.float32).eval()
     sd = model.state_dict()
-    fused = {}
-    for k, v in ref_tensors.items():
-        m = EXPERT.match(k)
-        if m:
-            fused.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
-        elif k in sd:
+    fused, rest = split_experts(ref_tensors)
+    for k, v in rest.items():
+        if k in sd:
             sd[k] = v.float()
     for block, projs in fused.items():
         n = len(projs["gate"])

@@ -11,7 +11,7 @@ from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 
 from . import family_helpers as fh
-from .helpers import random_family_model, read_all, write_checkpoint
+from .helpers import GLM4_MOE_TINY, random_family_model, read_all, write_checkpoint
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 64}
@@ -36,13 +36,7 @@ FAMILIES = {
     # a key scores exactly 0, a tie whose top-k order is arbitrary, only if all 16 heads give it relu 0)
     "deepseek_v32": ("DeepseekV32", dict(MLA, n_group=4, topk_group=2, norm_topk_prob=True, rope_parameters=YARN,
                                          index_n_heads=16, index_head_dim=16, index_topk=8)),
-    # partial rotary, attention bias, qk norm, sigmoid + bias with 4 groups of 2
-    "glm4_moe": ("Glm4Moe", dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
-                                 n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                                 norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
-                                 partial_rotary_factor=0.5, max_position_embeddings=512, rope_theta=10000.0)),
+    "glm4_moe": ("Glm4Moe", GLM4_MOE_TINY),
 }
 
 

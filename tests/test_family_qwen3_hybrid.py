@@ -13,17 +13,10 @@ from moestream.generation import SamplingParams, generate
 from moestream.layout import discover_experts
 
 from . import family_helpers as fh
+from .helpers import QWEN_HYBRID_TINY as TINY  # the shapes both tiny models (Qwen3-Next, Qwen3.5) share
 from .helpers import ends, one_thread, read_all, redraw_, to_layout, write_checkpoint  # noqa: F401 (autouse)
 from .shared_data import CONFIGS
 
-# shapes shared by both tiny models: 2 DeltaNet layers, 2 gated attention layers, 8 experts top-2, shared expert
-TINY = dict(
-    vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
-    linear_num_value_heads=4, max_position_embeddings=512,
-    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-)
 PROMPT = 80  # longer than the DeltaNet chunk (64)
 
 

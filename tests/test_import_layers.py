@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "moestream"
 
 # lowest first; a module may import modules of its own layer or lower ones
 LAYERS = [
-    ("helpers any layer may use", "errors memory nnutil policies budget options textstream tokenizer"),
+    ("helpers any layer may use", "errors memory nnutil policies budget options textstream tokenizer counters"),
     ("checkpoint", "checkpoint"),
     ("formats: the stored forms and their math", "mlx_format gguf_format quant quant.registry quant.affine "
      "quant.fp8 quant.mxfp4 quant.ggml quant.formats "

@@ -349,6 +349,14 @@ def words(rng: random.Random, nbytes: int) -> str:
     return " ".join(out)[:nbytes]
 
 
+def post_one_token(client: httpx.Client, url: str, text: str, chat: bool) -> httpx.Response:
+    """``text`` as a one-token chat message (``chat``) or completion prompt."""
+    if chat:
+        return client.post(url + "/v1/chat/completions",
+                           json={"messages": [{"role": "user", "content": text}], "max_tokens": 1})
+    return client.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 1})
+
+
 def test_a_prompt_over_the_byte_bound_is_refused_before_tokenizing(server):
     """Twelve 0.95 MB prompts to a server of 16-token prompts: refused by length (no token of the Qwen3
     tokenizer is longer than 128 bytes), never tokenized, and the process keeps no memory of them."""
@@ -358,10 +366,7 @@ def test_a_prompt_over_the_byte_bound_is_refused_before_tokenizing(server):
     rss0 = rss(proc.pid)
     with httpx.Client(timeout=120) as c:
         for i in range(12):
-            text = words(rng, 950_000)
-            body = ({"messages": [{"role": "user", "content": text}], "max_tokens": 1} if i % 2
-                    else {"prompt": text, "max_tokens": 1})
-            r = c.post(url + ("/v1/chat/completions" if i % 2 else "/v1/completions"), json=body)
+            r = post_one_token(c, url, words(rng, 950_000), chat=i % 2 == 1)
             assert r.status_code == 400, r.text[:300]
             err = r.json()["error"]
             assert err["code"] == "context_length_exceeded" and "bytes" in err["message"], err
@@ -385,10 +390,7 @@ def test_long_prompts_tokenized_and_refused_leave_no_memory_behind(tiny_root):
             idle(url)
             rss0 = None
             for i in range(6):
-                text = words(rng, 1_000_000)
-                body = ({"messages": [{"role": "user", "content": text}], "max_tokens": 1} if i % 2
-                        else {"prompt": text, "max_tokens": 1})
-                r = c.post(url + ("/v1/chat/completions" if i % 2 else "/v1/completions"), json=body)
+                r = post_one_token(c, url, words(rng, 1_000_000), chat=i % 2 == 1)
                 assert r.status_code == 400, r.text[:300]
                 err = r.json()["error"]
                 assert err["code"] == "context_length_exceeded" and "(--max-context)" in err["message"], err

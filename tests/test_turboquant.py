@@ -17,7 +17,7 @@ from moestream.quant import hadamard
 from moestream.quant import turboquant as tq
 
 from .helpers import make_qwen3_moe, read_all, write_checkpoint
-from .quant_helpers import EXPERT, assert_refused, mlx_quantize, reference_model
+from .quant_helpers import assert_refused, mlx_quantize, reference_model, split_experts
 
 # Lloyd-Max codebooks for N(0, 1) as the spec lists them (fp16 values), and the ternary one
 CB = {
@@ -112,13 +112,9 @@ def levels_for(name, layer):
 def write_tq(src, dst):
     """Write ``src`` (a float Qwen3-MoE) as a turboquant build; return (reference tensors, same without QJL)."""
     rng = np.random.default_rng(0)
-    tensors = read_all(src)
-    out, ref, plain, experts = {}, {}, {}, {}
+    experts, tensors = split_experts(read_all(src))
+    out, ref, plain = {}, {}, {}
     for k, v in tensors.items():
-        m = EXPERT.match(k)
-        if m:
-            experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
-            continue
         mod = k[: -len(".weight")]
         layer = int(k.split(".")[2]) if k.startswith("model.layers.") else -1
         if k == "model.embed_tokens.weight":  # an affine extra

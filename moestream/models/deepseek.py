@@ -91,7 +91,7 @@ class ModelArgs(DecoderArgs):
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
     rope_interleave: bool = derived(True)
-    attention_bias: bool = False
+    attention_bias: bool = False  # MLA's: biases on q_a_proj, kv_a_proj_with_mqa and o_proj
 
     @classmethod
     def check(cls, cfg: dict, v: dict) -> None:

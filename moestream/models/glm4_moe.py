@@ -20,13 +20,9 @@ from torch import nn
 from ..checkpoint import TensorInfo
 from ..errors import CheckpointError, ConfigError
 from ..gguf_format import ATTN, DENSE, QK_NORM, ROUTED, SHARED_EXPERTS, GGUFArchitecture, meta_value
+from . import deepseek
 from .base import CausalLM, DecoderArgs, config_field, derived, synth_tensors_of
-from .deepseek import (  # noqa: F401 (synth_config: the same cut: no MTP layers, no quantization)
-    SummedSharedExpertsMoE,
-    gguf_gating,
-    gguf_moe_config,
-    synth_config,
-)
+from .deepseek import SummedSharedExpertsMoE, gguf_gating, gguf_moe_config
 from .layers import MLP, Attention, DecoderLayer
 from .moe import sigmoid_group_topk
 from .rope import RotaryEmbedding, make_rope, rope_parameters
@@ -133,6 +129,7 @@ class Model(CausalLM):
         return 2 if name.startswith(("self_attn.q_norm.", "self_attn.k_norm.")) else super().synth_rank(name)
 
 
+synth_config = deepseek.synth_config  # the same cut: no MTP layers, no quantization
 synth_tensors = synth_tensors_of(Model, ModelArgs)
 
 

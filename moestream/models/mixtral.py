@@ -30,7 +30,7 @@ class ModelArgs(DecoderArgs):
 
     family = "mixtral"
 
-    intermediate_size: int = config_field(minimum=1)
+    intermediate_size: int = config_field(minimum=1)  # each expert's width (every layer is MoE)
     num_local_experts: int = config_field(minimum=1)
     num_experts_per_tok: int = config_field(minimum=1)
     rms_norm_eps: float = 1e-5

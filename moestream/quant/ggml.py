@@ -84,28 +84,18 @@ QK_K = 256
 
 # type -> (weights per block, bytes per block, nominal bits): the types moestream computes on
 TYPES: dict[str, tuple[int, int, int]] = {
-    "Q4_0": (32, 18, 4),
-    "Q4_1": (32, 20, 4),
-    "Q5_0": (32, 22, 5),
-    "Q5_1": (32, 24, 5),
-    "Q8_0": (32, 34, 8),
-    "Q2_K": (QK_K, 84, 2),
-    "Q3_K": (QK_K, 110, 3),
-    "Q4_K": (QK_K, 144, 4),
-    "Q5_K": (QK_K, 176, 5),
+    # the legacy blocks of 32
+    "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": (32, 22, 5), "Q5_1": (32, 24, 5), "Q8_0": (32, 34, 8),
+    # the k-quants' super-blocks
+    "Q2_K": (QK_K, 84, 2), "Q3_K": (QK_K, 110, 3), "Q4_K": (QK_K, 144, 4), "Q5_K": (QK_K, 176, 5),
     "Q6_K": (QK_K, 210, 6),
-    "IQ4_NL": (32, 18, 4),
-    "IQ4_XS": (QK_K, 136, 4),
-    "MXFP4": (32, 17, 4),
-    "IQ2_XXS": (QK_K, 66, 2),
-    "IQ2_XS": (QK_K, 74, 2),
-    "IQ2_S": (QK_K, 82, 2),
-    "IQ3_XXS": (QK_K, 98, 3),
-    "IQ3_S": (QK_K, 110, 3),
-    "IQ1_S": (QK_K, 50, 1),
-    "IQ1_M": (QK_K, 56, 1),
-    "TQ1_0": (QK_K, 54, 2),
-    "TQ2_0": (QK_K, 66, 2),
+    # 4-bit codes through a table of values (KVALUES; MXFP4_VALUES)
+    "IQ4_NL": (32, 18, 4), "IQ4_XS": (QK_K, 136, 4), "MXFP4": (32, 17, 4),
+    # codebooks (GRID_TYPES)
+    "IQ2_XXS": (QK_K, 66, 2), "IQ2_XS": (QK_K, 74, 2), "IQ2_S": (QK_K, 82, 2), "IQ3_XXS": (QK_K, 98, 3),
+    "IQ3_S": (QK_K, 110, 3), "IQ1_S": (QK_K, 50, 1), "IQ1_M": (QK_K, 56, 1),
+    # ternary
+    "TQ1_0": (QK_K, 54, 2), "TQ2_0": (QK_K, 66, 2),
 }
 # the codebook types' grids (gguf.quants classes of the same names; IQ1_M shares IQ1_S's)
 GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")

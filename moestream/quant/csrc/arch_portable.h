@@ -53,9 +53,7 @@ struct ArchP {
   static MS_INLINE float hsum(const V& a) {
     float t[16];
     for (int i = 0; i < 16; ++i) t[i] = a.v[i];
-    for (int h = 8; h >= 1; h /= 2)
-      for (int i = 0; i < h; ++i) t[i] = t[i] + t[i + h];
-    return t[0];
+    return tree_sum<16>(t);
   }
   // n <= 16 elements of dtype dt at element c0 of p, zeros after
   static MS_INLINE V load_dt(const uint8_t* p, int dt, int64_t c0, int64_t n) {

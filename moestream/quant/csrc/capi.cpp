@@ -239,9 +239,7 @@ static float sum_squares16(const float* x, int64_t n) {
   for (; i + 16 <= n; i += 16)
     for (int l = 0; l < 16; ++l) acc[l] = std::fma(x[i + l], x[i + l], acc[l]);
   for (int l = 0; i + l < n; ++l) acc[l] = std::fma(x[i + l], x[i + l], acc[l]);
-  for (int h = 8; h >= 1; h /= 2)
-    for (int l = 0; l < h; ++l) acc[l] = acc[l] + acc[l + h];
-  return acc[0];
+  return tree_sum<16>(acc);
 }
 
 }  // namespace ms
@@ -439,14 +437,9 @@ int ms_attn_block(int path, const int64_t* a, const int64_t* specs, const void* 
     return -1;
   const int64_t H = Lq.in;
   const float scale = ms::f32_bits(a[10]), eps = ms::f32_bits(a[11]);
-  const uint8_t* x = static_cast<const uint8_t*>(p[0]);
-  const uint8_t* qw = static_cast<const uint8_t*>(p[1]);
-  const uint8_t* kw = static_cast<const uint8_t*>(p[2]);
-  const uint8_t* cosp = static_cast<const uint8_t*>(p[3]);
-  const uint8_t* sinp = static_cast<const uint8_t*>(p[4]);
-  uint8_t* kc = static_cast<uint8_t*>(const_cast<void*>(p[5]));
-  uint8_t* vc = static_cast<uint8_t*>(const_cast<void*>(p[6]));
-  uint8_t* out = static_cast<uint8_t*>(const_cast<void*>(p[7]));
+  const uint8_t *x = ms::in_arg<uint8_t>(p[0]), *qw = ms::in_arg<uint8_t>(p[1]), *kw = ms::in_arg<uint8_t>(p[2]),
+                *cosp = ms::in_arg<uint8_t>(p[3]), *sinp = ms::in_arg<uint8_t>(p[4]);
+  uint8_t *kc = ms::out_arg<uint8_t>(p[5]), *vc = ms::out_arg<uint8_t>(p[6]), *out = ms::out_arg<uint8_t>(p[7]);
   std::vector<float> xf(size_t(T * H)), q(size_t(T * Hq * D)), k(size_t(T * Hkv * D)), v(size_t(T * Hkv * D));
   for (int64_t i = 0; i < T * H; ++i) xf[size_t(i)] = ms::ld_dt(x, dt, i);
   ms::run_full(path, fq, Lq, xf.data(), T, q.data(), Hq * D);

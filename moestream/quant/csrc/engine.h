@@ -847,6 +847,16 @@ static MS_INLINE float f32_bits(int64_t field) {
   return f;
 }
 
+// a buffer argument as T: the C API passes every buffer as const void*, the ones written included
+template <class T>
+static MS_INLINE const T* in_arg(const void* p) {
+  return static_cast<const T*>(p);
+}
+template <class T>
+static MS_INLINE T* out_arg(const void* p) {
+  return static_cast<T*>(const_cast<void*>(p));
+}
+
 // value v (float32) stored as dtype dt at p[i]
 static MS_INLINE void st_dt(uint8_t* p, int dt, int64_t i, float v) {
   if (dt == F32) {
@@ -855,6 +865,14 @@ static MS_INLINE void st_dt(uint8_t* p, int dt, int64_t i, float v) {
     const uint16_t h = dt == BF16 ? to_bf16(v) : to_f16(v);
     std::memcpy(p + 2 * i, &h, 2);
   }
+}
+
+// a[0..N) summed in place by kernels.h's tree: (i, i+N/2), then ..., (i, i+1)
+template <int N>
+static MS_INLINE float tree_sum(float* a) {
+  for (int h = N / 2; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) a[i] = a[i] + a[i + h];
+  return a[0];
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1126,42 +1144,30 @@ static void rows_q(const Lin& L, const float* x, int64_t ldx, int64_t n, int64_t
   }
 }
 
+// rows_with for the ggml type among Ids that L.bits names; the last one stands for any other
+template <class A, int Id, int... Rest>
+static void rows_ggml(const Lin& L, const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t r1, float* y,
+                      int64_t ldy) {
+  if constexpr (sizeof...(Rest) > 0) {
+    if (L.bits != Id) return rows_ggml<A, Rest...>(L, x, ldx, n, r0, r1, y, ldy);
+  }
+  rows_with<A, DecG<A, Id>>(L, x, ldx, n, r0, r1, y, ldy);
+}
+
 // g: ggml's legacy and k-quant blocks
 template <class A>
 static void rows_g(const Lin& L, const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t r1, float* y,
                    int64_t ldy) {
-  switch (L.bits) {
-    case G_Q4_0: return rows_with<A, DecG<A, G_Q4_0>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_Q4_1: return rows_with<A, DecG<A, G_Q4_1>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_Q5_0: return rows_with<A, DecG<A, G_Q5_0>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_Q5_1: return rows_with<A, DecG<A, G_Q5_1>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_Q8_0: return rows_with<A, DecG<A, G_Q8_0>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_Q2_K: return rows_with<A, DecG<A, G_Q2_K>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_Q3_K: return rows_with<A, DecG<A, G_Q3_K>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_Q4_K: return rows_with<A, DecG<A, G_Q4_K>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_Q5_K: return rows_with<A, DecG<A, G_Q5_K>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_IQ4_NL: return rows_with<A, DecG<A, G_IQ4_NL>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_IQ4_XS: return rows_with<A, DecG<A, G_IQ4_XS>>(L, x, ldx, n, r0, r1, y, ldy);
-    default: return rows_with<A, DecG<A, G_Q6_K>>(L, x, ldx, n, r0, r1, y, ldy);
-  }
+  rows_ggml<A, G_Q4_0, G_Q4_1, G_Q5_0, G_Q5_1, G_Q8_0, G_Q2_K, G_Q3_K, G_Q4_K, G_Q5_K, G_IQ4_NL, G_IQ4_XS, G_Q6_K>(
+      L, x, ldx, n, r0, r1, y, ldy);
 }
 
 // x: ggml's MXFP4, IQ1-IQ3 and TQ blocks
 template <class A>
 static void rows_x(const Lin& L, const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t r1, float* y,
                    int64_t ldy) {
-  switch (L.bits) {
-    case G_MXFP4: return rows_with<A, DecG<A, G_MXFP4>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_IQ2_XXS: return rows_with<A, DecG<A, G_IQ2_XXS>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_IQ2_XS: return rows_with<A, DecG<A, G_IQ2_XS>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_IQ2_S: return rows_with<A, DecG<A, G_IQ2_S>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_IQ3_XXS: return rows_with<A, DecG<A, G_IQ3_XXS>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_IQ3_S: return rows_with<A, DecG<A, G_IQ3_S>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_IQ1_S: return rows_with<A, DecG<A, G_IQ1_S>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_IQ1_M: return rows_with<A, DecG<A, G_IQ1_M>>(L, x, ldx, n, r0, r1, y, ldy);
-    case G_TQ1_0: return rows_with<A, DecG<A, G_TQ1_0>>(L, x, ldx, n, r0, r1, y, ldy);
-    default: return rows_with<A, DecG<A, G_TQ2_0>>(L, x, ldx, n, r0, r1, y, ldy);
-  }
+  rows_ggml<A, G_MXFP4, G_IQ2_XXS, G_IQ2_XS, G_IQ2_S, G_IQ3_XXS, G_IQ3_S, G_IQ1_S, G_IQ1_M, G_TQ1_0, G_TQ2_0>(
+      L, x, ldx, n, r0, r1, y, ldy);
 }
 
 }  // namespace ms

@@ -21,11 +21,6 @@ namespace {
 // a float of dtype dt at element i of p
 MS_INLINE float ld(const uint8_t* p, int dt, int64_t i) { return ld_dt(p, dt, i); }
 
-MS_INLINE float tree16(float* t) {
-  for (int h = 8; h >= 1; h /= 2)
-    for (int i = 0; i < h; ++i) t[i] = t[i] + t[i + h];
-  return t[0];
-}
 
 // a [n] float32, dtype dt: sum of squares by the canonical reduction
 MS_INLINE float sum_squares(const uint8_t* x, int dt, int64_t n) {
@@ -40,7 +35,7 @@ MS_INLINE float sum_squares(const uint8_t* x, int dt, int64_t n) {
     for (int l = 0; l < 16; ++l) v[l] = i + l < n ? ld(x, dt, i + l) : 0.0f;
     for (int l = 0; l < 16; ++l) acc[l] = std::fma(v[l], v[l], acc[l]);
   }
-  return tree16(acc);
+  return tree_sum<16>(acc);
 }
 
 // value rounded to dtype dt and back (the rounding a cast to dt makes)
@@ -62,7 +57,7 @@ int threads_for(int64_t items, int64_t work_per_item) {
 }
 
 
-// q . k by the canonical reduction (16 lanes, then tree16), over rows zero-padded to whole 16-lane steps
+// q . k by the canonical reduction (16 lanes, then tree_sum<16>), over rows zero-padded to whole 16-lane steps
 // (a padded lane adds fma(0, 0, acc): the unpadded loop's tail). One fma per lane and step, so the SIMD
 // registers give the scalar loop's bits; the compiler keeps 16 scalar chains otherwise.
 MS_INLINE float dot16(const float* a, const float* b, int64_t n) {
@@ -79,7 +74,7 @@ MS_INLINE float dot16(const float* a, const float* b, int64_t n) {
   __m256 x = _mm256_add_ps(v0, v1);
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  // tree16's steps: t[i] + t[i+8] (above), t[i] + t[i+4], t[i] + t[i+2], t[0] + t[1]
+  // tree_sum<16>'s steps: t[i] + t[i+8] (above), t[i] + t[i+4], t[i] + t[i+2], t[0] + t[1]
   __m128 y = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   y = _mm_add_ps(y, _mm_movehl_ps(y, y));
   return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
@@ -87,7 +82,7 @@ MS_INLINE float dot16(const float* a, const float* b, int64_t n) {
   float acc[16] = {0};
   for (int64_t i = 0; i < n; i += 16)
     for (int l = 0; l < 16; ++l) acc[l] = std::fma(a[i + l], b[i + l], acc[l]);
-  return tree16(acc);
+  return tree_sum<16>(acc);
 #endif
 }
 
@@ -236,13 +231,10 @@ int ms_attention(const int64_t* a, const void* const* p) {
     return -1;
   A.a = a;
   A.scale = ms::f32_bits(a[16]);
-  A.q = static_cast<const float*>(p[0]);
-  A.k1 = static_cast<const uint8_t*>(p[1]);
-  A.k2 = static_cast<const uint8_t*>(p[2]);
-  A.v = static_cast<const uint8_t*>(p[3]);
-  A.sinks = static_cast<const float*>(p[4]);
-  A.out = static_cast<float*>(const_cast<void*>(p[5]));
-  A.mask = static_cast<const uint8_t*>(p[6]);
+  A.q = ms::in_arg<float>(p[0]), A.sinks = ms::in_arg<float>(p[4]);
+  A.k1 = ms::in_arg<uint8_t>(p[1]), A.k2 = ms::in_arg<uint8_t>(p[2]), A.v = ms::in_arg<uint8_t>(p[3]);
+  A.mask = ms::in_arg<uint8_t>(p[6]);
+  A.out = ms::out_arg<float>(p[5]);
   A.es = dt == ms::F32 ? 4 : 2;
   A.rep = A.Hq / A.Hkv;
   const int64_t hc = std::min(A.rep, ms::GROUP_HEADS), groups = (A.rep + hc - 1) / hc, items = A.T * A.Hkv * groups;
@@ -279,9 +271,8 @@ int ms_rmsnorm(const int64_t* a, const void* const* p) {
   const int xdt = int(a[2]), wdt = int(a[3]), odt = int(a[4]), mode = int(a[5]);
   if (n < 0 || d < 1 || mode < 0 || mode > 4 || xdt < 0 || xdt > 2 || odt < 0 || odt > 2) return -1;
   const float eps = ms::f32_bits(a[8]);
-  const uint8_t* x = static_cast<const uint8_t*>(p[0]);
-  const uint8_t* w = static_cast<const uint8_t*>(p[1]);
-  uint8_t* out = static_cast<uint8_t*>(const_cast<void*>(p[2]));
+  const uint8_t *x = ms::in_arg<uint8_t>(p[0]), *w = ms::in_arg<uint8_t>(p[1]);
+  uint8_t* out = ms::out_arg<uint8_t>(p[2]);
   const int64_t xe = xdt == ms::F32 ? 4 : 2, oe = odt == ms::F32 ? 4 : 2;
   const int threads = ms::threads_for(n, 4 * d);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
@@ -315,13 +306,9 @@ int ms_delta_rule(const int64_t* a, const void* const* p) {
   const int64_t T = a[0], H = a[1], Dk = a[2], Dv = a[3];
   const bool per_channel = a[4] != 0;
   if (T < 0 || H < 1 || Dk < 1 || Dv < 1) return -1;
-  const float* q = static_cast<const float*>(p[0]);
-  const float* k = static_cast<const float*>(p[1]);
-  const float* v = static_cast<const float*>(p[2]);
-  const float* g = static_cast<const float*>(p[3]);
-  const float* beta = static_cast<const float*>(p[4]);
-  float* state = static_cast<float*>(const_cast<void*>(p[5]));
-  float* out = static_cast<float*>(const_cast<void*>(p[6]));
+  const float *q = ms::in_arg<float>(p[0]), *k = ms::in_arg<float>(p[1]), *v = ms::in_arg<float>(p[2]),
+              *g = ms::in_arg<float>(p[3]), *beta = ms::in_arg<float>(p[4]);
+  float *state = ms::out_arg<float>(p[5]), *out = ms::out_arg<float>(p[6]);
   const int threads = ms::threads_for(H, T * Dk * Dv * 4);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t h = 0; h < H; ++h) {

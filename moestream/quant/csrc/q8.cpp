@@ -154,53 +154,49 @@ static MS_INLINE void kblock_d(const uint8_t* b, float& d, float& dm) {
 }
 
 
-static inline float tree16(float* a) {
-  for (int h = 8; h >= 1; h /= 2)
-    for (int i = 0; i < h; ++i) a[i] = a[i] + a[i + h];
-  return a[0];
-}
-
-static inline float tree8(float* a) {  // (i, i+4), (i, i+2), (i, i+1): Arch2::hsum8
-  for (int h = 4; h >= 1; h /= 2)
-    for (int i = 0; i < h; ++i) a[i] = a[i] + a[i + h];
-  return a[0];
-}
-
 // ---- portable ----------------------------------------------------------------------------------------------
 
-template <int T>
-static void krows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy) {
-  const int64_t nb = L.in / 256, in = L.in;
-  uint8_t w[256];
-  int16_t s4[64];
+// y[t * ldy + r] = dot(row r's bytes, token t's quantized row, token t's block scales) for the rows [r0, r1)
+template <class Dot>
+static MS_INLINE void portable_rows(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy,
+                                    Dot dot) {
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = L.w + L.stored(r) * L.row_bytes;
     for (int64_t t = 0; t < xa.n; ++t) {
       const uint8_t* xr = xa.row(t);
-      const float* dx = reinterpret_cast<const float*>(xr + in);
-      const int16_t* bs = reinterpret_cast<const int16_t*>(xr + in + 4 * nb);
-      float acc[16] = {0}, m[8] = {0};
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * block_bytes<T>();
-        kblock_codes<T>(blk, w, s4);
-        const int8_t* xq = reinterpret_cast<const int8_t*>(xr) + 256 * b;
-        int32_t isum[16] = {0};
-        for (int g = 0; g < 64; ++g) {
-          int32_t p = 0;
-          for (int i = 0; i < 4; ++i) p += int32_t(w[4 * g + i]) * xq[4 * g + i];
-          isum[g % 16] += s4[g] * p;
-        }
-        float d, dm;
-        kblock_d<T>(blk, d, dm);
-        const float dd = d * dx[b], ddm = dm * dx[b];
-        for (int l = 0; l < 16; ++l) acc[l] = std::fma(float(isum[l]), dd, acc[l]);
-        int32_t off[8];
-        kblock_offsets<T>(blk, bs + 16 * b, off);
-        for (int i = 0; i < 8; ++i) m[i] = std::fma(float(off[i]), ddm, m[i]);
-      }
-      y[t * ldy + r] = tree16(acc) - tree8(m);
+      y[t * ldy + r] = dot(row, xr, reinterpret_cast<const float*>(xr + L.in));
     }
   }
+}
+
+template <int T>
+static void krows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  const int64_t nb = L.in / 256, in = L.in;
+  portable_rows(L, xa, r0, r1, y, ldy, [nb, in](const uint8_t* row, const uint8_t* xr, const float* dx) {
+    uint8_t w[256];
+    int16_t s4[64];
+    const int16_t* bs = reinterpret_cast<const int16_t*>(xr + in + 4 * nb);
+    float acc[16] = {0}, m[8] = {0};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * block_bytes<T>();
+      kblock_codes<T>(blk, w, s4);
+      const int8_t* xq = reinterpret_cast<const int8_t*>(xr) + 256 * b;
+      int32_t isum[16] = {0};
+      for (int g = 0; g < 64; ++g) {
+        int32_t p = 0;
+        for (int i = 0; i < 4; ++i) p += int32_t(w[4 * g + i]) * xq[4 * g + i];
+        isum[g % 16] += s4[g] * p;
+      }
+      float d, dm;
+      kblock_d<T>(blk, d, dm);
+      const float dd = d * dx[b], ddm = dm * dx[b];
+      for (int l = 0; l < 16; ++l) acc[l] = std::fma(float(isum[l]), dd, acc[l]);
+      int32_t off[8];
+      kblock_offsets<T>(blk, bs + 16 * b, off);
+      for (int i = 0; i < 8; ++i) m[i] = std::fma(float(off[i]), ddm, m[i]);
+    }
+    return tree_sum<16>(acc) - tree_sum<8>(m);  // tree_sum<8>: Arch2::hsum8
+  });
 }
 
 // The 32-value types against Q8_0 activations (Q8_0, Q4_0, Q5_0, IQ4_NL): a block is a float16 scale d (first)
@@ -228,31 +224,26 @@ static MS_INLINE void sblock_codes(const uint8_t* b, int8_t* q) {
 
 template <int T>
 static void srows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy) {
-  const int64_t nb = L.in / 32, in = L.in;
-  int8_t wq[32];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = L.w + L.stored(r) * L.row_bytes;
-    for (int64_t t = 0; t < xa.n; ++t) {
-      const uint8_t* xr = xa.row(t);
-      const float* dx = reinterpret_cast<const float*>(xr + in);
-      float acc[16] = {0};
-      for (int64_t c = 0; c < (nb + 1) / 2; ++c) {
-        for (int l = 0; l < 16; ++l) {
-          const int64_t b = 2 * c + l / 8;
-          int32_t p = 0;
-          float dd = 0.0f;  // a missing second block: fma(0, 0, acc), as the SIMD paths' zero lanes
-          if (b < nb) {
-            sblock_codes<T>(row + b * block_bytes<T>(), wq);
-            const int8_t* xq = reinterpret_cast<const int8_t*>(xr) + 32 * b;
-            for (int i = 0; i < 4; ++i) p += int32_t(wq[4 * (l % 8) + i]) * xq[4 * (l % 8) + i];
-            dd = ggml_f16(row + b * block_bytes<T>()) * dx[b];
-          }
-          acc[l] = std::fma(float(p), dd, acc[l]);
+  const int64_t nb = L.in / 32;
+  portable_rows(L, xa, r0, r1, y, ldy, [nb](const uint8_t* row, const uint8_t* xr, const float* dx) {
+    int8_t wq[32];
+    float acc[16] = {0};
+    for (int64_t c = 0; c < (nb + 1) / 2; ++c) {
+      for (int l = 0; l < 16; ++l) {
+        const int64_t b = 2 * c + l / 8;
+        int32_t p = 0;
+        float dd = 0.0f;  // a missing second block: fma(0, 0, acc), as the SIMD paths' zero lanes
+        if (b < nb) {
+          sblock_codes<T>(row + b * block_bytes<T>(), wq);
+          const int8_t* xq = reinterpret_cast<const int8_t*>(xr) + 32 * b;
+          for (int i = 0; i < 4; ++i) p += int32_t(wq[4 * (l % 8) + i]) * xq[4 * (l % 8) + i];
+          dd = ggml_f16(row + b * block_bytes<T>()) * dx[b];
         }
+        acc[l] = std::fma(float(p), dd, acc[l]);
       }
-      y[t * ldy + r] = tree16(acc);
     }
-  }
+    return tree_sum<16>(acc);
+  });
 }
 
 // ---- AVX2 (and the AVX-512 path's 256-bit helpers) ----------------------------------------------------------
