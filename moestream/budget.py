@@ -1,6 +1,8 @@
 """The cache budget: parsed once, sized once, checked against the memory available before any weight is read.
 
-Every figure is in bytes unless named ``_gb`` (GB = 10^9 bytes, as ``--cache-budget-gb``).
+Every figure is in bytes unless named ``_gb`` (GB = 10^9 bytes, as ``--cache-budget-gb``); a budget is printed as a
+plain number of GB (:func:`gb_text`). Messages name an option as the caller gave it (``name``: the CLI's
+:func:`~moestream.errors.flag` by default, or ``EngineOptions.name``).
 
 * :func:`parse_budget` reads a ``--cache-budget-gb`` value (a number of GB, ``all``,
   ``auto``); :func:`parse_host_budget` a ``--host-cache-gb`` value.
@@ -15,11 +17,13 @@ None of this changes the output: it decides how many experts stay in memory.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import memory  # its functions looked up at call time (tests replace them)
-from .errors import BudgetError
+from .errors import BudgetError, flag, given
 
 if TYPE_CHECKING:  # the CLI parses budgets before torch is imported
     import torch
@@ -33,24 +37,38 @@ RUNTIME_RESERVE = 500_000_000
 DEFAULT_CONTEXT_TOKENS = 4096
 
 
+def gb_text(nbytes: float, digits: int = 3) -> str:
+    """``nbytes`` as a plain number of GB, never an exponent: ``digits`` significant digits, whole GB from
+    ``10^(digits-1)`` GB on (``100000``, ``3``, ``0.5``, ``12.5``, ``0.00001``)."""
+    gb = nbytes / GB
+    if gb == 0 or not math.isfinite(gb):
+        return f"{gb:g}"
+    if abs(gb) >= 10 ** (digits - 1):
+        return f"{gb:.0f}"
+    decimals = digits - 1 - math.floor(math.log10(abs(gb)))
+    return f"{gb:.{decimals}f}".rstrip("0").rstrip(".")
+
+
 def is_auto(value) -> bool:
     """Whether a ``--cache-budget-gb`` / ``--host-cache-gb`` value is ``auto``."""
     return isinstance(value, str) and value.strip().lower() == AUTO
 
 
-def _gb(value, flag: str, extra: str) -> float:
+def _gb(value, name: str, extra: str) -> float:
+    said = given(name, repr(value), ": ")  # --cache-budget-gb: 'x', cache_budget_gb='x'
     try:
         gb = float(value)
     except (TypeError, ValueError):
-        raise BudgetError(f"{flag}: {value!r} is not a number of GB: give a number between 0 and 1e9{extra} "
+        raise BudgetError(f"{said} is not a number of GB: give a number between 0 and 1e9{extra} "
                           "(it must be a number of GB)") from None
     if not (0 <= gb < 1e9):  # a billion GB is more than any machine; NaN fails too
-        raise BudgetError(f"{flag}: {value!r} must be a number of GB between 0 and 1e9{extra}")
+        raise BudgetError(f"{said} must be a number of GB between 0 and 1e9{extra}")
     return gb
 
 
-def parse_budget(value: str | float | None) -> int | None | str:
-    """A ``--cache-budget-gb`` value: bytes, None for ``all`` (every expert resident), or ``"auto"``.
+def parse_budget(value: str | float | None, name: str = "--cache-budget-gb") -> int | None | str:
+    """A ``--cache-budget-gb`` value (``name``: the option as the caller gave it): bytes, None for ``all`` (every
+    expert resident), or ``"auto"``.
 
     Raises:
         BudgetError: for a negative, non-finite or unparsable value.
@@ -59,11 +77,11 @@ def parse_budget(value: str | float | None) -> int | None | str:
         return None
     if is_auto(value):
         return AUTO
-    return int(_gb(value, "--cache-budget-gb", ", 'all' or 'auto'") * GB)
+    return int(_gb(value, name, ", 'all' or 'auto'") * GB)
 
 
-def parse_host_budget(value: str | float | None) -> int | None | str:
-    """A ``--host-cache-gb`` value: bytes, ``"auto"``, or None (no host tier).
+def parse_host_budget(value: str | float | None, name: str = "--host-cache-gb") -> int | None | str:
+    """A ``--host-cache-gb`` value (``name``: as the caller gave it): bytes, ``"auto"``, or None (no host tier).
 
     Raises:
         BudgetError: for a negative, non-finite or unparsable value.
@@ -72,7 +90,7 @@ def parse_host_budget(value: str | float | None) -> int | None | str:
         return None
     if is_auto(value):
         return AUTO
-    return int(_gb(value, "--host-cache-gb", ", or 'auto'") * GB)
+    return int(_gb(value, name, ", or 'auto'") * GB)
 
 
 def resident_bytes(net: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
@@ -128,18 +146,39 @@ class AutoBudget:
         )
 
 
+def _context_hint(room: int, per_token: int, tokens: int, sequences: int, prefix_cache: int,
+                  name: Callable[[str], str], strict: bool = False) -> str | None:
+    """What to say when the KV caches are what does not fit: everything else fits in ``room`` bytes and a context
+    shorter than ``tokens`` would too (``per_token``: the bytes a token of context adds, every sequence's caches at
+    twice their size; ``strict``: the room must stay above 0, as ``auto``'s cache needs); the other ways out, fewer
+    sequences and a smaller prefix cache, where they apply. None otherwise."""
+    if per_token <= 0 or room <= 0:
+        return None
+    fit = (room - 1) // per_token if strict else room // per_token
+    if not 1 <= fit < tokens:
+        return None
+    each = f" for each of {sequences} sequences" if sequences > 1 else ""
+    return (f"the KV cache is what does not fit: give a smaller {name('context_tokens')} (at most {fit} tokens of "
+            f"context fit{each})" + (f", or fewer {name('max_batch')} sequences" if sequences > 1 else "")
+            + (f", or a smaller {name('prefix_cache')}" if prefix_cache else ""))
+
+
 def auto_cache_budget(resident: int, kv_cache: int, kv_tokens: int, reserve: int, experts_total: int,
-                      root=None, share: int = 1) -> AutoBudget:
+                      root=None, share: int = 1, prefix_cache: int = 0, sequences: int = 1,
+                      name: Callable[[str], str] = flag) -> AutoBudget:
     """Size the expert cache from the memory really available (``--cache-budget-gb auto``).
 
     Args: ``resident`` weights not yet loaded, ``kv_cache`` for the context of ``kv_tokens``
-    tokens, ``reserve`` for the runtime and reads in flight, ``experts_total`` every expert
+    tokens (``prefix_cache`` bytes of it the prefix cache's, the rest ``sequences`` KV caches), ``reserve`` for the
+    runtime and reads in flight, ``experts_total`` every expert
     (the budget never exceeds it). ``root``: a fake ``/`` for tests (default
     :data:`moestream.memory.SYSTEM_ROOT`). ``share``: processes on this machine that split
-    its memory (expert parallelism under torchrun); each takes ``available / share``.
+    its memory (expert parallelism under torchrun); each takes ``available / share``. ``name``: how the message
+    names an option.
 
     Raises:
-        BudgetError: when nothing is left for the cache, with the numbers.
+        BudgetError: when nothing is left for the cache, with the numbers (and, when the KV cache is what does not
+            fit, the context that would).
     """
     avail, source = memory.available_with_source(root)
     if share > 1:
@@ -148,9 +187,13 @@ def auto_cache_budget(resident: int, kv_cache: int, kv_tokens: int, reserve: int
     out = AutoBudget(avail, source, resident, kv_cache, kv_tokens, reserve, experts_total,
                      max(0, min(left, experts_total)))
     if left <= 0:
+        per_token = (kv_cache - prefix_cache) // kv_tokens if kv_tokens else 0
+        hint = _context_hint(avail - resident - reserve - prefix_cache, per_token, kv_tokens, sequences, prefix_cache,
+                             name, strict=True)
         raise BudgetError(
-            f"--cache-budget-gb auto: no memory left for the expert cache: {out.describe()}; the resident weights, "
-            "KV cache and runtime need more than this process may use (raise the memory limit, or shorten the context)"
+            f"{given(name('cache_budget'), 'auto')}: no memory left for the expert cache: {out.describe()}; "
+            + (hint or "the resident weights, KV cache and runtime need more than this process may use (raise the "
+               "memory limit, or shorten the context)")
         )
     return out
 
@@ -169,6 +212,7 @@ class BudgetPlan:
         prefix_cache: bytes of the prefix cache's KV blocks (``--prefix-cache-gb``).
         sequences: sequences that run at once (``--max-batch``).
         context_tokens: tokens of context each sequence's KV cache was counted for.
+        experts: bytes of every expert (of this rank): the most the cache holds, whatever the budget.
     """
 
     budget: int | None
@@ -179,6 +223,7 @@ class BudgetPlan:
     prefix_cache: int = 0
     sequences: int = 1
     context_tokens: int = 0
+    experts: int = 0
 
 
 def context_tokens_for(net, context_tokens: int | None) -> int:
@@ -186,8 +231,10 @@ def context_tokens_for(net, context_tokens: int | None) -> int:
     return context_tokens or min(DEFAULT_CONTEXT_TOKENS, net.max_context or DEFAULT_CONTEXT_TOKENS)
 
 
-def _what(budget: int | None) -> str:
-    return "every expert (--cache-budget-gb all)" if budget is None else f"a {budget / GB:.3g} GB cache budget"
+def _what(budget: int | None, name: Callable[[str], str] = flag) -> str:
+    if budget is None:
+        return f"every expert ({given(name('cache_budget'), 'all')})"
+    return f"a {gb_text(budget)} GB cache budget"
 
 
 @dataclass(frozen=True)
@@ -232,7 +279,8 @@ def read_reserve(net, one: int, workers: int, page_cache: bool, prefetch_ahead: 
 def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, workers: int,
                     page_cache: bool, prefetch_ahead: int, context_tokens: int | None, share: int = 1,
                     buffers: ReadBuffers = ReadBuffers(), wire_memory: bool = False,
-                    chunk_window: int = 0, sequences: int = 1, prefix_cache: int = 0) -> BudgetPlan:
+                    chunk_window: int = 0, sequences: int = 1, prefix_cache: int = 0,
+                    name: Callable[[str], str] = flag) -> BudgetPlan:
     """The CPU expert cache budget, checked against the memory available (before any weight is read).
 
     Args:
@@ -248,6 +296,7 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
         chunk_window: experts read ahead for the next layer during a prefill chunk.
         sequences: sequences running at once (``--max-batch``), each with a KV cache for the context;
         prefix_cache: bytes the prefix cache keeps (``--prefix-cache-gb``).
+        name: how messages name an option (``EngineOptions.name``; the CLI's flags by default).
 
     The reserve: the PyTorch runtime, the KV caches (twice their size for the context: each grows
     by doubling, one per running sequence), the prefix cache and what the reads need outside the
@@ -258,11 +307,13 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
     Raises:
         BudgetError: when resident weights, the cached experts and the reserve exceed the
             memory available (cgroup limits included), or nothing is left for ``auto``; with
-            ``wire_memory``, when RLIMIT_MEMLOCK is below what must be locked.
+            ``wire_memory``, when RLIMIT_MEMLOCK is below what must be locked. When everything but the KV
+            caches fits, the message gives the context that would.
     """
     resident = resident_bytes(net, dtype)
     ctx = context_tokens_for(net, context_tokens)
-    kv = sequences * 2 * ctx * kv_bytes_per_token(net, dtype) + prefix_cache
+    per_token = sequences * 2 * kv_bytes_per_token(net, dtype)  # a token of context in every sequence's cache
+    kv = ctx * per_token + prefix_cache
     streaming = budget is not None
     guess = experts if budget is None or budget == AUTO else min(budget, experts)
 
@@ -273,38 +324,44 @@ def plan_cpu_budget(net, budget: int | None | str, dtype: torch.dtype, experts: 
     reserve = RUNTIME_RESERVE + reads(guess)
     auto = None
     if budget == AUTO:
-        auto = auto_cache_budget(resident, kv, ctx, reserve, experts, share=share)
+        auto = auto_cache_budget(resident, kv, ctx, reserve, experts, share=share, prefix_cache=prefix_cache,
+                                 sequences=sequences, name=name)
         budget = auto.budget
     cached = experts if budget is None else min(budget, experts)
     reserve = RUNTIME_RESERVE + reads(cached)
     avail = memory.available_bytes() // share
-    if resident + cached + kv + reserve > avail:
+    need = resident + cached + kv + reserve
+    if need > avail:
+        batch, budget_flag, prefix_flag = name("max_batch"), name("cache_budget"), name("prefix_cache")
+        hint = _context_hint(avail - (need - kv) - prefix_cache, per_token, ctx, sequences, prefix_cache, name)
+        if hint is None:
+            hint = f"give a smaller {budget_flag}, or auto" + (
+                f", or fewer {batch} sequences or a smaller {prefix_flag}" if sequences > 1 or prefix_cache else "")
+        elif cached >= need - avail:  # a budget smaller by the excess would do too
+            hint += f", or a smaller {budget_flag}"
         raise BudgetError(
-            f"resident weights ({resident / GB:.2f} GB) plus {_what(budget)} ({cached / GB:.2f} GB) plus the KV cache "
-            f"({kv / GB:.2f} GB for {ctx} tokens" + (f" x {sequences} sequences (--max-batch)" if sequences > 1 else "")
-            + (f", the prefix cache's {prefix_cache / GB:.2f} GB included (--prefix-cache-gb)" if prefix_cache else "")
-            + f") plus the runtime and read buffers ({reserve / GB:.2f} GB) need "
-            f"{(resident + cached + kv + reserve) / GB:.2f} GB, but only {avail / GB:.2f} GB of memory is available "
-            "to this process (cgroup limit included" + (f"; this rank's share of {share} on this machine"
-                                                        if share > 1 else "")
-            + "); give a smaller --cache-budget-gb, or auto" + (", or fewer --max-batch sequences or a smaller "
-                                                                "--prefix-cache-gb" if sequences > 1 or prefix_cache
-                                                                else "")
+            f"resident weights ({resident / GB:.2f} GB) plus {_what(budget, name)} ({cached / GB:.2f} GB) plus the "
+            f"KV cache ({kv / GB:.2f} GB for {ctx} tokens" + (f" x {sequences} sequences ({batch})" if sequences > 1
+                                                              else "")
+            + (f", the prefix cache's {prefix_cache / GB:.2f} GB included ({prefix_flag})" if prefix_cache else "")
+            + f") plus the runtime and read buffers ({reserve / GB:.2f} GB) need {need / GB:.2f} GB, but only "
+            f"{avail / GB:.2f} GB of memory is available to this process (cgroup limit included"
+            + (f"; this rank's share of {share} on this machine" if share > 1 else "") + "); " + hint
         )
     if wire_memory:
-        memory.check_memlock(resident + cached + 2 * workers * one)
+        memory.check_memlock(resident + cached + 2 * workers * one, name=name("wire_memory"))
     return BudgetPlan(budget, auto, reserve, kv_cache=kv - prefix_cache, prefix_cache=prefix_cache,
-                      sequences=sequences, context_tokens=ctx)
+                      sequences=sequences, context_tokens=ctx, experts=experts)
 
 
 def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, experts: int, one: int, free: int,
                        device, context_tokens: int | None, extra_resident: int = 0, sequences: int = 1,
-                       prefix_cache: int = 0) -> BudgetPlan:
+                       prefix_cache: int = 0, name: Callable[[str], str] = flag) -> BudgetPlan:
     """The VRAM expert budget on a CUDA device with ``free`` bytes free.
 
     ``extra_resident``: bytes the resident weights take beyond their parameters' (quantized resident
     linears dequantized at load on the GPU). ``sequences``: KV caches running at once (``--max-batch``);
-    ``prefix_cache``: the prefix cache's bytes (0 on CUDA, where it is off).
+    ``prefix_cache``: the prefix cache's bytes (0 on CUDA, where it is off). ``name``: how messages name an option.
 
     ``budget`` as given (refused, before any weight is read, when resident weights plus it
     exceed the free device memory), or for ``auto`` the free memory less resident weights,
@@ -316,29 +373,34 @@ def plan_device_budget(net, budget: int | None | str, dtype: torch.dtype, expert
     """
     resident = resident_bytes(net, dtype) + extra_resident
     ctx = context_tokens_for(net, context_tokens)
-    kv = sequences * 2 * ctx * kv_bytes_per_token(net, dtype)
+    per_token = sequences * 2 * kv_bytes_per_token(net, dtype)
+    kv = ctx * per_token
     reserve = int(1e9) + 4 * net.top_k * one + kv + prefix_cache
     if budget == AUTO:
         left = free - resident - reserve
         if left <= 0:
+            hint = _context_hint(free - resident - (reserve - kv), per_token, ctx, sequences, prefix_cache, name,
+                                 strict=True)
             raise BudgetError(
-                f"--cache-budget-gb auto: {device} has {free / GB:.2f} GB free; resident weights ({resident / GB:.2f} "
-                f"GB) and a {reserve / GB:.2f} GB reserve leave nothing for experts"
+                f"{given(name('cache_budget'), 'auto')}: {device} has {free / GB:.2f} GB free; resident weights "
+                f"({resident / GB:.2f} GB) and a {reserve / GB:.2f} GB reserve (the KV cache's {kv / GB:.2f} GB for "
+                f"{ctx} tokens included) leave nothing for experts" + (f"; {hint}" if hint else "")
             )
         return BudgetPlan(min(left, experts), None, reserve, kv_cache=kv, prefix_cache=prefix_cache,
-                          sequences=sequences, context_tokens=ctx)
+                          sequences=sequences, context_tokens=ctx, experts=experts)
     cached = experts if budget is None else min(budget, experts)
     if resident + cached > free:
         raise BudgetError(
-            f"resident weights ({resident / GB:.2f} GB) plus {_what(budget)} ({cached / GB:.2f} GB) need "
+            f"resident weights ({resident / GB:.2f} GB) plus {_what(budget, name)} ({cached / GB:.2f} GB) need "
             f"{(resident + cached) / GB:.2f} GB, but {device} has {free / GB:.2f} GB free; "
-            "give a smaller --cache-budget-gb"
+            f"give a smaller {name('cache_budget')}"
         )
     return BudgetPlan(budget, None, reserve, kv_cache=kv, prefix_cache=prefix_cache, sequences=sequences,
-                      context_tokens=ctx)
+                      context_tokens=ctx, experts=experts)
 
 
-def plan_host_budget(host: int | None | str, experts: int, one: int, workers: int, share: int = 1) -> int:
+def plan_host_budget(host: int | None | str, experts: int, one: int, workers: int, share: int = 1,
+                     name: Callable[[str], str] = flag) -> int:
     """Bytes of the pinned host tier behind a VRAM cache (``--host-cache-gb``; 0: none).
 
     ``auto``: 0.8 of the memory available (cgroup limits included) less a reserve (the runtime
@@ -357,7 +419,7 @@ def plan_host_budget(host: int | None | str, experts: int, one: int, workers: in
         return n // share if share > 1 else n
     if min(host, experts) + reserve > avail:
         raise BudgetError(
-            f"--host-cache-gb {host / GB:g}: {min(host, experts) / GB:.2f} GB of pinned experts plus a "
+            f"{given(name('host_cache'), gb_text(host, 6))}: {min(host, experts) / GB:.2f} GB of pinned experts plus a "
             f"{reserve / GB:.2f} GB reserve exceed the {avail / GB:.2f} GB of memory available; give less or 'auto'"
         )
     return host

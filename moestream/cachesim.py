@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .budget import GB, gb_text
 from .cache import HitCounts
 from .errors import MoestreamError
 from .policies import POLICIES, EvictionPolicy, Key, PriorityPolicy, make_policy
@@ -463,7 +464,7 @@ def run_cache_sim(traces: list[Path], budgets_gb: list[float] | None = None, pol
     total = sum(sizes0.get(k, 1) * v for k, v in first.num_experts.items())
     n_experts = sum(first.num_experts.values())
     unit = " GB" if residencies else ""
-    rows_spec = ([(f"{gb:g}{unit}", int(gb * 1e9), True) for gb in budgets_gb or []]
+    rows_spec = ([(f"{gb_text(gb * GB, 6)}{unit}", int(gb * GB), True) for gb in budgets_gb or []]
                  + [(f"{r:.1%}", r, False) for r in residencies or []])
     for depth in depths:
         for pins in ([None, hot] if hot is not None else [None]):

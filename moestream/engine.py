@@ -231,7 +231,9 @@ def load(model: str | os.PathLike, cache_budget_gb: str | float | None = DEFAULT
     batched matmul chain. None of the options but ``max_active_experts``, ``fast`` and
     ``dtype`` changes the output. Pins take at most the budget (pin file) or half of it (hot
     list and usage profile, after the pin file); a bad profile, hot list or pin file is ignored
-    with a warning naming it (:mod:`moestream.usage`).
+    with a warning naming it (:mod:`moestream.usage`); a pin file that does not exist is a ConfigError
+    (raised with the options). Errors name the options by these keywords (``context_tokens=``); the CLI's
+    options (:meth:`EngineOptions.from_args`) by its flags.
 
     A family that leaves checkpoint parts out on purpose (a vision tower, an MTP layer)
     names them in one note on stderr (its ``describe_skipped``); they are not listed in

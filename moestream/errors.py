@@ -4,7 +4,38 @@ Every error a user can cause (a missing file, a corrupt checkpoint, a budget tha
 cannot fit, an unsupported model) is a :class:`MoestreamError` whose message names
 the file, tensor or field involved. The CLI prints these as one line, without a
 traceback; anything else escaping is a bug.
+
+An engine option is named in a message the way its caller gave it: by its CLI flag (:func:`flag`,
+``--max-context``) when the CLI built the options, by ``moestream.load``'s keyword (:func:`keyword`,
+``context_tokens=``) when the Python API did (:meth:`moestream.options.EngineOptions.name`).
 """
+
+# options whose CLI flag is not the field's name with dashes
+_FLAGS = {"workers": "--prefetch-workers", "cache_budget": "--cache-budget-gb", "host_cache": "--host-cache-gb",
+          "prefix_cache": "--prefix-cache-gb", "context_tokens": "--max-context", "hotlist": "--no-hotlist",
+          "learn_experts": "--no-learn-experts", "cuda_graphs": "--no-cuda-graphs"}
+# options whose keyword of moestream.load is not the field's name
+_KEYWORDS = {"cache_budget": "cache_budget_gb", "host_cache": "host_cache_gb", "prefix_cache": "prefix_cache_gb"}
+
+
+def flag(option: str) -> str:
+    """The CLI flag of engine option ``option`` (``workers`` is ``--prefetch-workers``)."""
+    return _FLAGS.get(option, "--" + option.replace("_", "-"))
+
+
+def keyword(option: str) -> str:
+    """The keyword of ``moestream.load`` for engine option ``option``, as messages name it (``cache_budget`` is
+    ``cache_budget_gb=``)."""
+    return _KEYWORDS.get(option, option) + "="
+
+
+def given(name: str, value, sep: str = " ") -> str:
+    """An option's name (:func:`flag` or :func:`keyword`) with the value given, as its caller wrote it:
+    ``--pin-file x`` (``sep`` between a flag and its value) or ``pin_file=x``; a switch turned on (``value``
+    True) is its flag alone (``--wire-memory``, ``wire_memory=True``)."""
+    if name.endswith("="):
+        return f"{name}{value}"
+    return name if value is True else f"{name}{sep}{value}"
 
 
 class MoestreamError(Exception):

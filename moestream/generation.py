@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .budget import GB
+from .budget import gb_text
 from .engine import Engine
 from .errors import ConfigError, InputError
 from .generation_stats import GenerationStats, _Counters
@@ -130,9 +130,9 @@ def whole_model_hint(engine: Engine, comfort: float = 0.8) -> str | None:
     if need > comfort * avail:
         return None
     return (
-        f"note: the whole model fits in memory (resident weights {engine.resident_bytes / GB:.3g} GB + every "
-        f"expert{mine} {experts / GB:.3g} GB; {avail / GB:.3g} GB available): --cache-budget-gb all keeps every "
-        f"expert{mine} resident and will be faster than the {cache.budget_bytes / GB:.3g} GB budget"
+        f"note: the whole model fits in memory (resident weights {gb_text(engine.resident_bytes)} GB + every "
+        f"expert{mine} {gb_text(experts)} GB; {gb_text(avail)} GB available): --cache-budget-gb all keeps every "
+        f"expert{mine} resident and will be faster than the {gb_text(cache.budget_bytes)} GB budget"
     )
 
 

@@ -9,7 +9,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from .budget import GB
+from .budget import GB, gb_text
 from .engine import Engine
 from .memory import peak_rss_bytes
 from .quant import native
@@ -98,7 +98,8 @@ class GenerationStats:
         """The stats block printed after a generation."""
         per_layer = list(self.distinct_experts_per_layer.values())
         spread = f"min {min(per_layer)}, max {max(per_layer)}" if per_layer else "no MoE layers"
-        budget = self.cache_budget_gb if isinstance(self.cache_budget_gb, str) else f"{self.cache_budget_gb:.3g} GB"
+        budget = (self.cache_budget_gb if isinstance(self.cache_budget_gb, str)
+                  else f"{gb_text(self.cache_budget_gb * GB)} GB")
         return "\n".join([
             f"prompt tokens        {self.prompt_tokens}"
             + (f" ({self.prompt_cached_tokens} already in the KV cache)" if self.prompt_cached_tokens else ""),

@@ -22,7 +22,7 @@ from . import fused_moe
 from .budget import GB, BudgetPlan, plan_cpu_budget, plan_device_budget, plan_host_budget
 from .checkpoint import Checkpoint
 from .decode_graph import graph_unsupported
-from .errors import ConfigError, LayoutError, MoestreamError
+from .errors import ConfigError, LayoutError, MoestreamError, given
 from .gguf_format import GGUFFormat
 from .io_setup import IOSettings, plan_io
 from .layout import ExpertLayout, discover_experts
@@ -107,7 +107,7 @@ def open_model(ckpt: Checkpoint, options: EngineOptions) -> Opened:
         layout = drop_layers_from(layout, net.unloaded_layers_from)
     num_experts = check_layout(net, layout, ckpt.path, formats)
     return Opened(family, net, layout, formats, quantized_resident, num_experts, dtype,
-                  resolve_device(options.device))
+                  resolve_device(options.device, options.name("device")))
 
 
 def check_layout(model: CausalLM, layout: ExpertLayout, where, quantized: dict | None = None) -> dict[int, int]:
@@ -153,14 +153,16 @@ def check_activations(ckpt: Checkpoint, options: EngineOptions) -> None:
     """
     if options.activations == "float":
         return
+    name = options.name
+    q8, float_ = given(name("activations"), options.activations), given(name("activations"), "float")
     if not isinstance(ckpt.source_format, GGUFFormat):
-        raise ConfigError(f"--activations q8 is llama.cpp's numerics for GGUF files; {ckpt.path} is not one "
-                          "(its quantized linears compute with float activations: use --activations float)")
-    if resolve_device(options.device).type != "cpu":
-        raise ConfigError("--activations q8 runs on the CPU's compiled kernels; use --device cpu")
+        raise ConfigError(f"{q8} is llama.cpp's numerics for GGUF files; {ckpt.path} is not one "
+                          f"(its quantized linears compute with float activations: use {float_})")
+    if resolve_device(options.device, name("device")).type != "cpu":
+        raise ConfigError(f"{q8} runs on the CPU's compiled kernels; use {given(name('device'), 'cpu')}")
     if native.selected() == "torch" or native.library() is None:
         why = "MOESTREAM_CPU_KERNELS=torch" if native.selected() == "torch" else "the CPU kernels are not built"
-        raise ConfigError(f"--activations q8 runs on the CPU's compiled kernels, which are off here ({why})")
+        raise ConfigError(f"{q8} runs on the CPU's compiled kernels, which are off here ({why})")
 
 
 def drop_layers_from(layout: ExpertLayout, first: int) -> ExpertLayout:
@@ -378,7 +380,8 @@ class LoadPlan:
         """The caches an expert passes through, in one line."""
         b = self.budget
         size = ("not sized here" if b is None else "every expert resident" if b.budget is None
-                else _size(b.budget) + (" (auto)" if b.auto is not None else ""))
+                else _size(b.budget) + (" (auto)" if b.auto is not None else "")
+                + (f", capped at every expert, {_size(b.experts)}" if 0 < b.experts < b.budget else ""))
         if not self.tiered:
             return f"CPU expert cache ({size}) over the checkpoint's shards"
         where = "VRAM" if self.device.type == "cuda" else f"{self.device.type} device tier"
@@ -440,14 +443,15 @@ def _plan_budget(net: CausalLM, sizes: ExpertStore, keys: list, dtype: torch.dty
             return None
         plan = plan_device_budget(net, options.cache_budget, dtype, experts, one, device_free_bytes(dev), dev,
                                   options.context_tokens, extra_resident=dense_extra_bytes(net, dtype),
-                                  sequences=options.max_batch)
+                                  sequences=options.max_batch, name=options.name)
     else:
         plan = plan_cpu_budget(net, options.cache_budget, dtype, experts, one, options.workers, io.use_page_cache,
                                options.prefetch_ahead, options.context_tokens, share, sizes.read_buffers(keys),
                                options.wire_memory, chunk_window=io.chunk_window, sequences=options.max_batch,
-                               prefix_cache=options.prefix_cache if prefix_cache_supported(net, dev) is None else 0)
+                               prefix_cache=options.prefix_cache if prefix_cache_supported(net, dev) is None else 0,
+                               name=options.name)
     if tiered:
-        plan.host = plan_host_budget(options.host_cache, experts, one, options.workers, share)
+        plan.host = plan_host_budget(options.host_cache, experts, one, options.workers, share, name=options.name)
     return plan
 
 
@@ -473,7 +477,9 @@ def plan_load(ckpt: Checkpoint, options: EngineOptions, device: torch.device | N
     parallel = place is not None
     refusals: list[Refusal] = []
     if tiered and options.wire_memory:
-        msg = "--wire-memory applies to the CPU expert cache; with --device cuda use --host-cache-gb"
+        name = options.name
+        msg = (f"{given(name('wire_memory'), True)} applies to the CPU expert cache; with "
+               f"{given(name('device'), 'cuda')} use {name('host_cache')}")
         refusals.append(Refusal("device", ConfigError, msg, msg))
     disk_ahead = options.prefetch_ahead
     if dev.type == "cuda":
@@ -502,7 +508,7 @@ def plan_load(ckpt: Checkpoint, options: EngineOptions, device: torch.device | N
         # pool holds them all is asked after the budget, as the cache would find it)
         why = quantized_tier_refusal(opened, quant_fns, fused, True) if tiered else None
         if why is not None:
-            refusals.append(_tier_refusal(ckpt, why))
+            refusals.append(_tier_refusal(ckpt, why, options))
         budget, note = None, ""
         try:
             budget = _plan_budget(net, sizes, keys, opened.dtype, dev, tiered, io, options, share)
@@ -513,7 +519,7 @@ def plan_load(ckpt: Checkpoint, options: EngineOptions, device: torch.device | N
             note = "refused"
         why = quantized_tier_refusal(opened, quant_fns, fused, pooled) if tiered and fused and not pooled else None
         if why is not None and not any(r.stage == "quantized tier" for r in refusals):
-            refusals.append(_tier_refusal(ckpt, why))
+            refusals.append(_tier_refusal(ckpt, why, options))
     finally:
         sizes.close()
     slots = fused
@@ -544,9 +550,9 @@ def plan_load(ckpt: Checkpoint, options: EngineOptions, device: torch.device | N
     )
 
 
-def _tier_refusal(ckpt: Checkpoint, why: str) -> Refusal:
+def _tier_refusal(ckpt: Checkpoint, why: str, options: EngineOptions) -> Refusal:
     return Refusal("quantized tier", ConfigError, f"{ckpt.path}: quantized experts on the GPU tier: {why}; use "
-                   "--device cpu", why)
+                   f"{given(options.name('device'), 'cpu')}", why)
 
 
 def _plan_decode(net: CausalLM, kernels: dict, options: EngineOptions, dev: torch.device, disk_ahead: int,

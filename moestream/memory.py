@@ -12,7 +12,7 @@ import resource
 import threading
 from pathlib import Path
 
-from .errors import BudgetError
+from .errors import BudgetError, given
 
 _UNLIMITED = 1 << 60  # cgroup v1 writes a huge number for "no limit"
 
@@ -192,8 +192,8 @@ def memlock_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def check_memlock(need: int, root: Path | None = None) -> None:
-    """Refuse ``--wire-memory`` up front when ``need`` bytes cannot be locked.
+def check_memlock(need: int, root: Path | None = None, name: str = "--wire-memory") -> None:
+    """Refuse ``--wire-memory`` (``name``: as the caller gave it) up front when ``need`` bytes cannot be locked.
 
     Raises:
         BudgetError: when RLIMIT_MEMLOCK is below ``need`` and the process lacks
@@ -202,11 +202,12 @@ def check_memlock(need: int, root: Path | None = None) -> None:
     limit = memlock_limit()
     if limit is None or limit >= need or has_cap_ipc_lock(root):
         return
+    name = given(name, True)  # --wire-memory, wire_memory=True
     raise BudgetError(
-        f"--wire-memory: locking the resident weights and the cache needs {need / 1e9:.2f} GB, but the memlock "
+        f"{name}: locking the resident weights and the cache needs {need / 1e9:.2f} GB, but the memlock "
         f"limit (RLIMIT_MEMLOCK, `ulimit -l`) is {limit / 1e9:.3g} GB ({limit // 1024} KiB); raise it "
-        "(`ulimit -l unlimited`, memlock in /etc/security/limits.conf, or LimitMEMLOCK= for a service) or drop "
-        "--wire-memory"
+        f"(`ulimit -l unlimited`, memlock in /etc/security/limits.conf, or LimitMEMLOCK= for a service) or drop "
+        f"{name}"
     )
 
 

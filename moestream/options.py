@@ -4,17 +4,18 @@ The CLI (``EngineOptions.from_args``), the Python API (``moestream.load(model, *
 ``EngineOptions.make``) and the server build one frozen :class:`EngineOptions`; the engine,
 the budget, the I/O set-up, the expert pipeline and the usage module read it. A bad value is a
 :class:`~moestream.errors.ConfigError` (or ``BudgetError``) naming the option, raised before
-anything is loaded.
+anything is loaded. Messages name an option as its builder does (:meth:`EngineOptions.name`): the CLI's
+flag (``--max-context``) for options the CLI built, ``moestream.load``'s keyword (``context_tokens=``) else.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .budget import AUTO, GB, parse_budget, parse_host_budget
-from .errors import ConfigError
+from .budget import AUTO, GB, gb_text, parse_budget, parse_host_budget
+from .errors import ConfigError, flag, given, keyword
 from .policies import POLICIES
 
 DEFAULT_BUDGET_GB = 3
@@ -31,18 +32,17 @@ DEFAULT_DIST_TIMEOUT_S = 60.0
 HOT_FRACTION = 0.0
 
 
-def flag(name: str) -> str:
-    """The CLI flag of option ``name`` (``workers`` is ``--prefetch-workers``)."""
-    return {"workers": "--prefetch-workers", "cache_budget": "--cache-budget-gb", "host_cache": "--host-cache-gb",
-            "context_tokens": "--max-context"}.get(name, "--" + name.replace("_", "-"))
+def _name(flags: dict[str, str] | None, option: str) -> str:
+    """How messages name ``option`` for options built with ``flags`` (:meth:`EngineOptions.name`)."""
+    return keyword(option) if flags is None else flags.get(option) or flag(option)
 
 
-def _path(value, flag: str) -> Path | None:
+def _path(value, name: str) -> Path | None:
     if value is None:
         return None
     p = Path(value)
     if p.is_dir() or not p.parent.is_dir():
-        raise ConfigError(f"{flag} {p}: not a file in an existing folder")
+        raise ConfigError(f"{given(name, p)}: not a file in an existing folder")
     return p
 
 
@@ -103,6 +103,10 @@ class EngineOptions:
             :mod:`moestream.scheduler`); the budget plan keeps a KV cache of the context for each.
         prefix_cache: bytes of KV blocks the prefix cache keeps (``--prefix-cache-gb``; 0: off;
             :mod:`moestream.prefix_cache`); counted in the budget plan.
+        flags: who built the options, for how messages name them (:meth:`name`): None, the Python API
+            (``moestream.load``'s keywords); a dict, the CLI (its flags, :func:`~moestream.errors.flag`, and the
+            dict's own flag for an option a command sets from another: ``generate`` sizes the context from
+            ``--max-tokens``). Not compared.
 
     None of these but ``max_active_experts``, ``fast``, ``dtype`` and ``activations`` changes the output.
     """
@@ -134,14 +138,15 @@ class EngineOptions:
     ep_placement: str = "auto"
     max_batch: int = 1
     prefix_cache: int = 0
+    flags: dict[str, str] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        def whole(name, low):
-            v = getattr(self, name)
+        def whole(option, low):
+            v = getattr(self, option)
             if isinstance(v, bool) or not isinstance(v, int):
-                raise ConfigError(f"{flag(name)} must be an integer, got {v!r}")
+                raise ConfigError(f"{self.name(option)} must be an integer, got {v!r}")
             if v < low:
-                raise ConfigError(f"{flag(name)} must be at least {low}, got {v}")
+                raise ConfigError(f"{self.name(option)} must be at least {low}, got {v}")
 
         whole("workers", 1)
         whole("prefetch_ahead", 0)
@@ -150,31 +155,43 @@ class EngineOptions:
         whole("prefix_cache", 0)
         if self.context_tokens is not None:
             whole("context_tokens", 1)
-        for name, allowed in (("dtype", DTYPES), ("activations", ACTIVATIONS), ("cache_policy", POLICIES),
-                              ("ep_combine", EP_COMBINES),
-                              ("ep_placement", EP_PLACEMENTS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{flag(name)} {getattr(self, name)!r}: expected one of "
+        for option, allowed in (("dtype", DTYPES), ("activations", ACTIVATIONS), ("cache_policy", POLICIES),
+                                ("ep_combine", EP_COMBINES),
+                                ("ep_placement", EP_PLACEMENTS)):
+            if getattr(self, option) not in allowed:
+                raise ConfigError(f"{given(self.name(option), repr(getattr(self, option)))}: expected one of "
                                   f"{', '.join(allowed)}")
-        for name in ("cache_budget", "host_cache"):
-            v = getattr(self, name)
+        for option in ("cache_budget", "host_cache"):
+            v = getattr(self, option)
             if not (v is None or v == AUTO or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)):
-                raise ConfigError(f"{name}: {v!r} must be bytes >= 0, None or 'auto' (see EngineOptions.make)")
+                raise ConfigError(f"{option}: {v!r} must be bytes >= 0, None or 'auto' (see EngineOptions.make)")
         hf = self.hot_fraction
         if isinstance(hf, bool) or not isinstance(hf, (int, float)) or not 0 <= hf <= 1:
-            raise ConfigError(f"--hot-fraction {hf!r}: give a share of the budget between 0 and 1")
+            raise ConfigError(f"{given(self.name('hot_fraction'), repr(hf))}: give a share of the budget between 0 "
+                              "and 1")
         if not (isinstance(self.dist_timeout, (int, float)) and 0 < self.dist_timeout < math.inf):
-            raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}")
-        object.__setattr__(self, "trace", _path(self.trace, "--trace"))
-        object.__setattr__(self, "usage_file", _path(self.usage_file, "--usage-file"))
-        if self.pin_file is not None:
-            object.__setattr__(self, "pin_file", Path(self.pin_file))
+            raise ConfigError(f"{self.name('dist_timeout')} must be a positive number of seconds, got "
+                              f"{self.dist_timeout}")
+        object.__setattr__(self, "trace", _path(self.trace, self.name("trace")))
+        object.__setattr__(self, "usage_file", _path(self.usage_file, self.name("usage_file")))
+        if self.pin_file is not None:  # read at load, after the resident weights: a missing one is said now
+            p = Path(self.pin_file)
+            if not p.is_file():
+                raise ConfigError(f"{given(self.name('pin_file'), p)}: " + ("not a file" if p.exists() else
+                                                                            "no such file"))
+            object.__setattr__(self, "pin_file", p)
+
+    def name(self, option: str) -> str:
+        """How messages name ``option`` (a field): its CLI flag (``--max-context``) when the CLI built these
+        options, else the keyword of ``moestream.load`` (``context_tokens=``)."""
+        return _name(self.flags, option)
 
     @classmethod
     def make(cls, cache_budget_gb: str | float | None = DEFAULT_BUDGET_GB, host_cache_gb: str | float | None = None,
              prefix_cache_gb: float = 0, **options) -> "EngineOptions":
         """Options from ``moestream.load``'s keywords: budgets in GB (10^9 bytes) or ``all`` / ``auto``
-        (``prefix_cache_gb``: a number of GB, 0 off), the other fields by name.
+        (``prefix_cache_gb``: a number of GB, 0 off), the other fields by name (``flags``: the CLI's, see
+        :meth:`from_args`).
 
         Raises:
             TypeError: for a keyword that is no option. ConfigError, BudgetError: for a bad value.
@@ -183,16 +200,20 @@ class EngineOptions:
         unknown = sorted(set(options) - names)
         if unknown:
             raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; known: cache_budget_gb, "
-                            f"host_cache_gb, prefix_cache_gb, {', '.join(sorted(names))}")
+                            f"host_cache_gb, prefix_cache_gb, {', '.join(sorted(names - {'flags'}))}")
+        flags = options.get("flags")
         pc = prefix_cache_gb
         if isinstance(pc, bool) or not isinstance(pc, (int, float)) or not 0 <= pc < math.inf:
-            raise ConfigError(f"--prefix-cache-gb {pc!r}: give a number of GB >= 0 (0: off)")
-        return cls(cache_budget=parse_budget(cache_budget_gb), host_cache=parse_host_budget(host_cache_gb),
-                   prefix_cache=int(pc * GB), **options)
+            raise ConfigError(f"{given(_name(flags, 'prefix_cache'), repr(pc))}: give a number of GB >= 0 (0: off)")
+        return cls(cache_budget=parse_budget(cache_budget_gb, _name(flags, "cache_budget")),
+                   host_cache=parse_host_budget(host_cache_gb, _name(flags, "host_cache")), prefix_cache=int(pc * GB),
+                   **options)
 
     @classmethod
-    def from_args(cls, args, context_tokens: int | None = None) -> "EngineOptions":
-        """Options from the CLI's parsed engine flags (``moestream.cli.engine_args``).
+    def from_args(cls, args, context_tokens: int | None = None,
+                  context_flag: str = "--max-context") -> "EngineOptions":
+        """Options from the CLI's parsed engine flags (``moestream.cli.engine_args``); ``context_flag``: the flag
+        that gave ``context_tokens`` (messages name it: ``generate`` sizes the context from ``--max-tokens``).
 
         Raises:
             ConfigError, BudgetError: naming the flag.
@@ -213,7 +234,7 @@ class EngineOptions:
             cache_policy=get("cache_policy", "lru"), dist_timeout=get("dist_timeout", DEFAULT_DIST_TIMEOUT_S),
             ep_combine=get("ep_combine", "allgather"), ep_placement=get("ep_placement", "auto"),
             cuda_graphs=not get("no_cuda_graphs", False), dtype=get("dtype", "auto"),
-            activations=get("activations", "float"),
+            activations=get("activations", "float"), flags={"context_tokens": context_flag},
         )
 
     def replace(self, **changes) -> "EngineOptions":
@@ -223,6 +244,6 @@ class EngineOptions:
         return replace(self, **changes)
 
     def describe_budget(self) -> str:
-        """The budget as the user gave it: ``all``, ``auto`` or ``N GB``."""
+        """The budget as the user gave it: ``all``, ``auto`` or ``N GB`` (a plain number: ``100000 GB``)."""
         b = self.cache_budget
-        return "all" if b is None else AUTO if b == AUTO else f"{b / GB:.3g} GB"
+        return "all" if b is None else AUTO if b == AUTO else f"{gb_text(b)} GB"

@@ -45,7 +45,7 @@ import torch
 from .cache import ExpertCache
 from .copy_engine import CopyEngine
 from .counters import Counters
-from .errors import ConfigError
+from .errors import ConfigError, given
 from .host_tier import HostTier, PinnedBufferPool
 from .policies import EvictionPolicy
 from .slot_pool import SlotPool, expert_slot_layout
@@ -387,9 +387,10 @@ class TieredExpertCache(ExpertCache):
             pool.close()
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
+def resolve_device(device: str | torch.device | None, name: str = "--device") -> torch.device:
     """``auto`` (or None): the ``MOESTREAM_DEVICE`` environment variable when set, else ``cuda`` when a
-    CUDA device is available, else ``cpu``; otherwise the device named.
+    CUDA device is available, else ``cpu``; otherwise the device named (``name``: the option, as the caller gave
+    it, for the messages).
 
     Raises:
         ConfigError: for a device that is not ``cpu``, ``cuda`` or ``cuda:N``, or CUDA asked for
@@ -397,14 +398,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """
     if device is None or (isinstance(device, str) and device.strip().lower() == "auto"):
         device = os.environ.get("MOESTREAM_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    said = given(name, repr(device), ": ")  # --device: 'tpu', device='tpu'
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"--device: {device!r}: expected auto, cpu, cuda or cuda:N") from None
+        raise ConfigError(f"{said}: expected auto, cpu, cuda or cuda:N") from None
     if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device: {device!r}: expected auto, cpu, cuda or cuda:N")
+        raise ConfigError(f"{said}: expected auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: no CUDA device is available to this PyTorch ({torch.__version__})")
+        raise ConfigError(f"{given(name, device)}: no CUDA device is available to this PyTorch ({torch.__version__})")
     return dev
 
 

@@ -19,7 +19,8 @@
 
 A profile, hot list or pin file that is not valid JSON, belongs to another model, or
 names layers or experts the model does not have is ignored with a warning naming the
-file, and never rewritten. Profiles are written to a temporary file in the same folder
+file, and never rewritten (a pin file that does not exist is refused with the options:
+:class:`~moestream.options.EngineOptions`). Profiles are written to a temporary file in the same folder
 and renamed over the old one, so a crash never leaves one half-written.
 """
 
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import MoestreamError
+from .errors import MoestreamError, given
 from .models.moe import StreamedMoE
 from .prefetch import following_blocks, predict_chunk, predict_next
 from .traces import TRACE_FORMAT, load_trace
@@ -350,13 +351,14 @@ def setup_cache_policy(checkpoint, model, cache, num_experts: dict[int, int], op
     usage_file, learn_experts, hot_fraction = options.usage_file, options.learn_experts, options.hot_fraction
     top_k = model.top_k
     if max_active_experts:
+        said = given(options.name("max_active_experts"), max_active_experts)
         if max_active_experts < top_k:
             warn(
-                f"--max-active-experts {max_active_experts}: each token keeps only its {max_active_experts} "
+                f"{said}: each token keeps only its {max_active_experts} "
                 f"highest-weight routed experts of {top_k}; the output changes (it is not the model's own routing)"
             )
         elif max_active_experts > top_k:
-            warn(f"--max-active-experts {max_active_experts} is above the model's top-k {top_k}: it has no effect")
+            warn(f"{said} is above the model's top-k {top_k}: it has no effect")
     router = next((n + ".gate.weight" for n, m in model.named_modules() if isinstance(m, StreamedMoE)), None)
     model_id = model_identity(checkpoint, router)
     name = checkpoint.path.name

@@ -257,9 +257,9 @@ def test_q8_mode_is_refused_for_a_checkpoint_that_is_not_gguf(tmp_path):
 
     ckpt = tmp_path / "m"
     make_qwen3_moe(ckpt)
-    with pytest.raises(ConfigError, match="--activations q8 is llama.cpp's numerics for GGUF files"):
-        load(ckpt, cache_budget_gb="all", tokenizer=False, activations="q8")
-    with pytest.raises(ConfigError, match="--activations"):
+    with pytest.raises(ConfigError, match="activations=q8 is llama.cpp's numerics for GGUF files"):
+        load(ckpt, cache_budget_gb="all", tokenizer=False, activations="q8")  # the API's keyword, not the flag
+    with pytest.raises(ConfigError, match="activations='q4'"):
         EngineOptions.make(activations="q4")
 
 

@@ -2,6 +2,7 @@
 an engine used after close, progress when nobody watches a terminal."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -236,3 +237,104 @@ def test_a_bad_kernel_choice_is_one_line_before_anything_is_read(tiny, command):
     assert lines[-1] == ("moestream: error: environment variable MOESTREAM_CPU_KERNELS='foo': expected one of "
                          "auto, avx512, avx2, portable, torch"), run.stderr
     assert "Traceback" not in run.stderr and "expert reads" not in run.stderr
+
+
+def _memory(monkeypatch, avail: int) -> None:
+    """This process may take ``avail`` bytes (what the budget plan and the read-path choice see)."""
+    monkeypatch.setattr("moestream.memory.available_bytes", lambda *a, **k: avail)
+    monkeypatch.setattr("moestream.memory.available_with_source", lambda *a, **k: (avail, "MemAvailable"))
+
+
+def test_a_missing_pin_file_is_one_line_naming_the_flag_before_anything_is_read(text_model, tmp_path, capsys,
+                                                                                monkeypatch):
+    """--pin-file that does not exist was a warning once the resident weights were in, and the run went on without
+    pins; it is one error line naming the flag and the file, before any weight is read (nothing else printed)."""
+    from moestream.cli import main
+
+    read = []
+    monkeypatch.setattr("moestream.checkpoint.Checkpoint.read_tensor", lambda self, name: read.append(name))
+    path = tmp_path / "pins.json"
+    assert main(["generate", "--model", str(text_model), "--prompt", "hi", "--max-tokens", "2",
+                 "--pin-file", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"moestream: error: --pin-file {path}: no such file"]
+    assert read == []
+
+
+def test_a_budget_above_every_expert_is_a_plain_number(text_model, capsys):
+    """--cache-budget-gb 100000 was shown as "1e+05 GB"; the stats say 100000 GB, and inspect's plan says it is capped
+    at every expert."""
+    from moestream.cli import main
+
+    assert main(["generate", "--model", str(text_model), "--prompt", "hi", "--max-tokens", "2", "--no-chat-template",
+                 "--cache-budget-gb", "100000"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^cache budget         100000 GB \(peak held \d+\.\d\d GB\)$", err, re.M), err
+    assert "e+0" not in err
+    assert main(["inspect", "--model", str(text_model), "--cache-budget-gb", "100000"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  tiers:            CPU expert cache \(100000\.00 GB, capped at every expert, 0\.05 MB\) over "
+                     r"the checkpoint's shards$", out, re.M), out
+
+
+def test_a_context_that_does_not_fit_names_the_flag_that_sized_it(text_model, capsys, monkeypatch):
+    """When the KV cache is what does not fit, the refusal names the flag the context came from: generate's
+    --max-tokens, inspect's (and serve's) --max-context, with the tokens that fit (the same for both)."""
+    from moestream.cli import main
+
+    _memory(monkeypatch, 2 * 10**9)
+    assert main(["generate", "--model", str(text_model), "--prompt", "hi", "--max-tokens", str(10**9)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    said = re.search(r"; the KV cache is what does not fit: give a smaller --max-tokens \(at most (\d+) tokens of "
+                     r"context fit\)$", err[0])
+    assert said and err[0].startswith("moestream: error: resident weights"), err
+    assert main(["inspect", "--model", str(text_model), "--max-context", str(10**9)]) == 0
+    out = capsys.readouterr().out
+    planned = re.search(r"^  refused:          .*; the KV cache is what does not fit: give a smaller --max-context "
+                        r"\(at most (\d+) tokens of context fit\)$", out, re.M)
+    assert planned and planned[1] == said[1], out
+
+
+def _plan_block(text: str) -> list[str]:
+    """inspect's load plan lines: from "load plan:" to the line before "can stream:"."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("load plan:"))
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("can stream:"))
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("flags, wanted", [
+    (["--cache-budget-gb", "0.0001"], "  tiers:            CPU expert cache (0.10 MB) over the checkpoint's shards"),
+    (["--cache-budget-gb", "all", "--dtype", "bf16"], "load plan:          on cpu, bfloat16; family qwen3_moe"),
+    (["--cache-budget-gb", "auto", "--prefetch-ahead", "1", "--no-page-cache", "--prefetch-workers", "2"],
+     "  budget:           cache budget auto: "),
+    (["--max-batch", "3", "--max-context", str(10**8)], "x 3 sequences (--max-batch)"),
+])
+def test_inspect_prints_the_plan_the_engine_loads_with_the_same_flags(tiny, capsys, monkeypatch, flags, wanted):
+    """``inspect`` takes the engine flags that change the load plan and prints the plan ``engine.load`` executes
+    with the options those flags make (serve's parser: the engine flags, --max-batch, --max-context), line for line,
+    refusals included; without the flags the plan is another (the flags are not ignored)."""
+    import argparse
+
+    from moestream.cli import main
+    from moestream.cli.engine_args import engine_options
+    from moestream.cli.serve import _add_serve_args
+    from moestream.errors import BudgetError
+
+    _memory(monkeypatch, 2 * 10**9)  # the budget and read-path lines, and refusals, do not drift between the two
+    assert main(["inspect", "--model", str(tiny), "--device", "cpu", *flags]) == 0
+    printed = _plan_block(capsys.readouterr().out)
+    assert any(wanted in ln for ln in printed), printed
+    p = argparse.ArgumentParser()
+    _add_serve_args(p)
+    args = p.parse_args(["--model", str(tiny), "--device", "cpu", "--no-learn-experts", *flags])
+    options = engine_options(args, context=args.max_context)
+    try:
+        engine = load(tiny, options=options, tokenizer=False)
+    except BudgetError as e:  # refused as planned: inspect printed that refusal
+        assert f"  refused:          {e}" in printed, printed
+    else:
+        with engine:
+            assert printed == engine.plan.describe()
+    assert main(["inspect", "--model", str(tiny), "--device", "cpu"]) == 0
+    assert _plan_block(capsys.readouterr().out) != printed

@@ -184,11 +184,136 @@ def test_a_missing_field_with_other_names_is_named_by_the_config_s_own_name(good
         load(d, tokenizer=False)
 
 
-def test_a_context_of_no_tokens_names_serve_s_flag():
+def test_a_context_of_no_tokens_names_the_option_as_its_caller_gave_it():
+    """The Python API's options name moestream.load's keyword, the CLI's the flag (serve's --max-context, or the
+    flag a command sizes the context from)."""
+    import argparse
+
     from moestream.options import EngineOptions
 
-    with pytest.raises(ConfigError, match="--max-context must be at least 1, got 0"):
+    with pytest.raises(ConfigError, match=r"^context_tokens= must be at least 1, got 0$"):
         EngineOptions.make(context_tokens=0)
+    with pytest.raises(ConfigError, match=r"^--max-context must be at least 1, got 0$"):
+        EngineOptions.from_args(argparse.Namespace(), context_tokens=0)
+    with pytest.raises(ConfigError, match=r"^--max-tokens must be at least 1, got 0$"):
+        EngineOptions.from_args(argparse.Namespace(), context_tokens=0, context_flag="--max-tokens")
+
+
+@pytest.mark.parametrize("keywords, message", [
+    (dict(cache_budget_gb="lots"), "cache_budget_gb='lots' is not a number of GB: give a number between 0 and 1e9, "
+                                   "'all' or 'auto' (it must be a number of GB)"),
+    (dict(host_cache_gb=-1), "host_cache_gb=-1 must be a number of GB between 0 and 1e9, or 'auto'"),
+    (dict(prefix_cache_gb=-1), "prefix_cache_gb=-1: give a number of GB >= 0 (0: off)"),
+    (dict(max_batch=0), "max_batch= must be at least 1, got 0"),
+    (dict(workers="2"), "workers= must be an integer, got '2'"),
+    (dict(cache_policy="fifo"), "cache_policy='fifo': expected one of lru, lfu, layer"),
+    (dict(hot_fraction=1.5), "hot_fraction=1.5: give a share of the budget between 0 and 1"),
+    (dict(device="tpu"), "device='tpu': expected auto, cpu, cuda or cuda:N"),
+    (dict(host_cache_gb="0.001", wire_memory=True, device="cpu"),
+     "wire_memory=True applies to the CPU expert cache; with device=cuda use host_cache_gb="),
+])
+def test_api_errors_name_the_python_keyword_not_the_flag(good, keywords, message):
+    """``moestream.load``'s errors name its keywords (``max_batch=``), not the CLI's flags (``--max-batch``) the same
+    checks name for ``moestream generate``."""
+    import moestream
+    from moestream.errors import MoestreamError
+
+    with pytest.raises(MoestreamError) as e:
+        moestream.load(good, tokenizer=False, **keywords)
+    assert str(e.value) == message
+    assert "--" not in str(e.value)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cache-budget-gb", "lots"], "--cache-budget-gb: 'lots' is not a number of GB"),
+    (["--prefetch-workers", "0"], "--prefetch-workers must be at least 1, got 0"),
+    (["--cache-policy", "lru", "--hot-fraction", "1.5"], "--hot-fraction 1.5: give a share of the budget"),
+    (["--device", "tpu"], "--device: 'tpu': expected auto, cpu, cuda or cuda:N"),
+])
+def test_cli_errors_name_the_flag(good, capsys, flags, message):
+    from moestream.cli import main
+
+    assert main(["generate", "--model", str(good), "--prompt", "hi", "--max-tokens", "1", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"moestream: error: {message}"), err
+    assert "=" not in err[0].split(":", 2)[2].split()[0]  # the flag, not a keyword
+
+
+def _memory(monkeypatch, avail: int) -> None:
+    """This process may take ``avail`` bytes (what the budget plan and the read-path choice see)."""
+    monkeypatch.setattr("moestream.memory.available_bytes", lambda *a, **k: avail)
+    monkeypatch.setattr("moestream.memory.available_with_source", lambda *a, **k: (avail, "MemAvailable"))
+
+
+def _budget_refusal(path, **keywords):
+    """The budget refusal of planning ``path`` with ``moestream.load``'s ``keywords`` on the CPU, or None."""
+    from moestream.load_plan import plan_load
+    from moestream.options import EngineOptions
+    from moestream.sources import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    try:
+        refusal = plan_load(ckpt, EngineOptions.make(device="cpu", **keywords)).refusal("budget")
+    finally:
+        ckpt.close()
+    return None if refusal is None else refusal.message
+
+
+@pytest.mark.parametrize("budget, sequences", [("0", 1), ("0.0001", 3), ("auto", 1), ("auto", 2)])
+def test_a_context_that_does_not_fit_says_how_many_tokens_do(good, monkeypatch, budget, sequences):
+    """When everything but the KV caches fits, the refusal says the KV cache is what does not fit and names the
+    context option with the tokens that fit: that many load, one more does not (a given budget and auto, one
+    sequence and several)."""
+    _memory(monkeypatch, 2 * 10**9)
+    kw = dict(cache_budget_gb=budget, max_batch=sequences)
+    message = _budget_refusal(good, context_tokens=10**9, **kw)
+    each = f" for each of {sequences} sequences" if sequences > 1 else ""
+    m = re.search(rf"; the KV cache is what does not fit: give a smaller context_tokens= \(at most (\d+) tokens of "
+                  rf"context fit{each}\)", message)
+    assert m, message
+    fit = int(m[1])
+    assert 1000 < fit < 10**9
+    assert _budget_refusal(good, context_tokens=fit, **kw) is None
+    assert _budget_refusal(good, context_tokens=fit + 1, **kw) is not None
+    assert ("or fewer max_batch= sequences" in message) == (sequences > 1)
+    assert "--" not in message
+    with pytest.raises(BudgetError, match=re.escape(message)):  # load raises the planned refusal, before reading
+        load(good, tokenizer=False, device="cpu", context_tokens=10**9, **kw)
+
+
+def test_a_budget_that_does_not_fit_with_any_context_keeps_the_budget_hint(good, monkeypatch):
+    """When the resident weights and the reserve alone exceed the memory, a shorter context cannot help: the message
+    says to give a smaller budget, not a context."""
+    _memory(monkeypatch, 300_000_000)
+    message = _budget_refusal(good, context_tokens=10**6)
+    assert message.endswith("; give a smaller cache_budget_gb=, or auto"), message
+    assert "KV cache is what does not fit" not in message
+
+
+def test_a_missing_pin_file_is_an_error_naming_it(good, tmp_path, monkeypatch):
+    """A pin file that does not exist was a warning after the resident weights loaded; it is an error naming the
+    file and the option, before the checkpoint is opened (a folder too)."""
+    read = []
+    monkeypatch.setattr("moestream.checkpoint.Checkpoint.read_tensor", lambda self, name: read.append(name))
+    missing = tmp_path / "pins.json"
+    with pytest.raises(ConfigError, match=rf"^pin_file={re.escape(str(missing))}: no such file$"):
+        load(good, tokenizer=False, pin_file=missing)
+    with pytest.raises(ConfigError, match=rf"^pin_file={re.escape(str(tmp_path))}: not a file$"):
+        load(good, tokenizer=False, pin_file=tmp_path)
+    assert read == []
+
+
+def test_budgets_are_plain_numbers_of_gb():
+    """A budget is printed as a plain number, never as 1e+05 or 1e-05."""
+    from moestream.budget import gb_text
+    from moestream.options import EngineOptions
+
+    cases = {100000e9: "100000", 3e9: "3", 0.5e9: "0.5", 12.5e9: "12.5", 1e4: "0.00001", 1234.5678e9: "1235",
+             0: "0", 1.2345e9: "1.23"}
+    assert {v: gb_text(v) for v in cases} == cases
+    assert gb_text(1.2345e9, 6) == "1.2345" and gb_text(1e15, 6) == "1000000"
+    assert EngineOptions.make(100000).describe_budget() == "100000 GB"
+    assert EngineOptions.make(0.00001).describe_budget() == "0.00001 GB"
 
 
 def test_missing_resident_tensor_is_named(good, tmp_path):
@@ -213,7 +338,7 @@ def test_budgets_that_cannot_fit_are_refused_before_loading(good, monkeypatch):
     monkeypatch.setattr("moestream.memory.available_bytes", lambda: 100_000)
     read = []
     monkeypatch.setattr("moestream.checkpoint.Checkpoint.read_tensor", lambda self, name: read.append(name))
-    with pytest.raises(BudgetError, match=r"plus every expert \(--cache-budget-gb all\) \(0.00 GB\) plus the KV cache "
+    with pytest.raises(BudgetError, match=r"plus every expert \(cache_budget_gb=all\) \(0.00 GB\) plus the KV cache "
                                           r"\(0.00 GB for 512 tokens\) plus the runtime "
                                           r"and read buffers \(0.\d\d GB\) need 0.\d\d GB, "
                                           r"but only 0.00 GB of memory is available"):
@@ -222,7 +347,7 @@ def test_budgets_that_cannot_fit_are_refused_before_loading(good, monkeypatch):
     monkeypatch.setattr("moestream.memory.available_bytes", lambda: 400_000_000)
     with pytest.raises(BudgetError, match=r"plus the runtime and read buffers \(0.\d\d GB\).*only 0.40 GB"):
         load(good, cache_budget_gb="0.001", tokenizer=False)
-    with pytest.raises(BudgetError, match=r"resident weights \(0.00 GB\) plus a 1e-05 GB cache budget"):
+    with pytest.raises(BudgetError, match=r"resident weights \(0.00 GB\) plus a 0.00001 GB cache budget"):
         load(good, cache_budget_gb="0.00001", tokenizer=False)
     assert read == []  # refused before any weight was read
 
@@ -432,3 +557,43 @@ def test_cli_checks_arguments_before_loading(good, tmp_path):
         assert message in r.stderr, r.stderr
     assert not any(tmp_path.glob("o*"))  # nothing half-written
     assert not (tmp_path / "no").exists()  # no folder made for --usage-file
+
+
+def test_a_context_that_does_not_fit_on_a_cuda_device_says_how_many_tokens_do():
+    """The VRAM budget ``auto`` (planned here without a GPU: the free bytes are an argument): when the KV cache is what
+    leaves nothing for the experts, the refusal names the context option and the tokens that fit; a given budget that
+    does not fit names the budget in plain GB."""
+    from pathlib import Path
+
+    from moestream.budget import plan_device_budget, resident_bytes
+    from moestream.models import family_for
+
+    cfg = json.loads((Path(__file__).parent / "configs" / "Qwen3-30B-A3B.json").read_text())
+    family = family_for(cfg, "cfg")
+    with torch.device("meta"):
+        net = family.Model(family.ModelArgs.from_config(cfg))
+    one, free = 9_437_184, 40 * 10**9
+    kw = dict(dtype=torch.bfloat16, experts=48 * 128 * one, one=one, free=free, device="cuda:0")
+
+    def plan(budget, tokens, name=None):
+        return plan_device_budget(net, budget, context_tokens=tokens, **kw, **({"name": name} if name else {}))
+
+    with pytest.raises(BudgetError) as e:
+        plan("auto", 10**6)
+    m = re.search(r"leave nothing for experts; the KV cache is what does not fit: give a smaller --max-context "
+                  r"\(at most (\d+) tokens of context fit\)$", str(e.value))
+    assert m and str(e.value).startswith("--cache-budget-gb auto: cuda:0 has 40.00 GB free"), str(e.value)
+    fit = int(m[1])
+    assert plan("auto", fit).budget > 0
+    with pytest.raises(BudgetError):
+        plan("auto", fit + 1)
+    from moestream.errors import keyword
+
+    with pytest.raises(BudgetError, match=r"^cache_budget_gb=auto: .*give a smaller context_tokens= \(at most"):
+        plan("auto", 10**6, keyword)
+    resident = resident_bytes(net, torch.bfloat16)
+    with pytest.raises(BudgetError, match=r"plus a 100000 GB cache budget \(57\.98 GB\) need .*; give a smaller "
+                                          r"--cache-budget-gb$"):
+        plan_device_budget(net, 10**14, context_tokens=None, **dict(kw, free=resident + 10**9))
+    fits = plan_device_budget(net, 10**14, context_tokens=None, **dict(kw, free=100 * 10**9))
+    assert fits.budget == 10**14 and fits.experts == 48 * 128 * one  # what inspect's tiers line says it is capped at

@@ -283,7 +283,8 @@ def test_page_cache_auto_rule(model, tmp_path, monkeypatch):
 def test_wire_memory_refuses_a_low_memlock_limit_clearly(model, monkeypatch):
     monkeypatch.setattr(memory, "memlock_limit", lambda: 64 * 1024)
     monkeypatch.setattr(memory, "has_cap_ipc_lock", lambda root=None: False)
-    with pytest.raises(BudgetError, match=r"--wire-memory.*RLIMIT_MEMLOCK.*64 KiB.*ulimit -l"):
+    with pytest.raises(BudgetError, match=r"^wire_memory=True: .*RLIMIT_MEMLOCK.*64 KiB.*ulimit -l.*drop "
+                                          r"wire_memory=True$"):  # the API's keyword
         load(model, cache_budget_gb="0.001", workers=1, tokenizer=False, wire_memory=True)
 
 

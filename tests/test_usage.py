@@ -163,7 +163,7 @@ def test_max_active_experts(model, capsys):
     ref = run(model, "all", tokens=3, learn_experts=False)
     engine = load(model, cache_budget_gb="all", tokenizer=False, max_active_experts=2, learn_experts=False)
     try:
-        assert "--max-active-experts 2" in capsys.readouterr().err
+        assert "max_active_experts=2: each token keeps" in capsys.readouterr().err  # the API's keyword
         block = engine.model.moe_blocks()[1]
         x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
         with torch.inference_mode():

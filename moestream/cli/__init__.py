@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from ..errors import MoestreamError
+from ..options import DTYPES
 from .build import _add_convert_args, _add_synth_args, run_convert, run_synth
-from .engine_args import add_engine_args, engine_options, load_engine
+from .engine_args import add_engine_args, add_plan_args, engine_options, load_engine
 from .generate import _add_generate_args, run_generate
 from .serve import _add_serve_args, run_serve
 
@@ -27,6 +28,10 @@ TRUST_REMOTE_CODE = (
     "--trust-remote-code is not supported: moestream never runs code that comes with a checkpoint "
     "(auto_map, modeling_*.py); it runs only its own model families (see `moestream inspect`)"
 )
+
+
+# inspect --dtype for a bare config: the storage its tensors are sized at (synth's dtypes)
+_STORAGE = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +62,17 @@ def _main(argv: list[str] | None) -> int:
     src.add_argument("--model", help="checkpoint folder, GGUF file (the first file of a split set) or Hugging "
                                       "Face Hub id (reads headers only)")
     src.add_argument("--config", type=Path, help="a bare config.json, sized at its real shape without weights")
-    i.add_argument("--dtype", default="bf16", help="storage assumed for --config: bf16 (default), fp16 or fp32")
+    i.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype of the load plan, as generate's --dtype (default auto: the checkpoint's); for "
+                   "--config also the storage assumed (auto: bf16)")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
+    # the engine flags that change the load plan: inspect prints the plan generate (or serve) loads with them
+    add_plan_args(i, dtype=False)
+    i.add_argument("--max-batch", type=int, default=1,
+                   help="sequences the budget plan keeps a KV cache for, as serve's --max-batch (default 1)")
+    i.add_argument("--max-context", type=int, default=None,
+                   help="tokens of context each KV cache is counted for, as serve's --max-context (default: 4096, or "
+                   "the model's context if smaller)")
     c = sub.add_parser("convert", help="write a quantized checkpoint (MLX affine; one read per expert)")
     _add_convert_args(c)
     d = sub.add_parser("demo", help="build a small model on first run and stream it")
@@ -84,7 +98,9 @@ def _main(argv: list[str] | None) -> int:
         elif args.command == "inspect":
             from ..inspect import inspect
 
-            report = inspect(args.model, args.config, args.dtype)
+            options = engine_options(args, context=args.max_context)  # the plan generate and serve load by
+            storage = _STORAGE.get(args.dtype, args.dtype)  # a bare config's tensors, as synth would write them
+            report = inspect(args.model, args.config, storage, options=options)
             print(report.to_json() if args.json else report.to_text())
         elif args.command == "convert":
             run_convert(args)

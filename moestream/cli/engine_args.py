@@ -1,6 +1,7 @@
 """The engine flags every command that loads a model shares (generate, serve, hotlist): the model, the
 cache and I/O, the expert usage and cache policy, and expert parallelism; parsed once into an
-:class:`~moestream.options.EngineOptions`."""
+:class:`~moestream.options.EngineOptions`. ``inspect`` takes those that change the load plan
+(:func:`add_plan_args`), so that it prints the plan ``generate`` with the same flags loads by."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder to use instead of the model's own (a GGUF file's default: the tokenizer "
                    "transformers builds from its metadata, else the tokenizer files beside it)")
+    add_plan_args(p)
+    p.add_argument("--fast", action="store_true",
+                   help="turboquant builds: skip the QJL residual correction (faster; changes the output)")
+    add_cache_policy_args(p)
+    add_parallel_args(p)  # --dist-timeout, --ep-placement, --ep-combine (under torchrun)
+
+
+def add_plan_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    """The engine flags that change the load plan (:func:`moestream.load_plan.plan_load`): the budget, the reads,
+    the device and its tiers, the dtype (``dtype``: this ``--dtype``; ``inspect`` has its own) and the activations."""
     p.add_argument(
         "--cache-budget-gb", default="3",
         help="expert cache budget in GB (10^9 bytes), or 'all' to keep every expert resident, or 'auto' to size it "
@@ -55,18 +66,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "(the same kernels and bits; slower)")
     p.add_argument("--wire-memory", action="store_true",
                    help="lock the resident weights and the expert cache in RAM (mlock; needs RLIMIT_MEMLOCK)")
-    p.add_argument("--fast", action="store_true",
-                   help="turboquant builds: skip the QJL residual correction (faster; changes the output)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="compute dtype: auto (default: the checkpoint's embedding dtype; bf16 for a GGUF file unless "
-                   "every tensor is F32), bf16, fp16 or fp32 (float32, llama.cpp's activations: more memory for "
-                   "the KV cache); another dtype than auto's changes the output")
+    if dtype:
+        p.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="compute dtype: auto (default: the checkpoint's embedding dtype; bf16 for a GGUF file "
+                       "unless every tensor is F32), bf16, fp16 or fp32 (float32, llama.cpp's activations: more memory "
+                       "for the KV cache); another dtype than auto's changes the output")
     p.add_argument("--activations", default="float", choices=ACTIVATIONS,
                    help="GGUF files: float (default: float32 inputs to the quantized linears) or q8 (llama.cpp's "
                    "numerics: inputs rounded to 8 bits per block, integer dot products; Q4_K, Q5_K, Q6_K, Q8_0, "
                    "Q4_0, Q5_0, IQ4_NL weights, other types stay float); q8 changes the output, towards llama.cpp's")
-    add_cache_policy_args(p)
-    add_parallel_args(p)  # --dist-timeout, --ep-placement, --ep-combine (under torchrun)
 
 
 def add_cache_policy_args(p: argparse.ArgumentParser) -> None:
@@ -100,16 +108,18 @@ def add_parallel_args(p) -> None:
 
 
 
-def engine_options(args: argparse.Namespace, context: int | None = None):
+def engine_options(args: argparse.Namespace, context: int | None = None, context_flag: str = "--max-context"):
     """The :class:`~moestream.options.EngineOptions` of the flags of :func:`add_engine_args`, checked
     before any loading; ``context``: tokens of context to leave room for (KV cache) when sizing
-    ``--cache-budget-gb auto``. ``--host-cache-gb`` needs ``--device cuda`` here (the Python API runs the
-    tier logic on the CPU too, for tests). Raises MoestreamError naming the flag."""
+    ``--cache-budget-gb auto``, given by ``context_flag`` (messages name it). ``--host-cache-gb`` needs
+    ``--device cuda`` here (the Python API runs the tier logic on the CPU too, for tests). Raises MoestreamError
+    naming the flag."""
     from ..errors import ConfigError
     from ..options import EngineOptions
     from ..tiered_cache import resolve_device
 
-    options = EngineOptions.from_args(args, context_tokens=context)  # the values first: "-1" is wrong anywhere
+    options = EngineOptions.from_args(args, context_tokens=context,  # the values first: "-1" is wrong anywhere
+                                      context_flag=context_flag)
     if options.host_cache is not None and resolve_device(options.device).type != "cuda":
         raise ConfigError("--host-cache-gb needs --device cuda (on the CPU the expert cache is in host RAM already)")
     return options

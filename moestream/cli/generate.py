@@ -164,7 +164,8 @@ def run_generate(args: argparse.Namespace, out=None, err=None, inp=None):
     _check_generate_args(args)
     # room for the KV cache under --cache-budget-gb auto: at most one token per prompt byte
     # (byte-level BPE) plus the chat template's tokens; a --chat session may grow past it
-    options = engine_options(args, context=args.max_tokens + len((prompt or "").encode("utf-8")) + 64)
+    options = engine_options(args, context=args.max_tokens + len((prompt or "").encode("utf-8")) + 64,
+                             context_flag="--max-tokens")
     _sampling(args, {})  # flags checked before loading
     if distributed:
         args._parallel = init_from_env(options)
