@@ -179,7 +179,7 @@ def single_stream(args) -> dict:
 def step_scale(args) -> list[dict]:
     """In this process, without HTTP or a load tester on the same cores: B sequences decoding together (after
     64-token prompts), the median of 12 steps' time, decode tok/s and expert MB read per step, B = 1, 4, 8.
-    ``--device cuda``: also the steps with CUDA graphs off, and with ``--profile DIR`` the GPU time per kernel
+    ``--device cuda --profile DIR``: also the steps with CUDA graphs off and the GPU time per kernel
     of the batch-8 steps (torch.profiler's table, graphs off so each kernel is seen)."""
     sys.path.insert(0, str(ROOT))
     import torch
@@ -190,7 +190,7 @@ def step_scale(args) -> list[dict]:
     budget = args.cache_budget_gb if args.cache_budget_gb in ("all", "auto") else float(args.cache_budget_gb)
     g = torch.Generator().manual_seed(0)
     out = []
-    graphs = (True, False) if args.device == "cuda" else (True,)
+    graphs = (True, False) if args.device == "cuda" and args.profile else (True,)
     for graphed in graphs:
         with load(args.model, cache_budget_gb=budget, hotlist=False, learn_experts=False, device=args.device,
                   max_batch=args.max_batch, cuda_graphs=graphed) as engine:

@@ -146,6 +146,29 @@ class _Decoding:
                           *_think_state(engine, r.ids, self.eos, r.multi_think), generated=seq.generated,
                           context=list(r.ids) if r.sampling.penalized else [])
 
+    def on_device(self, logits: torch.Tensor) -> bool:
+        """Whether this step's token can be picked with other sequences' on the GPU (:func:`_greedy_rows`):
+        greedy, no penalties, no log-probabilities, no logits kept -- an argmax, the same token on any device."""
+        r = self.req
+        return (logits.device.type == "cuda" and r.sampling.temperature == 0 and not r.sampling.penalized
+                and r.logprobs is None and not r.keep_logits)
+
+    def masked(self, row: torch.Tensor) -> None:
+        """The ``</think>`` and ``min_tokens`` masks applied to a greedy row in place (as :meth:`pick`)."""
+        if self.turn.think_closed:
+            row[self.turn.think_end] = float("-inf")
+        if self.min_mask and len(self.seq.generated) < self.req.min_tokens:
+            row[self.min_mask] = float("-inf")
+
+    def picked(self, token: int, host_last: torch.Tensor) -> Step:
+        """The step of a token picked on the device (:func:`_greedy_rows`), from its logits' host copy."""
+        n = len(self.seq.generated)
+        self.turn.fingerprint(host_last.view(torch.int32).numpy().tobytes())
+        text, reason = self.turn.account(n, token)
+        if reason == "length":
+            self.seq.stats.finish_reason = "length"
+        return Step(token, text, None, None, reason)
+
     def pick(self, logits: torch.Tensor) -> Step:
         seq, r, stats, turn = self.seq, self.req, self.seq.stats, self.turn
         n = len(seq.generated)
@@ -164,6 +187,22 @@ class _Decoding:
             stats.finish_reason = "length"
         lp = _logprob(processed, token, r.logprobs) if r.logprobs is not None else None
         return Step(token, text, last if r.keep_logits else None, lp, reason)
+
+
+def _greedy_rows(rows: list[tuple[_Decoding, torch.Tensor]]) -> dict[int, tuple[int, torch.Tensor]]:
+    """The greedy rows of a GPU step picked together: their last logits stacked, copied to the host in one
+    copy (the run digests'), masked and argmaxed on the device (the first maximum, as the sampler's), one wait
+    for all. Returns ``{id(decoding): (token, host float32 logits [vocab])}``; other rows pick one by one."""
+    mine = [(d, logits) for d, logits in rows if d.on_device(logits)]
+    if len(mine) < 2:
+        return {}
+    last = torch.stack([logits[-1].float() for _, logits in mine])
+    host = torch.empty(last.shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(last, non_blocking=True)
+    for i, (d, _) in enumerate(mine):
+        d.masked(last[i])  # after the copy is queued: the digest is of the raw logits
+    tokens = torch.argmax(last, dim=-1).cpu().tolist()  # waits for the copies too (one stream)
+    return {id(d): (tokens[i], host[i]) for i, (d, _) in enumerate(mine)}
 
 
 def _reservation(seq: Sequence) -> int:
@@ -392,6 +431,8 @@ class Scheduler:
             self.observer(len(parts), sum(ids.shape[0] for _, ids, _ in parts))
         made = []
         now = time.perf_counter()
+        greedy = _greedy_rows([(self._decoding[s.id], logits) for (s, ids, start), logits in zip(parts, outs)
+                               if s.state != PREFILL or start + ids.shape[0] >= len(s.request.ids)])
         for (s, ids, start), logits in zip(parts, outs):
             if s.state == PREFILL:
                 s.prefilled = start + ids.shape[0]
@@ -404,7 +445,8 @@ class Scheduler:
                 self._store(s)  # the prompt's blocks, for requests sharing it that come while this one decodes
             else:
                 s.pos += 1
-            step = self._decoding[s.id].pick(logits)
+            d = self._decoding[s.id]
+            step = d.picked(*greedy[id(d)]) if id(d) in greedy else d.pick(logits)
             s.last = step.token
             made.append((s, step))
             if s.on_step is not None and not s.cancelled.is_set():
