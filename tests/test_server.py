@@ -282,6 +282,9 @@ def _post(url: str, body, headers=None) -> httpx.Response:
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, "max_tokens", 400),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop", 400),
     ({"messages": "hello"}, "messages", 400),
+    ({"messages": [{"role": "user"}]}, "messages.0", 400),  # no content: not an empty prompt run to the context
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0", 400),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]}, "messages.1", 400),
 ])
 def test_bad_requests_get_openai_errors(server, body, param, status):
     r = _post(server.url, body)
