@@ -25,7 +25,7 @@ demo: setup
 	$(BIN)/moestream demo
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile  # one file per worker process: its module fixtures set up once
 
 lint: setup
 	$(BIN)/ruff check moestream tests benchmarks

@@ -28,6 +28,17 @@ def _interpret_triton_without_a_gpu() -> None:
 _interpret_triton_without_a_gpu()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache_in_tmp(tmp_path_factory):
+    """The same for the module- and session-scoped fixtures, which pytest sets up before any function-scoped one
+    (a module's server started before this was in place rebuilt the kernels under its own cache: 100 s)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache-session")))
+        mp.setenv("MOESTREAM_KERNEL_CACHE", KERNELS)
+        mp.setenv("MOESTREAM_DEVICE", "cpu")
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _user_cache_in_tmp(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))

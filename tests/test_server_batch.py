@@ -131,16 +131,21 @@ def test_concurrent_requests_equal_their_solo_runs(engines, n, which):
     want = _solo_answers(engines, calls)
     srv = Server(create_app(engines[which], ServerOptions("tiny", max_context=512, max_batch=8)))
     try:
-        one0, all0 = _metric(srv.url, 'moestream_batch_size_bucket{le="1.0"}'), _metric(srv.url,
-                                                                                        "moestream_batch_size_count")
-        got = _together([lambda p=p, b=b: _answer(srv.url, p, b) for p, b in calls])
-        steps = _metric(srv.url, "moestream_batch_size_count") - all0
-        alone = _metric(srv.url, 'moestream_batch_size_bucket{le="1.0"}') - one0
-        assert steps > alone  # some steps carried more than one sequence: they were batched
+        # on a loaded machine one request can finish before another arrives: up to three rounds, each exact,
+        # until one of them has batched
+        for _ in range(3):
+            one0, all0 = (_metric(srv.url, 'moestream_batch_size_bucket{le="1.0"}'),
+                          _metric(srv.url, "moestream_batch_size_count"))
+            got = _together([lambda p=p, b=b: _answer(srv.url, p, b) for p, b in calls])
+            for k in range(n):
+                assert got[k] == want[k], f"request {k}: {calls[k]}"
+            steps = _metric(srv.url, "moestream_batch_size_count") - all0
+            alone = _metric(srv.url, 'moestream_batch_size_bucket{le="1.0"}') - one0
+            if steps > alone:  # some steps carried more than one sequence: they were batched
+                break
+        assert steps > alone, "no step carried more than one sequence in three rounds"
     finally:
         srv.stop()
-    for k in range(n):
-        assert got[k] == want[k], f"request {k}: {calls[k]}"
 
 
 def test_turn_two_reuses_turn_one_and_equals_a_fresh_server(engines):

@@ -22,12 +22,12 @@ element, with the canonical ``exp`` (``exp_c``: fma steps only, so the same bits
 Paths (``paths()``): ``avx512`` (AVX-512 F/BW/VL/VBMI), ``avx2`` (AVX2 + FMA + F16C) and
 ``portable`` (plain C++; compiles anywhere, ARM64 included). The build targets the machine it runs on
 (``-march=native``) and is cached under ``~/.cache/moestream/cpu-kernels/<key>`` (or
-``$MOESTREAM_KERNEL_CACHE``), the key a hash of the sources, flags, compiler and the CPU's model and
-flags, so a build is never used on a CPU it was not made for. It is a plain C library (no PyTorch
-headers) in translation units by path and format group, compiled as many at a time as the machine has
-cores (a line per unit on stderr), called through :mod:`ctypes`, which releases the GIL while it
-computes; output rows are split over OpenMP threads of the runtime PyTorch loaded, so
-``torch.set_num_threads`` applies. The first use builds it (said on stderr); ``make setup`` builds it
+``$MOESTREAM_KERNEL_CACHE``), the key a hash of the sources, flags (``$CXXFLAGS`` appended last),
+compiler and the CPU's model and flags, so a build is never used on a CPU it was not made for. It is a
+plain C library (no PyTorch headers) in translation units by path and format group, compiled as many
+at a time as the machine has cores (a line per unit on stderr), called through :mod:`ctypes`, which
+releases the GIL while it computes; output rows are split over OpenMP threads of the runtime PyTorch
+loaded, so ``torch.set_num_threads`` applies. The first use builds it (said on stderr); ``make setup`` builds it
 ahead.
 
 Selection: ``MOESTREAM_CPU_KERNELS`` = ``auto`` (default: the best compiled path),
@@ -46,6 +46,7 @@ import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,12 @@ def _arch_flags() -> list[str]:
     return []
 
 
+def _user_flags() -> list[str]:
+    """``$CXXFLAGS`` split as a shell would, appended after moestream's flags (so a user's ``-O`` wins); part of
+    the build key."""
+    return shlex.split(os.environ.get("CXXFLAGS", ""))
+
+
 def cpu_flags() -> str:
     """The CPU's feature flags (``/proc/cpuinfo`` flags or Features) and model, for the build key."""
     flags, model = "", ""
@@ -146,7 +153,8 @@ def build_key() -> str:
     cxx = _compiler() or ""
     files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
     units = repr([(u, _UNITS[u], _cold(u)) for u in SOURCES]).encode()
-    for part in (*(f.name.encode() + f.read_bytes() for f in files), " ".join(FLAGS + _arch_flags()).encode(), units,
+    flags = " ".join(FLAGS + _arch_flags() + _user_flags()).encode()
+    for part in (*(f.name.encode() + f.read_bytes() for f in files), flags, units,
                  cxx.encode(), _compiler_version(cxx).encode(), platform.machine().encode(), cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
@@ -174,7 +182,8 @@ def _compile(cxx: str, out: Path, openmp: bool, say=None) -> None:
                 src = todo.pop(0)
                 obj = tmp / (src + ".o")
                 path, defines = _UNITS[src]
-                cmd = [cxx, *FLAGS, *_arch_flags(), *omp, *defines, *_cold(src), "-c", str(CSRC / path), "-o", str(obj)]
+                cmd = [cxx, *FLAGS, *_arch_flags(), *omp, *defines, *_cold(src), *_user_flags(),
+                       "-c", str(CSRC / path), "-o", str(obj)]
                 proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 running.append((src, obj, proc, time.perf_counter()))
                 objs.append(obj)
