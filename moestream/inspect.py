@@ -70,6 +70,7 @@ class Inspection:
     quantized_modules: list[str] = field(default_factory=list)
     gpu_kernel: str = ""  # the expert kernel and decode path with --device cuda (from its load plan)
     load_plan: list[str] = field(default_factory=list)  # moestream.load_plan's plan on this machine's device
+    loads_here: bool = True  # that plan was made (False: refused with these options on this machine)
     tensor_types: dict[str, str] = field(default_factory=dict)  # a GGUF file: tensor kind -> its ggml types
 
     def to_text(self) -> str:
@@ -100,7 +101,8 @@ class Inspection:
         if self.gpu_kernel:
             lines.append(f"on a GPU:           {self.gpu_kernel}")
         lines += self.load_plan
-        lines.append("can stream:         yes")
+        lines.append("can stream:         yes" if self.loads_here else
+                     "can stream:         yes, but not here with these options (the load plan says why)")
         return "\n".join(lines)
 
     def _format_lines(self) -> list[str]:
@@ -270,6 +272,7 @@ def _inspect(raw: dict, source: str, ckpt: Checkpoint | None, config, dtype: str
     return Inspection(
         gpu_kernel=on_gpu if isinstance(on_gpu, str) else gpu_kernel(on_gpu, per_expert, active),
         load_plan=[here] if isinstance(here, str) else here.describe(),
+        loads_here=not isinstance(here, str) and not here.refusals,
         source=source, model_type=model_type, family=family.__name__, can_stream=True,
         layers=len(net.decoder.layers), moe_layers=len(layout.layers), experts_per_layer=first.num_experts,
         top_k=top_k, bytes_per_expert=per_expert, expert_bytes=layout.total_bytes, resident_bytes=resident,

@@ -323,7 +323,9 @@ def test_inspect_prints_the_plan_the_engine_loads_with_the_same_flags(tiny, caps
 
     _memory(monkeypatch, 2 * 10**9)  # the budget and read-path lines, and refusals, do not drift between the two
     assert main(["inspect", "--model", str(tiny), "--device", "cpu", *flags]) == 0
-    printed = _plan_block(capsys.readouterr().out)
+    text = capsys.readouterr().out
+    printed = _plan_block(text)
+    verdict = next(ln for ln in text.splitlines() if ln.startswith("can stream:"))
     assert any(wanted in ln for ln in printed), printed
     p = argparse.ArgumentParser()
     _add_serve_args(p)
@@ -331,10 +333,12 @@ def test_inspect_prints_the_plan_the_engine_loads_with_the_same_flags(tiny, caps
     options = engine_options(args, context=args.max_context)
     try:
         engine = load(tiny, options=options, tokenizer=False)
-    except BudgetError as e:  # refused as planned: inspect printed that refusal
+    except BudgetError as e:  # refused as planned: inspect printed that refusal, and does not say it loads
         assert f"  refused:          {e}" in printed, printed
+        assert verdict == "can stream:         yes, but not here with these options (the load plan says why)"
     else:
         with engine:
             assert printed == engine.plan.describe()
+        assert verdict == "can stream:         yes"
     assert main(["inspect", "--model", str(tiny), "--device", "cpu"]) == 0
     assert _plan_block(capsys.readouterr().out) != printed
