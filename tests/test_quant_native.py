@@ -336,9 +336,9 @@ def test_make_setup_builds_the_kernels_without_echoing_the_command(tmp_path):
 def test_a_build_says_each_unit_and_computes_like_the_cached_one(tmp_path):
     """A fresh build (into an empty cache, as a new machine's first run) prints one progress line per translation
     unit, and the library it makes computes what the cached one does, bit for bit. It is built at ``-O0``
-    (``$CXXFLAGS``, appended last): a third of the time, and the bits must not depend on the optimizer
+    (``$MOESTREAM_CXXFLAGS``, appended last): a third of the time, and the bits must not depend on the optimizer
     (explicit intrinsics, ``-ffp-contract=off``)."""
-    env = dict(os.environ, MOESTREAM_KERNEL_CACHE=str(tmp_path / "cache"), CXXFLAGS="-O0")
+    env = dict(os.environ, MOESTREAM_KERNEL_CACHE=str(tmp_path / "cache"), MOESTREAM_CXXFLAGS="-O0")
     env.pop(native.ENV, None)
     code = ("import torch; from moestream.quant import native; torch.manual_seed(0); w = torch.randn(40, 100); "
             "x = torch.randn(3, 100); y = native.float_linear(x, w); import sys; "

@@ -22,7 +22,7 @@ element, with the canonical ``exp`` (``exp_c``: fma steps only, so the same bits
 Paths (``paths()``): ``avx512`` (AVX-512 F/BW/VL/VBMI), ``avx2`` (AVX2 + FMA + F16C) and
 ``portable`` (plain C++; compiles anywhere, ARM64 included). The build targets the machine it runs on
 (``-march=native``) and is cached under ``~/.cache/moestream/cpu-kernels/<key>`` (or
-``$MOESTREAM_KERNEL_CACHE``), the key a hash of the sources, flags (``$CXXFLAGS`` appended last),
+``$MOESTREAM_KERNEL_CACHE``), the key a hash of the sources, flags (``$MOESTREAM_CXXFLAGS`` appended last),
 compiler and the CPU's model and flags, so a build is never used on a CPU it was not made for. It is a
 plain C library (no PyTorch headers) in translation units by path and format group, compiled as many
 at a time as the machine has cores (a line per unit on stderr), called through :mod:`ctypes`, which
@@ -112,9 +112,10 @@ def _arch_flags() -> list[str]:
 
 
 def _user_flags() -> list[str]:
-    """``$CXXFLAGS`` split as a shell would, appended after moestream's flags (so a user's ``-O`` wins); part of
-    the build key."""
-    return shlex.split(os.environ.get("CXXFLAGS", ""))
+    """``$MOESTREAM_CXXFLAGS`` split as a shell would, appended after moestream's flags (so a given ``-O`` wins);
+    part of the build key. Not ``$CXXFLAGS``: environments set that for other builds (conda's ``-march=nocona``
+    would drop the AVX paths)."""
+    return shlex.split(os.environ.get("MOESTREAM_CXXFLAGS", ""))
 
 
 def cpu_flags() -> str:
