@@ -301,8 +301,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
         q: [Hq, T, D] queries at positions ``start..start+T-1`` (any strides, the last dimension contiguous).
         keys: [Hkv, S, D], values [Hkv, S, Dv]: the cache's tensors (views of it), Hq a multiple of Hkv;
             positions ``>= start + T`` are never read (they may hold anything).
-        start: the first query's position; pos: instead, an int64 [1] device tensor holding it (one query,
-            ``T == 1``; ``S`` bounds it: a decode step captured once for every position).
+        start: the first query's position; pos: instead, an int64 [1] device tensor holding it (``S`` bounds
+            ``start + T``: a decode step or a prefill chunk captured once for every position; the same bits).
         scale: the logits' factor; window: each query sees only the last ``window`` positions up to its
             own, or None; sinks: [Hq] logits that join each softmax's denominator (gpt-oss), or None.
         split: run a single tile of queries as a partial state per block of keys plus a merge (default:
@@ -318,8 +318,6 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
     """
     _check(q, keys, values)
     hq, t, d = q.shape
-    if pos is not None and t != 1:
-        raise ValueError(f"attention: q {list(q.shape)} (a device position takes one query)")
     out = torch.empty(t, hq, values.shape[2], dtype=q.dtype, device=q.device)
     if t == 0:
         return out.transpose(0, 1)

@@ -27,6 +27,11 @@ final norm and the LM head; :func:`graph_unsupported` says which qualify) runs t
   tensors (:func:`moestream.attention_kernel.attention_batch`), so each row has the bits of its solo step.
   A lone sequence in a pool set takes this path too (one graph for every set).
 
+- **Prefill chunks** (:meth:`DecodeRunner.prefill`): with every expert resident, a chunk of ``T`` tokens into a
+  cache of the pool's sets takes the same static path, its start on the device; a length seen before is
+  captured as one graph and replayed after (a prefill is some 40 launches a layer: eager, the host's launches
+  are its wall). A length seen once stays eager, so prompts of one-off lengths never pay for a capture.
+
 With ``--prefetch-ahead N`` each segment also copies the next ``N`` layers' guessed experts (their routers
 on this layer's input, computed in the graph) to the host, which stages the host-tier ones into VRAM
 slots on the copy stream right after queuing the next segment: the copies run beside its compute.
@@ -56,6 +61,7 @@ from .models.moe import StreamedMoE
 from .models.rope import RotaryEmbedding
 
 MAX_GRAPHS = 12  # captured steps kept (KV tensors x residency, batch sizes), least recently used dropped first
+PREFILL_GRAPHS = 4  # captured prefill chunks kept (length x KV set), least recently used dropped first
 ROUTING_RING = 4  # pinned buffers the all-resident step's routings rotate through
 
 
@@ -147,6 +153,38 @@ class StaticBatchKV:
         return torch.cat(outs, dim=1)
 
 
+class StaticPrefillKV:
+    """A prefill chunk's view of a :class:`~moestream.models.layers.KVCache` for the static path: ``T`` tokens
+    written at ``pos`` [T] (``start + 0..T-1`` on the device) and attended with the start read from the device.
+
+    Args:
+        kv: the KV cache (every layer's tensors allocated, capacity at least ``start + T``).
+        start: int64 [1] on the device, the chunk's first position; pos: int64 [T], its positions.
+    """
+
+    def __init__(self, kv: KVCache, start: torch.Tensor, pos: torch.Tensor):
+        self.kv, self.start, self.pos = kv, start, pos
+
+    def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`KVCache.attend` for the chunk (``k``, ``v`` [kv_heads, T, head_dim]): on CUDA the attention kernel
+        with the device start (the bits of the plain prefill: its reduction is fixed by position); elsewhere
+        :func:`ops.attend` at the start read back."""
+        keys, values = self.kv.layers[layer]
+        keys.index_copy_(1, self.pos, k)
+        values.index_copy_(1, self.pos, v)
+        if keys.is_cuda and attention_kernel.available(keys.device):
+            return attention_kernel.attention(q, keys, values, 0, scale, window, sinks, pos=self.start)
+        return ops.attend(q, keys, values, int(self.start[0]), scale, window, sinks)  # the CPU's kernels
+
+
+@dataclass
+class _PrefillBuffers:
+    ids: torch.Tensor  # int64 [T] on the device: the chunk's tokens
+    start: torch.Tensor  # int64 [1]: its first position
+    offsets: torch.Tensor  # int64 [T]: 0..T-1
+
+
 @dataclass
 class _BatchBuffers:
     ids: torch.Tensor  # int64 [B] on the device: each row's token
@@ -158,7 +196,8 @@ class _BatchBuffers:
 class RunnerStats(Counters):
     """Decode steps by path: ``replays`` (graph replays), ``eager`` (static path, no graph), ``captures``
     (graphs captured), ``declined`` (steps left to the model's plain path: no KV cache yet); the same for
-    batched steps of several sequences (``batch_*``; declined ones run ``forward_batch``)."""
+    batched steps of several sequences (``batch_*``; declined ones run ``forward_batch``) and for prefill chunks
+    (``prefill_*``)."""
 
     replays: int = 0
     eager: int = 0
@@ -167,6 +206,9 @@ class RunnerStats(Counters):
     batch_replays: int = 0  # batched steps (several sequences) replayed, run eagerly, declined
     batch_eager: int = 0
     batch_declined: int = 0
+    prefill_replays: int = 0  # prefill chunks replayed, run on the static path eagerly, captured
+    prefill_eager: int = 0
+    prefill_captures: int = 0  # (not in ``captures``, which counts the decode steps')
     disabled: str = ""  # why graphs were switched off, if they were
 
 
@@ -233,6 +275,9 @@ class DecodeRunner:
         self._ring: list[torch.Tensor] = []  # pinned: where each replay's routings go (budget all)
         self._ring_at = 0
         self._batch: dict[int, _BatchBuffers] = {}  # the batched steps' buffers by batch size
+        self._prefills: OrderedDict[tuple, _Captured] = OrderedDict()  # captured prefill chunks
+        self._prefill_buffers: dict[int, _PrefillBuffers] = {}
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # prefill chunk keys run once (captured the next time)
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, ids: torch.Tensor, start: int, kv: KVCache) -> torch.Tensor | None:
@@ -299,6 +344,66 @@ class DecodeRunner:
             kv.length = start + 1
         return [out[j : j + 1] for j in range(b)]
 
+    def prefill(self, ids: torch.Tensor, start: int, kv: KVCache) -> torch.Tensor | None:
+        """Logits [1, vocab] of the last of a prefill chunk's tokens ``ids`` [T] (T > 1, on the device) at positions
+        ``start..start+T-1``, written into ``kv``, through the static path (:class:`StaticPrefillKV`): a chunk whose
+        (length, KV set) was seen before is one CUDA graph, captured the second time and replayed after. The bits
+        of the model's plain forward. None (the caller runs the plain forward) unless every expert is resident and
+        ``kv`` is a cache of the engine's :class:`~moestream.models.layers.KVPool` with room for the chunk."""
+        pool = getattr(self.model, "kv_pool", None)
+        t = ids.shape[0]
+        if pool is None or t < 2 or start + t > pool.capacity or not self._all_resident() \
+                or getattr(kv, "storage", None) is None or type(kv) is not KVCache:
+            return None
+        self._reserve(kv, ids, start + t)
+        sets = pool.set_of(kv)
+        if sets is None:
+            return None
+        buf = self._prefill_buffers.get(t)
+        if buf is None:
+            z = torch.zeros(1, dtype=torch.int64, device=self.device)
+            buf = self._prefill_buffers[t] = _PrefillBuffers(
+                torch.zeros(t, dtype=torch.int64, device=self.device), z,
+                torch.arange(t, dtype=torch.int64, device=self.device))
+        if hasattr(self.cache, "settle"):
+            self.cache.settle(keep=ROUTING_RING - 1)
+        buf.ids.copy_(ids.reshape(t), non_blocking=True)
+        buf.start.fill_(start)
+        key = ("prefill", t, sets, pool.version)
+        got = self._prefills.get(key) if self.graphs else None
+        if got is not None:
+            self._prefills.move_to_end(key)
+            self.stats.prefill_replays += 1
+            return self._replay(got)
+        out = self._eager(lambda: self._forward_prefill(buf, kv))
+        self.stats.prefill_eager += 1
+        if self.graphs:
+            if key in self._seen:  # the second time: worth a graph (a length seen once may never come again)
+                del self._seen[key]
+                if self._capture_or_disable(key, lambda: self._capture(lambda: self._forward_prefill(buf, kv)),
+                                            self._prefills, PREFILL_GRAPHS):
+                    self.stats.prefill_captures += 1
+            else:
+                self._seen[key] = None
+                while len(self._seen) > 4 * PREFILL_GRAPHS:
+                    self._seen.popitem(last=False)
+        return out
+
+    def _reserve(self, kv: KVCache, like: torch.Tensor, end: int) -> None:
+        """Every attention layer's KV tensors of ``kv`` allocated with room for ``end`` positions (the plain
+        path allocates them at the layer's first write; a captured chunk needs them before)."""
+        if all(e is not None and e[0].shape[1] >= end for e in kv.layers):
+            return
+        h = self.model.decoder.embed_tokens(like[:1])  # the dtype the layers' keys have
+        for i, layer in enumerate(self.model.decoder.layers):
+            attn = layer.self_attn
+            kv.reserve(i, end, h, attn.kv_heads, attn.head_dim)
+
+    def _forward_prefill(self, buf: _PrefillBuffers, kv: KVCache) -> torch.Tensor:
+        """The static prefill chunk: [1, vocab] logits of its last token."""
+        pos = buf.start + buf.offsets
+        return self._layers(buf.ids, pos, StaticPrefillKV(kv, buf.start, pos), last=True)
+
     def _count(self, b: int, what: str) -> None:
         name = what if b == 1 else f"batch_{what}"
         setattr(self.stats, name, getattr(self.stats, name) + 1)
@@ -314,19 +419,25 @@ class DecodeRunner:
         """The static batched step: [B, vocab] logits for the tokens in ``buf``."""
         return self._layers(buf.ids, buf.pos, StaticBatchKV(self.model.kv_pool, buf.sets, buf.pos))
 
-    def _capture_or_disable(self, key: tuple, capture) -> None:
-        """Capture a graph for ``key`` (the least recently used dropped beyond :data:`MAX_GRAPHS`); a capture that
-        fails turns graphs off with a warning (the eager path gives the same bits)."""
+    def _capture_or_disable(self, key: tuple, capture, store: OrderedDict | None = None,
+                            limit: int = MAX_GRAPHS) -> bool:
+        """Capture a graph for ``key`` into ``store`` (default the steps'; the least recently used dropped beyond
+        ``limit``); whether it was. A capture that fails turns graphs off with a warning (the eager path gives
+        the same bits)."""
+        store = self._captured if store is None else store
         try:
-            while len(self._captured) >= MAX_GRAPHS:
-                self._captured.popitem(last=False)
-            self._captured[key] = capture()
-            self.stats.captures += 1
+            while len(store) >= limit:
+                store.popitem(last=False)
+            store[key] = capture()
+            if store is self._captured:
+                self.stats.captures += 1
+            return True
         except Exception as e:  # noqa: BLE001 -- a capture that fails leaves the eager path, same bits
             self.graphs = False
             self.stats.disabled = f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly"
             print(f"moestream: warning: {self.stats.disabled}", file=sys.stderr)
             torch.cuda.synchronize(self.device)
+            return False
 
     @staticmethod
     def _key(kv: KVCache) -> tuple | None:
@@ -347,18 +458,26 @@ class DecodeRunner:
         """The static step: [1, vocab] logits for the token in :attr:`ids` at :attr:`pos`."""
         return self._layers(self.ids, self.pos, StaticDecodeKV(kv, self.pos))
 
-    def _layers(self, ids: torch.Tensor, pos: torch.Tensor, skv) -> torch.Tensor:
-        """Logits [n, vocab] of tokens ``ids`` [n] at device positions ``pos`` [n] through every layer over ``skv``."""
+    def _layers(self, ids: torch.Tensor, pos: torch.Tensor, skv, last: bool = False) -> torch.Tensor:
+        """Logits [n, vocab] of tokens ``ids`` [n] at device positions ``pos`` [n] through every layer over ``skv``
+        (``last``: [1, vocab], the last token's only, as a prefill needs)."""
         model = self.model
         decoder = model.decoder
         h = decoder.embed_tokens(ids)
         cos, sin = model.rotary(pos, h.dtype)
         for i, layer in enumerate(decoder.layers):
             h = layer(h, cos, sin, skv, i, 0)
+        if last:
+            h = h[-1:]
         return model.head(decoder.norm(h))
 
-    def _all_resident(self) -> bool:
+    @property
+    def all_resident(self) -> bool:
+        """Whether every expert is in VRAM (the whole step, or chunk, is one graph)."""
         return bool(getattr(self.cache, "all_resident", False))
+
+    def _all_resident(self) -> bool:
+        return self.all_resident
 
     def _pinned(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -448,3 +567,4 @@ class DecodeRunner:
     def close(self) -> None:
         """Drop the captured graphs (their memory goes back to PyTorch's pool)."""
         self._captured.clear()
+        self._prefills.clear()

@@ -97,8 +97,13 @@ def test_reads_the_cache_in_place_with_its_strides():
     out = ak.attention(q, k, v, 41, 0.25)
     assert out.shape == (8, 9, 16) and out.transpose(0, 1).is_contiguous()
     torch.testing.assert_close(out.double(), ak.reference(q, k, v, 41, 0.25), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError):
-        ak.attention(q, k, v, 0, 0.25, pos=torch.tensor([3]))  # a device position takes one query
+    # a prefill chunk with its start on the device (a captured chunk) over the caches' whole capacity: the same
+    # bits, split into key blocks or in one pass (positions past 50 hold anything: never read)
+    vals = torch.cat([v, torch.full((2, 250, 16), float("nan"))], 1)
+    keys = torch.cat([k, torch.full((2, 250, 16), float("nan"))], 1)
+    for split in (False, True):
+        got = ak.attention(q, keys, vals, 0, 0.25, pos=torch.tensor([41]), split=split)
+        assert torch.equal(got, out)
 
 
 def test_ops_attend_takes_the_kernel_off_the_cpu(monkeypatch):

@@ -516,6 +516,42 @@ def test_fused_router_is_softmax_topk(renorm):
 
 
 @interpreted
+@interpreted
+def test_static_prefill_chunks_match_the_plain_path(tiny):
+    """Prefill chunks on the static path (DecodeRunner.prefill: the chunk's start on the device, a cache of the
+    engine's KV pool; on the GPU a CUDA graph from a length's second time on) give the plain forward's logits and
+    keys, for a first chunk and a later one; a cache outside the pool takes the plain path."""
+    from moestream.models.layers import KVCache
+
+    engine = load(tiny, tokenizer=False, device="cpu", hotlist=False, learn_experts=False, fused_experts=True,
+                  cache_budget_gb="all")
+    try:
+        model = engine.model
+        runner = model.decode_runner
+        layers = len(model.decoder.layers)
+
+        def chunks(kv):
+            with torch.inference_mode():
+                outs = [model(PROMPT[:25], 0, kv), model(PROMPT[25:], 25, kv), model(torch.tensor([7]), 40, kv)]
+            return [o.cpu() for o in outs], kv
+
+        model.decode_runner = None
+        ref, ref_kv = chunks(KVCache(layers, 64))
+        model.decode_runner = runner
+        model.kv_pool = KVPool(96, sets=2)
+        got, kv = chunks(model.new_kv_cache())
+        assert runner.stats.prefill_eager == 2 and kv.length == 41, runner.stats
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b)
+        for (k0, v0), (k1, v1) in zip(ref_kv.layers, kv.layers):
+            assert torch.equal(k0[:, :41], k1[:, :41]) and torch.equal(v0[:, :41], v1[:, :41])
+        with torch.inference_mode():
+            model(PROMPT[:25], 0, KVCache(layers, 64))  # a cache of its own
+        assert runner.stats.prefill_eager == 2
+    finally:
+        engine.close()
+
+
 def test_a_batched_decode_step_gives_each_sequence_its_solo_bits(tiny):
     """The scheduler's decode steps of several sequences on the static batched path (DecodeRunner.step_batch:
     the pool's stacked KV sets, the batched attention kernel, the fused experts over every row; on the GPU one

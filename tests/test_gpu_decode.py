@@ -248,3 +248,28 @@ def test_two_requests_replay_the_graphs_captured_once(real2, monkeypatch):
     for (t1, l1, s1), (t2, l2, s2) in zip(runs, plain):
         assert t1 == t2 and s1.logits_sha256 == s2.logits_sha256
         assert all(torch.equal(a, b) for a, b in zip(l1, l2))
+
+
+def test_prefill_chunks_seen_twice_replay_a_graph_with_the_plain_bits(real2):
+    """A prefill chunk (every expert resident, a cache of the engine's KV pool) runs eagerly the first time its
+    length comes, is captured the second time and replayed after; its logits, the keys it wrote and the decode
+    steps after it are the plain forward's bits (the pool set aside: every chunk on the plain path), for a
+    512-token chunk at position 0 and an 88-token one at 512."""
+    engine = load(real2, cache_budget_gb="all", tokenizer=False, device="cuda", hotlist=False, learn_experts=False)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 150000, (n,), generator=g).tolist() for n in (512, 512, 512, 600, 600, 600)]
+    try:
+        runner = engine.model.decode_runner
+        runs = [run_generate(engine, p, 4) for p in prompts]
+        got = {k: getattr(runner.stats, k) for k in ("prefill_eager", "prefill_captures", "prefill_replays")}
+        assert got == {"prefill_eager": 4, "prefill_captures": 2, "prefill_replays": 5}, got
+        pool, engine.model.kv_pool = engine.model.kv_pool, None
+        plain = [run_generate(engine, p, 4) for p in prompts]
+        assert runner.stats.prefill_replays == 5 and runner.stats.prefill_eager == 4
+        engine.model.kv_pool = pool
+    finally:
+        engine.close()
+        torch.cuda.empty_cache()
+    for (t1, l1, _), (t2, l2, _) in zip(runs, plain):
+        assert t1 == t2
+        assert all(torch.equal(a, b) for a, b in zip(l1, l2))

@@ -423,13 +423,16 @@ class CausalLM(nn.Module):
 
         Appends the chunk to ``kv``. Returns [T, vocab] when ``all_logits``, else [1, vocab]
         for the last position only (prefill needs no more), in the model's dtype.
-        One token goes to the engine's :attr:`decode_runner` when there is one (its static path, a
-        CUDA graph on the GPU), unless that declines (no KV cache yet to decode into).
+        One token, or a prefill chunk, goes to the engine's :attr:`decode_runner` when there is one (its static
+        path, a CUDA graph on the GPU), unless that declines (no KV cache yet to decode into; for a chunk, a
+        partial budget or a cache outside the engine's KV pool).
         """
-        if self.decode_runner is not None and ids.shape[0] == 1:
-            out = self.decode_runner.step(ids, start, kv)
+        t = ids.shape[0]
+        if self.decode_runner is not None and (t == 1 or not all_logits):
+            run = self.decode_runner.step if t == 1 else self.decode_runner.prefill
+            out = run(ids, start, kv)
             if out is not None:
-                kv.length = start + 1
+                kv.length = start + t
                 return out
         decoder = self.decoder
         h = decoder.embed_tokens(ids)
@@ -496,14 +499,13 @@ class CausalLM(nn.Module):
     def _decode_rows_apart(self, parts: list[tuple[torch.Tensor, int, KVCache]], all_logits: bool
                            ) -> list[torch.Tensor] | None:
         """With kept KV storage (the GPU's graphs): the parts' one-token rows as one batched decode step (a graph
-        per batch size), each longer part (a prefill chunk) through :meth:`forward` on its own, where its launches
-        are few for its tokens; None when the decode runner declines the rows. The same bits as one pass (every
+        per batch size), each longer part (a prefill chunk) through :meth:`forward` on its own (its static path: a
+        graph for a length seen before); None when the decode runner declines the rows, or with no rows unless
+        every expert is resident. The same bits as one pass (every
         row's do not depend on the rows beside it); every expert is resident then, so two passes read nothing twice."""
         rows = [i for i, (ids, _, _) in enumerate(parts) if ids.shape[0] == 1]
-        if not rows:
-            return None
-        got = self.decode_runner.step_batch([parts[i] for i in rows])
-        if got is None:
+        got = self.decode_runner.step_batch([parts[i] for i in rows]) if rows else []
+        if got is None or not (rows or self.decode_runner.all_resident):
             return None
         out: list = [None] * len(parts)
         for i, logits in zip(rows, got):
