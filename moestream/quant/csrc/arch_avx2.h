@@ -140,11 +140,15 @@ struct Dec2 {
   __m256 iota;  // affine tables (<= 3 bits): code values 0..7, periodic
   mutable TritScratch trits;
   int64_t group_bytes;  // stored bytes of one group's codes (about: ten-per-word packing)
+  // how far ahead of a group its row's bytes are prefetched: a pass of the one-token path's rows on (the
+  // rows of the next pass at the same offset), at least PREFETCH_BYTES
+  int64_t ahead;
   explicit Dec2(const Lin& l)
       : L(l),
-        codes(KIND == K_TRIT ? 2 : (KIND == K_AFFINE || KIND == K_CB ? l.bits : 4),
+        codes(KIND == K_TRIT ? 2 : (affine_kind<KIND>() || KIND == K_CB ? l.bits : 4),
               KIND == K_TRIT ? l.in / 4 : l.row_bytes, l.in / 8) {
     group_bytes = L.row_bytes * L.group / std::max<int64_t>(1, L.in);
+    ahead = std::max<int64_t>(PREFETCH_BYTES, Arch2::R1 * L.row_bytes * std::max<int64_t>(1, L.row_step));
     lut_lo = _mm256_loadu_ps(L.lut);
     lut_hi = _mm256_loadu_ps(L.lut + 8);
     alignas(32) float io[8];
@@ -168,16 +172,16 @@ struct Dec2 {
     if constexpr (KIND == K_TRIT) r.q.p = trits.row(L, r.q.p);
   }
   MS_INLINE void prefetch(const Row& r, int64_t g) const {
-    if constexpr (KIND != K_TRIT && KIND != K_FLOAT) prefetch_ahead(r.q.p + g * group_bytes);
+    if constexpr (KIND != K_TRIT && KIND != K_FLOAT) __builtin_prefetch(r.q.p + g * group_bytes + ahead, 0, 3);
   }
   MS_INLINE void group(Row& r, int64_t g) const {
     if constexpr (KIND == K_FLOAT) return;
     float s = group_scale<KIND>(L, r.q, g);
     if constexpr (KIND == K_FP8) s *= 256.0f;  // the fp16 view of e4m3 bits is value * 2^-8 (exact)
     r.s = _mm256_set1_ps(s);
-    if constexpr (KIND == K_AFFINE) {
+    if constexpr (affine_kind<KIND>()) {
       r.b = _mm256_set1_ps(ld_dt(r.q.b, L.b_dt, g));
-      if (L.bits <= 3) r.lo = _mm256_fmadd_ps(iota, r.s, r.b);  // fma(q, s, b) per code: the same bits
+      if (KIND == K_AFFINE && L.bits <= 3) r.lo = _mm256_fmadd_ps(iota, r.s, r.b);  // fma(q, s, b) per code: the same bits
     }
     if constexpr (KIND == K_MXFP4 || KIND == K_CB || KIND == K_CB3 || KIND == K_TRIT) {
       r.lo = _mm256_mul_ps(lut_lo, r.s);
@@ -189,6 +193,8 @@ struct Dec2 {
   MS_INLINE __m256 load8(const Row& r, int64_t v) const {
     if constexpr (KIND == K_FLOAT) {
       return Arch2::load8_dt(r.q.p, L.bits, 8 * v, std::min<int64_t>(8, L.in - 8 * v));
+    } else if constexpr (KIND == K_AFFINE4) {
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes.get(r.q.p, v)), r.s, r.b);
     } else if constexpr (KIND == K_AFFINE) {
       if (L.bits <= 3) return _mm256_permutevar8x32_ps(r.lo, codes.get_raw(r.q.p, v));  // low 3 bits index
       return _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes.get(r.q.p, v)), r.s, r.b);

@@ -81,6 +81,11 @@ struct Codes5 {
     __m512i raw = _mm512_maskz_loadu_epi8(lmask, row + v * 2 * bits);
     return _mm512_srlv_epi32(_mm512_permutexvar_epi8(idx, raw), shift);
   }
+  template <int B>  // the same for a width known at compile time (B == bits)
+  MS_INLINE __m512i get_raw(const uint8_t* row, int64_t v) const {
+    __m512i raw = _mm512_maskz_loadu_epi8(__mmask64((1ull << (2 * B)) - 1), row + v * 2 * B);
+    return _mm512_srlv_epi32(_mm512_permutexvar_epi8(idx, raw), shift);
+  }
   MS_INLINE __m512i get(const uint8_t* row, int64_t v) const { return _mm512_and_si512(get_raw(row, v), mask); }
 };
 
@@ -100,9 +105,13 @@ struct Dec5 {
   };
   mutable TritScratch trits;
   int64_t group_bytes;  // stored bytes of one group's codes (about: ten-per-word packing)
+  // how far ahead of a group its row's bytes are prefetched: a pass of the one-token path's rows on (the
+  // rows of the next pass at the same offset), at least PREFETCH_BYTES
+  int64_t ahead;
   explicit Dec5(const Lin& l)
-      : L(l), full(l.in / 16), codes(KIND == K_TRIT ? 2 : (KIND == K_AFFINE || KIND == K_CB ? l.bits : 4)) {
+      : L(l), full(l.in / 16), codes(KIND == K_TRIT ? 2 : (affine_kind<KIND>() || KIND == K_CB ? l.bits : 4)) {
     group_bytes = L.row_bytes * L.group / std::max<int64_t>(1, L.in);
+    ahead = std::max<int64_t>(PREFETCH_BYTES, Arch5::R1 * L.row_bytes * std::max<int64_t>(1, L.row_step));
     lut = _mm512_loadu_ps(L.lut);
     alignas(64) float io[32];
     for (int i = 0; i < 32; ++i) io[i] = float(L.bits < 5 ? (i & ((1 << L.bits) - 1)) : i);
@@ -126,16 +135,16 @@ struct Dec5 {
     if constexpr (KIND == K_TRIT) r.q.p = trits.row(L, r.q.p);
   }
   MS_INLINE void prefetch(const Row& r, int64_t g) const {
-    if constexpr (KIND != K_TRIT && KIND != K_FLOAT) prefetch_ahead(r.q.p + g * group_bytes);
+    if constexpr (KIND != K_TRIT && KIND != K_FLOAT) __builtin_prefetch(r.q.p + g * group_bytes + ahead, 0, 3);
   }
   MS_INLINE void group(Row& r, int64_t g) const {
     if constexpr (KIND == K_FLOAT) return;
     float s = group_scale<KIND>(L, r.q, g);
     if constexpr (KIND == K_FP8) s *= 256.0f;  // the fp16 view of e4m3 bits is value * 2^-8 (exact)
     r.s = _mm512_set1_ps(s);
-    if constexpr (KIND == K_AFFINE) {
+    if constexpr (affine_kind<KIND>()) {
       r.b = _mm512_set1_ps(ld_dt(r.q.b, L.b_dt, g));
-      if (L.bits <= 5) {  // the group's values fma(q, s, b) for every code: the same bits as per weight
+      if (KIND == K_AFFINE4 || L.bits <= 5) {  // the group's values fma(q, s, b) for every code: the same bits as per weight
         __m512 lo = _mm512_fmadd_ps(iota_lo, r.s, r.b);
         r.b = _mm512_fmadd_ps(iota_hi, r.s, r.b);
         r.s = lo;
@@ -146,6 +155,8 @@ struct Dec5 {
   MS_INLINE __m512 load(const Row& r, int64_t v) const {
     if constexpr (KIND == K_FLOAT) {
       return Arch5::load_dt(r.q.p, L.bits, 16 * v, v < full ? 16 : L.in - 16 * v);
+    } else if constexpr (KIND == K_AFFINE4) {
+      return _mm512_permutexvar_ps(codes.get_raw<4>(r.q.p, v), r.s);  // low 4 bits index
     } else if constexpr (KIND == K_AFFINE) {
       if (L.bits <= 4) return _mm512_permutexvar_ps(codes.get_raw(r.q.p, v), r.s);  // low 4 bits index
       if (L.bits == 5) return _mm512_permutex2var_ps(r.s, codes.get_raw(r.q.p, v), r.b);  // low 5 bits

@@ -87,14 +87,14 @@ struct DecP {
   MS_INLINE void group(Row& r, int64_t g) const {
     if constexpr (KIND == K_FLOAT) return;
     r.s = group_scale<KIND>(L, r.q, g);
-    if constexpr (KIND == K_AFFINE) r.b = ld_dt(r.q.b, L.b_dt, g);
+    if constexpr (affine_kind<KIND>()) r.b = ld_dt(r.q.b, L.b_dt, g);
   }
   MS_INLINE V load(const Row& r, int64_t v) const {
     V o;
     const int64_t j0 = v * 16;
     if constexpr (KIND == K_FLOAT) {
       return ArchP::load_dt(r.q.p, L.bits, j0, v < full ? 16 : L.in - j0);
-    } else if constexpr (KIND == K_AFFINE) {
+    } else if constexpr (affine_kind<KIND>()) {
       for (int i = 0; i < 16; ++i) o.v[i] = std::fma(float(stream_code(r.q.p, r.end, j0 + i, L.bits)), r.s, r.b);
     } else if constexpr (KIND == K_FP8) {
       const float* t = fp8_table().v;
