@@ -88,7 +88,7 @@ void q8_quantize(int type, const float* x, int64_t ldx, int64_t n, int64_t in, Q
 // the block sizes of traits.h.
 
 // how far ahead the SIMD paths prefetch the next rows' bytes (the rows are read one after another)
-constexpr int64_t Q8_AHEAD_ROWS = 2;
+constexpr int64_t Q8_AHEAD_ROWS = 4;
 
 // The unsigned codes of chunk j (values 64j..64j+63) of a K-quant block, and the scale of each 4-value
 // group g (lane g % 16 of chunk g / 16); for the portable path (the SIMD paths decode the same in registers).
