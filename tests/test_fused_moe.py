@@ -516,7 +516,6 @@ def test_fused_router_is_softmax_topk(renorm):
 
 
 @interpreted
-@interpreted
 def test_static_prefill_chunks_match_the_plain_path(tiny):
     """Prefill chunks on the static path (DecodeRunner.prefill: the chunk's start on the device, a cache of the
     engine's KV pool; on the GPU a CUDA graph from a length's second time on) give the plain forward's logits and
@@ -552,6 +551,7 @@ def test_static_prefill_chunks_match_the_plain_path(tiny):
         engine.close()
 
 
+@interpreted
 def test_a_batched_decode_step_gives_each_sequence_its_solo_bits(tiny):
     """The scheduler's decode steps of several sequences on the static batched path (DecodeRunner.step_batch:
     the pool's stacked KV sets, the batched attention kernel, the fused experts over every row; on the GPU one
