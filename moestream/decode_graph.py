@@ -297,7 +297,7 @@ class DecodeRunner:
         if not self.graphs:
             self.stats.eager += 1
             return self._eager(lambda: self._forward(kv))
-        key = (key[0], self._all_resident())
+        key = (key[0], self.all_resident)
         got = self._captured.get(key)
         if got is None:
             out = self._eager(lambda: self._forward(kv))  # eagerly (warms up the capture)
@@ -319,7 +319,7 @@ class DecodeRunner:
         pool = getattr(self.model, "kv_pool", None)
         sets = [pool.set_of(kv) for _, _, kv in parts] if pool is not None else [None]
         b = len(parts)
-        if None in sets or any(start >= pool.capacity for _, start, _ in parts) or not self._all_resident():
+        if None in sets or any(start >= pool.capacity for _, start, _ in parts) or not self.all_resident:
             self.stats.batch_declined += b > 1
             return None
         buf = self._batch_buffers(b)
@@ -352,7 +352,7 @@ class DecodeRunner:
         ``kv`` is a cache of the engine's :class:`~moestream.models.layers.KVPool` with room for the chunk."""
         pool = getattr(self.model, "kv_pool", None)
         t = ids.shape[0]
-        if pool is None or t < 2 or start + t > pool.capacity or not self._all_resident() \
+        if pool is None or t < 2 or start + t > pool.capacity or not self.all_resident \
                 or getattr(kv, "storage", None) is None or type(kv) is not KVCache:
             return None
         self._reserve(kv, ids, start + t)
@@ -476,9 +476,6 @@ class DecodeRunner:
         """Whether every expert is in VRAM (the whole step, or chunk, is one graph)."""
         return bool(getattr(self.cache, "all_resident", False))
 
-    def _all_resident(self) -> bool:
-        return self.all_resident
-
     def _pinned(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
 
@@ -525,7 +522,7 @@ class DecodeRunner:
         mode = "thread_local"  # the store's reader threads may call CUDA (host registration) meanwhile
         k = self.model.top_k  # slots per MoE layer at most (one token; --max-active-experts keeps fewer)
         with torch.cuda.stream(stream):
-            if self._all_resident():
+            if self.all_resident:
                 g = torch.cuda.CUDAGraph()
                 g.capture_begin(pool=self._pool, capture_error_mode=mode)
                 try:
