@@ -452,6 +452,10 @@ def _plan_budget(net: CausalLM, sizes: ExpertStore, keys: list, dtype: torch.dty
                                name=options.name)
     if tiered:
         plan.host = plan_host_budget(options.host_cache, experts, one, options.workers, share, name=options.name)
+    if options.context_tokens and net.max_context and options.context_tokens > net.max_context:  # once it fits
+        print(f"note: a context of {options.context_tokens} tokens ({options.name('context_tokens')}) is above the "
+              f"model's (max_position_embeddings {net.max_context} in its config): positions past it are beyond "
+              "what it was trained on", file=sys.stderr)
     return plan
 
 

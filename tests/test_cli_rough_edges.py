@@ -342,3 +342,23 @@ def test_inspect_prints_the_plan_the_engine_loads_with_the_same_flags(tiny, caps
         assert verdict == "can stream:         yes"
     assert main(["inspect", "--model", str(tiny), "--device", "cpu"]) == 0
     assert _plan_block(capsys.readouterr().out) != printed
+
+
+def test_a_context_above_the_models_is_noted_once(text_model, capsys):
+    """A context past the config's max_position_embeddings (inspect's or serve's --max-context, load's
+    context_tokens=) loads, with one note naming the option and the model's context; one within it says nothing."""
+    from moestream.cli import main
+
+    limit = json.loads((text_model / "config.json").read_text())["max_position_embeddings"]
+    assert main(["inspect", "--model", str(text_model), "--max-context", str(limit + 1)]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if "max_position_embeddings" in ln]
+    assert notes == [f"note: a context of {limit + 1} tokens (--max-context) is above the model's "
+                     f"(max_position_embeddings {limit} in its config): positions past it are beyond what it was "
+                     "trained on"], notes
+    with load(text_model, tokenizer=False, hotlist=False, learn_experts=False, context_tokens=limit + 1):
+        pass
+    err = capsys.readouterr().err
+    assert err.count("max_position_embeddings") == 1 and "(context_tokens=)" in err, err
+    with load(text_model, tokenizer=False, hotlist=False, learn_experts=False, context_tokens=limit):
+        pass
+    assert "max_position_embeddings" not in capsys.readouterr().err
