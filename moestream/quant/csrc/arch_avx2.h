@@ -140,15 +140,13 @@ struct Dec2 {
   __m256 iota;  // affine tables (<= 3 bits): code values 0..7, periodic
   mutable TritScratch trits;
   int64_t group_bytes;  // stored bytes of one group's codes (about: ten-per-word packing)
-  // how far ahead of a group its row's bytes are prefetched: a pass of the one-token path's rows on (the
-  // rows of the next pass at the same offset), at least PREFETCH_BYTES
-  int64_t ahead;
+  int64_t ahead;  // prefetch_distance (engine.h)
   explicit Dec2(const Lin& l)
       : L(l),
         codes(KIND == K_TRIT ? 2 : (affine_kind<KIND>() || KIND == K_CB ? l.bits : 4),
               KIND == K_TRIT ? l.in / 4 : l.row_bytes, l.in / 8) {
     group_bytes = L.row_bytes * L.group / std::max<int64_t>(1, L.in);
-    ahead = std::max<int64_t>(PREFETCH_BYTES, Arch2::R1 * L.row_bytes * std::max<int64_t>(1, L.row_step));
+    ahead = prefetch_distance(L, Arch2::R1);
     lut_lo = _mm256_loadu_ps(L.lut);
     lut_hi = _mm256_loadu_ps(L.lut + 8);
     alignas(32) float io[8];
@@ -172,7 +170,7 @@ struct Dec2 {
     if constexpr (KIND == K_TRIT) r.q.p = trits.row(L, r.q.p);
   }
   MS_INLINE void prefetch(const Row& r, int64_t g) const {
-    if constexpr (KIND != K_TRIT && KIND != K_FLOAT) __builtin_prefetch(r.q.p + g * group_bytes + ahead, 0, 3);
+    if constexpr (KIND != K_TRIT && KIND != K_FLOAT) prefetch_ahead(r.q.p + g * group_bytes, ahead);
   }
   MS_INLINE void group(Row& r, int64_t g) const {
     if constexpr (KIND == K_FLOAT) return;

@@ -105,13 +105,11 @@ struct Dec5 {
   };
   mutable TritScratch trits;
   int64_t group_bytes;  // stored bytes of one group's codes (about: ten-per-word packing)
-  // how far ahead of a group its row's bytes are prefetched: a pass of the one-token path's rows on (the
-  // rows of the next pass at the same offset), at least PREFETCH_BYTES
-  int64_t ahead;
+  int64_t ahead;  // prefetch_distance (engine.h)
   explicit Dec5(const Lin& l)
       : L(l), full(l.in / 16), codes(KIND == K_TRIT ? 2 : (affine_kind<KIND>() || KIND == K_CB ? l.bits : 4)) {
     group_bytes = L.row_bytes * L.group / std::max<int64_t>(1, L.in);
-    ahead = std::max<int64_t>(PREFETCH_BYTES, Arch5::R1 * L.row_bytes * std::max<int64_t>(1, L.row_step));
+    ahead = prefetch_distance(L, Arch5::R1);
     lut = _mm512_loadu_ps(L.lut);
     alignas(64) float io[32];
     for (int i = 0; i < 32; ++i) io[i] = float(L.bits < 5 ? (i & ((1 << L.bits) - 1)) : i);
@@ -135,7 +133,7 @@ struct Dec5 {
     if constexpr (KIND == K_TRIT) r.q.p = trits.row(L, r.q.p);
   }
   MS_INLINE void prefetch(const Row& r, int64_t g) const {
-    if constexpr (KIND != K_TRIT && KIND != K_FLOAT) __builtin_prefetch(r.q.p + g * group_bytes + ahead, 0, 3);
+    if constexpr (KIND != K_TRIT && KIND != K_FLOAT) prefetch_ahead(r.q.p + g * group_bytes, ahead);
   }
   MS_INLINE void group(Row& r, int64_t g) const {
     if constexpr (KIND == K_FLOAT) return;
