@@ -41,6 +41,7 @@ from .prefix_cache import prefix_cache_supported
 from .quant import model as quant
 from .quant import native
 from .quant.expert import QuantizedGLU, QuantizedSwiGLU
+from .quant.formats import AFFINE_Q8_BITS, QuantConfig
 from .quant.resident import QuantEmbedding, QuantLinear, dense_extra_bytes
 from .slot_pool import expert_slot_layout
 from .store import ExpertStore, PreadReader
@@ -97,7 +98,8 @@ def open_model(ckpt: Checkpoint, options: EngineOptions) -> Opened:
                                               fallback)  # quantized resident linears, on meta
     if fallback:
         kinds = sorted({t for _, t in fallback})
-        print(f"note: --activations q8 covers {', '.join(quant.Q8_ACTIVATION_TYPES)}; {len(fallback)} tensors of "
+        print(f"note: --activations q8 covers {', '.join(quant.Q8_ACTIVATION_TYPES)} and affine "
+              f"{' and '.join(f'{b}-bit' for b in AFFINE_Q8_BITS)}; {len(fallback)} tensors of "
               f"type {', '.join(kinds)} keep float activations ({fallback[0][0]}, ...)", file=sys.stderr)
     if options.dtype == "auto":
         dtype = quant.float_dtype(ckpt, net.embed_name, checkpoint_dtype(ckpt, net.embed_name))
@@ -144,9 +146,10 @@ def check_layout(model: CausalLM, layout: ExpertLayout, where, quantized: dict |
 
 
 def check_activations(ckpt: Checkpoint, options: EngineOptions) -> None:
-    """Refuse ``--activations q8`` where it cannot apply: a checkpoint that is no GGUF file (q8 mode is llama.cpp's
-    numerics on ggml block types), another device than the CPU, or the PyTorch kernel path (q8 mode runs on the
-    compiled kernels only).
+    """Refuse ``--activations q8`` where it cannot apply: a checkpoint that is neither a GGUF file (q8 mode is
+    llama.cpp's numerics on ggml block types) nor MLX affine-quantized (8-bit activation blocks against its 4- and
+    8-bit codes), another device than the CPU, or the PyTorch kernel path (q8 mode runs on the compiled kernels
+    only).
 
     Raises:
         ConfigError: naming the flag and why.
@@ -155,9 +158,11 @@ def check_activations(ckpt: Checkpoint, options: EngineOptions) -> None:
         return
     name = options.name
     q8, float_ = given(name("activations"), options.activations), given(name("activations"), "float")
-    if not isinstance(ckpt.source_format, GGUFFormat):
-        raise ConfigError(f"{q8} is llama.cpp's numerics for GGUF files; {ckpt.path} is not one "
-                          f"(its quantized linears compute with float activations: use {float_})")
+    qcfg = None if isinstance(ckpt.source_format, GGUFFormat) else QuantConfig.from_config(ckpt.config, str(ckpt.path))
+    if not isinstance(ckpt.source_format, GGUFFormat) and (qcfg is None or qcfg.method != "affine"):
+        what = "not quantized" if qcfg is None else f"{qcfg.method}-quantized"
+        raise ConfigError(f"{q8} is llama.cpp's numerics for GGUF files and integer dot products for MLX affine 4- "
+                          f"and 8-bit weights; {ckpt.path} is neither ({what}: use {float_})")
     if resolve_device(options.device, name("device")).type != "cpu":
         raise ConfigError(f"{q8} runs on the CPU's compiled kernels; use {given(name('device'), 'cpu')}")
     if native.selected() == "torch" or native.library() is None:

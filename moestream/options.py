@@ -21,7 +21,7 @@ from .policies import POLICIES
 DEFAULT_BUDGET_GB = 3
 DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 EP_COMBINES = ("allgather", "alltoall")
-# --activations: float32 inputs (moestream's own numerics) or llama.cpp's 8-bit activation blocks (GGUF)
+# --activations: float32 inputs (moestream's own numerics) or 8-bit activation blocks (GGUF: llama.cpp's; MLX affine)
 ACTIVATIONS = ("float", "q8")
 EP_PLACEMENTS = ("auto", "balanced", "contiguous")
 DEFAULT_DIST_TIMEOUT_S = 60.0
@@ -80,12 +80,12 @@ class EngineOptions:
         trace: write the routing trace (JSON lines) to this file.
         cache_policy: eviction policy, ``lru``, ``lfu`` or ``layer``.
         fast: skip the QJL residual of turboquant linears (changes the output).
-        activations: how the input of a GGUF checkpoint's block-quantized linears is multiplied: ``float``
-            (float32, the default) or ``q8``: rounded to 8 bits per block and multiplied by integer dot
-            products as llama.cpp's CPU backend does (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL weights;
-            other ggml types keep float activations, named once at load). Changes the output (towards
-            llama.cpp's); streaming stays bit-identical to budget ``all`` within either mode. GGUF files on
-            the CPU only.
+        activations: how the input of a quantized linear is multiplied: ``float`` (float32, the default) or
+            ``q8``: rounded to 8 bits per block and multiplied by integer dot products, for GGUF files as
+            llama.cpp's CPU backend does (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL weights), for MLX affine
+            4- and 8-bit weights in blocks of 32 (other types keep float activations, named once at load).
+            Changes the output (GGUF: towards llama.cpp's); streaming stays bit-identical to budget ``all``
+            within either mode. GGUF and MLX affine checkpoints on the CPU only.
         host_cache: the pinned host-RAM tier behind a VRAM cache in bytes, ``"auto"``, or None
             (none); on the CPU the same tier logic runs with a CPU "device" tier (for tests).
         batched_experts: compute each layer's SwiGLU experts as one batched matmul chain

@@ -252,12 +252,13 @@ def test_q8_mode_streams_the_bits_of_budget_all_and_stays_near_float(q4_k_m, whi
     assert q8_rel < 3 * bf16_rel, (q8_rel, bf16_rel)
 
 
-def test_q8_mode_is_refused_for_a_checkpoint_that_is_not_gguf(tmp_path):
+def test_q8_mode_is_refused_for_a_checkpoint_neither_gguf_nor_affine(tmp_path):
     from .helpers import make_qwen3_moe
 
     ckpt = tmp_path / "m"
     make_qwen3_moe(ckpt)
-    with pytest.raises(ConfigError, match="activations=q8 is llama.cpp's numerics for GGUF files"):
+    with pytest.raises(ConfigError, match="activations=q8 is llama.cpp's numerics for GGUF files and integer dot "
+                       "products for MLX affine 4- and 8-bit weights; .* is neither"):
         load(ckpt, cache_budget_gb="all", tokenizer=False, activations="q8")  # the API's keyword, not the flag
     with pytest.raises(ConfigError, match="activations='q4'"):
         EngineOptions.make(activations="q4")

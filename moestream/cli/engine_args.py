@@ -72,9 +72,10 @@ def add_plan_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                        "unless every tensor is F32), bf16, fp16 or fp32 (float32, llama.cpp's activations: more memory "
                        "for the KV cache); another dtype than auto's changes the output")
     p.add_argument("--activations", default="float", choices=ACTIVATIONS,
-                   help="GGUF files: float (default: float32 inputs to the quantized linears) or q8 (llama.cpp's "
-                   "numerics: inputs rounded to 8 bits per block, integer dot products; Q4_K, Q5_K, Q6_K, Q8_0, "
-                   "Q4_0, Q5_0, IQ4_NL weights, other types stay float); q8 changes the output, towards llama.cpp's")
+                   help="quantized linears' inputs: float (default: float32) or q8 (inputs rounded to 8 bits per "
+                   "block, integer dot products, CPU only: for GGUF files llama.cpp's numerics on Q4_K, Q5_K, Q6_K, "
+                   "Q8_0, Q4_0, Q5_0, IQ4_NL weights; for MLX affine 4- and 8-bit weights blocks of 32; other "
+                   "types stay float); q8 changes the output (GGUF: towards llama.cpp's)")
 
 
 def add_cache_policy_args(p: argparse.ArgumentParser) -> None:

@@ -47,9 +47,9 @@ class Scheme:
     scale along the input dimension (affine group, fp8 block width, mxfp4 32, a ggml block);
     ``block``: fp8 (rows, cols). ``scale``: the name of the scale tensor beside the weight when
     it is not the method's own (``weight_scale`` in compressed-tensors checkpoints,
-    :mod:`.compressed`). ``ggml``: the ggml block type of a gguf weight (``"Q4_K"``). ``act``: how a gguf
-    weight's input is multiplied: ``"float"`` (float32, the default) or ``"q8"`` (llama.cpp's 8-bit activation
-    blocks and integer dot products, ``--activations q8``: :func:`with_activations`).
+    :mod:`.compressed`). ``ggml``: the ggml block type of a gguf weight (``"Q4_K"``). ``act``: how a gguf or
+    affine weight's input is multiplied: ``"float"`` (float32, the default) or ``"q8"`` (8-bit activation
+    blocks and integer dot products, llama.cpp's for gguf, ``--activations q8``: :func:`with_activations`).
     """
 
     method: str
@@ -318,7 +318,8 @@ registry.register(StoredFormat(
     selected_by="config.json quantization: {group_size, bits} (mode affine), per-module overrides",
     weight=("U32",), params=(("scales", _SCALE_DTYPES), ("biases", _SCALE_DTYPES)), scale="scales",
     parse=_parse_affine, check=check_affine, dequantize=_dequantize_affine,
-    tag=lambda s: f"affine {s.bits}-bit, group {s.group_size}", cpu=CpuKernel("affine"),
+    tag=lambda s: f"affine {s.bits}-bit, group {s.group_size}" + (", q8 activations" if s.act == "q8" else ""),
+    cpu=CpuKernel("affine"),
     gpu_bits=affine.BITS, mode="affine"))
 registry.register(StoredFormat(
     name="fp8", method="fp8", summary="FP8 e4m3 with block, per-channel or per-tensor scales",
@@ -452,14 +453,28 @@ Q8_ACTIVATION_TYPES = tuple(sorted((t for t, f in registry.ggml_formats().items(
                                    key=lambda t: registry.get(t).cpu.q8 != "Q8_K"))
 
 
+# The MLX affine code widths q8 mode computes on (csrc/q8.h Q8_A4, Q8_A8: a byte's two nibbles or one code per
+# byte against 8-bit activations); other widths keep float activations.
+AFFINE_Q8_BITS = (4, 8)
+
+
 def with_activations(lf: LinearFormat | None, activations: str, fallback: list | None = None,
                      name: str = "") -> LinearFormat | None:
     """``lf`` with its input multiplied in ``activations`` mode (``"float"`` or ``"q8"``). In q8 mode a gguf
-    weight of a type in :data:`Q8_ACTIVATION_TYPES` becomes ``act="q8"``; a gguf weight of another type stays
+    weight of a type in :data:`Q8_ACTIVATION_TYPES`, and an MLX affine weight of :data:`AFFINE_Q8_BITS` whose
+    input width is a multiple of 64, becomes ``act="q8"``; a gguf or affine weight of another type or width stays
     float and ``(name, type)`` is appended to ``fallback``; anything else (float, other methods) is returned as
     it is."""
     s = None if lf is None else lf.scheme
-    if activations != "q8" or s is None or not isinstance(s.format, GgmlFormat):
+    if activations != "q8" or s is None:
+        return lf
+    if s.method == "affine" and s.format is not None and s.format.name == "affine":
+        if s.bits in AFFINE_Q8_BITS and lf.in_features % 64 == 0 and lf.in_features % s.group_size == 0:
+            return replace(lf, scheme=replace(s, act="q8"))
+        if fallback is not None:
+            fallback.append((name or lf.role, f"affine {s.bits}-bit"))
+        return lf
+    if not isinstance(s.format, GgmlFormat):
         return lf
     if s.format.cpu.q8 is None:
         if fallback is not None:

@@ -8,7 +8,8 @@ turboquant codebooks, ggml blocks of GGUF files (Q4_0-Q8_0, Q2_K-Q6_K, IQ1_S-IQ4
 TQ2_0) and float32/bf16/fp16 weights (also stored input-major, ``x @ W``) -- straight from the tensors the
 expert store read: nothing is repacked per read. Each weight is dequantized in a float32 register and
 multiplied into float32 accumulators (FMA); activations are never quantized, except in the opt-in q8 mode of
-GGUF weights (``--activations q8``, ``csrc/q8.h``): llama.cpp's 8-bit activation blocks and integer dot products.
+GGUF and MLX affine 4- and 8-bit weights (``--activations q8``, ``csrc/q8.h``): 8-bit activation blocks and
+integer dot products (for GGUF, llama.cpp's).
 
 **One reduction.** Every output (row, token) is one 16-lane accumulator fed vector by vector in order and
 summed by one fixed tree (``kernels.h``), on every compiled path (AVX-512, AVX2 as two 8-lane halves, the
@@ -85,6 +86,7 @@ SPEC, PTRS = 16, 8
 ACT_FLOAT, ACT_Q8 = 0, 1
 Q8_TYPES = {t: f.cpu.q8 for t, f in registry.ggml_formats().items() if f.cpu.q8}
 _Q8_CODE = {"Q8_K": 1, "Q8_0": 2}  # csrc/q8.h Q8Type
+_Q8_AFFINE = {4: 3, 8: 4}  # csrc/q8.h Q8_A4, Q8_A8 (| group << 4)
 STREAM, TEN3, TRITS = 0, 1, 2  # codebook packings
 TRIT, LEVEL_BITS = 3, {2: 1, 4: 2, 8: 3, 16: 4}  # turboquant codebook length -> code bits (3: ternary)
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -484,7 +486,8 @@ def linear_spec(lf, t: dict[str, torch.Tensor], role: str | None = None, rows: t
     want, head, tail, bias, table = parts
     _check(row_bytes == want, f"{role}: weight {list(w.shape)} ({w.dtype}) has {row_bytes} bytes per row; "
            f"[{out}, {inn}] as {s.tag} needs {want}")
-    fields = head + [out, inn, rows[0], rows[1], 0, row_bytes] + tail
+    act = ACT_Q8 if s.act == "q8" else ACT_FLOAT  # spec[8]; affine 4/8-bit only (formats.with_activations)
+    fields = head + [out, inn, rows[0], rows[1], act, row_bytes] + tail
     fields += [0] * (SPEC - len(fields))
     return Spec(fields, [_contig(w), _contig(sc), None if bias is None else _contig(bias), table])
 
@@ -1080,6 +1083,40 @@ def activation(name: str, x: torch.Tensor, threshold: float = 20.0, out_dtype: t
 
 
 ACTIVATIONS = ("silu", "situ", "clamped")
+
+
+def q8_quantize_affine(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q8 mode's activation quantization of ``x`` [n, in] (float32, CPU) for MLX affine weights of ``bits``
+    (4 or 8) and ``group``, as the kernels do it (``csrc/q8.h`` Q8_A4 / Q8_A8): blocks of 32, float32 scale
+    ``d = amax / 127``, codes ``round_half_even(x * (127 / amax))``.
+
+    Returns:
+        (codes int8 [n, in] in the input's order, scales float32 [n, in / 32], group sums float32 [n, in / group]:
+        each group's blocks' ``d * sum(codes)`` added in order). The values are ``codes * scale``.
+
+    Raises:
+        ValueError: bits not 4 or 8, ``in`` not a multiple of 64 and of ``group``, or ``group`` not a multiple of
+        32. RuntimeError: no compiled kernels.
+    """
+    if bits not in _Q8_AFFINE:
+        raise ValueError(f"q8_quantize_affine: bits {bits} is not 4 or 8")
+    lib = library()
+    if lib is None:
+        raise RuntimeError("moestream kernels: not built")
+    xf = _contig(x.detach().to(torch.float32).reshape(-1, x.shape[-1]))
+    n, inn = xf.shape
+    code = _Q8_AFFINE[bits] | (group << 4)
+    stride = lib.ms_q8_quantize(code, None, n, inn, None)
+    _check(stride > 0, f"q8_quantize_affine: {inn} values in groups of {group} are not whole 64-value chunks")
+    buf = torch.empty(n, stride, dtype=torch.uint8)
+    lib.ms_q8_quantize(code, xf.data_ptr(), n, inn, buf.data_ptr())
+    codes = buf[:, :inn].view(torch.int8)
+    if bits == 4:  # each 64-value chunk is stored as its even values, then its odd ones
+        codes = codes.reshape(n, -1, 2, 32).transpose(2, 3).reshape(n, inn)
+    lanes = buf[:, inn:2 * inn].contiguous().view(torch.float32).view(n, -1, 16)
+    scales = torch.stack([lanes[:, :, 0], lanes[:, :, 4 if bits == 4 else 8]], -1).reshape(n, -1)
+    sums = buf[:, 2 * inn:2 * inn + 4 * (inn // group)].contiguous().view(torch.float32)
+    return codes.contiguous(), scales, sums
 
 
 def q8_quantize(x: torch.Tensor, block: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@
 
 namespace ms {
 
-// spec: kind, bits, group, bn, out, in, row0, row_step, pack (ggml: the activation mode, q8.h), row_bytes,
+// spec: kind, bits, group, bn, out, in, row0, row_step, pack (ggml and affine: the activation mode, q8.h), row_bytes,
 //       s_row, s_dt, b_dt,
 //       rot_b, rot_m, (rot_scale float32 bits) | rot_half << 32
 // ptrs: weight, scales, biases (affine), value table (16 float32), signs (float32 [in]),
@@ -32,7 +32,7 @@ static Lin make_lin(const int64_t* spec, const void* const* ptrs) {
   L.in = spec[5];
   L.row0 = spec[6];
   L.row_step = spec[7];
-  if (L.kind == GGML)
+  if (L.kind == GGML || L.kind == AFFINE)
     L.act = int(spec[8]);
   else
     L.pack = int(spec[8]);
@@ -250,11 +250,18 @@ int ms_attention(const int64_t* a, const void* const* p);
 
 extern "C" {
 
-// q8 mode's activation quantizer (q8.h): x [n, in] float32 as blocks of `type` (1 Q8_K, 2 Q8_0) into out
+// q8 mode's activation quantizer (q8.h): x [n, in] float32 as blocks of `type` (1 Q8_K, 2 Q8_0, an affine type:
+// 3 (4-bit) or 4 (8-bit) | group << 4) into out
 // [n, stride] bytes (row t: int8 codes [in], float32 scales, then int16 16-sums or int32 block sums); the
 // stride, or -1 for a bad type or width. out nullptr: the stride only.
 int64_t ms_q8_quantize(int type, const float* x, int64_t n, int64_t in, void* out) {
-  if ((type != ms::Q8_KB && type != ms::Q8_0B) || n < 0 || in <= 0 || in % (type == ms::Q8_KB ? 256 : 32)) return -1;
+  if (n < 0 || in <= 0) return -1;
+  if (ms::q8_affine(type)) {  // affine: the weights' group in the type (q8.h), whole 64-value chunks
+    const int64_t g = ms::q8_group(type);
+    if (g < 32 || g % 32 || in % 64 || in % g) return -1;
+  } else if ((type != ms::Q8_KB && type != ms::Q8_0B) || in % (type == ms::Q8_KB ? 256 : 32)) {
+    return -1;
+  }
   const int64_t stride = ms::q8_stride(type, in);
   if (out == nullptr) return stride;
   ms::Q8Rows q;

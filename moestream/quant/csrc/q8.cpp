@@ -14,12 +14,22 @@
 namespace ms {
 
 int q8_type_of(const Lin& L) {
+  if (L.kind == AFFINE) {  // 4- and 8-bit codes, whole 64-value chunks, no input rotation
+    if (L.act != ACT_Q8 || (L.bits != 4 && L.bits != 8) || L.in % 64 || L.group % 32 || L.group < 32 ||
+        L.in % L.group || L.rot_b)
+      return Q8_NONE;
+    return (L.bits == 4 ? Q8_A4 : Q8_A8) | int(L.group << 4);
+  }
   const GgmlTraits* t = L.kind == GGML && L.act == ACT_Q8 ? ggml_traits(L.bits) : nullptr;
   if (t == nullptr || t->q8 == Q8_NONE) return Q8_NONE;
   return L.in % (t->q8 == Q8_KB ? 256 : 32) ? Q8_NONE : t->q8;
 }
 
+// float32 group sums an affine row keeps: a multiple of 16 (the kernels read 16 at a time)
+static int64_t affine_sums(int type, int64_t in) { return (in / q8_group(type) + 15) / 16 * 16; }
+
 int64_t q8_stride(int type, int64_t in) {
+  if (q8_affine(type)) return (2 * in + 4 * affine_sums(type, in) + 63) / 64 * 64;
   const int64_t nb = type == Q8_KB ? in / 256 : in / 32;
   const int64_t sums = type == Q8_KB ? 2 * (in / 16) : 4 * nb;
   return (in + 4 * nb + sums + 64 + 63) / 64 * 64;  // 64 spare bytes: a last half chunk's vector load
@@ -33,12 +43,49 @@ static inline int nearest(float v) {
   return (i & 0x007fffff) - 0x00400000;
 }
 
+// An affine type's rows (q8.h): blocks of 32, d = amax / 127 in float32 (no fp16 rounding: nothing to match)
+static void quantize_affine(int type, const float* x, int64_t ldx, int64_t n, int64_t in, Q8Rows& out) {
+  const int64_t nb = in / 32, G = q8_group(type), ng = in / G;
+  const bool four = q8_base(type) == Q8_A4;
+  std::vector<float> bd(static_cast<size_t>(nb)), e(static_cast<size_t>(nb));  // per block: d, d x code sum
+  for (int64_t t = 0; t < n; ++t) {
+    const float* xt = x + t * ldx;
+    uint8_t* r = out.row(t);
+    int8_t* q = reinterpret_cast<int8_t*>(r);
+    float* dexp = reinterpret_cast<float*>(r + in);
+    float* sums = reinterpret_cast<float*>(r + 2 * in);
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = xt + 32 * b;
+      float amax = 0.0f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+      int32_t s = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int v = std::max(-127, std::min(127, nearest(xb[j] * id)));
+        const int64_t i = 32 * b + j, c = i / 64, k = i % 64;
+        q[four ? 64 * c + (k % 2) * 32 + k / 2 : i] = int8_t(v);
+        s += v;
+      }
+      bd[size_t(b)] = amax / 127.0f;
+      e[size_t(b)] = bd[size_t(b)] * float(s);
+    }
+    for (int64_t c = 0; c < in / 64; ++c)
+      for (int l = 0; l < 16; ++l) dexp[16 * c + l] = bd[size_t(2 * c + (four ? (l / 4) % 2 : l / 8))];
+    for (int64_t g = 0; g < ng; ++g) {
+      float a = 0.0f;
+      for (int64_t b = g * G / 32; b < (g + 1) * G / 32; ++b) a += e[size_t(b)];
+      sums[g] = a;
+    }
+  }
+}
+
 void q8_quantize(int type, const float* x, int64_t ldx, int64_t n, int64_t in, Q8Rows& out) {
   out.type = type;
   out.in = in;
   out.n = n;
   out.stride = q8_stride(type, in);
   out.data.assign(size_t(n * out.stride), 0);
+  if (q8_affine(type)) return quantize_affine(type, x, ldx, n, in, out);
   const int64_t B = type == Q8_KB ? 256 : 32, nb = in / B;
   for (int64_t t = 0; t < n; ++t) {
     const float* xt = x + t * ldx;
@@ -501,6 +548,231 @@ static MS_NOINLINE void q80_row_avx512(const uint8_t* row, int64_t nb, const Q8R
 }
 #endif
 
+// ---- MLX affine weights, 4- and 8-bit codes (Q8_A4, Q8_A8) -------------------------------------------------
+// weight = scale_g * q + bias_g per group g, so for one row and token
+//   y = sum_c fma-chain(float(isum_c[l]), scale_g(c, l) * d(c, l)) + sum_g bias_g * sums_g,
+// isum_c[l] the exact integer sum of lane l's 4 code x activation-code products in 64-value chunk c (Q8_A4: lanes
+// 0-7 the chunk's even values, the low nibbles, 8-15 its odd ones; Q8_A8: values 4l..4l+3), d(c, l) the lane's
+// activation block scale, sums_g the activation row's per-group sum of d x code sum (q8.h). The scale products go
+// into one 16-lane accumulator chunk by chunk, the bias products into a second one 16 groups at a time, each
+// summed by the tree of kernels.h, then added: the same bits on every path.
+
+// A row's group value g (scale or bias) as float32 (the engine's ld_dt: exact widening)
+static MS_INLINE float group_value(const uint8_t* p, int dt, int64_t g) { return ld_dt(p, dt, g); }
+
+// the scale of chunk c's lane l (groups of 32: the lane's block's group; wider: the chunk's one group)
+template <int BITS>
+static MS_INLINE int64_t lane_group(int64_t c, int l, int64_t G) {
+  const int64_t blk = 2 * c + (BITS == 4 ? (l / 4) % 2 : l / 8);
+  return blk * 32 / G;
+}
+
+template <int BITS>
+static void arows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  const int64_t in = L.in, G = L.group, nc = in / 64, ng = in / G;
+  for (int64_t r = r0; r < r1; ++r) {
+    const RowPtrs rp = row_ptrs(L, r);
+    for (int64_t t = 0; t < xa.n; ++t) {
+      const uint8_t* xr = xa.row(t);
+      const int8_t* xq = reinterpret_cast<const int8_t*>(xr);
+      const float* dexp = reinterpret_cast<const float*>(xr + in);
+      const float* sums = reinterpret_cast<const float*>(xr + 2 * in);
+      float acc[16] = {0}, mv[16] = {0};
+      for (int64_t c = 0; c < nc; ++c) {
+        uint8_t w[64];  // the chunk's codes in the activations' order
+        for (int k = 0; k < 32; ++k) {
+          if constexpr (BITS == 4) {
+            const uint8_t b = rp.p[32 * c + k];
+            w[k] = b & 15;
+            w[32 + k] = b >> 4;
+          } else {
+            w[k] = rp.p[64 * c + k];
+            w[32 + k] = rp.p[64 * c + 32 + k];
+          }
+        }
+        for (int l = 0; l < 16; ++l) {
+          int32_t p = 0;
+          for (int i = 0; i < 4; ++i) p += int32_t(w[4 * l + i]) * xq[64 * c + 4 * l + i];
+          const float sd = group_value(rp.s, L.s_dt, lane_group<BITS>(c, l, G)) * dexp[16 * c + l];
+          acc[l] = std::fma(float(p), sd, acc[l]);
+        }
+      }
+      for (int64_t g0 = 0; g0 < ng; g0 += 16)
+        for (int l = 0; l < 16; ++l) {
+          const float b = g0 + l < ng ? group_value(rp.b, L.b_dt, g0 + l) : 0.0f;
+          mv[l] = std::fma(b, sums[g0 + l], mv[l]);
+        }
+      y[t * ldy + r] = tree_sum<16>(acc) + tree_sum<16>(mv);
+    }
+  }
+}
+
+// 16 group values from g0 (those past ng zero), float32
+static MS_INLINE void group_values16(const uint8_t* p, int dt, int64_t g0, int64_t ng, float* out) {
+  for (int l = 0; l < 16; ++l) out[l] = g0 + l < ng ? group_value(p, dt, g0 + l) : 0.0f;
+}
+
+#if MS_AVX2
+// unsigned codes (<= 15 for 4 bits) x signed activation codes (|x| <= 127), 4 per int32 lane, exact:
+// maddubs cannot saturate below 16 x 127 x 2. 8-bit codes: (q - 128) x x by sign and magnitude (|q - 128| <= 128),
+// then 128 x the lane's activation sum.
+template <int BITS>
+static MS_INLINE __m256i adot_avx2(__m256i w, __m256i x) {
+  const __m256i one16 = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), one16);
+  } else {
+    const __m256i ws = _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80)));
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws)), one16);
+    const __m256i xs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), one16);
+    return _mm256_add_epi32(p, _mm256_slli_epi32(xs, 7));
+  }
+}
+
+// AVX2: NR rows x R tokens (the rows' codes unpacked once per R tokens, a token's codes loaded once per NR rows)
+template <int BITS, int NR, int R>
+static MS_NOINLINE void atile_avx2(const Lin& L, const RowPtrs* rp, const Q8Rows& xa, int64_t t0, float* y,
+                                   int64_t ldy, int64_t ahead) {
+  const int64_t in = L.in, G = L.group, nc = in / 64, ng = in / G;
+  __m256 acc_lo[NR][R], acc_hi[NR][R];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < R; ++t) acc_lo[i][t] = acc_hi[i][t] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    __m256i wl[NR], wh[NR];
+    __m256 s_lo[NR], s_hi[NR];
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* wp = rp[i].p + c * (BITS * 8);
+      if (BITS == 8 || c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T0);
+      if constexpr (BITS == 4) {
+        const __m256i q = ld256(wp);
+        wl[i] = nib_lo(q);
+        wh[i] = nib_hi(q);
+      } else {
+        wl[i] = ld256(wp);
+        wh[i] = ld256(wp + 32);
+      }
+      // lanes 0-7 and 8-15; groups of 32: the lanes of the chunk's second block take its second scale
+      const float s0 = group_value(rp[i].s, L.s_dt, lane_group<BITS>(c, 0, G));
+      const float s1 = G == 32 ? group_value(rp[i].s, L.s_dt, 2 * c + 1) : s0;
+      const __m256 a = _mm256_set1_ps(s0), b = _mm256_set1_ps(s1);
+      s_lo[i] = BITS == 4 ? _mm256_blend_ps(a, b, 0xF0) : a;
+      s_hi[i] = BITS == 4 ? s_lo[i] : b;
+    }
+    for (int t = 0; t < R; ++t) {
+      const uint8_t* xr = xa.row(t0 + t);
+      const float* dexp = reinterpret_cast<const float*>(xr + in) + 16 * c;
+      const __m256i xl = ld256(xr + 64 * c), xh = ld256(xr + 64 * c + 32);
+      const __m256 dl = _mm256_loadu_ps(dexp), dh = _mm256_loadu_ps(dexp + 8);
+      for (int i = 0; i < NR; ++i) {
+        acc_lo[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(adot_avx2<BITS>(wl[i], xl)), _mm256_mul_ps(s_lo[i], dl),
+                                       acc_lo[i][t]);
+        acc_hi[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(adot_avx2<BITS>(wh[i], xh)), _mm256_mul_ps(s_hi[i], dh),
+                                       acc_hi[i][t]);
+      }
+    }
+  }
+  float part[NR][R];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < R; ++t) {
+      part[i][t] = Arch2::hsum8(_mm256_add_ps(acc_lo[i][t], acc_hi[i][t]));
+      acc_lo[i][t] = acc_hi[i][t] = _mm256_setzero_ps();  // now the bias products' accumulators
+    }
+  alignas(32) float bv[16];
+  for (int64_t g0 = 0; g0 < ng; g0 += 16)
+    for (int i = 0; i < NR; ++i) {
+      group_values16(rp[i].b, L.b_dt, g0, ng, bv);
+      const __m256 b_lo = _mm256_load_ps(bv), b_hi = _mm256_load_ps(bv + 8);
+      for (int t = 0; t < R; ++t) {
+        const float* sums = reinterpret_cast<const float*>(xa.row(t0 + t) + 2 * in) + g0;
+        acc_lo[i][t] = _mm256_fmadd_ps(b_lo, _mm256_loadu_ps(sums), acc_lo[i][t]);
+        acc_hi[i][t] = _mm256_fmadd_ps(b_hi, _mm256_loadu_ps(sums + 8), acc_hi[i][t]);
+      }
+    }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < R; ++t)
+      y[(t0 + t) * ldy + i] = part[i][t] + Arch2::hsum8(_mm256_add_ps(acc_lo[i][t], acc_hi[i][t]));
+}
+#endif
+
+#if MS_AVX512
+// as adot_avx2, 16 lanes (VNNI: one dpbusd, whose u8 x s8 sums of 4 are exact)
+template <int BITS>
+static MS_INLINE __m512i adot_avx512(__m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+#else
+  const __m512i one16 = _mm512_set1_epi16(1);
+  if constexpr (BITS == 4) {
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), one16);
+  } else {
+    const __m512i ws = _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80)));
+    const __mmask64 neg = _mm512_movepi8_mask(ws);
+    const __m512i sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+    const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(ws), sx), one16);
+    const __m512i xs = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), x), one16);
+    return _mm512_add_epi32(p, _mm512_slli_epi32(xs, 7));
+  }
+#endif
+}
+
+static MS_INLINE __m512 ld_values16(const uint8_t* p, int dt, int64_t g0, int64_t ng) {
+  const int64_t n = std::min<int64_t>(16, ng - g0);
+  const __mmask16 m = __mmask16((1u << n) - 1);
+  if (dt == F32) return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(p) + g0);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(p) + g0);
+  if (dt == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+// NR rows x R tokens, as atile_avx2
+template <int BITS, int NR, int R>
+static MS_NOINLINE void atile_avx512(const Lin& L, const RowPtrs* rp, const Q8Rows& xa, int64_t t0, float* y,
+                                     int64_t ldy, int64_t ahead) {
+  const int64_t in = L.in, G = L.group, nc = in / 64, ng = in / G;
+  // groups of 32: lanes of the chunk's second block take its second scale
+  const __mmask16 second = BITS == 4 ? 0xF0F0 : 0xFF00;
+  __m512 acc[NR][R];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < R; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    __m512i w[NR];
+    __m512 sv[NR];
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* wp = rp[i].p + c * (BITS * 8);
+      if (BITS == 8 || c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T0);
+      if constexpr (BITS == 4) {
+        const __m256i q = ld256(wp);
+        w[i] = join(nib_lo(q), nib_hi(q));
+      } else {
+        w[i] = ld512(wp);
+      }
+      const __m512 s0 = _mm512_set1_ps(group_value(rp[i].s, L.s_dt, lane_group<BITS>(c, 0, G)));
+      sv[i] = G == 32 ? _mm512_mask_blend_ps(second, s0, _mm512_set1_ps(group_value(rp[i].s, L.s_dt, 2 * c + 1)))
+                      : s0;
+    }
+    for (int t = 0; t < R; ++t) {
+      const uint8_t* xr = xa.row(t0 + t);
+      const __m512i x = ld512(xr + 64 * c);
+      const __m512 dx = _mm512_loadu_ps(reinterpret_cast<const float*>(xr + in) + 16 * c);
+      for (int i = 0; i < NR; ++i)
+        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(adot_avx512<BITS>(w[i], x)), _mm512_mul_ps(sv[i], dx), acc[i][t]);
+    }
+  }
+  float part[NR][R];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < R; ++t) part[i][t] = Arch5::hsum(acc[i][t]), acc[i][t] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < ng; g0 += 16)
+    for (int i = 0; i < NR; ++i) {
+      const __m512 bv = ld_values16(rp[i].b, L.b_dt, g0, ng);
+      for (int t = 0; t < R; ++t)
+        acc[i][t] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(reinterpret_cast<const float*>(xa.row(t0 + t) + 2 * in) + g0),
+                                    acc[i][t]);
+    }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < R; ++t) y[(t0 + t) * ldy + i] = part[i][t] + Arch5::hsum(acc[i][t]);
+}
+#endif
+
 // One row for every token, R tokens at a time (the weights decoded once per R); W the widest tile
 template <int W, class F>
 static void row_tiles(int64_t n, F&& f) {
@@ -545,8 +817,66 @@ static void simd_rows(int path, const Lin& L, const Q8Rows& xa, int64_t r0, int6
   }
 }
 
+// Tokens in tiles of TMAX, then 2 (TMAX 4) and 1: f(integral_constant R, first token)
+template <int TMAX, class F>
+static void token_tiles(int64_t n, F&& f) {
+  int64_t t = 0;
+  for (; t + TMAX <= n; t += TMAX) f(std::integral_constant<int, TMAX>(), t);
+  if constexpr (TMAX >= 4)
+    if (t + 2 <= n) f(std::integral_constant<int, 2>(), t), t += 2;
+  for (; t < n; ++t) f(std::integral_constant<int, 1>(), t);
+}
+
+// Rows in passes of NR (AVX-512 4, AVX2 2: the accumulators fill the registers), then one at a time
+template <int BITS>
+static void arows_simd(int path, const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  auto pass = [&](auto NR, int64_t r, auto&& tile) {
+    RowPtrs rp[decltype(NR)::value];
+    for (int i = 0; i < decltype(NR)::value; ++i) rp[i] = row_ptrs(L, r + i);
+    // the row Q8_AHEAD_ROWS on (while it is one of this call's): its bytes at the offset being read here
+    const int64_t ahead = r + Q8_AHEAD_ROWS < r1 ? (L.stored(r + Q8_AHEAD_ROWS) - L.stored(r)) * L.row_bytes : 0;
+    tile(rp, ahead);
+  };
+  using I1 = std::integral_constant<int, 1>;
+#if MS_AVX512
+  if (path == AVX512) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4)
+      pass(std::integral_constant<int, 4>(), r, [&](const RowPtrs* rp, int64_t ahead) {
+        token_tiles<4>(xa.n, [&](auto R, int64_t t) { atile_avx512<BITS, 4, decltype(R)::value>(L, rp, xa, t, y + r, ldy, ahead); });
+      });
+    for (; r < r1; ++r)
+      pass(I1(), r, [&](const RowPtrs* rp, int64_t ahead) {
+        token_tiles<8>(xa.n, [&](auto R, int64_t t) { atile_avx512<BITS, 1, decltype(R)::value>(L, rp, xa, t, y + r, ldy, ahead); });
+      });
+    return;
+  }
+#endif
+#if MS_AVX2
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2)
+    pass(std::integral_constant<int, 2>(), r, [&](const RowPtrs* rp, int64_t ahead) {
+      token_tiles<2>(xa.n, [&](auto R, int64_t t) { atile_avx2<BITS, 2, decltype(R)::value>(L, rp, xa, t, y + r, ldy, ahead); });
+    });
+  for (; r < r1; ++r)
+    pass(I1(), r, [&](const RowPtrs* rp, int64_t ahead) {
+      token_tiles<4>(xa.n, [&](auto R, int64_t t) { atile_avx2<BITS, 1, decltype(R)::value>(L, rp, xa, t, y + r, ldy, ahead); });
+    });
+#else
+  (void)path, (void)pass, (void)ldy, I1();
+#endif
+}
+
 bool q8_rows(int path, const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy) {
   if ((path == AVX512 && !MS_AVX512) || (path == AVX2 && !MS_AVX2) || path < 0 || path > 2) return false;
+  if (L.kind == AFFINE) {
+    const bool four = L.bits == 4;
+    if (path == PORTABLE)
+      four ? arows_portable<4>(L, xa, r0, r1, y, ldy) : arows_portable<8>(L, xa, r0, r1, y, ldy);
+    else
+      four ? arows_simd<4>(path, L, xa, r0, r1, y, ldy) : arows_simd<8>(path, L, xa, r0, r1, y, ldy);
+    return true;
+  }
   if (path == PORTABLE) {
     switch (L.bits) {
       case G_Q4_K: krows_portable<G_Q4_K>(L, xa, r0, r1, y, ldy); break;
