@@ -333,12 +333,17 @@ struct KScales {
   MS_INLINE explicit KScales(const uint8_t* b) {
     if constexpr (T == G_Q6_K) {
       for (int k = 0; k < 16; ++k) sc[k] = off[k] = int8_t(b[192 + k]);
-    } else {
+    } else {  // k4_scale_min's values, four bytes per 32-bit word
+      uint32_t u[3];
+      std::memcpy(u, b + 4, 12);
+      const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, hi2 = 0x30303030;
+      const uint32_t w[4] = {u[0] & lo6, (u[2] & lo4) | ((u[0] >> 2) & hi2), u[1] & lo6,
+                             ((u[2] >> 4) & lo4) | ((u[1] >> 2) & hi2)};
+      uint8_t v[16];  // scales 0-7, mins 0-7
+      std::memcpy(v, w, 16);
       for (int s = 0; s < 8; ++s) {
-        int a, m;
-        k4_scale_min(b + 4, s, a, m);
-        sc[s] = int16_t(a);
-        off[2 * s] = off[2 * s + 1] = int16_t(m);
+        sc[s] = int16_t(v[s]);
+        off[2 * s] = off[2 * s + 1] = int16_t(v[8 + s]);
       }
     }
   }
