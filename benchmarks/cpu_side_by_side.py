@@ -12,7 +12,8 @@ moestream's CPU split (reads, compiled kernels, the rest), and the load average 
 Engines: llama.cpp on the GGUF file (llama-cpp-python from ``benchmarks/peers/setup_peers.sh``; its CPU repack
 on and off), moestream on the ``moestream convert`` folder with float and ``--activations q8`` activations, and
 moestream on the same GGUF file with float and q8 activations. ``--engines`` picks a subset. The page cache is
-kept and both files are read once before the first round (all in RAM: no prefill pays for the disk). Results:
+kept and both files are read once before the first round (all in RAM: no prefill pays for the disk); with
+``--cap 2G`` each run starts from a dropped page cache inside that cgroup cap instead (root). Results:
 ``OUT/results.json`` and ``OUT/report.md``.
 """
 
@@ -66,6 +67,9 @@ def main() -> int:
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     p.add_argument("--peers-python", default="/work/big/peers/venv/bin/python")
     p.add_argument("--limit-s", type=float, default=900.0)
+    p.add_argument("--cap", default=None, help="a memory cap (cgroup, e.g. 2G; root): every run from a cold page cache "
+                   "inside it, instead of all in RAM")
+    p.add_argument("--budget", default="all", help="moestream's --cache-budget-gb (default all; auto in a cap)")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
@@ -74,11 +78,13 @@ def main() -> int:
         raise SystemExit(f"unknown engine(s) {bad}; choose from {list(ENGINES)}")
     # all in RAM: the page cache is kept (bench.py drops it before each run for its capped rows) and both files are
     # read once first, so no engine's prefill pays for the disk
-    bench.drop_caches = lambda: False
-    for f in [a.gguf, *sorted(a.moestream_model.glob("*.safetensors"))]:
-        with open(f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
+    cap = bench.parse_size(a.cap) if a.cap else None
+    if cap is None:
+        bench.drop_caches = lambda: False
+        for f in [a.gguf, *sorted(a.moestream_model.glob("*.safetensors"))]:
+            with open(f, "rb") as fh:
+                while fh.read(64 << 20):
+                    pass
     tokens = make_tokens(a.tokenizer, a.prompt_tokens, a.tokens)
     tokens_file = a.out / "tokens.json"
     tokens_file.write_text(json.dumps(tokens))
@@ -88,9 +94,11 @@ def main() -> int:
         for name in engines:
             engine, key, flags = ENGINES[name]
             python = a.peers_python if engine == "llama" else sys.executable
+            if engine == "moestream":
+                flags = [*flags, "--budget", a.budget]
             load = load_average()
             run = do_run(a, f"{name}-{rnd}", engine, python, models[key], flags, a.limit_s, tokens_file,
-                         len(tokens["prompt"]), None, {"config": name, "round": rnd, "load_before": load})
+                         len(tokens["prompt"]), cap, {"config": name, "round": rnd, "load_before": load})
             runs.append(run)
             (a.out / "results.json").write_text(json.dumps({"runs": runs}, indent=1, default=str))
     rows = []
@@ -98,7 +106,7 @@ def main() -> int:
         rs = [r for r in runs if r["config"] == name and r.get("decode_tok_s")]
         split = [r["cpu_split"] for r in rs if "cpu_split" in r]
         rows.append({
-            "config": name, "runs": len(rs),
+            "config": name, "runs": len(rs), "peak_cap_gb": median(bench.gb(r.get("cap_peak_bytes")) for r in rs),
             "decode_tok_s": median(r["decode_tok_s"] for r in rs),
             "decode_tok_s_all": [round(r["decode_tok_s"], 2) for r in rs],
             "cpu_s_per_token": median(r.get("cpu_s_per_token") for r in rs),
@@ -108,10 +116,11 @@ def main() -> int:
             "load_before": [r["load_before"][0] for r in rs],
             "peak_rss_gb": median(r.get("peak_rss_gb") for r in rs),
         })
-    machine = {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count()}
+    machine = {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "cap": a.cap, "budget": a.budget}
     (a.out / "results.json").write_text(json.dumps({"machine": machine, "rows": rows, "runs": runs}, indent=1,
                                                    default=str))
-    lines = [f"CPU: {machine['cpu']} ({machine['cores']} cores; {machine['flags']})", "",
+    where = f"cap {a.cap}, cold page cache, moestream budget {a.budget}" if cap else "no cap, all in RAM"
+    lines = [f"CPU: {machine['cpu']} ({machine['cores']} cores; {machine['flags']}); {where}", "",
              "| run | decode tok/s (median; each run) | CPU s / decoded token (median; each) | prefill tok/s | "
              "moestream CPU split reads / kernels / rest | load before each run |",
              "| --- | --- | --- | ---: | --- | --- |"]
