@@ -21,10 +21,13 @@ is computed with no host work, no ``torch.stack`` and no atomics:
   kernels with the same tile shapes**, one slot per block (no grouping): so a routing slot's bits are the
   same whether it was computed in a decode step or in a prefill chunk of any length, and whichever other
   slots shared its block (each output element is one chain of tensor-core steps over the same tiles).
-- **quantized experts, few tokens**: row kernels that unpack whole words in registers (one program per
-  (slot, block of I) for gate/up and SiLU, float32; one per (slot, block of H) for down times the weight;
-  the sum over k), faster than dequantizing tiles for the tensor cores at one token; their bits differ
-  from the tl.dot kernels' (docs/gpu.md).
+- **quantized experts, few tokens**: row kernels on the CUDA cores (one program per (slot, block of I) for
+  gate/up and SiLU, float32; one per (slot, block of H) for down times the weight; the sum over k), faster
+  than dequantizing tiles for the tensor cores at one token; their bits differ from the tl.dot kernels'
+  (docs/gpu.md). MLX affine 2/4/8-bit codes go through :func:`_gate_up_affine` / :func:`_down_affine`: each
+  int32 word loaded once, its codes made exact floats by the magic-number trick (:func:`_codes`), the raw
+  codes' dot with x per group, then ``scale * dot + bias * sum(x)`` per group; other formats through
+  :func:`_gate_up_rows` / :func:`_down_rows`.
 
 Determinism: each output element is written by exactly one program with a fixed loop order,
 and the tile shapes depend only on the model's ``(K, H, I, dtype)``, never on ``T``. So the bits
@@ -172,29 +175,110 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _affine_dot(q_ptr, s_ptr, b_ptr, slot, n, nmask, k0, xv, NK: constexpr, sq0, sq1, ss0, ss1, sb0, sb1,
-                    BITS: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # rows n of one slot's affine weight (2, 4 or 8 bits) times x columns [k0, k0 + BK): whole uint32 words
-        # loaded (vectorized), codes unpacked in registers, then per group sum_i (s q_i + b) x_i =
-        # s * sum_i q_i x_i + b * sum_i x_i. q_ptr: int32 words; xv: [BK] float32 (0 past the row's end).
+    def _codes(words, J: tl.constexpr, BITS: tl.constexpr):
+        # code J of every int32 word (bits [BITS*J, BITS*J + BITS), little-endian) as an exact float32 times
+        # 2^(BITS*p), p its place in its 16-bit half: the half ORed with the bits of 2^23 (0x4B000000, all above
+        # bit 15), the code kept in place by one AND, the float minus 2^23 (the magic-number trick: no shift
+        # or int-to-float conversion per code). The caller scales x's column by 2^(-BITS*p), exactly.
+        MASK: tl.constexpr = (1 << BITS) - 1
+        HALF: tl.constexpr = 16 // BITS
+        if J < HALF:
+            v = (words | 0x4B000000) & ((MASK << (BITS * J)) | 0x4B000000)
+        else:
+            v = ((words >> 16) | 0x4B000000) & ((MASK << (BITS * (J - HALF))) | 0x4B000000)
+        return v.to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _group_scales(s_ptr, b_ptr, slot, r64, nmask, gi, gm, ss0, ss1, sb0, sb1):
+        # the scales and biases of groups gi, rows r64: float32 [NG, BN] each (0 where masked)
+        m = gm[:, None] & nmask[None, :]
+        sc = tl.load(s_ptr + slot * ss0 + r64[None, :] * ss1 + gi[:, None], mask=m, other=0.0).to(tl.float32)
+        bi = tl.load(b_ptr + slot * sb0 + r64[None, :] * sb1 + gi[:, None], mask=m, other=0.0).to(tl.float32)
+        return sc, bi
+
+    @triton.jit
+    def _gate_up_affine(x_ptr, idx_ptr, table_ptr, wg_ptr, sg_ptr, bg_ptr, wu_ptr, su_ptr, bu_ptr, h_ptr,
+                        K: constexpr, H: constexpr, NI: constexpr, sx, q0, q1, s0, s1, b0, b1, sh,
+                        BITS: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
+        # one program: routing slot s = t*K + k, gate/up rows n in [nb*BN, nb*BN + BN) of MLX affine 2/4/8-bit
+        # codes (int32 words), NG groups of GS columns a step: each word loaded once, its codes unpacked in
+        # registers (_codes), then per group scale * sum_i q_i x_i + bias * sum_i x_i (float32), in an order
+        # fixed by position: per word the codes in order, the words of a group by tl.sum, the groups of a step
+        # by tl.sum, the steps in order. x and its group sums are shared by gate and up. The tiles are
+        # [groups, rows, words] (groups outermost: Triton then spreads a warp's threads over groups and words,
+        # so each thread holds few columns of x and several rows).
         PER: tl.constexpr = 32 // BITS
-        NW: tl.constexpr = BK // PER
-        NG: tl.constexpr = BK // GS
-        wi = k0 // PER + tl.arange(0, NW)
+        WPG: tl.constexpr = GS // PER
+        HALF: tl.constexpr = 16 // BITS
+        s = tl.program_id(0)
+        nb = tl.program_id(1)
+        t = s // K
+        e = tl.load(idx_ptr + s)
+        slot = tl.load(table_ptr + e).to(tl.int64)
+        n = nb * BN + tl.arange(0, BN)
+        nmask = n < NI
         r64 = n.to(tl.int64)
-        words = tl.load(q_ptr + slot * sq0 + r64[:, None] * sq1 + wi[None, :],
-                        mask=nmask[:, None] & (wi[None, :] < NK // PER), other=0)
-        sh = tl.arange(0, PER) * BITS
-        q = (words[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)
-        q = tl.reshape(q.to(tl.float32), (BN, NG, GS))
-        x3 = tl.reshape(xv, (NG, GS))
-        dot = tl.sum(q * x3[None, :, :], axis=2)
-        xs = tl.sum(x3, axis=1)
-        gi = k0 // GS + tl.arange(0, NG)
-        gm = nmask[:, None] & (gi[None, :] < NK // GS)
-        sc = tl.load(s_ptr + slot * ss0 + r64[:, None] * ss1 + gi[None, :], mask=gm, other=0.0).to(tl.float32)
-        bi = tl.load(b_ptr + slot * sb0 + r64[:, None] * sb1 + gi[None, :], mask=gm, other=0.0).to(tl.float32)
-        return tl.sum(sc * dot + bi * xs[None, :], axis=1)
+        accg = tl.zeros([BN], dtype=tl.float32)
+        accu = tl.zeros([BN], dtype=tl.float32)
+        for k0 in range(0, H, NG * GS):
+            gi = k0 // GS + tl.arange(0, NG)
+            gm = gi < H // GS
+            wi = gi[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [NG, WPG] words of the row
+            woff = r64[None, :, None] * q1 + wi[:, None, :]
+            m3 = gm[:, None, None] & nmask[None, :, None]
+            wdg = tl.load(wg_ptr + slot * q0 + woff, mask=m3, other=0)
+            wdu = tl.load(wu_ptr + slot * q0 + woff, mask=m3, other=0)
+            scg, big = _group_scales(sg_ptr, bg_ptr, slot, r64, nmask, gi, gm, s0, s1, b0, b1)
+            scu, biu = _group_scales(su_ptr, bu_ptr, slot, r64, nmask, gi, gm, s0, s1, b0, b1)
+            pg = tl.zeros([NG, BN, WPG], dtype=tl.float32)
+            pu = tl.zeros([NG, BN, WPG], dtype=tl.float32)
+            xs = tl.zeros([NG, WPG], dtype=tl.float32)
+            for j in tl.static_range(PER):
+                xj = tl.load(x_ptr + t * sx + wi * PER + j, mask=gm[:, None], other=0.0).to(tl.float32)
+                xs += xj
+                xj = xj * (1.0 / (1 << (BITS * (j % HALF))))  # _codes' power of 2 taken back
+                pg += _codes(wdg, j, BITS) * xj[:, None, :]
+                pu += _codes(wdu, j, BITS) * xj[:, None, :]
+            xsum = tl.sum(xs, axis=1)[:, None]
+            accg += tl.sum(scg * tl.sum(pg, axis=2) + big * xsum, axis=0)
+            accu += tl.sum(scu * tl.sum(pu, axis=2) + biu * xsum, axis=0)
+        h = accg / (1.0 + tl.exp(-accg)) * accu
+        tl.store(h_ptr + s * sh + n, h, mask=nmask)
+
+    @triton.jit
+    def _down_affine(h_ptr, w_ptr, idx_ptr, table_ptr, wd_ptr, sd_ptr, bd_ptr, y_ptr, K: constexpr, H: constexpr,
+                     NI: constexpr, sh, q0, q1, s0, s1, b0, b1, sy,
+                     BITS: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
+        # one program: routing slot s, down rows n in [nb*BN, nb*BN + BN): y[s, n] = weight * down_e(h_s)
+        # (float32), the reduction over I and the tiles as _gate_up_affine's; _sum_k then adds a token's K rows
+        PER: tl.constexpr = 32 // BITS
+        WPG: tl.constexpr = GS // PER
+        HALF: tl.constexpr = 16 // BITS
+        s = tl.program_id(0)
+        nb = tl.program_id(1)
+        n = nb * BN + tl.arange(0, BN)
+        nmask = n < H
+        r64 = n.to(tl.int64)
+        e = tl.load(idx_ptr + s)
+        slot = tl.load(table_ptr + e).to(tl.int64)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for i0 in range(0, NI, NG * GS):
+            gi = i0 // GS + tl.arange(0, NG)
+            gm = gi < NI // GS
+            wi = gi[:, None] * WPG + tl.arange(0, WPG)[None, :]
+            wd = tl.load(wd_ptr + slot * q0 + r64[None, :, None] * q1 + wi[:, None, :],
+                         mask=gm[:, None, None] & nmask[None, :, None], other=0)
+            sc, bi = _group_scales(sd_ptr, bd_ptr, slot, r64, nmask, gi, gm, s0, s1, b0, b1)
+            p = tl.zeros([NG, BN, WPG], dtype=tl.float32)
+            xs = tl.zeros([NG, WPG], dtype=tl.float32)
+            for j in tl.static_range(PER):
+                hj = tl.load(h_ptr + s * sh + wi * PER + j, mask=gm[:, None], other=0.0)
+                xs += hj
+                hj = hj * (1.0 / (1 << (BITS * (j % HALF))))
+                p += _codes(wd, j, BITS) * hj[:, None, :]
+            acc += tl.sum(sc * tl.sum(p, axis=2) + bi * tl.sum(xs, axis=1)[:, None], axis=0)
+        wt = tl.load(w_ptr + s).to(tl.float32)
+        tl.store(y_ptr + s.to(tl.int64) * sy + n, acc * wt, mask=nmask)
 
     @triton.jit
     def _mxfp4_dot(q_ptr, s_ptr, slot, n, nmask, k0, xv, NK: constexpr, sq0, sq1, ss0, ss1,
@@ -239,14 +323,9 @@ if triton is not None:
             kk = k0 + tl.arange(0, BK)
             km = kk < H
             xv = tl.load(x_ptr + t * sx + kk, mask=km, other=0.0).to(tl.float32)
-            if VEC and F == 3:  # MXFP4: whole bytes
+            if VEC:  # MXFP4: whole bytes
                 accg += _mxfp4_dot(wg_ptr, sg_ptr, slot, n, nmask, k0, xv, H, q0, q1, s0, s1, BN, BK)
                 accu += _mxfp4_dot(wu_ptr, su_ptr, slot, n, nmask, k0, xv, H, q0, q1, s0, s1, BN, BK)
-            elif VEC:  # affine 2/4/8 bits: whole words
-                accg += _affine_dot(wg_ptr, sg_ptr, bg_ptr, slot, n, nmask, k0, xv, H, q0, q1, s0, s1, b0, b1,
-                                    BITS, GS, BN, BK)
-                accu += _affine_dot(wu_ptr, su_ptr, bu_ptr, slot, n, nmask, k0, xv, H, q0, q1, s0, s1, b0, b1,
-                                    BITS, GS, BN, BK)
             else:
                 m2 = nmask[:, None] & km[None, :]
                 g = _wload(wg_ptr, sg_ptr, bg_ptr, slot, n[:, None], kk[None, :], m2, q0, q1, s0, s1, b0, b1,
@@ -268,11 +347,8 @@ if triton is not None:
             ii = i0 + tl.arange(0, BK)
             im = ii < NI
             hv = tl.load(h_ptr + s * sh + ii, mask=im, other=0.0)
-            if VEC and F == 3:
+            if VEC:  # MXFP4: whole bytes
                 acc += _mxfp4_dot(wd_ptr, sd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, BN, BK)
-            elif VEC:
-                acc += _affine_dot(wd_ptr, sd_ptr, bd_ptr, slot, n, nmask, i0, hv, NI, q0, q1, s0, s1, b0, b1,
-                                   BITS, GS, BN, BK)
             else:
                 d = _wload(wd_ptr, sd_ptr, bd_ptr, slot, n[:, None], ii[None, :], nmask[:, None] & im[None, :],
                            q0, q1, s0, s1, b0, b1, F, BITS, GS, BR)
@@ -524,9 +600,13 @@ def _rows_config(h: int, i: int) -> tuple[int, int, int, int]:
 
 
 FLOAT, AFFINE, FP8, MXFP4 = 0, 1, 2, 3  # the kernels' weight formats (their FMT constant)
-# decode block sizes for quantized experts (rows per program, columns per step of gate/up and of down):
-# more, smaller programs than for float experts, whose loads are wider (measured on an H200, docs/gpu.md)
+# decode block sizes for fp8, MXFP4 and 3/5/6-bit affine experts (rows per program, columns per step of
+# gate/up and of down): more, smaller programs than for float experts, whose loads are wider (H200 sweep)
 QUANT_ROWS = {"bn1": 8, "bk1": 512, "bn2": 16, "bk2": 256}
+# the affine word kernels' decode launch: rows per program (bn), words of a row per step (wk: whole groups, at
+# least one) and warps (w) of gate/up (1) and of down (2); one setting for every call (an H200 sweep at 4 bits,
+# group 64, H 2048, I 768: benchmarks/gpu_quant.py --sweep-affine, docs/benchmarks.md)
+AFFINE_ROWS = {"bn1": 8, "wk1": 128, "w1": 2, "bn2": 16, "wk2": 32, "w2": 1}
 # what the kernels dequantize in registers: a stored format's registry entry (Scheme.format) names the bits
 # (gpu_bits), _PROJ its projection
 
@@ -567,18 +647,20 @@ class Proj:
     def consts(self) -> dict:
         return dict(F=self.fmt, BITS=self.bits, GS=self.gs, BR=self.br)
 
-    def words(self, bk: int) -> "Proj | None":
-        """This projection for the decode kernels' whole-word path, else None: affine 2, 4 or 8 bits with ``q``
-        as int32 words (``bk`` columns per step a multiple of the group, the codes' rows 4-byte aligned), or
-        MXFP4 bytes (``bk`` a multiple of 32)."""
-        if self.fmt == MXFP4 and bk % 32 == 0:  # bytes as stored: no alignment needed
-            return self
-        if self.fmt != AFFINE or self.bits not in (2, 4, 8) or bk % self.gs or bk < 32 // self.bits:
+    def affine_words(self) -> "Proj | None":
+        """This projection with ``q`` as int32 words [S, out, in * bits / 32] for the decode kernels' word path
+        (:func:`_gate_up_affine`, :func:`_down_affine`), else None: MLX affine 2, 4 or 8 bits whose group holds
+        a power of 2 of whole words (32, 64 or 128 columns) and whose codes' rows are 4-byte aligned."""
+        if self.fmt != AFFINE or self.bits not in (2, 4, 8) or self.gs not in (32, 64, 128):
             return None
         q = self.q
         if q.data_ptr() % 4 or q.stride(0) % 4 or q.stride(1) % 4 or q.shape[-1] % 4:
             return None
         return replace(self, q=q.view(torch.int32))
+
+    def groups_per(self, words: int) -> int:
+        """Groups in ``words`` int32 words of a row of affine codes (at least one): the word kernels' NG."""
+        return max(1, words * (32 // self.bits) // self.gs)
 
     def rows(self, start: int, step: int) -> "Proj":
         """Every ``step``-th row from ``start`` (gpt-oss style interleaved ``gate_up``: gate the even rows)."""
@@ -689,8 +771,9 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
     Returns:
         [T, H] in x's dtype: ``sum_k weights[t, k] * down(silu(gate x_t) * up x_t)``, accumulated
         in float32 over k = 0..K-1 and rounded once. Quantized weights are dequantized to float32
-        (exact for fp8 and MXFP4; affine ``scale * q + bias`` in float32); on the prefill path
-        they then enter the tensor cores in x's dtype.
+        (exact for fp8 and MXFP4; affine ``scale * q + bias`` in float32, or in decode for 2/4/8 bits
+        ``scale * sum(q x) + bias * sum(x)`` per group); on the prefill path they then enter the
+        tensor cores in x's dtype.
 
     Raises:
         RuntimeError: when Triton is missing (see :func:`available`).
@@ -716,26 +799,34 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, table: 
     gu = (gate.q, gate.s, gate.b, up.q, up.s, up.b)
     dn = (down.q, down.s, down.b)
     quant = gate.fmt != FLOAT or down.fmt != FLOAT
-    if tk <= ROWS_MAX and quant:  # quantized decode: the row kernels unpacking whole words
-        bn1, bk1, bn2, bk2 = _rows_config(h, i_)
-        if gate.fmt != FLOAT:
-            bn1, bk1 = QUANT_ROWS["bn1"], min(QUANT_ROWS["bk1"], triton.next_power_of_2(h))
-        if down.fmt != FLOAT:
-            bn2, bk2 = QUANT_ROWS["bn2"], min(QUANT_ROWS["bk2"], triton.next_power_of_2(i_))
-        gw, uw, dw = gate.words(bk1), up.words(bk1), down.words(bk2)
-        vec1, vec2 = gw is not None and uw is not None, dw is not None
-        if vec1:
-            gate, gu = gw, (gw.q, gw.s, gw.b, uw.q, uw.s, uw.b)
-        if vec2:
-            down, dn = dw, (dw.q, dw.s, dw.b)
+    if tk <= ROWS_MAX and quant:  # quantized decode: row kernels, affine 2/4/8 bits from whole words
         hbuf = torch.empty(tk, i_, dtype=torch.float32, device=x.device)
-        _gate_up_rows[(tk, triton.cdiv(i_, bn1))](
-            x, flat, table, *gu, hbuf, k, h, i_, x.stride(0), *gate.strides(), hbuf.stride(0),
-            BN=bn1, BK=bk1, **gate.consts(), VEC=vec1, num_warps=4)
         y = torch.empty(tk, h, dtype=torch.float32, device=x.device)
-        _down_rows[(tk, triton.cdiv(h, bn2))](
-            hbuf, wflat, flat, table, *dn, y, k, h, i_, hbuf.stride(0), *down.strides(), y.stride(0),
-            BN=bn2, BK=bk2, **down.consts(), VEC=vec2, num_warps=4)
+        gw, uw, dw = gate.affine_words(), up.affine_words(), down.affine_words()
+        ar = AFFINE_ROWS
+        if gw is not None and uw is not None:
+            _gate_up_affine[(tk, triton.cdiv(i_, ar["bn1"]))](
+                x, flat, table, gw.q, gw.s, gw.b, uw.q, uw.s, uw.b, hbuf, k, h, i_, x.stride(0), *gw.strides(),
+                hbuf.stride(0), BITS=gw.bits, GS=gw.gs, BN=ar["bn1"], NG=gw.groups_per(ar["wk1"]),
+                num_warps=ar["w1"])
+        else:
+            bn1, bk1 = _rows_config(h, i_)[:2]
+            if gate.fmt != FLOAT:
+                bn1, bk1 = QUANT_ROWS["bn1"], min(QUANT_ROWS["bk1"], triton.next_power_of_2(h))
+            _gate_up_rows[(tk, triton.cdiv(i_, bn1))](
+                x, flat, table, *gu, hbuf, k, h, i_, x.stride(0), *gate.strides(), hbuf.stride(0),
+                BN=bn1, BK=bk1, **gate.consts(), VEC=gate.fmt == MXFP4 and bk1 % 32 == 0, num_warps=4)
+        if dw is not None:
+            _down_affine[(tk, triton.cdiv(h, ar["bn2"]))](
+                hbuf, wflat, flat, table, dw.q, dw.s, dw.b, y, k, h, i_, hbuf.stride(0), *dw.strides(),
+                y.stride(0), BITS=dw.bits, GS=dw.gs, BN=ar["bn2"], NG=dw.groups_per(ar["wk2"]), num_warps=ar["w2"])
+        else:
+            bn2, bk2 = _rows_config(h, i_)[2:]
+            if down.fmt != FLOAT:
+                bn2, bk2 = QUANT_ROWS["bn2"], min(QUANT_ROWS["bk2"], triton.next_power_of_2(i_))
+            _down_rows[(tk, triton.cdiv(h, bn2))](
+                hbuf, wflat, flat, table, *dn, y, k, h, i_, hbuf.stride(0), *down.strides(), y.stride(0),
+                BN=bn2, BK=bk2, **down.consts(), VEC=down.fmt == MXFP4 and bk2 % 32 == 0, num_warps=4)
         _sum_k[(t, triton.cdiv(h, 128))](y, out, k, h, y.stride(0), out.stride(0), BN=128, num_warps=4)
         return out
     e = table.numel()

@@ -186,6 +186,28 @@ def test_quantized_kernel_over_several_column_steps(kind, shape, t, k):
     assert err < 2e-5, f"{kind} {shape} t={t}: {err:.2e}"
 
 
+@interpreted
+def test_affine_word_kernels_at_real_widths(monkeypatch):
+    """The decode word kernels (4-bit, group 64) at Qwen3-30B-A3B's widths (H 2048, I 768) against float64, and a
+    token's bits the same alone as beside another token. Tiles larger than the GPU's (fewer programs for the
+    interpreter), the same code; the GPU's own tiles at these widths: test_gpu_quant.py."""
+    monkeypatch.setattr(fm, "AFFINE_ROWS", {**fm.AFFINE_ROWS, "bn1": 128, "wk1": 64, "bn2": 256, "wk2": 32})
+    g = torch.Generator().manual_seed(11)
+    i, h, e = 768, 2048, 4
+    _, _, views, fmt, deq = quant_layer("affine4-g64", e, i, h, g)
+    proj = fm.expert_projections(views, fmt)
+    table = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    x = torch.randn(2, h, generator=g)
+    idx = routing(2, 2, e, g)
+    w = torch.rand(2, 2, generator=g)
+    got = fm.fused_moe(x, w, idx, table, *proj)
+    ref = fm.reference_moe(x, w, idx, {ex: deq[int(table[ex])] for ex in range(e)})
+    err = float((got.double() - ref).norm() / ref.norm())
+    assert err < 2e-5, f"{err:.2e}"
+    alone = fm.fused_moe(x[1:], w[1:], idx[1:], table, *proj)
+    assert torch.equal(alone[0], got[1]), "a token's bits depend on the token beside it"
+
+
 def test_formats_without_a_gpu_kernel_are_named():
     assert fm.gpu_format(Scheme("affine", 4, 64)) is None
     assert fm.gpu_format(Scheme("fp8", 8, 128, (128, 128))) is None
