@@ -281,6 +281,18 @@ def cli_synth_tiny(root: Path, **overrides) -> Path:
     return root / "tiny"
 
 
+def bench_smoke(tmp_path: Path, *flags: str, timeout: int = 300) -> tuple[subprocess.CompletedProcess, Path]:
+    """``benchmarks/bench.py --smoke`` with ``flags``, its work folder, output folder and (empty) peers' folder in
+    ``tmp_path``, which must exit 0: (the completed run, its output folder)."""
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks/bench.py"), "--smoke", *flags,
+         "--work", str(tmp_path / "work"), "--out", str(out), "--peers-dir", str(tmp_path / "no-peers")],
+        capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r, out
+
+
 def tiny_synth_fixture(name: str):
     """A module-scoped fixture: ``moestream.synth.synth`` of :func:`write_tiny_synth_config` (the real Qwen3
     tokenizer and vocabulary, so a text prompt runs) in a temporary folder named ``name``; the checkpoint
