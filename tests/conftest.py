@@ -40,7 +40,7 @@ FILE_SECONDS = {
     "test_gguf_tokenizer.py": 105, "test_errors.py": 86, "test_bench_smoke.py": 86, "test_cli_rough_edges.py": 80,
     "test_quant_native.py": 80, "test_synth_trained.py": 77, "test_attention_kernel.py": 57, "test_fused_moe.py": 47,
     "test_family_deepseek.py": 39, "test_family_qwen3_hybrid.py": 37, "test_scheduler.py": 36, "test_server.py": 35,
-    "test_family_kimi.py": 34, "test_synth_mla.py": 32, "test_activations_q8.py": 31,
+    "test_family_kimi.py": 34, "test_synth_mla.py": 32, "test_activations_q8.py": 31, "test_activations_q8_affine.py": 30,
     "test_invariant_kernels.py": 30, "test_gguf.py": 29, "test_family_laguna.py": 24, "test_gguf_types.py": 24,
     "test_reliability_state.py": 22, "test_exact_under_timing.py": 21, "test_expert_parallel.py": 20,
     "test_streaming_exact.py": 19, "test_usage.py": 16, "test_family_olmoe.py": 14, "test_family_gpt_oss.py": 14,
