@@ -99,8 +99,9 @@ def open_model(ckpt: Checkpoint, options: EngineOptions) -> Opened:
     if fallback:
         kinds = sorted({t for _, t in fallback})
         print(f"note: --activations q8 covers {', '.join(quant.Q8_ACTIVATION_TYPES)} and affine "
-              f"{' and '.join(f'{b}-bit' for b in AFFINE_Q8_BITS)}; {len(fallback)} tensors of "
-              f"type {', '.join(kinds)} keep float activations ({fallback[0][0]}, ...)", file=sys.stderr)
+              f"{' and '.join(f'{b}-bit' for b in AFFINE_Q8_BITS)}; {len(fallback)} tensor"
+              f"{'s' if len(fallback) > 1 else ''} of type {', '.join(kinds)} keep float activations "
+              f"({fallback[0][0]}, ...)", file=sys.stderr)
     if options.dtype == "auto":
         dtype = quant.float_dtype(ckpt, net.embed_name, checkpoint_dtype(ckpt, net.embed_name))
     else:

@@ -33,9 +33,13 @@ def ref_q8_affine(x: np.ndarray, group: int):
     n = x.shape[0]
     xb = x.astype(np.float32).reshape(n, -1, 32)
     amax = np.abs(xb).max(-1, keepdims=True)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         inv = np.where(amax == 0, np.float32(0), np.float32(127.0) / np.where(amax == 0, np.float32(1), amax))
-    codes = np.clip(np.rint((xb * inv.astype(np.float32)).astype(np.float32)), -127, 127).astype(np.int8)
+        scaled = (xb * inv.astype(np.float32)).astype(np.float32)
+        # amax below 127 / FLT_MAX: 127 / amax overflows, so x / amax * 127
+        tiny = (xb / np.where(amax == 0, np.float32(1), amax)).astype(np.float32) * np.float32(127.0)
+        scaled = np.where(np.isinf(inv), tiny.astype(np.float32), scaled)
+    codes = np.clip(np.rint(scaled), -127, 127).astype(np.int8)
     d = (amax[..., 0] / np.float32(127.0)).astype(np.float32)
     e = (d * codes.astype(np.int32).sum(-1).astype(np.float32)).astype(np.float32)
     per = group // 32
@@ -53,12 +57,14 @@ def test_activation_rounding(bits, group):
     x = _x(5, 2048, 0)
     x[1, :32] = 0  # ties: amax 127 makes x * 127 / amax = x exactly; half to even gives 0, 2, 2, -2
     x[1, :5] = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5])
+    x[2, 32:64] = torch.linspace(-1e-37, 1e-37, 32)  # 127 / amax overflows float32: the signs must stay
     codes, scales, sums = native.q8_quantize_affine(x, bits, group)
     want = ref_q8_affine(x.numpy(), group)
     np.testing.assert_array_equal(codes.numpy(), want[0])
     np.testing.assert_array_equal(scales.numpy(), want[1])
     np.testing.assert_array_equal(sums.numpy(), want[2])
     assert codes[1, :5].tolist() == [127, 0, 2, 2, -2] and (codes[0, :256] == 0).all()
+    assert codes[2, 32].item() == -127 and codes[2, 63].item() == 127 and (codes[2, 32:48] < 0).all()
     with pytest.raises(ValueError, match="64-value chunks"):
         native.q8_quantize_affine(x[:, :96], bits, 32)
 
@@ -236,3 +242,23 @@ def test_other_widths_are_named_once_and_stay_float(builds, capfd):
     assert len(notes) == 1 and "affine 3-bit" in notes[0] and "keep float activations" in notes[0], notes
     assert not torch.equal(q8, _logits(builds[3], "all")[0])  # the routers (8-bit in every build) are q8
 
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_inputs_too_small_for_127_over_amax_keep_their_sign(path):
+    """A block whose largest value is below 127 / FLT_MAX (127 / amax overflows) is rounded as x / amax * 127."""
+    on(path)
+    t, lf, q, s64, b64 = affine_case(7, 128, 4, 32, seed=3)
+    x = 3e-37 * torch.where(torch.arange(128) % 3 == 0, -1.0, 1.0)[None]
+    want = x.double() @ (s64 * q + b64).T
+    with native.use(path):
+        got = native.linear(x, t, lf).double()
+    assert ((got - want).abs() <= 1e-2 * want.abs().max()).all(), (got, want)
+
+
+def test_widths_and_groups_q8_does_not_take_stay_float():
+    lf = with_activations(LinearFormat("w", Scheme("affine", 4, 96), 5, 384), "q8", got := [], "w")
+    assert lf.scheme.act == "float" and got == [("w", "affine 4-bit in groups of 96 (q8 takes 32 or multiples of 64)")]
+    lf = with_activations(LinearFormat("w", Scheme("affine", 8, 32), 5, 96), "q8", got := [], "w")
+    assert lf.scheme.act == "float" and "96 inputs" in got[0][1]
+    assert with_activations(LinearFormat("w", Scheme("affine", 4, 128), 5, 384), "q8").scheme.act == "q8"

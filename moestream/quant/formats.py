@@ -454,7 +454,8 @@ Q8_ACTIVATION_TYPES = tuple(sorted((t for t, f in registry.ggml_formats().items(
 
 
 # The MLX affine code widths q8 mode computes on (csrc/q8.h Q8_A4, Q8_A8: a byte's two nibbles or one code per
-# byte against 8-bit activations); other widths keep float activations.
+# byte against 8-bit activations), with inputs in whole 64-value chunks and groups of 32 or multiples of 64; other
+# linears keep float activations.
 AFFINE_Q8_BITS = (4, 8)
 
 
@@ -469,10 +470,16 @@ def with_activations(lf: LinearFormat | None, activations: str, fallback: list |
     if activations != "q8" or s is None:
         return lf
     if s.method == "affine" and s.format is not None and s.format.name == "affine":
-        if s.bits in AFFINE_Q8_BITS and lf.in_features % 64 == 0 and lf.in_features % s.group_size == 0:
+        if s.bits not in AFFINE_Q8_BITS:
+            why = f"affine {s.bits}-bit"
+        elif lf.in_features % 64 or lf.in_features % s.group_size:
+            why = f"affine {s.bits}-bit with {lf.in_features} inputs (not whole 64-value chunks)"
+        elif s.group_size != 32 and s.group_size % 64:
+            why = f"affine {s.bits}-bit in groups of {s.group_size} (q8 takes 32 or multiples of 64)"
+        else:
             return replace(lf, scheme=replace(s, act="q8"))
         if fallback is not None:
-            fallback.append((name or lf.role, f"affine {s.bits}-bit"))
+            fallback.append((name or lf.role, why))
         return lf
     if not isinstance(s.format, GgmlFormat):
         return lf

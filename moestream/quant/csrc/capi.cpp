@@ -258,7 +258,7 @@ int64_t ms_q8_quantize(int type, const float* x, int64_t n, int64_t in, void* ou
   if (n < 0 || in <= 0) return -1;
   if (ms::q8_affine(type)) {  // affine: the weights' group in the type (q8.h), whole 64-value chunks
     const int64_t g = ms::q8_group(type);
-    if (g < 32 || g % 32 || in % 64 || in % g) return -1;
+    if ((g != 32 && (g < 64 || g % 64)) || in % 64 || in % g) return -1;
   } else if ((type != ms::Q8_KB && type != ms::Q8_0B) || in % (type == ms::Q8_KB ? 256 : 32)) {
     return -1;
   }

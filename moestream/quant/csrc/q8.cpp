@@ -15,8 +15,9 @@ namespace ms {
 
 int q8_type_of(const Lin& L) {
   if (L.kind == AFFINE) {  // 4- and 8-bit codes, whole 64-value chunks, no input rotation
-    if (L.act != ACT_Q8 || (L.bits != 4 && L.bits != 8) || L.in % 64 || L.group % 32 || L.group < 32 ||
-        L.in % L.group || L.rot_b)
+    // groups of 32 or of whole 64-value chunks (a chunk's lanes take one scale, or its two blocks' two)
+    if (L.act != ACT_Q8 || (L.bits != 4 && L.bits != 8) || L.in % 64 || (L.group != 32 && L.group % 64) ||
+        L.group < 32 || L.in % L.group || L.rot_b)
       return Q8_NONE;
     return (L.bits == 4 ? Q8_A4 : Q8_A8) | int(L.group << 4);
   }
@@ -59,9 +60,10 @@ static void quantize_affine(int type, const float* x, int64_t ldx, int64_t n, in
       float amax = 0.0f;
       for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
       const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+      const bool tiny = std::isinf(id);  // amax < 127 / FLT_MAX: x * id would be +-inf, so x / amax first
       int32_t s = 0;
       for (int j = 0; j < 32; ++j) {
-        const int v = std::max(-127, std::min(127, nearest(xb[j] * id)));
+        const int v = std::max(-127, std::min(127, nearest(tiny ? xb[j] / amax * 127.0f : xb[j] * id)));
         const int64_t i = 32 * b + j, c = i / 64, k = i % 64;
         q[four ? 64 * c + (k % 2) * 32 + k / 2 : i] = int8_t(v);
         s += v;
