@@ -424,3 +424,30 @@ def test_gpt_oss_converts_with_gate_and_up_de_interleaved(tmp_path):
     assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < RMS_BOUND[8]
     assert torch.equal(logits(q8, ids, budget="0"), got)
     assert main(["inspect", "--model", str(q8)]) == 0
+
+
+def test_dequantize_resident_swaps_in_float_modules_with_the_stored_values(builds):
+    """The GPU's load step on the CPU: each quantized embedding and linear becomes a frozen float module whose
+    weight is the stored form dequantized (an embedding's rows as its own lookup gives them)."""
+    from torch import nn
+
+    from moestream.quant.resident import QuantEmbedding, dequantize_resident
+
+    engine = load(builds[4, 32], cache_budget_gb="all", tokenizer=False, workers=2)
+    try:
+        net = engine.model
+        quant = {n: m for n, m in net.named_modules() if isinstance(m, QuantLinear | QuantEmbedding)}
+        assert any(isinstance(m, QuantEmbedding) for m in quant.values())
+        want = {}
+        for n, m in quant.items():
+            if isinstance(m, QuantEmbedding):
+                want[n] = m.forward(torch.arange(m.fmt.out_features)).float()
+            else:
+                want[n] = m.dense_weight(torch.float32)
+        assert dequantize_resident(net, torch.float32) == len(quant)
+        for n, w in want.items():
+            dense = net.get_submodule(n)
+            assert type(dense) is (nn.Embedding if "embed" in n else nn.Linear), n
+            assert torch.equal(dense.weight, w) and not dense.weight.requires_grad, n
+    finally:
+        engine.close()

@@ -347,7 +347,7 @@ class CausalLM(nn.Module):
         self.max_context = a.max_position_embeddings
         self.decoder_path, self.head_path = prefix, head
         decoder = nn.Module()
-        decoder.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        decoder.embed_tokens = _embedding(a.vocab_size, a.hidden_size)
         decoder.layers = nn.ModuleList()
         decoder.norm = self.Norm(a.hidden_size, a.rms_norm_eps)
         set_submodule(self, prefix, decoder)
@@ -627,6 +627,13 @@ def synth_tensors_of(model_cls: type[CausalLM], args_cls: type[ConfigArgs]) -> C
         return meta_model(model_cls, args_cls.from_config(cfg)).synth_tensors()
 
     return synth_tensors
+
+
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``; on the meta device without its random init, whose meta ``normal_`` imports
+    torch._dynamo (1.5 s of every command's start)."""
+    w = torch.empty(num, dim)
+    return nn.Embedding(num, dim, _weight=w) if w.is_meta else nn.Embedding(num, dim)
 
 
 def meta_model(model_cls: type[CausalLM], args) -> CausalLM:

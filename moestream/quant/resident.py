@@ -217,7 +217,6 @@ def dequantize_resident(model: nn.Module, dtype: torch.dtype) -> int:
         else:
             ids = torch.arange(m.fmt.out_features)
             w = torch.cat([m.forward(ids[i:i + 4096]).to(dtype) for i in range(0, len(ids), 4096)])
-            dense = nn.Embedding(*w.shape, device="meta")
-            dense.weight = nn.Parameter(w, requires_grad=False)
+            dense = nn.Embedding(*w.shape, _weight=w, _freeze=True)  # no random init to throw away
         setattr(parent, name.rpartition(".")[2], dense)
     return len(swaps)
