@@ -21,6 +21,7 @@ import os
 import time
 from functools import partial
 
+import moestream  # noqa: F401  (before torch: its OpenMP wait policy is read when torch loads)
 import torch
 from _common import median_ms
 

@@ -33,8 +33,9 @@ SHAPES = {  # name: (queries T, query heads, key heads, D1, D2, Dv, positions S,
 
 WORKER = r"""
 import hashlib, json, statistics, sys, time
+import moestream  # noqa: F401  (before torch: its OpenMP wait policy is read when torch loads)
+from moestream.quant import native  # before torch: moestream's OpenMP wait policy
 import torch
-from moestream.quant import native
 T, hq, hkv, d1, d2, dv, S, calls = (int(v) for v in sys.argv[1:9])
 g = torch.Generator().manual_seed(0)
 q = torch.randn(T, hq, d1 + d2, generator=g)

@@ -16,10 +16,10 @@ import json
 import statistics
 from pathlib import Path
 
+import moestream  # noqa: F401  (before torch: its OpenMP wait policy is read when torch loads)
 import torch
 from _common import timed_steps
 
-import moestream  # noqa: F401  (before torch: the OpenMP wait policy)
 from moestream.engine import load
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

@@ -40,6 +40,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+import moestream  # noqa: F401  (before torch: its OpenMP wait policy is read when torch loads)
 import torch
 from _common import cpu_model, median_ms
 from torch import nn

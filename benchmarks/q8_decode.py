@@ -16,6 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
+import moestream  # noqa: F401  (before torch: its OpenMP wait policy is read when torch loads)
 import torch
 
 from moestream.engine import load

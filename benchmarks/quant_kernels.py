@@ -22,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+import moestream  # noqa: F401  (before torch: its OpenMP wait policy is read when torch loads)
 import torch
 from _common import median_ms
 

@@ -151,9 +151,9 @@ def level(args, concurrency: int) -> dict:
 def single_stream(args) -> dict:
     """Decode tok/s of one sequence, generate() vs the scheduler, alternating, in this process."""
     sys.path.insert(0, str(ROOT))
+    from moestream.engine import load  # noqa: I001  (before torch: moestream's OpenMP wait policy)
     import torch
 
-    from moestream.engine import load
     from moestream.generation import GenerationStats, generate
     from moestream.scheduler import Request, Scheduler
 
@@ -182,9 +182,9 @@ def step_scale(args) -> list[dict]:
     ``--device cuda --profile DIR``: also the steps with CUDA graphs off and the GPU time per kernel
     of the batch-8 steps (torch.profiler's table, graphs off so each kernel is seen)."""
     sys.path.insert(0, str(ROOT))
+    from moestream.engine import load  # noqa: I001  (before torch: moestream's OpenMP wait policy)
     import torch
 
-    from moestream.engine import load
     from moestream.scheduler import Request, Scheduler
 
     budget = args.cache_budget_gb if args.cache_budget_gb in ("all", "auto") else float(args.cache_budget_gb)
@@ -230,9 +230,9 @@ def second_turn(args) -> dict:
     """Time to first token of a chat's second turn after ``--history`` tokens, with the prefix cache holding the
     first turn, against a fresh prompt of only the new turn's ``--new-turn`` tokens (medians of alternating runs)."""
     sys.path.insert(0, str(ROOT))
+    from moestream.engine import load  # noqa: I001  (before torch: moestream's OpenMP wait policy)
     import torch
 
-    from moestream.engine import load
     from moestream.generation import GenerationStats, generate
 
     budget = args.cache_budget_gb if args.cache_budget_gb in ("all", "auto") else float(args.cache_budget_gb)

@@ -25,8 +25,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 WORKER = r"""
 import json, statistics, sys, time
+import moestream  # noqa: F401  (before torch: its OpenMP wait policy is read when torch loads)
 import torch
-import moestream
 from moestream.engine import load
 model, budget, n_prompt, n_tokens, shared = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 sys.path.insert(0, sys.argv[6])  # this checkout's benchmarks/, whichever tree is measured

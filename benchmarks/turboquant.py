@@ -19,6 +19,7 @@ import argparse
 import json
 import time
 
+import moestream  # noqa: F401  (before torch: its OpenMP wait policy is read when torch loads)
 import torch
 from _common import median_ms
 from torch import nn
