@@ -91,13 +91,14 @@ def shapes(inter: int, hidden: int):
     return (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))
 
 
-def affine_expert(inter, hidden, bits, group=64, seed=0):
+def affine_expert(inter, hidden, bits, group=64, seed=0, activations="float"):
+    """An MLX affine expert; ``activations="q8"``: in --activations q8 mode (8-bit activation blocks)."""
     g = torch.Generator().manual_seed(seed)
     pieces, lins = {}, {}
     for role, (o, i) in shapes(inter, hidden):
         q, s, b = affine.quantize((torch.randn(o, i, generator=g) * 0.02).bfloat16(), bits, group)
         pieces[role], pieces[role + ".scales"], pieces[role + ".biases"] = q, s, b
-        lins[role] = LinearFormat(role, Scheme("affine", bits, group), o, i)
+        lins[role] = with_activations(LinearFormat(role, Scheme("affine", bits, group), o, i), activations)
     return pieces, expert_fn_for(swiglu_expert, ExpertFormat(lins))
 
 
@@ -186,6 +187,8 @@ def tq_expert(inter, hidden, bits, group, seed=0):
 CASES = [
     *(("Qwen3-30B-A3B", "mlx-affine-g64", b, (768, 2048), partial(affine_expert, 768, 2048, b))
       for b in (8, 6, 5, 4, 3, 2)),
+    *(("Qwen3-30B-A3B", "mlx-affine-g64-q8act", b, (768, 2048), partial(affine_expert, 768, 2048, b, activations="q8"))
+      for b in (8, 4)),
     ("Qwen3-235B-A22B", "mlx-affine-g64", 4, (1536, 4096), partial(affine_expert, 1536, 4096, 4)),
     *(("Qwen3.6-35B-A3B", "turboquant-g32", b, (512, 2048), partial(tq_expert, 512, 2048, b, 32))
       for b in (4, 3, 2, "ternary")),

@@ -92,8 +92,21 @@ def deq_act(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("out, inn", [(768, 2048), (2048, 768), (13, 2048), (5, 384)])
+@pytest.mark.parametrize("out, inn", [(768, 2048), (2048, 768), (13, 2048), (5, 384), (9, 1536)])
 def test_q8_affine_linear_against_float64(path, bits, group, out, inn):
+    _check_linear(path, bits, group, out, inn)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+def test_a_last_segment_of_one_chunk(path, bits, group):
+    """The SIMD tiles widen a row's scales 16 chunks (1,024 values) at a time: 1,088 inputs end on a segment of one
+    chunk, 1,536 (above) on one of 8 (groups of 32: its second 16 scales past the row's end, not loaded)."""
+    _check_linear(path, bits, group, 7, 1088)
+
+
+def _check_linear(path, bits, group, out, inn):
     on(path)
     t, lf, q, s64, b64 = affine_case(out, inn, bits, group, seed=out + inn + group)
     x = _x(5, inn, seed=inn + bits)

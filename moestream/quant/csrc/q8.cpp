@@ -574,6 +574,26 @@ static MS_INLINE int64_t lane_group(int64_t c, int l, int64_t G) {
   return blk * 32 / G;
 }
 
+// chunk c's first group, c * 64 / G, stepped chunk by chunk (no division per chunk and row: G is a runtime value)
+struct ChunkGroups {
+  int64_t per, left, g = 0;  // chunks per group (0: groups of 32, two a chunk)
+  explicit ChunkGroups(int64_t G) : per(G >= 64 ? G / 64 : 0), left(per) {}
+  MS_INLINE void next() {
+    if (per == 0) g += 2;
+    else if (--left == 0) ++g, left = per;
+  }
+};
+
+// Chunks are taken 16 at a time (1,024 values): each row's scales of those chunks (at most 32 groups) are widened
+// to float32 once per segment into a buffer, so the chunk loop reads a float (no dtype switch per chunk and row).
+constexpr int64_t SEG = 16;
+
+template <class Load16>
+static MS_INLINE void segment_scales(const uint8_t* s, int64_t g0, int64_t ng, bool g32, float* out, Load16&& load16) {
+  load16(s, g0, out);
+  if (g32 && g0 + 16 < ng) load16(s, g0 + 16, out + 16);
+}
+
 template <int BITS>
 static void arows_portable(const Lin& L, const Q8Rows& xa, int64_t r0, int64_t r1, float* y, int64_t ldy) {
   const int64_t in = L.in, G = L.group, nc = in / 64, ng = in / G;
@@ -644,37 +664,46 @@ static MS_NOINLINE void atile_avx2(const Lin& L, const RowPtrs* rp, const Q8Rows
   __m256 acc_lo[NR][R], acc_hi[NR][R];
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < R; ++t) acc_lo[i][t] = acc_hi[i][t] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < nc; ++c) {
-    __m256i wl[NR], wh[NR];
-    __m256 s_lo[NR], s_hi[NR];
-    for (int i = 0; i < NR; ++i) {
-      const uint8_t* wp = rp[i].p + c * (BITS * 8);
-      if (BITS == 8 || c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T0);
-      if constexpr (BITS == 4) {
-        const __m256i q = ld256(wp);
-        wl[i] = nib_lo(q);
-        wh[i] = nib_hi(q);
-      } else {
-        wl[i] = ld256(wp);
-        wh[i] = ld256(wp + 32);
-      }
-      // lanes 0-7 and 8-15; groups of 32: the lanes of the chunk's second block take its second scale
-      const float s0 = group_value(rp[i].s, L.s_dt, lane_group<BITS>(c, 0, G));
-      const float s1 = G == 32 ? group_value(rp[i].s, L.s_dt, 2 * c + 1) : s0;
-      const __m256 a = _mm256_set1_ps(s0), b = _mm256_set1_ps(s1);
-      s_lo[i] = BITS == 4 ? _mm256_blend_ps(a, b, 0xF0) : a;
-      s_hi[i] = BITS == 4 ? s_lo[i] : b;
-    }
-    for (int t = 0; t < R; ++t) {
-      const uint8_t* xr = xa.row(t0 + t);
-      const float* dexp = reinterpret_cast<const float*>(xr + in) + 16 * c;
-      const __m256i xl = ld256(xr + 64 * c), xh = ld256(xr + 64 * c + 32);
-      const __m256 dl = _mm256_loadu_ps(dexp), dh = _mm256_loadu_ps(dexp + 8);
+  const bool g32 = G == 32;
+  const uint8_t* xr[R];
+  for (int t = 0; t < R; ++t) xr[t] = xa.row(t0 + t);
+  alignas(32) float sc[NR][32];
+  ChunkGroups cg(G);
+  for (int64_t c0 = 0; c0 < nc; c0 += SEG) {
+    const int64_t c1 = std::min(nc, c0 + SEG), sg0 = cg.g;
+    for (int i = 0; i < NR; ++i)
+      segment_scales(rp[i].s, sg0, ng, g32, sc[i],
+                     [&](const uint8_t* p, int64_t g, float* o) { group_values16(p, L.s_dt, g, ng, o); });
+    for (int64_t c = c0; c < c1; ++c, cg.next()) {
+      const int64_t j = cg.g - sg0;
+      __m256i wl[NR], wh[NR];
+      __m256 s_lo[NR], s_hi[NR];
       for (int i = 0; i < NR; ++i) {
-        acc_lo[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(adot_avx2<BITS>(wl[i], xl)), _mm256_mul_ps(s_lo[i], dl),
-                                       acc_lo[i][t]);
-        acc_hi[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(adot_avx2<BITS>(wh[i], xh)), _mm256_mul_ps(s_hi[i], dh),
-                                       acc_hi[i][t]);
+        const uint8_t* wp = rp[i].p + c * (BITS * 8);
+        if (BITS == 8 || c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T0);
+        if constexpr (BITS == 4) {
+          const __m256i q = ld256(wp);
+          wl[i] = nib_lo(q);
+          wh[i] = nib_hi(q);
+        } else {
+          wl[i] = ld256(wp);
+          wh[i] = ld256(wp + 32);
+        }
+        // lanes 0-7 and 8-15; groups of 32: the lanes of the chunk's second block take its second scale
+        const __m256 a = _mm256_set1_ps(sc[i][j]), b = g32 ? _mm256_set1_ps(sc[i][j + 1]) : a;
+        s_lo[i] = BITS == 4 ? _mm256_blend_ps(a, b, 0xF0) : a;
+        s_hi[i] = BITS == 4 ? s_lo[i] : b;
+      }
+      for (int t = 0; t < R; ++t) {
+        const float* dexp = reinterpret_cast<const float*>(xr[t] + in) + 16 * c;
+        const __m256i xl = ld256(xr[t] + 64 * c), xh = ld256(xr[t] + 64 * c + 32);
+        const __m256 dl = _mm256_loadu_ps(dexp), dh = _mm256_loadu_ps(dexp + 8);
+        for (int i = 0; i < NR; ++i) {
+          acc_lo[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(adot_avx2<BITS>(wl[i], xl)), _mm256_mul_ps(s_lo[i], dl),
+                                         acc_lo[i][t]);
+          acc_hi[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(adot_avx2<BITS>(wh[i], xh)), _mm256_mul_ps(s_hi[i], dh),
+                                         acc_hi[i][t]);
+        }
       }
     }
   }
@@ -741,28 +770,40 @@ static MS_NOINLINE void atile_avx512(const Lin& L, const RowPtrs* rp, const Q8Ro
   __m512 acc[NR][R];
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < R; ++t) acc[i][t] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < nc; ++c) {
-    __m512i w[NR];
-    __m512 sv[NR];
-    for (int i = 0; i < NR; ++i) {
-      const uint8_t* wp = rp[i].p + c * (BITS * 8);
-      if (BITS == 8 || c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T0);
-      if constexpr (BITS == 4) {
-        const __m256i q = ld256(wp);
-        w[i] = join(nib_lo(q), nib_hi(q));
-      } else {
-        w[i] = ld512(wp);
+  const bool g32 = G == 32;
+  const uint8_t* xr[R];
+  for (int t = 0; t < R; ++t) xr[t] = xa.row(t0 + t);
+  alignas(64) float sc[NR][32];
+  ChunkGroups cg(G);
+  for (int64_t c0 = 0; c0 < nc; c0 += SEG) {
+    const int64_t c1 = std::min(nc, c0 + SEG), sg0 = cg.g;
+    for (int i = 0; i < NR; ++i)
+      segment_scales(rp[i].s, sg0, ng, g32, sc[i], [&](const uint8_t* p, int64_t g, float* o) {
+        _mm512_store_ps(o, ld_values16(p, L.s_dt, g, ng));
+      });
+    for (int64_t c = c0; c < c1; ++c, cg.next()) {
+      const int64_t j = cg.g - sg0;
+      __m512i w[NR];
+      __m512 sv[NR];
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* wp = rp[i].p + c * (BITS * 8);
+        if (BITS == 8 || c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T0);
+        if constexpr (BITS == 4) {
+          const __m256i q = ld256(wp);
+          w[i] = join(nib_lo(q), nib_hi(q));
+        } else {
+          w[i] = ld512(wp);
+        }
+        const __m512 s0 = _mm512_set1_ps(sc[i][j]);
+        sv[i] = g32 ? _mm512_mask_blend_ps(second, s0, _mm512_set1_ps(sc[i][j + 1])) : s0;
       }
-      const __m512 s0 = _mm512_set1_ps(group_value(rp[i].s, L.s_dt, lane_group<BITS>(c, 0, G)));
-      sv[i] = G == 32 ? _mm512_mask_blend_ps(second, s0, _mm512_set1_ps(group_value(rp[i].s, L.s_dt, 2 * c + 1)))
-                      : s0;
-    }
-    for (int t = 0; t < R; ++t) {
-      const uint8_t* xr = xa.row(t0 + t);
-      const __m512i x = ld512(xr + 64 * c);
-      const __m512 dx = _mm512_loadu_ps(reinterpret_cast<const float*>(xr + in) + 16 * c);
-      for (int i = 0; i < NR; ++i)
-        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(adot_avx512<BITS>(w[i], x)), _mm512_mul_ps(sv[i], dx), acc[i][t]);
+      for (int t = 0; t < R; ++t) {
+        const __m512i x = ld512(xr[t] + 64 * c);
+        const __m512 dx = _mm512_loadu_ps(reinterpret_cast<const float*>(xr[t] + in) + 16 * c);
+        for (int i = 0; i < NR; ++i)
+          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(adot_avx512<BITS>(w[i], x)), _mm512_mul_ps(sv[i], dx),
+                                      acc[i][t]);
+      }
     }
   }
   float part[NR][R];
