@@ -1065,10 +1065,12 @@ def main() -> int:
         p.error("--gguf requires --quantized")
     if a.gguf_only and not a.gguf_only.is_file():
         p.error(f"--gguf-only: no such file {a.gguf_only}")
-    # One OpenMP wait policy for every engine (llama.cpp's ggml and PyTorch both use libgomp): moestream's
-    # default, PASSIVE, since threads spinning on a shared machine take the cores their siblings need. The
-    # workers inherit it; importing moestream here would set it anyway.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # One OpenMP wait for every engine (llama.cpp's ggml and PyTorch both use libgomp): moestream's default (a
+    # short spin, moestream/__init__.py) unless the caller set one. The workers inherit it.
+    import moestream  # its default wait; light: its modules load on first use
+
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", moestream.SPIN_COUNT)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.report_from:
         return _report_from(a)
@@ -1084,7 +1086,8 @@ def main() -> int:
         engines &= {"moestream", "llama"}
     res: dict = {"started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load_start": load_avg(),
                  "machine": machine(), "command": shlex.join([sys.executable, *sys.argv]), "runs": [],
-                 "skipped": skipped, "steps": a.tokens, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
+                 "skipped": skipped, "steps": a.tokens, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                 "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
 
     bench = _Bench(a, res, skipped, engines, a.peers_dir / "venv/bin/python", str(ROOT / ".venv/bin/python"))
 

@@ -22,12 +22,16 @@ under its reference-system name; the attribute ``moestream.stream_generate`` is 
 
 import os as _os
 
-# OpenMP worker threads that spin while waiting hold the core their sibling needs when the
-# machine is shared: on 2 busy cores a 128-token prefill took 32-44 s with PyTorch's default
-# (spinning) OpenMP wait policy and 5.9 s with PASSIVE, and a decode step 1.35 s against 0.31 s
-# (docs/benchmarks.md, "OpenMP wait policy"). Takes effect when moestream is imported before
-# torch (the CLI, the server, the benchmark workers); a value the user set is kept.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How OpenMP workers wait between the compiled kernels' parallel regions (a token runs ~70 of them). Sleeping at
+# once (PASSIVE) pays a futex wake-up per region: a 12-layer 4-bit step took 69 ms on 2 idle cores against 50.5 ms
+# with a short spin, at no more CPU time; spinning without end (libgomp's default, 300,000 spins) held the core
+# a busy machine's other jobs needed (a decode step 1.35 s against 0.31 s with PASSIVE at load 6-7). So a short
+# spin, then sleep (docs/benchmarks.md, "OpenMP wait policy"); OMP_WAIT_POLICY=PASSIVE suits a machine shared
+# with other busy jobs (the test suite sets it). Takes effect when moestream is imported before torch (the CLI,
+# the server, the benchmark workers); a value the user set is kept.
+SPIN_COUNT = "10000"
+if "OMP_WAIT_POLICY" not in _os.environ:
+    _os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
 from .errors import MoestreamError  # noqa: E402
 

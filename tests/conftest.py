@@ -1,7 +1,9 @@
 """Test-wide set-up: usage profiles go to a temporary user cache folder, never the real one; moestream
-is imported before any test module imports torch, so the suite runs with the OpenMP wait policy a user
-gets (PASSIVE: spinning OpenMP threads made a streamed run of test_exact_under_timing.py cost 2.1-2.7 s
-of CPU instead of 0.2-0.4 s on this loaded 2-core machine); the CPU kernels' build (keyed by source and
+is imported before any test module imports torch; the suite's workers (two processes on two cores) wait
+for OpenMP work by sleeping (OMP_WAIT_POLICY=PASSIVE, set here, inherited by the CLI and server processes the
+tests start: spinning OpenMP threads made a streamed run of test_exact_under_timing.py cost 2.1-2.7 s of CPU
+instead of 0.2-0.4 s on this loaded 2-core machine; moestream's own default, a short spin, suits a machine a
+run has to itself); the CPU kernels' build (keyed by source and
 CPU, so safe to share) stays in the real user cache, so no test process rebuilds it.
 
 Without a CUDA GPU, Triton kernels (moestream.fused_moe) run under Triton's interpreter: the
@@ -12,7 +14,9 @@ import os
 
 import pytest
 
-import moestream  # noqa: F401 -- sets OMP_WAIT_POLICY before torch loads (moestream/__init__.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (moestream/__init__.py)
+
+import moestream  # noqa: E402, F401 -- before torch
 
 KERNELS = os.environ.get("MOESTREAM_KERNEL_CACHE") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moestream", "cpu-kernels")

@@ -889,7 +889,9 @@ def moe(x: torch.Tensor, calls: list[ExpertCall], rows: list[list[int]], k: int,
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def _bits(f: float) -> int:
+    """The bits of ``f`` rounded to float32 (an eps or a scale: a few values, asked on every call)."""
     return int(torch.tensor(f, dtype=torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
 
 
