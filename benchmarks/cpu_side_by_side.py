@@ -55,6 +55,16 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor took from this VM since boot (/proc/stat's steal column, all CPUs)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--moestream-model", type=Path, required=True, help="a moestream convert --bits 4 folder")
@@ -96,9 +106,10 @@ def main() -> int:
             python = a.peers_python if engine == "llama" else sys.executable
             if engine == "moestream":
                 flags = [*flags, "--budget", a.budget]
-            load = load_average()
+            load, st0 = load_average(), steal_seconds()
             run = do_run(a, f"{name}-{rnd}", engine, python, models[key], flags, a.limit_s, tokens_file,
                          len(tokens["prompt"]), cap, {"config": name, "round": rnd, "load_before": load})
+            run["steal_s"] = round(steal_seconds() - st0, 2)  # the host's noise: another tenant's work
             runs.append(run)
             (a.out / "results.json").write_text(json.dumps({"runs": runs}, indent=1, default=str))
     rows = []
@@ -114,6 +125,7 @@ def main() -> int:
             "prefill_tok_s": median(r.get("prefill_tok_s") for r in rs),
             "split": {k: median(s[k] for s in split) for k in ("reads", "kernels", "rest")} if split else None,
             "load_before": [r["load_before"][0] for r in rs],
+            "steal_s": [r.get("steal_s") for r in rs],
             "peak_rss_gb": median(r.get("peak_rss_gb") for r in rs),
         })
     machine = {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "cap": a.cap, "budget": a.budget}
@@ -122,8 +134,8 @@ def main() -> int:
     where = f"cap {a.cap}, cold page cache, moestream budget {a.budget}" if cap else "no cap, all in RAM"
     lines = [f"CPU: {machine['cpu']} ({machine['cores']} cores; {machine['flags']}); {where}", "",
              "| run | decode tok/s (median; each run) | CPU s / decoded token (median; each) | prefill tok/s | "
-             "moestream CPU split reads / kernels / rest | load before each run |",
-             "| --- | --- | --- | ---: | --- | --- |"]
+             "moestream CPU split reads / kernels / rest | load before each run | CPU s stolen by the host, each run |",
+             "| --- | --- | --- | ---: | --- | --- | --- |"]
 
     def f(x, nd=3):
         return "-" if x is None else f"{x:.{nd}f}"
@@ -133,7 +145,8 @@ def main() -> int:
         split = "-" if not sp else f"{sp['reads']:.3f} / {sp['kernels']:.3f} / {sp['rest']:.3f}"
         lines.append(f"| {r['config']} | {f(r['decode_tok_s'], 2)} ({', '.join(map(str, r['decode_tok_s_all']))}) | "
                      f"{f(r['cpu_s_per_token'])} ({', '.join(map(str, r['cpu_s_per_token_all']))}) | "
-                     f"{f(r['prefill_tok_s'], 1)} | {split} | {', '.join(str(x) for x in r['load_before'])} |")
+                     f"{f(r['prefill_tok_s'], 1)} | {split} | {', '.join(str(x) for x in r['load_before'])} | "
+                     f"{', '.join(str(x) for x in r['steal_s'])} |")
     (a.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

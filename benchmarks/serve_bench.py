@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import cpu_model, load_average  # noqa: E402
+from bench import Cap, drop_caches, parse_size  # noqa: E402
 
 
 def free_port() -> int:
@@ -57,12 +58,15 @@ def batch_histogram(text: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r'^moestream_batch_size_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)}
 
 
-def start_server(args, port: int) -> subprocess.Popen:
+def start_server(args, port: int, cap: Cap | None = None) -> subprocess.Popen:
+    """``moestream serve`` on ``port`` (inside ``cap``'s cgroup when given), once /health answers."""
     cmd = [sys.executable, "-m", "moestream", "serve", "--model", args.model, "--port", str(port),
            "--cache-budget-gb", args.cache_budget_gb, "--max-batch", str(args.max_batch), "--max-queue", "256",
            "--max-context", str(args.max_context), "--model-name", "bench", "--no-hotlist", "--no-learn-experts",
            "--prefix-cache-gb", str(args.prefix_cache_gb)]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+    if cap is not None:
+        cmd = cap.wrap(cmd)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 600
     while True:
@@ -107,7 +111,13 @@ def figure(export: dict, name: str, stat: str) -> float | None:
 
 def level(args, concurrency: int) -> dict:
     port = free_port()
-    proc = start_server(args, port)
+    cap = None
+    if args.cap:  # the server alone in the cgroup (aiperf outside it), from a dropped page cache
+        cap = Cap(parse_size(args.cap), f"moestream-serve-bench-{os.getpid()}-{concurrency}")
+        if cap.dir is None:
+            raise SystemExit("--cap needs root and a cgroup memory controller")
+        drop_caches()
+    proc = start_server(args, port, cap)
     url = f"http://127.0.0.1:{port}"
     try:
         before = httpx.get(url + "/metrics").text
@@ -123,6 +133,9 @@ def level(args, concurrency: int) -> dict:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        peak, kills = (cap.peak(), cap.oom_kills()) if cap is not None else (None, 0)
+        if cap is not None:
+            cap.close()
     tokens = metric(after, "moestream_generated_tokens_total") - metric(before, "moestream_generated_tokens_total")
     read = metric(after, "moestream_disk_read_bytes_total") - metric(before, "moestream_disk_read_bytes_total")
     h0, h1 = batch_histogram(before), batch_histogram(after)
@@ -143,6 +156,7 @@ def level(args, concurrency: int) -> dict:
         "mean_sequences_per_step": seqs / steps if steps else None,
         "steps_by_batch_size_le": {k: h1.get(k, 0) - h0.get(k, 0) for k in h1},
         "wall_s": round(wall, 1),
+        "cap": args.cap, "cap_peak_gb": None if peak is None else round(peak / 2**30, 3), "oom_kills": kills,
         "load_average_before": load0,
         "load_average_after": load_average(),
     }
@@ -270,6 +284,8 @@ def main() -> None:
     ap.add_argument("--isl", type=int, default=256, help="prompt tokens (default 256)")
     ap.add_argument("--osl", type=int, default=64, help="output tokens (default 64)")
     ap.add_argument("--aiperf", default="aiperf")
+    ap.add_argument("--cap", default=None, help="a memory cap for the server (cgroup, e.g. 5G; root): each level "
+                    "starts from a dropped page cache inside it")
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--single-stream", action="store_true")
     ap.add_argument("--single-stream-rounds", type=int, default=3)

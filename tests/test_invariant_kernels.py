@@ -316,6 +316,17 @@ def test_rms_norm_against_float64(mode):
     assert torch.equal(native.rms_norm(x[4:5], weight, 1e-6, mode), first[4:5])
 
 
+def test_rms_norm_of_one_dtype_gives_the_general_loops_bits():
+    """A model's own norm (x, weight and output of one dtype) runs a loop of its own: the same bits as the general
+    loop (bf16: the weight as float32 holding the same values, the float32 output then rounded; float32: mode
+    weight_f32, the same products)."""
+    x = torch.randn(5, 2048, generator=_gen(3)) * 3
+    w = (torch.randn(2048, generator=_gen(4)) * 0.1 + 1).bfloat16()
+    xb = x.bfloat16()
+    assert torch.equal(native.rms_norm(xb, w, 1e-6), native.rms_norm(xb, w.float(), 1e-6).bfloat16())
+    assert torch.equal(native.rms_norm(x, w.float(), 1e-6), native.rms_norm(x, w.float(), 1e-6, "weight_f32"))
+
+
 @pytest.mark.parametrize("name", ["silu", "sigmoid", "softplus", "exp"])
 def test_activations_against_float64_and_position_free(name):
     """Each activation within 3 ulp of float64 (float32) over [-90, 90], +-inf and NaN handled, and a value's bits

@@ -22,20 +22,28 @@ namespace {
 MS_INLINE float ld(const uint8_t* p, int dt, int64_t i) { return ld_dt(p, dt, i); }
 
 
-// a [n] float32, dtype dt: sum of squares by the canonical reduction
-MS_INLINE float sum_squares(const uint8_t* x, int dt, int64_t n) {
+// a [n] of dtype DT: sum of squares by the canonical reduction (the dtype a template argument: no switch per value)
+template <int DT>
+MS_INLINE float sum_squares_t(const uint8_t* x, int64_t n) {
   float acc[16] = {0};
   int64_t i = 0;
   float v[16];
   for (; i + 16 <= n; i += 16) {
-    for (int l = 0; l < 16; ++l) v[l] = ld(x, dt, i + l);
+    for (int l = 0; l < 16; ++l) v[l] = ldf<DT>(x, i + l);
     for (int l = 0; l < 16; ++l) acc[l] = std::fma(v[l], v[l], acc[l]);
   }
   if (i < n) {
-    for (int l = 0; l < 16; ++l) v[l] = i + l < n ? ld(x, dt, i + l) : 0.0f;
+    for (int l = 0; l < 16; ++l) v[l] = i + l < n ? ldf<DT>(x, i + l) : 0.0f;
     for (int l = 0; l < 16; ++l) acc[l] = std::fma(v[l], v[l], acc[l]);
   }
   return tree_sum<16>(acc);
+}
+
+// a [n] float32, dtype dt: sum of squares by the canonical reduction
+MS_INLINE float sum_squares(const uint8_t* x, int dt, int64_t n) {
+  if (dt == F32) return sum_squares_t<F32>(x, n);
+  if (dt == BF16) return sum_squares_t<BF16>(x, n);
+  return sum_squares_t<F16>(x, n);
 }
 
 // value rounded to dtype dt and back (the rounding a cast to dt makes)
@@ -43,6 +51,12 @@ MS_INLINE float round_dt(float v, int dt) {
   if (dt == BF16) return bf16_to_float(to_bf16(v));
   if (dt == F16) return c10_half_round(v);
   return v;
+}
+
+// mode 0 of ms_rmsnorm with x, w and out all of dtype DT: out = w * round(x r), rounded (the same operations)
+template <int DT>
+void norm_row_same(const uint8_t* xr, const uint8_t* w, uint8_t* orow, int64_t d, float r) {
+  for (int64_t i = 0; i < d; ++i) st_dt(orow, DT, i, ldf<DT>(w, i) * round_dt(ldf<DT>(xr, i) * r, DT));
 }
 
 int threads_for(int64_t items, int64_t work_per_item) {
@@ -281,6 +295,11 @@ int ms_rmsnorm(const int64_t* a, const void* const* p) {
     uint8_t* orow = out + t * os * oe;
     const float ss = ms::sum_squares(xr, xdt, d);
     const float r = 1.0f / std::sqrt((mode == 3 ? ss : ss / float(d)) + eps);
+    if (mode == 0 && xdt == wdt && xdt == odt && xdt != ms::F16) {  // a model's own norm: one dtype, no switch
+      if (xdt == ms::BF16) ms::norm_row_same<ms::BF16>(xr, w, orow, d, r);
+      else ms::norm_row_same<ms::F32>(xr, w, orow, d, r);
+      continue;
+    }
     for (int64_t i = 0; i < d; ++i) {
       const float h = ms::ld(xr, xdt, i) * r;
       float y;
