@@ -49,6 +49,7 @@ import os
 import platform
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -889,10 +890,19 @@ def moe(x: torch.Tensor, calls: list[ExpertCall], rows: list[list[int]], k: int,
     return out
 
 
-@functools.lru_cache(maxsize=256)
+_f32_bits: dict[bytes, int] = {}
+
+
 def _bits(f: float) -> int:
-    """The bits of ``f`` rounded to float32 (an eps or a scale: a few values, asked on every call)."""
-    return int(torch.tensor(f, dtype=torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
+    """The bits of ``f`` rounded to float32: an eps or a scale, a few values asked on every call, so kept by
+    the double's own bytes (-0.0 and 0.0 apart)."""
+    key = struct.pack("<d", f)
+    got = _f32_bits.get(key)
+    if got is None:
+        if len(_f32_bits) > 1024:
+            _f32_bits.clear()
+        got = _f32_bits[key] = int(torch.tensor(f, dtype=torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
+    return got
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
