@@ -117,7 +117,12 @@ def level(args, concurrency: int) -> dict:
         if cap.dir is None:
             raise SystemExit("--cap needs root and a cgroup memory controller")
         drop_caches()
-    proc = start_server(args, port, cap)
+    try:
+        proc = start_server(args, port, cap)
+    except BaseException:  # the server refused or did not start: the cgroup goes with it
+        if cap is not None:
+            cap.close()
+        raise
     url = f"http://127.0.0.1:{port}"
     try:
         before = httpx.get(url + "/metrics").text
