@@ -66,6 +66,8 @@ class ExpertCache:
             each expert (used for distinct-experts-per-layer and usage profiles).
     """
 
+    serves_compiled_layers = True  # counts the compiled decoder layer's hits (record_hits, evict_hooks)
+
     def __init__(
         self, store: ExpertStore, budget_bytes: int | None, num_experts: dict[int, int],
         policy: EvictionPolicy | None = None,
@@ -84,6 +86,7 @@ class ExpertCache:
         self.used_bytes = 0
         self.peak_bytes = 0
         self.prefetcher = None  # a moestream.prefetch.Prefetcher (--prefetch-ahead), set by engine.load
+        self.evict_hooks: list = []  # called with each evicted key (a compiled layer's expert table lets go of it)
 
     # -- queries -----------------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
@@ -96,6 +99,10 @@ class ExpertCache:
         """Cached keys the policy may evict, first to be evicted first (LRU: least to most
         recently used). Pinned experts are not listed."""
         return self.policy.order()
+
+    def held(self, layer: int) -> list[tuple[int, ExpertWeights]]:
+        """``(expert, weights)`` of each expert of ``layer`` cached now."""
+        return [(key[1], ew) for key, ew in self._entries.items() if key[0] == layer]
 
     def pinned(self) -> set[Key]:
         return set(self._pins)
@@ -139,6 +146,8 @@ class ExpertCache:
                 break
             self.policy.remove(key)
             ew = self._entries.pop(key)
+            for hook in self.evict_hooks:
+                hook(key)
             self.used_bytes -= ew.nbytes
             self.stats.evictions += 1
             self.store.release(ew)  # its buffer may serve the next read
@@ -215,6 +224,36 @@ class ExpertCache:
                 self._unpin(key)
             self._shrink()
             self._protect = set()
+
+    def record_hits(self, layer: int, experts: list[int], counts: list[int],
+                    as_tensors: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Count a use of ``layer``'s ``experts`` (all held now; ``counts[i]`` token routings chose ``experts[i]``)
+        computed without :meth:`fetch` (the compiled decoder layer reads them where the cache holds them): the
+        counters, usage and policy as a :meth:`fetch` of them that hit everywhere. ``as_tensors``: the same two
+        lists as int64 tensors (the usage counters then take one ``index_add_``).
+
+        Raises:
+            KeyError: an expert not held."""
+        usage = self.usage.get(layer)
+        entries, pinned, record = self._entries, self.pinned_keys, self.policy.record
+        st = self.stats
+        if usage is not None:
+            ids, cnt = as_tensors if as_tensors is not None else (torch.tensor(experts), torch.tensor(counts))
+            usage.index_add_(0, ids, cnt)
+        for e in experts:
+            key = (layer, e)
+            if key not in entries:
+                raise KeyError(f"expert {e} of layer {layer} is not in the cache")
+            entries.move_to_end(key)
+            if key in pinned:
+                st.pinned_hits += 1
+        st.lookups += len(experts)
+        st.hits += len(experts)
+        for e in experts:
+            key = (layer, e)
+            if key not in pinned:
+                record(key)
+        self._shrink()  # as a fetch ends (a cache over its budget by experts in use comes back to it)
 
     def _admitted(self, arrived, held: list):
         """Each expert ``arrived`` (read for this fetch, or ahead for it) inserted and held while the caller

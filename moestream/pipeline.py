@@ -293,6 +293,31 @@ class NativeMoEKernel:
         return got[1]
 
 
+class NativeExpertTable:
+    """One layer's experts as the compiled decoder layer (:func:`moestream.quant.native.decoder_layer`) finds them:
+    a C array [2E] holding each cached expert's :class:`~moestream.quant.native.ExpertCall` arrays (fields,
+    pointers), null where the cache does not hold it. Kept in step with the cache by the pipeline: an entry is
+    set when the pipeline computes a cached expert, cleared by the cache's evict hook (before its buffer is
+    released), so the compiled layer never reads an expert the cache let go of."""
+
+    def __init__(self, num_experts: int, act: str, params: tuple[float, float]):
+        import ctypes
+
+        self.c = (ctypes.c_void_p * (2 * num_experts))()
+        self.calls: dict[int, object] = {}  # keeps each entry's arrays alive
+        self.act, self.params = act, params
+        self._addr = ctypes.addressof
+
+    def put(self, e: int, call) -> None:
+        if self.calls.get(e) is not call:
+            self.calls[e] = call
+            self.c[2 * e], self.c[2 * e + 1] = self._addr(call.c_fields), self._addr(call.c_ptrs)
+
+    def drop(self, e: int) -> None:
+        if self.calls.pop(e, None) is not None:
+            self.c[2 * e] = self.c[2 * e + 1] = None
+
+
 class BatchedSwiGLUKernel:
     """A layer's SwiGLU experts as one batched matmul chain (the GPU path).
 
@@ -426,6 +451,44 @@ class ExpertPipeline:
         self.following = {b.layer: order[i + 1 : i + 1 + lookahead] for i, b in enumerate(order)} if lookahead else {}
         self.capture = None  # a CUDA graph capture in progress (moestream.decode_graph): see _compute_in_slots
         self._route_input = None
+        self._tables: dict[int, NativeExpertTable] = {}  # layer -> the compiled decoder layer's expert table
+
+    def native_table(self, block, top_k: int, t: int) -> NativeExpertTable | None:
+        """The expert table of ``block``'s layer for the compiled decoder layer on ``t`` tokens, or None where
+        this pipeline's work on the layer is more than computing cached experts in routing order (expert
+        parallelism, a routing trace, read-ahead planned or in flight, ``--max-active-experts`` below ``top_k``, a
+        kernel other than the CPU's compiled gated experts, a cache that does not count compiled hits)."""
+        layer = block.layer
+        pf = self.prefetcher or getattr(self.cache, "prefetcher", None)
+        if pf is not None and not pf.idle_for(t):
+            return None
+        got = self._tables.get(layer)
+        if got is not None and self.exchange is None and self.trace is None:
+            return got
+        kernel = self.kernels.get(layer)
+        if (type(kernel) is not NativeMoEKernel or self.exchange is not None or self.trace is not None
+                or 0 < self.max_active < top_k or not getattr(self.cache, "serves_compiled_layers", False)):
+            return None
+        if not self._tables:
+            self.cache.evict_hooks.append(self._evicted)
+        got = self._tables[layer] = NativeExpertTable(block.num_experts, kernel.act, kernel.params)
+        for e, ew in self.cache.held(layer):  # what the cache holds already (a preload, pins)
+            call = kernel.call_for(ew)
+            if call is not None:
+                got.put(e, call)
+        return got
+
+    def _evicted(self, key: tuple[int, int]) -> None:
+        table = self._tables.get(key[0])
+        if table is not None:
+            table.drop(key[1])
+
+    def record_compiled(self, layer: int, experts: list[int], counts: list[int],
+                        as_tensors: tuple[torch.Tensor, torch.Tensor], kernel_cpu_s: float) -> None:
+        """Count a layer the compiled decoder layer computed from cached experts (``experts`` in order of first
+        use, ``counts`` their slots): the cache's counters as a fetch that hit them all, the experts' CPU time."""
+        self.cache.record_hits(layer, experts, counts, as_tensors)
+        self.kernel_cpu_seconds += kernel_cpu_s
 
     def __call__(self, block, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                  expert_input: torch.Tensor | None = None) -> torch.Tensor:
@@ -525,8 +588,11 @@ class ExpertPipeline:
         ready = sum(1 for e in needed if hold((layer, e))) if hold is not None else 0
         calls, rows = [], []
         cpu = self._cpu
+        table = self._tables.get(layer)
         for i, (e, ew) in enumerate(self.cache.fetch(layer, needed, counts)):
             call = kernel.call_for(ew)
+            if table is not None and call is not None and hold((layer, e)):
+                table.put(e, call)  # the compiled decoder layer finds it from now on (until evicted)
             if call is None:  # as the per-expert path does
                 c0 = cpu()
                 sl = torch.tensor(slots_of[e], device=x.device)

@@ -210,6 +210,13 @@ class Prefetcher:
                     self._chunk.add(key)
                     room -= 1
 
+    def idle_for(self, t: int) -> bool:
+        """Whether a layer of ``t`` tokens whose experts are all cached needs nothing of the read-ahead: no plan
+        for ``t`` tokens (:meth:`plan`) and no read ahead staged, planned or claimed (so the compiled decoder
+        layer may compute it without the fetch that retires and issues reads)."""
+        plans = self.window > 0 if t > 1 else self.enabled and self.ahead > 0
+        return not plans and not self._staged and not self._planned and not self._claimed
+
     def issue(self) -> None:
         """Start the planned reads (they queue behind every demand read)."""
         for key in self._planned:

@@ -146,6 +146,8 @@ class TieredExpertCache(ExpertCache):
             :class:`CopyEngine`; pool: the :class:`SlotPool` or None.
     """
 
+    serves_compiled_layers = False  # its own tiers and eviction: the pipeline's fetch path only
+
     def __init__(self, store: ExpertStore, budget_bytes: int | None, num_experts: dict[int, int],
                  policy: EvictionPolicy | None = None, device: torch.device | str = "cuda",
                  host_budget_bytes: int = 0, slots: bool = False):

@@ -28,7 +28,7 @@ from ..checkpoint import Checkpoint, torch_dtype
 from ..errors import CheckpointError, ConfigError
 from ..nnutil import set_submodule
 from ..quant import registry
-from .layers import Attention, AttentionProjections, BatchKV, KVCache, RMSNorm
+from .layers import Attention, AttentionProjections, BatchKV, KVCache, RMSNorm, run_layers
 from .moe import StreamedMoE
 from .rope import make_rope, rope_scaling_type, rope_theta
 
@@ -438,8 +438,7 @@ class CausalLM(nn.Module):
         h = decoder.embed_tokens(ids)
         positions = torch.arange(start, start + ids.shape[0], device=ids.device)
         cos, sin = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(decoder.layers):
-            h = layer(h, cos, sin, kv, i, start)
+        h = run_layers(decoder.layers, h, cos, sin, kv, start)  # on the CPU the compiled layers in one call
         if not all_logits:
             h = h[-1:]
         kv.length = start + ids.shape[0]

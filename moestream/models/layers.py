@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import ConfigError, InputError
 from ..quant import native
 from . import ops
+from .moe import StreamedMoE, softmax_topk
 from .ops import attention_mask
 from .rope import apply_rotary
 
@@ -404,7 +405,155 @@ class DecoderLayer(nn.Module):
         setattr(self, mlp_name, mlp)
 
     def forward(self, h: torch.Tensor, cos, sin, kv: KVCache, i: int, start: int) -> torch.Tensor:
+        if h.device.type == "cpu" and type(kv) is KVCache:  # the whole layer in one call of the compiled kernels
+            out = self._compiled(h, cos, sin, kv, i, start)
+            if out is not None:
+                return out
         if self.rope_key is not None:
             cos, sin = cos[self.rope_key], sin[self.rope_key]
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, i, start)
         return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+
+    def _compiled(self, h: torch.Tensor, cos, sin, kv: KVCache, i: int, start: int) -> torch.Tensor | None:
+        """This layer through :func:`moestream.quant.native.decoder_layer` (the same bits as :meth:`forward`'s
+        ops one by one), or None where it does not apply (:meth:`compiled_call`). A routed expert the cache does not
+        hold stops the call after routing; the pipeline then fetches and computes the experts from there."""
+        call = self.compiled_call(h, cos, sin, kv, i, start)
+        if call is None:
+            return None
+        return self.finish_compiled(call, native.run_layer(call))
+
+    def compiled_call(self, h: torch.Tensor, cos, sin, kv: KVCache, i: int, start: int, used=None, info=None
+                      ) -> native.LayerCall | None:
+        """The :class:`moestream.quant.native.LayerCall` of this layer on ``h`` [T, H] (its KV cache storage
+        reserved), or None where the compiled layer does not apply: a layer that is not norm, attention, norm and
+        softmax-routed streamed experts on the kernels, or an expert pipeline that does more than compute cached
+        experts (:meth:`moestream.pipeline.ExpertPipeline.native_table`). ``cos``/``sin`` as :meth:`forward`
+        takes them; ``used``/``info``: the call's counters' storage (a stack's rows), or None."""
+        if h.device.type != "cpu" or type(kv) is not KVCache or h.dim() != 2:
+            return None
+        plan = self._plan
+        if plan is False:
+            return None
+        if plan is None or not plan.still(self):
+            plan = self._plan = _LayerPlan.of(self) or False
+            if plan is False:
+                return None
+        if self.rope_key is not None:
+            cos, sin = cos[self.rope_key], sin[self.rope_key]
+        mlp = plan.mlp
+        table = mlp.pipeline.native_table(mlp, plan.args.k, h.shape[0]) if mlp.pipeline is not None else None
+        if table is None or h.dtype != plan.args.dt or cos.dtype != h.dtype or sin.dtype != h.dtype \
+                or not (cos.is_contiguous() and sin.is_contiguous()) or table.act != plan.args.act \
+                or table.params != plan.args.params:
+            return None
+        attn = self.self_attn
+        keys, values = kv.reserve(i, start + h.shape[0], h, attn.kv_heads, attn.head_dim)
+        if keys.dtype != h.dtype or keys.stride(2) != 1 or keys.stride() != values.stride():
+            return None
+        call = native.layer_call(h, plan.args, cos, sin, keys, values, start, table.c, used, info)
+        if call is not None:
+            call.owner = self
+        return call
+
+    def finish_compiled(self, call: native.LayerCall, status: int, hits: tuple | None = None) -> torch.Tensor:
+        """The layer's output after its compiled call returned ``status``: 0, its experts counted in the cache
+        (``hits``: :meth:`~moestream.quant.native.LayerCall.hits`, made here when None); 1, the pipeline's experts
+        on the call's routing added to h1."""
+        mlp = self._plan.mlp
+        if status == 0:
+            mlp.pipeline.record_compiled(mlp.layer, *(hits or call.hits()))
+            return call.ho
+        # a routed expert not cached: the pipeline fetches and computes from the routing
+        return call.ho + mlp.pipeline(mlp, call.x2, call.weights, call.idx)
+
+    _plan = None  # the compiled layer's arguments (_LayerPlan), False where it does not apply
+
+
+class _LayerPlan:
+    """A :class:`DecoderLayer`'s arguments for the compiled decoder layer, made once (kept while its projections'
+    kernel views and norms stay the same objects)."""
+
+    def __init__(self, mlp, args: native.LayerArgs, parts: tuple):
+        self.mlp, self.args, self.parts = mlp, args, parts
+
+    @staticmethod
+    def _parts(layer: DecoderLayer) -> tuple:
+        """The modules and weight tensors the plan's C arrays point into (a resident weight is never changed in
+        place after load; a replaced module or parameter makes a new plan)."""
+        attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, getattr(mlp, "gate", None))
+        return (attn, mlp, layer.input_layernorm, layer.post_attention_layernorm, *projs,
+                *(getattr(p, getattr(p, "weight_name", "weight"), None) for p in projs))
+
+    def still(self, layer: DecoderLayer) -> bool:
+        """Whether ``layer``'s parts are those this plan was made of."""
+        now = self._parts(layer)
+        return len(now) == len(self.parts) and all(a is b for a, b in zip(now, self.parts))
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> _LayerPlan | None:
+        """The plan of ``layer``, or None when the compiled decoder layer does not compute it."""
+        attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        if type(attn) is not Attention or type(mlp) is not StreamedMoE or type(n1) is not RMSNorm \
+                or type(n2) is not RMSNorm or n1.eps != n2.eps or n1.weight.dtype != n2.weight.dtype \
+                or n1.weight.device.type != "cpu":
+            return None
+        router = mlp.router
+        kw = getattr(router, "keywords", None)
+        if getattr(router, "func", None) is not softmax_topk or getattr(router, "args", ()) or kw is None \
+                or set(kw) != {"top_k", "norm_topk_prob"}:
+            return None
+        if attn.q_norm is not None and (type(attn.q_norm) is not RMSNorm or type(attn.k_norm) is not RMSNorm
+                                        or attn.q_norm.eps != attn.k_norm.eps):
+            return None
+        parts = cls._parts(layer)
+        specs = tuple(kernel_spec(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        gate = kernel_spec(mlp.gate)
+        if any(sp is None for sp in specs) or gate is None or gate.out != mlp.num_experts:
+            return None
+        dt = n1.weight.dtype
+        qn = None if attn.q_norm is None else attn.q_norm.weight
+        kn = None if attn.k_norm is None else attn.k_norm.weight
+        if any(w is not None and (w.dtype != dt or not w.is_contiguous()) for w in (qn, kn)) \
+                or not (n1.weight.is_contiguous() and n2.weight.is_contiguous()):
+            return None
+        kernel = mlp.pipeline.kernels.get(mlp.layer) if mlp.pipeline is not None else None
+        act, params = getattr(kernel, "act", "silu"), getattr(kernel, "params", (1.0, float("nan")))
+        args = native.LayerArgs(specs, gate, n1.weight, n2.weight, n1.eps, qn, kn,
+                                0.0 if attn.q_norm is None else attn.q_norm.eps, attn.heads, attn.kv_heads,
+                                attn.head_dim, attn.scale, attn.window, kw["top_k"], bool(kw["norm_topk_prob"]),
+                                act, params)
+        return cls(mlp, args, parts)
+
+
+def run_layers(layers: list, h: torch.Tensor, cos, sin, kv: KVCache, start: int) -> torch.Tensor:
+    """The decoder ``layers`` (each called as ``layer(h, cos, sin, kv, i, start)``) on ``h`` [T, H]: on the CPU
+    the consecutive layers the compiled decoder layer covers go in one call (:func:`moestream.quant.native
+    .decoder_stack`, no return to Python between them), the same bits as layer by layer. A layer that stops after
+    routing (an expert to read) is finished by its pipeline and the stack goes on after it; the others run
+    their own forward."""
+    i, n = 0, len(layers)
+    stack = h.device.type == "cpu" and type(kv) is KVCache
+    while i < n:
+        calls: list[native.LayerCall] = []
+        x = h
+        for j in range(i, n if stack else i):
+            layer = layers[j]
+            call = layer.compiled_call(x, cos, sin, kv, j, start) if type(layer) is DecoderLayer else None
+            if call is None:
+                break
+            calls.append(call)
+            x = call.ho
+        if not calls:
+            h = layers[i](h, cos, sin, kv, i, start)
+            i += 1
+            continue
+        done, stopped = native.decoder_stack(calls) if len(calls) > 1 else (lambda s: (1 - s, bool(s)))(
+            native.run_layer(calls[0]))
+        for call in calls[:done]:
+            call.owner.finish_compiled(call, 0)
+        h = calls[done].owner.finish_compiled(calls[done], 1) if stopped else calls[done - 1].ho
+        i += done + (1 if stopped else 0)
+    return h

@@ -25,8 +25,14 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
 
     Softmax over ``logits`` [T, E] in float32, the ``top_k`` largest probabilities,
     renormalized to sum to 1 when ``norm_topk_prob``, cast to the logits' dtype.
-    Returns ``(weights [T, K] in logits.dtype, indices [T, K] int64)``.
+    Returns ``(weights [T, K] in logits.dtype, indices [T, K] int64)``. On the CPU the compiled
+    kernels' form (:func:`moestream.quant.native.route_softmax`: one fixed order of operations, the one
+    the compiled decoder layer routes with), else PyTorch's.
     """
+    if logits.device.type == "cpu" and logits.dim() == 2:
+        got = native.route_softmax(logits, top_k, norm_topk_prob)
+        if got is not None:
+            return got
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, idx = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:

@@ -269,6 +269,11 @@ def _load() -> ctypes.CDLL:
                                                                                          ctypes.c_void_p]
     dll.ms_act.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                            ctypes.c_float]
+    dll.ms_route_softmax.restype = dll.ms_decoder_layer.restype = ctypes.c_int
+    dll.ms_route_softmax.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    dll.ms_decoder_layer.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 10
+    dll.ms_decoder_stack.restype = ctypes.c_int64
+    dll.ms_decoder_stack.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return _Metered(dll)
 
 
@@ -308,7 +313,8 @@ class _Metered:
     def __init__(self, dll: ctypes.CDLL):
         self._dll = dll
         for name in ("ms_paths", "ms_linear", "ms_rotate", "ms_expert", "ms_moe", "ms_attention", "ms_attn_block",
-                     "ms_rmsnorm", "ms_act", "ms_delta_rule"):
+                     "ms_rmsnorm", "ms_act", "ms_delta_rule", "ms_route_softmax", "ms_decoder_layer",
+                     "ms_decoder_stack"):
             fn = getattr(dll, name)
             setattr(self, name, fn if name == "ms_paths" else self._timed(fn))
 
@@ -811,12 +817,14 @@ class ExpertCall:
     """One gated expert as the kernels read it: its gate, up and down :class:`Spec` (kept alive) packed once
     into the C arrays ``ms_moe`` takes (an expert the cache holds is packed once, not per token)."""
 
-    __slots__ = ("specs", "fields", "ptrs", "h_in", "h_out")
+    __slots__ = ("specs", "fields", "ptrs", "h_in", "h_out", "c_fields", "c_ptrs")
 
     def __init__(self, specs: tuple[Spec, Spec, Spec]):
         self.specs = specs
-        self.fields = bytes((ctypes.c_int64 * (3 * SPEC))(*(f for sp in specs for f in sp.fields)))
-        self.ptrs = bytes((ctypes.c_void_p * (3 * PTRS))(*(p for sp in specs for p in sp.ptrs())))
+        # the C arrays (at fixed addresses while this object lives: a decoder layer's expert table points at them)
+        self.c_fields = (ctypes.c_int64 * (3 * SPEC))(*(f for sp in specs for f in sp.fields))
+        self.c_ptrs = (ctypes.c_void_p * (3 * PTRS))(*(p for sp in specs for p in sp.ptrs()))
+        self.fields, self.ptrs = bytes(self.c_fields), bytes(self.c_ptrs)
         self.h_in, self.h_out = specs[0].inn, specs[2].out
 
 
@@ -888,6 +896,167 @@ def moe(x: torch.Tensor, calls: list[ExpertCall], rows: list[list[int]], k: int,
     if rc:
         raise RuntimeError(f"moestream kernels: path {p} is not compiled in this build")
     return out
+
+
+def route_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Softmax top-k routing of ``logits`` [T, E] (float32, bf16 or fp16, CPU), as transformers'
+    ``Qwen3MoeTopKRouter``: ``p = softmax(logits)`` in float32, the ``top_k`` largest (descending; a tie: the
+    lower index), divided by their sum when ``norm_topk_prob``, rounded to ``out_dtype`` (default the logits').
+    The kernels' operations in a fixed order (``exp_c``, sums left to right): a token's bits depend only on its
+    logits. Returns ``(weights [T, K], idx [T, K] int64)``, or None on the PyTorch path."""
+    p = selected()
+    if p == "torch" or logits.device.type != "cpu" or logits.dtype not in _DT or logits.dim() != 2:
+        return None
+    t, e = logits.shape
+    _check(0 < top_k <= e, f"routing: top_k {top_k} of {e} experts")
+    lg = logits if logits.stride(1) == 1 else logits.contiguous()
+    odt = out_dtype or logits.dtype
+    w = torch.empty(t, top_k, dtype=odt)
+    idx = torch.empty(t, top_k, dtype=torch.int64)
+    a = (ctypes.c_int64 * 7)(t, e, top_k, int(norm_topk_prob), _DT[lg.dtype], lg.stride(0) if t > 1 else e, _DT[odt])
+    rc = library().ms_route_softmax(a, (ctypes.c_void_p * 3)(lg.data_ptr(), w.data_ptr(), idx.data_ptr()))
+    _check(rc == 0, "routing: bad arguments")
+    return w, idx
+
+
+class LayerArgs:
+    """What :func:`decoder_layer` passes for one decoder layer besides the tokens: the attention block's
+    projections (q, k, v, o :class:`Spec`), q/k norm weights, the router's :class:`Spec`, the norms' weights and
+    eps, the routing (experts E, top-k K, renormalized), the activation; packed into C arrays once."""
+
+    __slots__ = ("attn", "gate", "w1", "w2", "qn", "kn", "eps", "qk_eps", "e", "k", "norm", "act", "params", "dt",
+                 "heads", "kv_heads", "head_dim", "scale", "window", "c_aspecs", "c_aptrs", "c_gate", "c_params",
+                 "key")
+
+    def __init__(self, attn: tuple[Spec, Spec, Spec, Spec], gate: Spec, w1: torch.Tensor, w2: torch.Tensor,
+                 eps: float, qn: torch.Tensor | None, kn: torch.Tensor | None, qk_eps: float, heads: int,
+                 kv_heads: int, head_dim: int, scale: float, window: int | None, top_k: int, norm: bool,
+                 act: str = "silu", params: tuple[float, float] = (1.0, float("nan"))):
+        self.attn, self.gate, self.w1, self.w2, self.qn, self.kn = attn, gate, w1, w2, qn, kn
+        self.eps, self.qk_eps, self.e, self.k, self.norm, self.act, self.params = (
+            eps, qk_eps, gate.out, top_k, norm, act, params)
+        self.dt = w1.dtype
+        self.heads, self.kv_heads, self.head_dim, self.scale, self.window = heads, kv_heads, head_dim, scale, window
+        self.c_aspecs = (ctypes.c_int64 * (4 * SPEC))(*(f for sp in attn for f in sp.fields))
+        self.c_aptrs = (ctypes.c_void_p * (4 * PTRS))(*(q for sp in attn for q in sp.ptrs()))
+        self.c_gate = gate.c_arrays()
+        self.c_params = (ctypes.c_float * 2)(*params)
+        self.key = tuple(id(sp) for sp in attn) + (id(gate), w1.data_ptr(), w2.data_ptr())
+
+
+class LayerCall:
+    """One decoder layer's call of :func:`decoder_layer` / :func:`decoder_stack`: its C arguments (``c``: the 10
+    pointers ``ms_decoder_layer`` takes, the arrays kept alive here) and its outputs -- ``ho`` [T, H] (the layer's
+    output, or h1 when it stopped after routing), ``x2`` [T, H], ``weights`` [T, K], ``idx`` [T, K] int64, ``used``
+    [2 T K] int64 (the experts in order of first use, then their slot counts), ``info`` [2] int64 (experts used,
+    the expert part's CPU nanoseconds)."""
+
+    __slots__ = ("ho", "x2", "weights", "idx", "used", "info", "c", "_keep", "owner")
+
+    def __init__(self, h: torch.Tensor, args: LayerArgs, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, start: int, table, used: torch.Tensor | None = None,
+                 info: torch.Tensor | None = None):
+        t, hid = h.shape
+        dt = args.dt
+        self.ho, self.x2 = torch.empty_like(h), torch.empty_like(h)
+        self.weights = torch.empty(t, args.k, dtype=dt)
+        self.idx = torch.empty(t, args.k, dtype=torch.int64)
+        self.used = torch.empty(2 * t * args.k, dtype=torch.int64) if used is None else used
+        self.info = torch.zeros(2, dtype=torch.int64) if info is None else info
+        aa = (ctypes.c_int64 * 13)(t, args.heads, args.kv_heads, args.head_dim, cos.shape[-1], _DT[dt], start,
+                                   args.window or 0, keys.stride(0), keys.stride(1), _bits(args.scale),
+                                   _bits(args.qk_eps), int(args.qn is not None))
+        ap = (ctypes.c_void_p * 8)(0, 0 if args.qn is None else args.qn.data_ptr(),
+                                   0 if args.kn is None else args.kn.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                   keys.data_ptr(), values.data_ptr(), 0)
+        a = (ctypes.c_int64 * 8)(t, hid, _DT[dt], _bits(args.eps), args.e, args.k, int(args.norm),
+                                 ACTIVATIONS.index(args.act))
+        io = (ctypes.c_void_p * 9)(h.data_ptr(), args.w1.data_ptr(), args.w2.data_ptr(), self.ho.data_ptr(),
+                                   self.x2.data_ptr(), self.weights.data_ptr(), self.idx.data_ptr(),
+                                   self.used.data_ptr(), self.info.data_ptr())
+        g = args.c_gate
+        at = ctypes.addressof
+        self.c = (ctypes.c_void_p * 10)(at(a), at(aa), at(args.c_aspecs), at(args.c_aptrs), at(ap), at(g[0]), at(g[1]),
+                                        at(table), at(args.c_params), at(io))
+        self._keep = (h, a, aa, ap, io, table, args, cos, sin, keys, values)
+        self.owner = None  # the module that finishes it (DecoderLayer)
+
+    def hits(self, info: list[int] | None = None, used: list[int] | None = None) -> tuple:
+        """After a whole layer: (experts, counts, (experts, counts as tensors), expert CPU seconds); ``info`` and
+        ``used``: this call's :attr:`info` and :attr:`used` already as lists (one conversion for a stack)."""
+        n, ns = info if info is not None else self.info.tolist()
+        u = used[: 2 * n] if used is not None else self.used[: 2 * n].tolist()
+        return u[:n], u[n:], (self.used[:n], self.used[n : 2 * n]), ns * 1e-9
+
+
+def decoder_layer(h: torch.Tensor, args: LayerArgs, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, start: int, table) -> tuple[int, torch.Tensor, tuple] | None:
+    """One pre-norm decoder layer whose feed-forward block is softmax-routed gated experts, in one call:
+    ``h1 = h + attn(rmsnorm(h, w1))`` (:func:`attention_block`), ``x2 = rmsnorm(h1, w2)``, the router
+    (``round(x2 Wg^T)``, :func:`route_softmax`), the routed experts (:func:`moe` on the experts ``table`` holds) and
+    ``h1 + sum_k slots`` (k = 0..K-1 in order, each add rounded to h's dtype, as the expert pipeline sums them):
+    the bits of those ops one by one (transformers' ``Qwen3MoeDecoderLayer``).
+
+    Args:
+        h: [T, H] the layer's input in the model dtype (``args.dt``), contiguous.
+        cos, sin: [T, rot] rotary tables in h's dtype; keys, values: [kv_heads, capacity, head_dim] the layer's
+            KV cache (capacity >= start + T), written at ``start..start+T``.
+        table: a ctypes array [2E] of the held experts' C arrays (:class:`ExpertCall`'s ``c_fields``, ``c_ptrs``;
+            None where not held).
+
+    Returns:
+        ``(0, h_out [T, H], (experts, counts, (experts, counts as int64 tensors), expert_cpu_s))`` with every
+        routed expert held (experts in order of first use and their slot counts: for the cache's counters);
+        ``(1, h1, (x2, weights [T, K], idx [T, K]))`` when one is not held (the caller fetches and runs the
+        experts); None on the PyTorch path.
+
+    Raises:
+        ValueError: arguments the kernel refuses (shapes that do not chain, an expert id out of range).
+    """
+    call = layer_call(h, args, cos, sin, keys, values, start, table)
+    if call is None:
+        return None
+    status = run_layer(call)
+    if status == 1:
+        return 1, call.ho, (call.x2, call.weights, call.idx)
+    return 0, call.ho, call.hits()
+
+
+def layer_call(h: torch.Tensor, args: LayerArgs, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor, start: int, table, used: torch.Tensor | None = None,
+               info: torch.Tensor | None = None) -> LayerCall | None:
+    """The :class:`LayerCall` of :func:`decoder_layer`'s arguments, or None on the PyTorch path."""
+    if selected() == "torch":
+        return None
+    return LayerCall(_contig(h), args, cos, sin, keys, values, start, table, used, info)
+
+
+def run_layer(call: LayerCall) -> int:
+    """``ms_decoder_layer`` on ``call``: 0 (the whole layer in ``call.ho``) or 1 (stopped after routing).
+
+    Raises:
+        ValueError: the kernel refused the arguments."""
+    c = call.c
+    rc = library().ms_decoder_layer(_PATH_CODE[selected()], *c)
+    _check(rc >= 0, "decoder layer: bad arguments")
+    return rc
+
+
+def decoder_stack(calls: list[LayerCall]) -> tuple[int, bool]:
+    """``ms_decoder_stack``: the layers of ``calls`` (chained: each one's input is the previous one's ``ho``) in
+    one call, each as :func:`run_layer`. Returns ``(layers done whole, whether the next one stopped after
+    routing)``.
+
+    Raises:
+        ValueError: the kernel refused the arguments."""
+    flat = (ctypes.c_void_p * (10 * len(calls)))()
+    for j, call in enumerate(calls):
+        flat[10 * j : 10 * j + 10] = call.c[:]
+    stopped = ctypes.c_int64(0)
+    done = library().ms_decoder_stack(_PATH_CODE[selected()], len(calls), flat, ctypes.byref(stopped))
+    _check(done >= 0, "decoder layers: bad arguments")
+    return done, bool(stopped.value)
 
 
 _f32_bits: dict[bytes, int] = {}

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <vector>
 
 #include "engine.h"
@@ -182,6 +183,60 @@ static void run_full(int path, RowsFn fn, const Lin& L, const float* x, int64_t 
       for (int64_t o = 0; o < L.out; ++o) y[t * ldy + o] = y[t * ldy + o] + L.out_bias[o];
 }
 
+// Linears Ls[0..m) of one input x [n, in] (float32) into y_j [n, ldy_j], in one parallel region: their row
+// blocks laid end to end and split over the threads (a small k or v projection beside q no longer costs a
+// region of its own). Each row by the same call as run_full (a row's bits do not depend on the rows beside
+// it); in q8 mode x is quantized once when every linear takes the same type. Linears run_full treats
+// specially (a rotation, a width not a multiple of 16, an output bias, FLOAT_T) go through run_full.
+static void run_many(int path, const Lin* Ls, const RowsFn* fns, int m, const float* x, int64_t n, float* const* ys,
+                     const int64_t* ldys) {
+  bool plain = true;
+  const int qt = q8_type_of(Ls[0]);
+  for (int j = 0; j < m; ++j) {
+    const Lin& L = Ls[j];
+    plain = plain && L.rot_b == 0 && L.out_bias == nullptr && L.kind != FLOAT_T && L.in % 16 == 0 &&
+            L.in == Ls[0].in && q8_type_of(L) == qt;
+  }
+  if (!plain) {
+    for (int j = 0; j < m; ++j) run_full(path, fns[j], Ls[j], x, n, ys[j], ldys[j]);
+    return;
+  }
+  Q8Rows xq;
+  if (qt != Q8_NONE) q8_quantize(qt, x, Ls[0].in, n, Ls[0].in, xq);
+  std::vector<int64_t> first(size_t(m + 1), 0);  // linear j's blocks are [first[j], first[j + 1])
+  for (int j = 0; j < m; ++j) first[size_t(j + 1)] = first[size_t(j)] + (Ls[j].out + RB - 1) / RB;
+  const int64_t blocks = first[size_t(m)];
+  auto range = [&](int64_t b0, int64_t b1) {  // blocks [b0, b1), linear by linear
+    for (int j = 0; j < m && b0 < b1; ++j) {
+      const int64_t lo = std::max(b0, first[size_t(j)]), hi = std::min(b1, first[size_t(j + 1)]);
+      if (lo >= hi) continue;
+      const int64_t r0 = (lo - first[size_t(j)]) * RB, r1 = std::min(Ls[j].out, (hi - first[size_t(j)]) * RB);
+      if (qt != Q8_NONE)
+        q8_rows(path, Ls[j], xq, r0, r1, ys[j], ldys[j]);
+      else
+        fns[j](Ls[j], x, Ls[j].in, n, r0, r1, ys[j], ldys[j]);
+    }
+  };
+  const int64_t work = std::max<int64_t>(1, RB * Ls[0].in * std::max<int64_t>(1, std::min<int64_t>(n, 8)));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
+  int threads = 1;
+#ifdef _OPENMP
+  if (!omp_in_parallel()) threads = int(std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, blocks / grain)));
+#endif
+  if (threads <= 1) {
+    range(0, blocks);
+    return;
+  }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t per = (blocks + nt - 1) / nt, b0 = t * per, b1 = std::min(blocks, b0 + per);
+    if (b0 < b1) range(b0, b1);
+  }
+#endif
+}
+
 float exp_canonical(float x) { return exp_c(x); }
 
 static inline float sigmoid_c(float z) { return 1.0f / (1.0f + exp_c(-z)); }
@@ -242,10 +297,89 @@ static float sum_squares16(const float* x, int64_t n) {
   return tree_sum<16>(acc);
 }
 
+// The decoder layer's elementwise steps with the dtype a template argument (no switch per value), rows split
+// over threads when there are many (each element's value is its own: the bits do not depend on the split).
+static int rows_threads(int64_t rows, int64_t per_row) {
+  int t = 1;
+#ifdef _OPENMP
+  if (!omp_in_parallel() && rows > 1 && rows * per_row >= (int64_t(1) << 16)) t = int(std::min<int64_t>(omp_get_max_threads(), rows));
+#endif
+  return t;
+}
+
+// out[i] = round(a[i] + b[i]) for rows x [T, H] (out may be a)
+template <int DT>
+static void add_rows_t(const uint8_t* a, const uint8_t* b, uint8_t* out, int64_t T, int64_t H) {
+  const int threads = rows_threads(T, H);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = t * H; i < (t + 1) * H; ++i) st_dt(out, DT, i, ldf<DT>(a, i) + ldf<DT>(b, i));
+}
+
+// h[t] = round(h[t] + s) with s = slots[t, 0] + slots[t, 1] + ... (each sum rounded: pipeline.sum_slots)
+template <int DT>
+static void sum_slots_add_t(const uint8_t* slots, uint8_t* h, int64_t T, int64_t K, int64_t H) {
+  const int threads = rows_threads(T, K * H);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < H; ++i) {
+      float acc = ldf<DT>(slots, (t * K) * H + i);
+      for (int64_t k = 1; k < K; ++k) acc = round_to(acc + ldf<DT>(slots, (t * K + k) * H + i), DT);
+      st_dt(h, DT, t * H + i, ldf<DT>(h, t * H + i) + acc);
+    }
+}
+
+// float32 copy of n values of dtype DT
+template <int DT>
+static void widen_t(const uint8_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = ldf<DT>(src, i);
+}
+
+template <class F>
+static void by_dt(int dt, F&& f) {
+  if (dt == BF16) f(std::integral_constant<int, BF16>());
+  else if (dt == F16) f(std::integral_constant<int, F16>());
+  else f(std::integral_constant<int, F32>());
+}
+int moe_core(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs, const int64_t* rows,
+             const int64_t* starts, const float* x, int64_t K, int64_t h_in, int64_t h_out, const float* w, int act,
+             const float* params, int x_dt, int prod_dt, int out_dt, void* out);
+
+// Softmax routing of one token (transformers' Qwen3MoeTopKRouter, its operations spelled out so that the bits
+// depend only on the logits): p_j = e_j / s with e_j = exp_c(l_j - max l) and s = e_0 + e_1 + ... in order;
+// the K largest p (a tie: the lower index first), in descending order; with norm each divided by their sum
+// (w_0 + w_1 + ... in order). l [E] float32; w [K] float32 (not rounded); idx [K]; p [E] scratch.
+static void route_softmax_row(const float* l, int64_t E, int64_t K, bool norm, float* w, int64_t* idx, float* p) {
+  float m = l[0];
+  for (int64_t j = 1; j < E; ++j) m = std::max(m, l[j]);
+  float s = 0.0f;
+  for (int64_t j = 0; j < E; ++j) {
+    p[j] = exp_c(l[j] - m);
+    s += p[j];
+  }
+  for (int64_t j = 0; j < E; ++j) p[j] = p[j] / s;
+  for (int64_t k = 0; k < K; ++k) {
+    int64_t best = -1;
+    for (int64_t j = 0; j < E; ++j)
+      if (p[j] >= 0.0f && (best < 0 || p[j] > p[best])) best = j;
+    if (best < 0) best = k;  // NaN logits: any valid index (the weights are NaN)
+    idx[k] = best;
+    w[k] = p[best];
+    p[best] = -1.0f;  // taken (probabilities are >= 0)
+  }
+  if (norm) {
+    float t = 0.0f;
+    for (int64_t k = 0; k < K; ++k) t += w[k];
+    for (int64_t k = 0; k < K; ++k) w[k] = w[k] / t;
+  }
+}
+
 }  // namespace ms
 
 extern "C" {
 int ms_attention(const int64_t* a, const void* const* p);
+int ms_rmsnorm(const int64_t* a, const void* const* p);
+int ms_attn_block(int path, const int64_t* a, const int64_t* specs, const void* const* sptrs, const void* const* p);
 }
 
 extern "C" {
@@ -338,6 +472,16 @@ int ms_expert(int path, const int64_t* specs, const void* const* ptrs, const flo
 int ms_moe(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs, const int64_t* rows,
            const int64_t* starts, const float* x, int64_t K, int64_t h_in, int64_t h_out, const float* w, int act,
            const float* params, int x_dt, int prod_dt, int out_dt, void* out) {
+  return ms::moe_core(path, n_e, specs, ptrs, rows, starts, x, K, h_in, h_out, w, act, params, x_dt, prod_dt, out_dt,
+                      out);
+}
+
+}  // extern "C"
+
+namespace ms {
+int moe_core(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs, const int64_t* rows,
+             const int64_t* starts, const float* x, int64_t K, int64_t h_in, int64_t h_out, const float* w, int act,
+             const float* params, int x_dt, int prod_dt, int out_dt, void* out) {
   if (n_e < 0 || K < 1 || act < 0 || act > 2) return -1;
   for (int64_t e = 0; e < n_e; ++e)
     for (int j = 0; j < 3; ++j) {
@@ -386,6 +530,18 @@ int ms_moe(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs,
     }
     ms::expert_rows(path, specs + 3 * e * ms::SPEC, ptrs + 3 * e * ms::PTRS, xe.data(), n, ye.data(), act, params,
                     g, u, shared ? &xq : nullptr);
+    if (x_dt == prod_dt && x_dt == out_dt) {  // one dtype (a model's own): no switch per value
+      ms::by_dt(x_dt, [&](auto D) {
+        constexpr int DT = decltype(D)::value;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t s = rows[a + i];
+          const float ws = w[s];
+          const float* yr = ye.data() + i * h_out;
+          for (int64_t h = 0; h < h_out; ++h) ms::st_dt(o, DT, s * h_out + h, ms::round_to(yr[h], DT) * ws);
+        }
+      });
+      return;
+    }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t s = rows[a + i];
       const float ws = w[s];
@@ -416,8 +572,7 @@ int ms_moe(int path, int64_t n_e, const int64_t* specs, const void* const* ptrs,
   }
   return 0;
 }
-
-}  // extern "C"
+}  // namespace ms
 
 extern "C" {
 
@@ -449,9 +604,13 @@ int ms_attn_block(int path, const int64_t* a, const int64_t* specs, const void* 
   uint8_t *kc = ms::out_arg<uint8_t>(p[5]), *vc = ms::out_arg<uint8_t>(p[6]), *out = ms::out_arg<uint8_t>(p[7]);
   std::vector<float> xf(size_t(T * H)), q(size_t(T * Hq * D)), k(size_t(T * Hkv * D)), v(size_t(T * Hkv * D));
   for (int64_t i = 0; i < T * H; ++i) xf[size_t(i)] = ms::ld_dt(x, dt, i);
-  ms::run_full(path, fq, Lq, xf.data(), T, q.data(), Hq * D);
-  ms::run_full(path, fk, Lk, xf.data(), T, k.data(), Hkv * D);
-  ms::run_full(path, fv, Lv, xf.data(), T, v.data(), Hkv * D);
+  {
+    const ms::Lin ls[3] = {Lq, Lk, Lv};
+    const ms::RowsFn fs[3] = {fq, fk, fv};
+    float* const ys[3] = {q.data(), k.data(), v.data()};
+    const int64_t lds[3] = {Hq * D, Hkv * D, Hkv * D};
+    ms::run_many(path, ls, fs, 3, xf.data(), T, ys, lds);
+  }
   for (auto* buf : {&q, &k, &v})
     for (float& f : *buf) f = ms::round_to(f, dt);
   const int64_t half = rot / 2;
@@ -491,6 +650,158 @@ int ms_attn_block(int path, const int64_t* a, const int64_t* specs, const void* 
   ms::run_full(path, fo, Lo, att.data(), T, o.data(), H);
   for (int64_t i = 0; i < T * H; ++i) ms::st_dt(out, dt, i, o[size_t(i)]);
   return 0;
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// Softmax top-k routing (ms::route_softmax_row per token), the weights rounded to out_dt.
+// a: 0 T, 1 E, 2 K, 3 norm (0/1), 4 logits dtype, 5 logits row stride (elements), 6 out dtype;
+// p: logits [T, E], weights out [T, K] (out dtype), idx out [T, K] int64. 0, or -1 for a bad argument.
+int ms_route_softmax(const int64_t* a, const void* const* p) {
+  const int64_t T = a[0], E = a[1], K = a[2], ls = a[5];
+  const int ldt = int(a[4]), odt = int(a[6]);
+  if (T < 0 || E < 1 || K < 1 || K > E || ls < E || ldt < 0 || ldt > 2 || odt < 0 || odt > 2) return -1;
+  const uint8_t* l = ms::in_arg<uint8_t>(p[0]);
+  uint8_t* w = ms::out_arg<uint8_t>(p[1]);
+  int64_t* idx = ms::out_arg<int64_t>(p[2]);
+  std::vector<float> lf(static_cast<size_t>(E)), pr(static_cast<size_t>(E)), wk(static_cast<size_t>(K));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < E; ++j) lf[size_t(j)] = ms::ld_dt(l, ldt, t * ls + j);
+    ms::route_softmax_row(lf.data(), E, K, a[3] != 0, wk.data(), idx + t * K, pr.data());
+    for (int64_t k = 0; k < K; ++k) ms::st_dt(w, odt, t * K + k, wk[size_t(k)]);
+  }
+  return 0;
+}
+
+// One pre-norm decoder layer of a sequence's T tokens whose feed-forward block is softmax-routed gated experts
+// (Qwen3-MoE's and the families like it; moestream.models.layers.DecoderLayer with Attention and StreamedMoE),
+// with the operations and roundings of that op-by-op path, so the same bits:
+//   x1 = rmsnorm(h, w1); h1 = h + attn(x1) (ms_attn_block); x2 = rmsnorm(h1, w2); logits = round(x2 Wg^T);
+//   (weights, idx) = ms_route_softmax(logits); slots = ms_moe(x2, the routed experts); h_out = h1 + the slots of each
+//   token summed k = 0..K-1 in order (each sum and the residual rounded to dt: pipeline.sum_slots, then the add).
+// The experts come from `table` ([2E]: expert e's 3 x SPEC fields and 3 x PTRS pointers as ms_moe takes them,
+// null where the caller's cache does not hold it). When a routed expert is missing the layer stops after routing
+// and returns 1: h_out then holds h1, x2 its norm and weights/idx the routing, for the caller to fetch and go on.
+// a: 0 T, 1 H, 2 dt (h, the norms' weights, the cache), 3 eps of the norms (float32 bits), 4 E, 5 K, 6 norm_topk,
+//    7 act (as ms_expert); aa/aspecs/asptrs: ms_attn_block's a, specs and ptrs; ap: its p (x and out unused);
+//    gspec/gptrs: the router's linear (SPEC, PTRS); params: float[2] of the activation;
+// io: 0 h [T, H], 1 w1 [H], 2 w2 [H], 3 h_out [T, H], 4 x2 [T, H], 5 weights [T, K] (dt), 6 idx [T, K] int64,
+//     7 used [2 T K] int64 (the experts in order of first use, then their slot counts), 8 info [2] int64 (the
+//     experts used, the CPU nanoseconds of the expert part). 0, 1, or -1 for a bad argument or path.
+int ms_decoder_layer(int path, const int64_t* a, const int64_t* aa, const int64_t* aspecs, const void* const* asptrs,
+                     const void* const* ap, const int64_t* gspec, const void* const* gptrs, const void* const* table,
+                     const float* params, void* const* io) {
+  const int64_t T = a[0], H = a[1], E = a[4], K = a[5];
+  const int dt = int(a[2]), act = int(a[7]);
+  if (T < 1 || H < 1 || E < 1 || K < 1 || K > E || dt < 0 || dt > 2 || act < 0 || act > 2 || aa[0] != T) return -1;
+  const ms::Lin G = ms::make_lin(gspec, gptrs);
+  const ms::RowsFn fg = ms::rows_fn(path, G);
+  if (fg == nullptr || G.in != H || G.out != E) return -1;
+  const uint8_t* h = ms::in_arg<uint8_t>(io[0]);
+  uint8_t *ho = ms::out_arg<uint8_t>(io[3]), *x2 = ms::out_arg<uint8_t>(io[4]), *wo = ms::out_arg<uint8_t>(io[5]);
+  int64_t *idx = ms::out_arg<int64_t>(io[6]), *used = ms::out_arg<int64_t>(io[7]), *info = ms::out_arg<int64_t>(io[8]);
+  const size_t es = dt == ms::F32 ? 4 : 2;
+  std::vector<uint8_t> x1(size_t(T * H) * es), att(size_t(T * H) * es);
+  const int64_t na[9] = {T, H, dt, dt, dt, 0, H, H, a[3]};
+  const void* n1[3] = {h, io[1], x1.data()};
+  if (ms_rmsnorm(na, n1)) return -1;
+  const void* app[8] = {x1.data(), ap[1], ap[2], ap[3], ap[4], ap[5], ap[6], att.data()};
+  if (ms_attn_block(path, aa, aspecs, asptrs, app)) return -1;
+  ms::by_dt(dt, [&](auto D) { ms::add_rows_t<decltype(D)::value>(h, att.data(), ho, T, H); });
+  const void* n2[3] = {ho, io[2], x2};
+  if (ms_rmsnorm(na, n2)) return -1;
+  std::vector<float> x2f(size_t(T * H)), logits(size_t(T * E));
+  ms::by_dt(dt, [&](auto D) { ms::widen_t<decltype(D)::value>(x2, x2f.data(), T * H); });
+  ms::run_full(path, fg, G, x2f.data(), T, logits.data(), E);
+  std::vector<float> pr(static_cast<size_t>(E)), wf(size_t(T * K));
+  for (int64_t t = 0; t < T; ++t) {
+    float* l = logits.data() + t * E;
+    for (int64_t j = 0; j < E; ++j) l[j] = ms::round_to(l[j], dt);
+    ms::route_softmax_row(l, E, K, a[6] != 0, wf.data() + t * K, idx + t * K, pr.data());
+    for (int64_t k = 0; k < K; ++k) {
+      wf[size_t(t * K + k)] = ms::round_to(wf[size_t(t * K + k)], dt);
+      ms::st_dt(wo, dt, t * K + k, wf[size_t(t * K + k)]);
+    }
+  }
+  // the experts in order of first use, each one's slots ascending (as the pipeline groups them)
+  std::vector<int64_t> order, first(size_t(E), -1), count(size_t(E), 0);
+  for (int64_t s = 0; s < T * K; ++s) {
+    const int64_t e = idx[s];
+    if (e < 0 || e >= E) return -1;
+    if (first[size_t(e)] < 0) {
+      first[size_t(e)] = int64_t(order.size());
+      order.push_back(e);
+    }
+    ++count[size_t(e)];
+  }
+  const int64_t n_e = int64_t(order.size());
+  info[0] = n_e;
+  info[1] = 0;
+  for (int64_t i = 0; i < n_e; ++i) {
+    used[i] = order[size_t(i)];
+    used[n_e + i] = count[size_t(order[size_t(i)])];
+  }
+  for (int64_t e : order)
+    if (table[2 * e] == nullptr || table[2 * e + 1] == nullptr) return 1;
+  std::vector<int64_t> specs(size_t(n_e * 3 * ms::SPEC)), starts(size_t(n_e + 1), 0), rows(size_t(T * K));
+  std::vector<const void*> ptrs(size_t(n_e * 3 * ms::PTRS));
+  for (int64_t i = 0; i < n_e; ++i) {
+    const int64_t e = order[size_t(i)];
+    std::memcpy(specs.data() + i * 3 * ms::SPEC, table[2 * e], sizeof(int64_t) * 3 * ms::SPEC);
+    std::memcpy(ptrs.data() + i * 3 * ms::PTRS, table[2 * e + 1], sizeof(void*) * 3 * ms::PTRS);
+    starts[size_t(i + 1)] = starts[size_t(i)] + count[size_t(e)];
+  }
+  std::vector<int64_t> at(starts.begin(), starts.end() - 1);
+  for (int64_t s = 0; s < T * K; ++s) {
+    const int64_t i = first[size_t(idx[s])];
+    rows[size_t(at[size_t(i)]++)] = s;
+  }
+  for (int64_t i = 0; i < n_e; ++i) {  // every expert's linears chain from H to H
+    const int64_t* sp = specs.data() + 3 * i * ms::SPEC;
+    if (sp[5] != H || sp[ms::SPEC + 5] != H || sp[2 * ms::SPEC + 4] != H || sp[4] != sp[ms::SPEC + 4] ||
+        sp[4] != sp[2 * ms::SPEC + 5])
+      return -1;
+  }
+  std::vector<uint8_t> slots(size_t(T * K * H) * es);
+  timespec c0{}, c1{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
+  if (ms::moe_core(path, n_e, specs.data(), ptrs.data(), rows.data(), starts.data(), x2f.data(), K, H, H, wf.data(),
+                   act, params, dt, dt, dt, slots.data()))
+    return -1;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
+  info[1] = int64_t(c1.tv_sec - c0.tv_sec) * 1000000000 + (c1.tv_nsec - c0.tv_nsec);
+  ms::by_dt(dt, [&](auto D) { ms::sum_slots_add_t<decltype(D)::value>(slots.data(), ho, T, K, H); });
+  return 0;
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// Decoder layers 0..n-1 one after another, each exactly as ms_decoder_layer (one call each, without a return to
+// the caller between them). l: n x 10 pointers, layer j's ms_decoder_layer arguments a, aa, aspecs, asptrs, ap,
+// gspec, gptrs, table, params, io (the caller chains them: layer j + 1's io[0] is layer j's io[3]). Returns the
+// layers computed whole; at the first layer whose experts are not all held it stops with *stopped = 1 (that
+// layer's io as ms_decoder_layer's return 1 leaves it: the caller goes on from its routing), else *stopped = 0.
+// -1 for a bad argument.
+int64_t ms_decoder_stack(int path, int64_t n, const void* const* l, int64_t* stopped) {
+  *stopped = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const void* const* p = l + 10 * j;
+    const int rc = ms_decoder_layer(path, static_cast<const int64_t*>(p[0]), static_cast<const int64_t*>(p[1]),
+                                    static_cast<const int64_t*>(p[2]), static_cast<const void* const*>(p[3]),
+                                    static_cast<const void* const*>(p[4]), static_cast<const int64_t*>(p[5]),
+                                    static_cast<const void* const*>(p[6]), static_cast<const void* const*>(p[7]),
+                                    static_cast<const float*>(p[8]), static_cast<void* const*>(p[9]));
+    if (rc < 0) return -1;
+    if (rc == 1) {
+      *stopped = 1;
+      return j;
+    }
+  }
+  return n;
 }
 
 }  // extern "C"
