@@ -528,14 +528,20 @@ class _LayerPlan:
         return cls(mlp, args, parts)
 
 
+STACK_TOKENS = 16  # calls of at most this many tokens run the compiled layers in one call (run_layers)
+
+
 def run_layers(layers: list, h: torch.Tensor, cos, sin, kv: KVCache, start: int) -> torch.Tensor:
-    """The decoder ``layers`` (each called as ``layer(h, cos, sin, kv, i, start)``) on ``h`` [T, H]: on the CPU
-    the consecutive layers the compiled decoder layer covers go in one call (:func:`moestream.quant.native
-    .decoder_stack`, no return to Python between them), the same bits as layer by layer. A layer that stops after
+    """The decoder ``layers`` (each called as ``layer(h, cos, sin, kv, i, start)``) on ``h`` [T, H]: on the CPU,
+    for up to :data:`STACK_TOKENS` tokens, the consecutive layers the compiled decoder layer covers go in one call
+    (:func:`moestream.quant.native.decoder_stack`, no return to Python between them), the same bits as layer by
+    layer; a longer chunk calls them one layer at a time. A layer that stops after
     routing (an expert to read) is finished by its pipeline and the stack goes on after it; the others run
     their own forward."""
     i, n = 0, len(layers)
-    stack = h.device.type == "cpu" and type(kv) is KVCache
+    # a few tokens (decode): the layers in one call; a prefill chunk layer by layer (a call of a chunk through every
+    # layer would hold off Ctrl-C for seconds, and Python's share of a chunk is small)
+    stack = h.device.type == "cpu" and type(kv) is KVCache and h.shape[0] <= STACK_TOKENS
     while i < n:
         calls: list[native.LayerCall] = []
         x = h
