@@ -215,7 +215,17 @@ class Prefetcher:
         for ``t`` tokens (:meth:`plan`) and no read ahead staged, planned or claimed (so the compiled decoder
         layer may compute it without the fetch that retires and issues reads)."""
         plans = self.window > 0 if t > 1 else self.enabled and self.ahead > 0
+        if plans and self._holds_every_expert():  # nothing a plan could read (budget all, every expert in)
+            plans = False
         return not plans and not self._staged and not self._planned and not self._claimed
+
+    def _holds_every_expert(self) -> bool:
+        """Whether the attached cache keeps every expert and holds them all now (no read ahead can be wanted)."""
+        cache = self._cache
+        if cache is None or cache.budget_bytes is not None:
+            return False
+        total = sum(u.numel() for u in cache.usage.values())
+        return total > 0 and len(cache) >= total
 
     def issue(self) -> None:
         """Start the planned reads (they queue behind every demand read)."""

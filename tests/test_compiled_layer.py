@@ -256,3 +256,52 @@ def test_the_decoder_layer_at_real_widths_gives_its_parts_bits(path, kind):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
             assert extra[0] == order and extra[1] == [len(r) for r in rows]
         del keep
+
+
+def _logits(engine, compiled: bool):
+    for m in engine.model.modules():
+        if isinstance(m, layers.DecoderLayer) and (not compiled or m._plan is False):
+            m._plan = None if compiled else False
+    with torch.inference_mode():
+        return engine.model(IDS[:9], 0, engine.model.new_kv_cache(), all_logits=True)
+
+
+def test_a_replaced_weight_storage_parameter_or_setting_makes_a_new_plan(models):
+    """After a first forward, a projection's storage replaced (``weight.data = ...``, the old one freed and
+    overwritten), a norm's parameter, the router and an eps changed: the compiled layer computes with the new
+    ones (a new plan), the bits of the op-by-op path."""
+    import gc
+    from functools import partial
+
+    from moestream.models.moe import softmax_topk
+
+    engine = load(models["f32"], cache_budget_gb="all", tokenizer=False, workers=2, learn_experts=False)
+    try:
+        _logits(engine, True)
+        lay = [m for m in engine.model.modules() if isinstance(m, layers.DecoderLayer)]
+        o = lay[0].self_attn.o_proj
+        o.weight.data = o.weight.data.clone() * 1.5
+        g = lay[1].mlp.gate
+        g.weight.data = g.weight.data.clone() * -1.0
+        gc.collect()
+        junk = [torch.full((64, 64), float("nan")) for _ in range(500)]  # over the freed storage
+        lay[1].input_layernorm.weight = torch.nn.Parameter(lay[1].input_layernorm.weight * 2, requires_grad=False)
+        lay[2].mlp.router = partial(softmax_topk, top_k=1, norm_topk_prob=False)
+        lay[2].post_attention_layernorm.eps = lay[2].input_layernorm.eps = 1e-2
+        fast = _logits(engine, True)
+        assert all(m._plan for m in lay)  # compiled, from new plans
+        plain = _logits(engine, False)
+        del junk
+        assert torch.equal(fast, plain) and not fast.isnan().any()
+    finally:
+        engine.close()
+
+
+def test_read_ahead_with_every_expert_resident_keeps_the_compiled_layer(models):
+    """``--prefetch-ahead 1`` at budget all (nothing to read ahead): decode steps still run compiled, the bits of
+    the op-by-op path."""
+    calls: list = []
+    fast, counts = _run(models["bf16"], "all", True, calls, prefetch_ahead=1)
+    plain, plain_counts = _run(models["bf16"], "all", False, prefetch_ahead=1)
+    assert torch.equal(fast, plain) and counts == plain_counts
+    assert calls.count(0) == 6 * 3

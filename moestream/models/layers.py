@@ -479,17 +479,24 @@ class _LayerPlan:
 
     @staticmethod
     def _parts(layer: DecoderLayer) -> tuple:
-        """The modules and weight tensors the plan's C arrays point into (a resident weight is never changed in
-        place after load; a replaced module or parameter makes a new plan)."""
-        attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, getattr(mlp, "gate", None))
-        return (attn, mlp, layer.input_layernorm, layer.post_attention_layernorm, *projs,
-                *(getattr(p, getattr(p, "weight_name", "weight"), None) for p in projs))
+        """What the plan's C arrays were made of: the modules, the router, the norms' eps and the softmax scale,
+        and the storage address of every tensor they point into (the projections' parameters, the norms'
+        weights). A replaced module, parameter, storage (``weight.data = ...``) or setting makes a new plan; a
+        change in place is read where it lies."""
+        ms = layer._modules
+        attn, mlp = ms["self_attn"], ms[layer.mlp_name]
+        n1, n2 = ms["input_layernorm"], ms["post_attention_layernorm"]
+        am = attn._modules
+        qn, kn = am.get("q_norm"), am.get("k_norm")
+        mods = (am.get("q_proj"), am.get("k_proj"), am.get("v_proj"), am.get("o_proj"), mlp._modules.get("gate"),
+                n1, n2, qn, kn)
+        ptrs = tuple(t.data_ptr() for m in mods if m is not None for t in m._parameters.values() if t is not None)
+        return (attn, mlp, *mods, getattr(mlp, "router", None), n1.eps, n2.eps, attn.scale, attn.window,
+                None if qn is None else qn.eps, None if kn is None else kn.eps, ptrs)
 
     def still(self, layer: DecoderLayer) -> bool:
         """Whether ``layer``'s parts are those this plan was made of."""
-        now = self._parts(layer)
-        return len(now) == len(self.parts) and all(a is b for a, b in zip(now, self.parts))
+        return self._parts(layer) == self.parts
 
     @classmethod
     def of(cls, layer: DecoderLayer) -> _LayerPlan | None:
