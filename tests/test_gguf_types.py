@@ -187,3 +187,17 @@ def test_the_pytorch_path_agrees(qtype):
     if native.selected() == "torch":
         pytest.skip("the CPU kernels are not built here")
     assert rel_err(QuantizedSwiGLU(fmt)(x, pieces), _swiglu64(x, deq)) <= BOUND
+
+
+@pytest.mark.parametrize("qtype", list(native.GGML_TYPES))
+def test_one_row_of_one_block_dequantizes_as_among_others(qtype):
+    """A single row of a single 256-wide block (a one-token embedding lookup of a 256-wide model), sliced out of a
+    larger tensor at any row, gives the values it has among the other rows (a row's odd byte offset once made the
+    wider views of IQ2_XXS and IQ3_XXS raise)."""
+    from .test_gguf import _blocks
+
+    raw = _blocks(qtype, 3, 256, 5)
+    whole = ggml.dequantize(raw, qtype, 256)
+    for r in range(3):
+        assert torch.equal(ggml.dequantize(raw[r : r + 1], qtype, 256), whole[r : r + 1])
+        assert torch.equal(ggml.dequantize(raw[r], qtype, 256), whole[r])

@@ -290,14 +290,23 @@ def ksigns() -> torch.Tensor:
     return torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8)
 
 
+def _aligned(b: torch.Tensor, n: int) -> torch.Tensor:
+    """``b`` contiguous with its storage offset and row strides multiples of ``n`` bytes (a wider view needs them;
+    a block's field inside a row can start anywhere, and a one-row slice keeps its parent's row stride)."""
+    b = b.contiguous()
+    if b.storage_offset() % n == 0 and all(s % n == 0 for s in b.stride()[:-1]):
+        return b
+    return torch.empty(b.shape, dtype=b.dtype).copy_(b)  # fresh storage, packed strides
+
+
 def _u32(b: torch.Tensor) -> torch.Tensor:
     """[..., 4k] little-endian bytes -> [..., k] uint32 values as int64."""
-    return b.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return _aligned(b, 4).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
 def _u16(b: torch.Tensor) -> torch.Tensor:
     """[..., 2k] little-endian bytes -> [..., k] uint16 values as int32."""
-    return b.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    return _aligned(b, 2).view(torch.int16).to(torch.int32) & 0xFFFF
 
 
 def _sign_bits(s: torch.Tensor) -> torch.Tensor:
