@@ -107,21 +107,17 @@ static RowsFn rows_fn(int path, const Lin& L) {
   return t == nullptr ? nullptr : t->rows.fn[path];
 }
 
-// Output rows (columns for FLOAT_T) of L for n tokens split over threads in contiguous chunks of whole
-// units: f(r0, r1) computes rows [r0, r1).
+// Blocks [0, blocks) split over threads in contiguous ranges: f(b0, b1). At least ~64K weight-token products
+// (`work` per block) per thread, so small linears stay on one.
 template <class F>
-static void split_rows(const Lin& L, int64_t n, F&& f) {
-  const int64_t unit = L.kind == FLOAT_T ? 32 : RB;
-  const int64_t blocks = (L.out + unit - 1) / unit;
-  // at least ~64K weight-token products per thread, so small linears stay on one
-  const int64_t work = std::max<int64_t>(1, unit * L.in * std::max<int64_t>(1, std::min<int64_t>(n, 8)));
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
+static void split_blocks(int64_t blocks, int64_t work, F&& f) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, work));
   int threads = 1;
 #ifdef _OPENMP
   if (!omp_in_parallel()) threads = int(std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, blocks / grain)));
 #endif
   if (threads <= 1) {
-    f(int64_t(0), L.out);
+    f(int64_t(0), blocks);
     return;
   }
 #ifdef _OPENMP
@@ -129,9 +125,19 @@ static void split_rows(const Lin& L, int64_t n, F&& f) {
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t per = (blocks + nt - 1) / nt, b0 = t * per, b1 = std::min(blocks, b0 + per);
-    if (b0 < b1) f(b0 * unit, std::min(L.out, b1 * unit));
+    if (b0 < b1) f(b0, b1);
   }
 #endif
+}
+
+// Output rows (columns for FLOAT_T) of L for n tokens split over threads in contiguous chunks of whole
+// units: f(r0, r1) computes rows [r0, r1).
+template <class F>
+static void split_rows(const Lin& L, int64_t n, F&& f) {
+  const int64_t unit = L.kind == FLOAT_T ? 32 : RB;
+  const int64_t blocks = (L.out + unit - 1) / unit;
+  split_blocks(blocks, unit * L.in * std::max<int64_t>(1, std::min<int64_t>(n, 8)),
+               [&](int64_t b0, int64_t b1) { f(b0 * unit, std::min(L.out, b1 * unit)); });
 }
 
 // y [n, ldy] columns 0..L.out-1 for x [n, ldx]
@@ -217,24 +223,7 @@ static void run_many(int path, const Lin* Ls, const RowsFn* fns, int m, const fl
         fns[j](Ls[j], x, Ls[j].in, n, r0, r1, ys[j], ldys[j]);
     }
   };
-  const int64_t work = std::max<int64_t>(1, RB * Ls[0].in * std::max<int64_t>(1, std::min<int64_t>(n, 8)));
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
-  int threads = 1;
-#ifdef _OPENMP
-  if (!omp_in_parallel()) threads = int(std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, blocks / grain)));
-#endif
-  if (threads <= 1) {
-    range(0, blocks);
-    return;
-  }
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t per = (blocks + nt - 1) / nt, b0 = t * per, b1 = std::min(blocks, b0 + per);
-    if (b0 < b1) range(b0, b1);
-  }
-#endif
+  split_blocks(blocks, RB * Ls[0].in * std::max<int64_t>(1, std::min<int64_t>(n, 8)), range);
 }
 
 float exp_canonical(float x) { return exp_c(x); }
