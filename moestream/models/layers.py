@@ -423,13 +423,12 @@ class DecoderLayer(nn.Module):
             return None
         return self.finish_compiled(call, native.run_layer(call))
 
-    def compiled_call(self, h: torch.Tensor, cos, sin, kv: KVCache, i: int, start: int, used=None, info=None
-                      ) -> native.LayerCall | None:
+    def compiled_call(self, h: torch.Tensor, cos, sin, kv: KVCache, i: int, start: int) -> native.LayerCall | None:
         """The :class:`moestream.quant.native.LayerCall` of this layer on ``h`` [T, H] (its KV cache storage
         reserved), or None where the compiled layer does not apply: a layer that is not norm, attention, norm and
         softmax-routed streamed experts on the kernels, or an expert pipeline that does more than compute cached
         experts (:meth:`moestream.pipeline.ExpertPipeline.native_table`). ``cos``/``sin`` as :meth:`forward`
-        takes them; ``used``/``info``: the call's counters' storage (a stack's rows), or None."""
+        takes them."""
         if h.device.type != "cpu" or type(kv) is not KVCache or h.dim() != 2:
             return None
         plan = self._plan
@@ -451,18 +450,17 @@ class DecoderLayer(nn.Module):
         keys, values = kv.reserve(i, start + h.shape[0], h, attn.kv_heads, attn.head_dim)
         if keys.dtype != h.dtype or keys.stride(2) != 1 or keys.stride() != values.stride():
             return None
-        call = native.layer_call(h, plan.args, cos, sin, keys, values, start, table.c, used, info)
+        call = native.layer_call(h, plan.args, cos, sin, keys, values, start, table.c)
         if call is not None:
             call.owner = self
         return call
 
-    def finish_compiled(self, call: native.LayerCall, status: int, hits: tuple | None = None) -> torch.Tensor:
-        """The layer's output after its compiled call returned ``status``: 0, its experts counted in the cache
-        (``hits``: :meth:`~moestream.quant.native.LayerCall.hits`, made here when None); 1, the pipeline's experts
-        on the call's routing added to h1."""
+    def finish_compiled(self, call: native.LayerCall, status: int) -> torch.Tensor:
+        """The layer's output after its compiled call returned ``status``: 0, its experts counted in the cache;
+        1, the pipeline's experts on the call's routing added to h1."""
         mlp = self._plan.mlp
         if status == 0:
-            mlp.pipeline.record_compiled(mlp.layer, *(hits or call.hits()))
+            mlp.pipeline.record_compiled(mlp.layer, *call.hits())
             return call.ho
         # a routed expert not cached: the pipeline fetches and computes from the routing
         return call.ho + mlp.pipeline(mlp, call.x2, call.weights, call.idx)

@@ -926,8 +926,7 @@ class LayerArgs:
     eps, the routing (experts E, top-k K, renormalized), the activation; packed into C arrays once."""
 
     __slots__ = ("attn", "gate", "w1", "w2", "qn", "kn", "eps", "qk_eps", "e", "k", "norm", "act", "params", "dt",
-                 "heads", "kv_heads", "head_dim", "scale", "window", "c_aspecs", "c_aptrs", "c_gate", "c_params",
-                 "key")
+                 "heads", "kv_heads", "head_dim", "scale", "window", "c_aspecs", "c_aptrs", "c_gate", "c_params")
 
     def __init__(self, attn: tuple[Spec, Spec, Spec, Spec], gate: Spec, w1: torch.Tensor, w2: torch.Tensor,
                  eps: float, qn: torch.Tensor | None, kn: torch.Tensor | None, qk_eps: float, heads: int,
@@ -942,7 +941,6 @@ class LayerArgs:
         self.c_aptrs = (ctypes.c_void_p * (4 * PTRS))(*(q for sp in attn for q in sp.ptrs()))
         self.c_gate = gate.c_arrays()
         self.c_params = (ctypes.c_float * 2)(*params)
-        self.key = tuple(id(sp) for sp in attn) + (id(gate), w1.data_ptr(), w2.data_ptr())
 
 
 class LayerCall:
@@ -955,15 +953,14 @@ class LayerCall:
     __slots__ = ("ho", "x2", "weights", "idx", "used", "info", "c", "_keep", "owner")
 
     def __init__(self, h: torch.Tensor, args: LayerArgs, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor, start: int, table, used: torch.Tensor | None = None,
-                 info: torch.Tensor | None = None):
+                 values: torch.Tensor, start: int, table):
         t, hid = h.shape
         dt = args.dt
         self.ho, self.x2 = torch.empty_like(h), torch.empty_like(h)
         self.weights = torch.empty(t, args.k, dtype=dt)
         self.idx = torch.empty(t, args.k, dtype=torch.int64)
-        self.used = torch.empty(2 * t * args.k, dtype=torch.int64) if used is None else used
-        self.info = torch.zeros(2, dtype=torch.int64) if info is None else info
+        self.used = torch.empty(2 * t * args.k, dtype=torch.int64)
+        self.info = torch.zeros(2, dtype=torch.int64)
         aa = (ctypes.c_int64 * 13)(t, args.heads, args.kv_heads, args.head_dim, cos.shape[-1], _DT[dt], start,
                                    args.window or 0, keys.stride(0), keys.stride(1), _bits(args.scale),
                                    _bits(args.qk_eps), int(args.qn is not None))
@@ -982,11 +979,10 @@ class LayerCall:
         self._keep = (h, a, aa, ap, io, table, args, cos, sin, keys, values)
         self.owner = None  # the module that finishes it (DecoderLayer)
 
-    def hits(self, info: list[int] | None = None, used: list[int] | None = None) -> tuple:
-        """After a whole layer: (experts, counts, (experts, counts as tensors), expert CPU seconds); ``info`` and
-        ``used``: this call's :attr:`info` and :attr:`used` already as lists (one conversion for a stack)."""
-        n, ns = info if info is not None else self.info.tolist()
-        u = used[: 2 * n] if used is not None else self.used[: 2 * n].tolist()
+    def hits(self) -> tuple:
+        """After a whole layer: (experts, counts, (experts, counts as tensors), expert CPU seconds)."""
+        n, ns = self.info.tolist()
+        u = self.used[: 2 * n].tolist()
         return u[:n], u[n:], (self.used[:n], self.used[n : 2 * n]), ns * 1e-9
 
 
@@ -1024,12 +1020,11 @@ def decoder_layer(h: torch.Tensor, args: LayerArgs, cos: torch.Tensor, sin: torc
 
 
 def layer_call(h: torch.Tensor, args: LayerArgs, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-               values: torch.Tensor, start: int, table, used: torch.Tensor | None = None,
-               info: torch.Tensor | None = None) -> LayerCall | None:
+               values: torch.Tensor, start: int, table) -> LayerCall | None:
     """The :class:`LayerCall` of :func:`decoder_layer`'s arguments, or None on the PyTorch path."""
     if selected() == "torch":
         return None
-    return LayerCall(_contig(h), args, cos, sin, keys, values, start, table, used, info)
+    return LayerCall(_contig(h), args, cos, sin, keys, values, start, table)
 
 
 def run_layer(call: LayerCall) -> int:
